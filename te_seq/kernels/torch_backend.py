@@ -1,0 +1,311 @@
+"""The "torch" backend: te_seq's grouped GEMMs on ``torch._grouped_mm``, elementwise ops in PyTorch.
+
+Same signatures and maths as ``te_seq.kernels.reference`` (read its docstrings first). Shape legend:
+M rows (tokens), E groups (experts), K reduction dim, N output dim, A row alignment of a padded
+layout, P = M + E·(A − 1) rows of a padded layout (a static bound: no split size is read).
+
+Nothing here synchronises with the host: ``offs`` stays on the device and is only used by device
+ops (``searchsorted``, ``cumsum``, ``index_copy_``), every shape is a function of M, E, K and N, so
+the functions can be captured in a CUDA graph and replayed with new split sizes.
+
+Which path runs (decided from dtypes, device and strides only):
+
+* **native** — ``torch._grouped_mm`` (2D×3D with ``offs`` for varlen-M, 2D×2D for varlen-K).
+  CUDA: bf16 in and out on sm_90+ (torch 2.11 takes a host-syncing per-group fallback for any
+  other dtype or older GPU, so those go to the tiled path). CPU: fp32/fp16/bf16 with the output
+  in the input dtype. ``torch._grouped_mm`` wants 16-byte strides: an operand whose K or N is not
+  a multiple of 16/itemsize elements, or whose layout is not 16-byte aligned, is first copied
+  into a zero-padded buffer (costs one copy of that operand, weights included, per call; real
+  model widths are multiples of 8, so te_seq's MLPs never pay it).
+  The 2D×2D (wgrad) form on CUDA also needs every group to start on a 16-byte boundary. We cannot
+  read ``offs``, so on CUDA every wgrad scatters ``grad_out`` and ``x`` into zero buffers of
+  P = M + 7E rows (A = 8 for bf16) where each group starts at a multiple of A rows, with padded
+  offsets from ``cumsum`` on the device. Cost: one extra read and write of both operands
+  (≈ 2·(M + 7E)·(N + K)·2 bytes; for FC1 of shape Q, M=32768, N=1536, K=2048, ≈ 0.5 GB or
+  ~0.13 ms at 4 TB/s, against ~0.35 ms for the GEMM). The CPU kernel takes any boundary.
+  A wgrad written into a float32 ``out`` (``main_grad``) is rounded to the input dtype first,
+  since ``torch._grouped_mm`` only writes bf16 on CUDA: one bf16 rounding per call that the
+  reference does not make.
+* **tiled** — exact and sync-free, for correctness rather than speed: float64 anywhere, fp32/fp16
+  on CUDA, an ``out_dtype`` other than the input dtype, mixed operand dtypes, GPUs before sm_90,
+  torch without ``_grouped_mm``. Groups are padded to 64-row tiles (A = 64), and each tile is
+  multiplied by its own group's weight with ``bmm`` in float32 (float64 stays float64), in chunks
+  of tiles bounded to 256 MiB of gathered weights. Costs (M + 63E)·K·N multiply-adds and a weight
+  gather per tile.
+
+One difference from the reference on every path: rows past ``offs[-1]`` of ``grouped_mm``'s
+output are unspecified (te_seq's ops check ``offs[-1] == M`` on the device). Zeroing them would
+cost a full extra pass over the output, ~35% of FC2's time on shape Q by bandwidth estimate.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_TILE = 64  # rows per tile of the tiled path
+_CHUNK_BYTES = 256 << 20  # gathered weights per bmm of the tiled path
+_CPU_NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def available() -> tuple[bool, str]:
+    """Whether this backend can run here, and why not."""
+    if hasattr(torch, "_grouped_mm"):
+        return True, ""
+    return False, f"torch {torch.__version__} has no torch._grouped_mm (added in torch 2.8)"
+
+
+# --------------------------------------------------------------------------- path choice
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _native_ok(
+    dtypes: tuple[torch.dtype, ...], out_dtype: torch.dtype, device: torch.device
+) -> bool:
+    """Whether ``torch._grouped_mm`` runs these operands exactly, without a host sync."""
+    if not hasattr(torch, "_grouped_mm") or any(d != out_dtype for d in dtypes):
+        return False
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return out_dtype == torch.bfloat16 and _cuda_capability(index) >= (9, 0)
+    return device.type == "cpu" and out_dtype in _CPU_NATIVE_DTYPES
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _aligned(t: Tensor, align: int) -> bool:
+    """16-byte strides in the last two dims (row- or column-major) and a 16-byte base address."""
+    rows, cols = t.shape[-2:]
+    s_row, s_col = t.stride()[-2:]
+    row_major = s_col == 1 and s_row % align == 0 and s_row >= cols
+    col_major = s_row == 1 and s_col % align == 0 and s_col >= rows
+    batch_ok = t.dim() == 2 or t.stride(0) % align == 0
+    return (row_major or col_major) and batch_ok and t.data_ptr() % 16 == 0
+
+
+# --------------------------------------------------------------------------- padded row layout
+
+
+class _Layout(NamedTuple):
+    dest: Tensor  # [M] int64: row of the padded buffer for each input row (P for rows past the end)
+    padded_offs: Tensor  # [E] int32: group ends in the padded buffer
+    num_rows: int  # P, a multiple of the alignment
+
+
+def _padded_layout(offs: Tensor, num_rows: int, align: int) -> _Layout:
+    """Where each row goes when every group starts at a multiple of ``align`` rows (device ops)."""
+    num_groups = offs.shape[0]
+    ends = offs.long()  # [E]
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))  # [E]
+    padded_sizes = (sizes + align - 1) // align * align  # [E]
+    padded_ends = padded_sizes.cumsum(0)  # [E]
+    rows = torch.arange(num_rows, device=offs.device)  # [M]
+    group = torch.searchsorted(ends, rows, right=True)  # [M], E past the last group
+    g = group.clamp(max=num_groups - 1)
+    dest = rows - (ends - sizes)[g] + (padded_ends - padded_sizes)[g]  # [M]
+    padded_rows = _round_up(num_rows + num_groups * (align - 1), align)  # P
+    dest = torch.where(group < num_groups, dest, padded_rows)
+    return _Layout(dest, padded_ends.int(), padded_rows)
+
+
+def _scatter_rows(x: Tensor, layout: _Layout, width: int, dtype: torch.dtype) -> Tensor:
+    """x [M, C] -> zero buffer [P, width] with x's rows at ``layout.dest`` (dump row dropped)."""
+    buf = x.new_zeros(layout.num_rows + 1, width, dtype=dtype)  # [P + 1, width]
+    buf[:, : x.shape[1]].index_copy_(0, layout.dest, x.to(dtype))
+    return buf[: layout.num_rows]  # [P, width]
+
+
+def _tile_groups(layout: _Layout, tile: int) -> Tensor:
+    """[P / tile] int64: the group of every tile of a layout aligned to ``tile`` rows."""
+    starts = torch.arange(0, layout.num_rows, tile, device=layout.dest.device)
+    group = torch.searchsorted(layout.padded_offs.long(), starts, right=True)
+    return group.clamp(max=layout.padded_offs.shape[0] - 1)  # tiles past the end hold zeros
+
+
+def _chunks(num_tiles: int, bytes_per_tile: int) -> list[slice]:
+    step = max(1, _CHUNK_BYTES // max(1, bytes_per_tile))
+    return [slice(i, min(i + step, num_tiles)) for i in range(0, num_tiles, step)]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# --------------------------------------------------------------------------- varlen-M
+
+
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+    """Varlen-M grouped GEMM: ``out[rows of e] = a[rows of e] @ b[e]``.
+
+    a: [M, K], b: [E, K, N] (any strides), offs: [E] cumulative row ends on a's device ->
+    out: [M, N] in ``out_dtype`` (default ``a.dtype``), float32 accumulation. See the module
+    docstring for the paths and for rows past ``offs[-1]``.
+    """
+    out_dtype = out_dtype or a.dtype
+    offs = offs.to(torch.int32)
+    if _native_ok((a.dtype, b.dtype), out_dtype, a.device):
+        return _native_mm(a, b, offs)
+    return _tiled_mm(a, b, offs, out_dtype)
+
+
+def _native_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    align = 16 // a.element_size()
+    k, n = b.shape[1], b.shape[2]
+    kp, np_ = _round_up(k, align), _round_up(n, align)
+    if kp != k or not _aligned(a, align):
+        a = F.pad(a, (0, kp - k)).contiguous()  # [M, Kp], zero columns
+    if kp != k or np_ != n or not _aligned(b, align):
+        b = F.pad(b, (0, np_ - n, 0, kp - k)).contiguous()  # [E, Kp, Np], zero rows/columns
+    out = torch._grouped_mm(a, b, offs=offs)  # [M, Np]
+    return out if np_ == n else out[:, :n].contiguous()  # [M, N]
+
+
+def _tiled_mm(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype) -> Tensor:
+    acc = _acc_dtype(a.dtype)
+    num_rows, k = a.shape
+    n = b.shape[2]
+    layout = _padded_layout(offs, num_rows, _TILE)
+    tiles = _scatter_rows(a, layout, k, acc).view(-1, _TILE, k)  # [P/64, 64, K]
+    groups = _tile_groups(layout, _TILE)  # [P/64]
+    out = tiles.new_empty(tiles.shape[0], _TILE, n)  # [P/64, 64, N]
+    for c in _chunks(tiles.shape[0], k * n * tiles.element_size()):
+        out[c] = torch.bmm(tiles[c], b[groups[c]].to(acc))  # out_t = a_t @ b[group(t)]
+    rows = layout.dest.clamp(max=layout.num_rows - 1)  # rows past the end: unspecified
+    return out.view(layout.num_rows, n)[rows].to(out_dtype)  # [M, N]
+
+
+# --------------------------------------------------------------------------- varlen-K
+
+
+def grouped_wgrad(
+    grad_out: Tensor,
+    x: Tensor,
+    offs: Tensor,
+    out: Tensor | None = None,
+    accumulate: bool = False,
+) -> Tensor:
+    """Varlen-K grouped GEMM (weight gradient): ``out[e] = grad_out[rows of e]ᵀ @ x[rows of e]``.
+
+    grad_out: [M, N], x: [M, K], offs: [E] -> out: [E, N, K]; an empty group gives zeros. With
+    ``out`` given the result is written there (``accumulate=True``: added to it), in ``out.dtype``;
+    otherwise a new tensor in ``x.dtype``.
+    """
+    offs = offs.to(torch.int32)
+    if _native_ok((grad_out.dtype, x.dtype), x.dtype, x.device):
+        row_align = 16 // x.element_size() if x.device.type == "cuda" else 1
+        result = _native_wgrad(grad_out, x, offs, row_align)
+    else:
+        result = _tiled_wgrad(grad_out, x, offs)
+    if out is None:
+        return result.to(x.dtype).contiguous()
+    if accumulate:
+        return out.add_(result)
+    return out.copy_(result)
+
+
+def _native_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, row_align: int) -> Tensor:
+    """``row_align`` > 1 moves every group to a multiple of that many rows (CUDA needs 16 bytes)."""
+    align = 16 // x.element_size()
+    n, k = grad_out.shape[1], x.shape[1]
+    np_, kp = _round_up(n, align), _round_up(k, align)
+    widths_ok = np_ == n and kp == k and _aligned(grad_out, align) and _aligned(x, align)
+    if row_align > 1 or not widths_ok:
+        layout = _padded_layout(offs, x.shape[0], row_align)
+        grad_out = _scatter_rows(grad_out, layout, np_, x.dtype)  # [P, Np]
+        x = _scatter_rows(x, layout, kp, x.dtype)  # [P, Kp]
+        offs = layout.padded_offs
+    result = torch._grouped_mm(grad_out.t(), x, offs=offs)  # [E, Np, Kp]; dW_e = dY_eᵀ X_e
+    return result[:, :n, :k]  # [E, N, K]
+
+
+def _tiled_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor) -> Tensor:
+    acc = _acc_dtype(x.dtype)
+    n, k = grad_out.shape[1], x.shape[1]
+    layout = _padded_layout(offs, x.shape[0], _TILE)
+    dy = _scatter_rows(grad_out, layout, n, acc).view(-1, _TILE, n)  # [P/64, 64, N], zero pads
+    xs = _scatter_rows(x, layout, k, acc).view(-1, _TILE, k)  # [P/64, 64, K]
+    groups = _tile_groups(layout, _TILE)  # [P/64]
+    result = xs.new_zeros(offs.shape[0], n, k)  # [E, N, K]
+    for c in _chunks(xs.shape[0], n * k * xs.element_size()):
+        partial = torch.bmm(dy[c].transpose(1, 2), xs[c])  # [tiles, N, K]; dW_t = dY_tᵀ X_t
+        result.index_add_(0, groups[c], partial)
+    return result
+
+
+# --------------------------------------------------------------------------- SwiGLU
+
+
+def _split_glu(x: Tensor, glu_interleave_size: int | None) -> tuple[Tensor, Tensor]:
+    """x [T, 2F] -> (gate, up): halves [T, F], or alternating blocks [T, F/s, s] of s columns."""
+    if glu_interleave_size is None:
+        return x.chunk(2, dim=-1)
+    s = glu_interleave_size
+    if s <= 0 or x.shape[-1] % (2 * s) != 0:
+        raise ValueError(f"SwiGLU: glu_interleave_size={s} does not divide width {x.shape[-1]} / 2")
+    blocks = x.unflatten(-1, (x.shape[-1] // (2 * s), 2, s))  # [T, F/s, 2, s]
+    return blocks[..., 0, :], blocks[..., 1, :]
+
+
+def _join_glu(gate: Tensor, up: Tensor, glu_interleave_size: int | None) -> Tensor:
+    """Inverse of ``_split_glu``: (gate, up) -> [T, 2F]."""
+    if glu_interleave_size is None:
+        return torch.cat([gate, up], dim=-1)
+    return torch.stack([gate, up], dim=-2).flatten(-3)  # [T, F/s, 2, s] -> [T, 2F]
+
+
+def _per_row(scales: Tensor, like: Tensor) -> Tensor:
+    """scales [T] -> broadcastable against ``like`` [T, ...], in ``like``'s dtype."""
+    return scales.to(like.dtype).reshape(scales.shape + (1,) * (like.dim() - scales.dim()))
+
+
+def swiglu(x: Tensor, glu_interleave_size: int | None = None) -> Tensor:
+    """x [T, 2F] = [gate, up] -> silu(gate) · up [T, F], computed in float32, in x.dtype."""
+    return scaled_swiglu(x, None, glu_interleave_size)
+
+
+def scaled_swiglu(
+    x: Tensor, scales: Tensor | None, glu_interleave_size: int | None = None
+) -> Tensor:
+    """x [T, 2F], scales [T] (or None) -> silu(gate) · up · scales[:, None] [T, F], in x.dtype."""
+    gate, up = _split_glu(x.to(_acc_dtype(x.dtype)), glu_interleave_size)
+    y = F.silu(gate) * up  # [T, F] or [T, F/s, s]
+    if scales is not None:
+        y = y * _per_row(scales, y)
+    return (y.flatten(-2) if glu_interleave_size else y).to(x.dtype)  # [T, F]
+
+
+def swiglu_backward(grad_y: Tensor, x: Tensor, glu_interleave_size: int | None = None) -> Tensor:
+    """grad_y [T, F], x [T, 2F] -> grad_x [T, 2F] of ``swiglu``, in x.dtype."""
+    return scaled_swiglu_backward(grad_y, x, None, glu_interleave_size)[0]
+
+
+def scaled_swiglu_backward(
+    grad_y: Tensor, x: Tensor, scales: Tensor | None, glu_interleave_size: int | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """Gradients of ``scaled_swiglu``: (grad_x [T, 2F] in x.dtype, grad_scales [T] or None).
+
+    dgate = g · up · silu'(gate), dup = g · silu(gate) with g = grad_y · s;
+    dscales = Σ_f grad_y · silu(gate) · up.
+    """
+    acc = _acc_dtype(x.dtype)
+    gate, up = _split_glu(x.to(acc), glu_interleave_size)
+    dy = grad_y.to(acc).reshape(gate.shape)  # [T, F] or [T, F/s, s]
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    g = dy if scales is None else dy * _per_row(scales, dy)
+    dgate = g * up * (sig * (1 + gate * (1 - sig)))
+    grad_x = _join_glu(dgate, g * silu, glu_interleave_size).to(x.dtype)
+    if scales is None:
+        return grad_x, None
+    grad_scales = (dy * silu * up).flatten(scales.dim()).sum(-1).to(scales.dtype)  # [T]
+    return grad_x, grad_scales
