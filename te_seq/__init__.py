@@ -1,0 +1,51 @@
+"""te_seq: composable, fusible PyTorch ops for mixture-of-experts and transformer MLPs.
+
+Importing te_seq compiles nothing and does not import the CUTLASS DSL.
+"""
+
+from te_seq import ops
+from te_seq.config import backend, current_backend, set_backend
+from te_seq.core.sequential import Sequential
+from te_seq.fusion import (
+    FusionPattern,
+    FusionPlan,
+    NoMatch,
+    PlanMiss,
+    PlanStep,
+    disable_fusion,
+    enable_fusion,
+    fusions_disabled,
+    list_fusions,
+    register_fusion,
+)
+from te_seq.fusion.registry import unregister_fusion
+
+__version__ = "0.1.0"
+
+
+def make_graphed_callables(*args, **kwargs):
+    """Capture te_seq modules in CUDA graphs (API.md §5); see te_seq.graphs."""
+    from te_seq.graphs import make_graphed_callables as impl
+
+    return impl(*args, **kwargs)
+
+
+__all__ = [
+    "FusionPattern",
+    "FusionPlan",
+    "NoMatch",
+    "PlanMiss",
+    "PlanStep",
+    "Sequential",
+    "backend",
+    "current_backend",
+    "disable_fusion",
+    "enable_fusion",
+    "fusions_disabled",
+    "list_fusions",
+    "make_graphed_callables",
+    "ops",
+    "register_fusion",
+    "set_backend",
+    "unregister_fusion",
+]

@@ -1,0 +1,241 @@
+"""The Fuser: runs one run of adjacent basic ops through a cached fusion plan.
+
+There is exactly one autograd bridge (`_FuserFunction`) for every Fuser: fused or not, ops never
+subclass `torch.autograd.Function`. Each basic op gets its own `OperationContext` per call; their
+saved tensors go through the autograd context's `save_for_backward`, so saved-tensor hooks apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from te_seq import config
+from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.fusion.matcher import Segment, fill_unfused, match_phase, same_extra_input
+from te_seq.fusion.plan import FusionPlan, PlanMiss, PlanStep
+from te_seq.fusion.registry import registry_version
+
+
+@dataclass
+class RunPlan:
+    """A cached plan for one run: segments per phase (backward in backward order) and backends."""
+
+    forward: list[Segment]
+    backward: list[Segment]
+    backends: dict[int, str]  # id(segment op) -> backend
+    public: FusionPlan
+
+
+@dataclass
+class _Call:
+    """Everything one forward call hands to its backward (besides the saved tensors)."""
+
+    plan: RunPlan
+    ops: list[BasicOperation]
+    ctxs: list[OperationContext]
+    extra_counts: list[int]
+    param_counts: list[int]
+    saved_ranges: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _extra_signature(flat: Sequence[Any]) -> tuple:
+    """Types, dtypes, devices and the sameness relation of the extra inputs (part of plan keys)."""
+    sig = []
+    for i, item in enumerate(flat):
+        label = next(j for j in range(i + 1) if same_extra_input(flat[j], item))
+        if isinstance(item, Tensor):
+            sig.append((label, item.dtype, item.device, item.requires_grad, item.dim()))
+        else:
+            sig.append((label, type(item)))
+    return tuple(sig)
+
+
+class Fuser:
+    """Runs `ops` (a run of adjacent basic ops of a Sequential starting at basic-op `offset`)."""
+
+    def __init__(self, ops: Sequence[BasicOperation], offset: int) -> None:
+        self.ops = list(ops)
+        self.offset = offset
+        self.num_extra_inputs = sum(op.num_extra_inputs for op in self.ops)
+        self._cache_key: tuple | None = None
+        self._cache: RunPlan | None = None
+        self.last_plan: FusionPlan | None = None
+
+    # --- planning ---------------------------------------------------------------------------
+    def _key(self, input_: Tensor, flat_extra: Sequence[Any], with_backward: bool) -> tuple:
+        params = tuple((p.dtype, p.device, p.requires_grad) for op in self.ops for p in op.parameters())
+        return (
+            registry_version(),
+            config.current_backend(),
+            input_.dtype,
+            input_.device,
+            with_backward,
+            input_.requires_grad,
+            params,
+            tuple(op.training for op in self.ops),
+            _extra_signature(flat_extra),
+        )
+
+    def plan(self, input_: Tensor, extra: list[tuple], with_backward: bool) -> RunPlan:
+        flat_extra = [t for group in extra for t in group]
+        key = self._key(input_, flat_extra, with_backward)
+        if key != self._cache_key:
+            self._cache = self._build_plan(input_.device, extra, with_backward)
+            self._cache_key = key
+        return self._cache
+
+    def _build_plan(self, device: torch.device, extra: list[tuple], with_backward: bool) -> RunPlan:
+        taken = [False] * len(self.ops)
+        joint, misses = match_phase(self.ops, taken, "joint", extra, self.offset)
+        fwd_taken = list(taken)
+        fwd, fwd_misses = match_phase(self.ops, fwd_taken, "forward", extra, self.offset)
+        forward = fill_unfused(self.ops, joint + fwd)
+        backward: list[Segment] = []
+        misses += fwd_misses
+        if with_backward:
+            bwd, bwd_misses = match_phase(self.ops, list(taken), "backward", extra, self.offset)
+            backward = list(reversed(fill_unfused(self.ops, joint + bwd)))
+            misses += bwd_misses
+        requested = config.current_backend()
+        backends = {id(s.op): s.op.plan_backend(requested, device) for s in forward + backward}
+        return RunPlan(forward, backward, backends, self._public(forward, backward, misses, backends))
+
+    def _public(self, forward, backward, misses: list[PlanMiss], backends) -> FusionPlan:
+        def step(seg: Segment) -> PlanStep:
+            indices = tuple(p + self.offset for p in seg.positions)
+            return PlanStep(type(seg.op).__name__, indices, backends[id(seg.op)], seg.op)
+
+        return FusionPlan([step(s) for s in forward], [step(s) for s in backward], misses)
+
+    # --- running ----------------------------------------------------------------------------
+    def __call__(self, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
+        ctxs = self._contexts(input_, extra)
+        with_backward = any(ctx.requires_grad for ctx in ctxs)
+        plan = self.plan(input_, extra, with_backward)
+        self.last_plan = plan.public
+        call = _Call(plan, self.ops, ctxs, [len(e) for e in extra],
+                     [len(list(op.parameters())) for op in self.ops])
+        if not with_backward:
+            out, extra_out = _run_forward(call, input_, extra)
+            return out, extra_out
+        params = [p for op in self.ops for p in op.parameters()]
+        flat_extra = [t for group in extra for t in group]
+        outputs = _FuserFunction.apply(input_, call, *flat_extra, *params)
+        return outputs[0], _unflatten(outputs[1:], [op.num_extra_outputs for op in self.ops])
+
+    def _contexts(self, input_: Tensor, extra: list[tuple]) -> list[OperationContext]:
+        """One context per basic op, with which gradients its backward must produce."""
+        grad_on = torch.is_grad_enabled()
+        running = grad_on and input_.requires_grad
+        ctxs = []
+        for op, op_extra in zip(self.ops, extra):
+            ctx = OperationContext()
+            ctx.input_requires_grad = running
+            ctx.weight_requires_grad = grad_on and any(p.requires_grad for p in op.parameters())
+            extra_grad = grad_on and any(isinstance(t, Tensor) and t.requires_grad for t in op_extra)
+            ctx.requires_grad = running or ctx.weight_requires_grad or extra_grad
+            running = ctx.requires_grad
+            ctxs.append(ctx)
+        return ctxs
+
+
+def _unflatten(flat: Sequence[Any], counts: Sequence[int]) -> list[tuple]:
+    out, start = [], 0
+    for n in counts:
+        out.append(tuple(flat[start:start + n]))
+        start += n
+    return out
+
+
+def _run_forward(call: _Call, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
+    """Run the plan's forward segments; returns the output and the extra outputs per basic op."""
+    x = input_
+    extra_out: list[tuple] = [()] * len(call.ctxs)
+    for seg in call.plan.forward:
+        ctxs = [call.ctxs[p] for p in seg.positions]
+        for ctx in ctxs:
+            ctx.backend = call.plan.backends[id(seg.op)]
+        # The first op of a segment is checked here; a fused op checks its inner ops' inputs.
+        call.ops[seg.positions[0]].pre_forward_checks(x, extra[seg.positions[0]])
+        x, outs = seg.op.fuser_forward(
+            ctxs,
+            x,
+            basic_op_extra_inputs=[extra[p] for p in seg.positions],
+            basic_op_kwargs=[{} for _ in seg.positions],
+        )
+        for p, op_out in zip(seg.positions, outs):
+            extra_out[p] = tuple(op_out)
+    return x, extra_out
+
+
+def _run_backward(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple]):
+    """Run the plan's backward segments; returns (dx, param grads per op, extra grads per op)."""
+    n = len(call.ctxs)
+    param_grads: list[Sequence] = [()] * n
+    extra_grads: list[Sequence] = [()] * n
+    dy = grad_output
+    for seg in call.plan.backward:
+        ctxs = [call.ctxs[p] for p in seg.positions]
+        for ctx in ctxs:
+            ctx.backend = call.plan.backends[id(seg.op)]
+        dy, pgrads, egrads = seg.op.fuser_backward(
+            ctxs, dy, basic_op_grad_extra_outputs=[grad_extra_out[p] for p in seg.positions]
+        )
+        for p, pg, eg in zip(seg.positions, pgrads, egrads):
+            param_grads[p], extra_grads[p] = tuple(pg), tuple(eg)
+    return dy, param_grads, extra_grads
+
+
+def _padded(grads: Sequence, count: int, what: str, op: BasicOperation) -> list:
+    grads = list(grads)
+    if not grads:
+        return [None] * count
+    if len(grads) != count:
+        raise RuntimeError(
+            f"{type(op).__name__}: backward returned {len(grads)} {what} gradients, expected {count}"
+        )
+    return grads
+
+
+class _FuserFunction(torch.autograd.Function):
+    """The single autograd bridge: forward and backward of one run of ops."""
+
+    @staticmethod
+    def forward(func_ctx, input_: Tensor, call: _Call, *tensors: Any):
+        num_extra = sum(call.extra_counts)
+        extra = _unflatten(tensors[:num_extra], call.extra_counts)
+        output, extra_out = _run_forward(call, input_, extra)
+        to_save: list[Tensor | None] = []
+        for ctx in call.ctxs:
+            call.saved_ranges.append((len(to_save), len(ctx.to_save)))
+            to_save.extend(ctx.to_save)
+            ctx.to_save = ()
+        func_ctx.save_for_backward(*to_save)
+        func_ctx.call = call
+        flat_out = [t for op_out in extra_out for t in op_out]
+        return (output, *flat_out)
+
+    @staticmethod
+    def backward(func_ctx, grad_output: Tensor, *grad_extra_flat: Tensor):
+        call: _Call = func_ctx.call
+        saved = func_ctx.saved_tensors
+        for ctx, (start, n) in zip(call.ctxs, call.saved_ranges):
+            ctx.saved_tensors = saved[start:start + n]
+        basic_ops = call.ops
+        grad_extra = _unflatten(grad_extra_flat, [op.num_extra_outputs for op in basic_ops])
+        dx, param_grads, extra_grads = _run_backward(call, grad_output, grad_extra)
+        for ctx in call.ctxs:
+            ctx.saved_tensors = ()
+        flat_extra = [g for op, n, eg in zip(basic_ops, call.extra_counts, extra_grads)
+                      for g in _padded(eg, n, "extra-input", op)]
+        flat_params = [g for op, n, pg in zip(basic_ops, call.param_counts, param_grads)
+                       for g in _padded(pg, n, "parameter", op)]
+        needs = func_ctx.needs_input_grad
+        grads = [dx, None, *flat_extra, *flat_params]
+        return tuple(g if need else None for g, need in zip(grads, needs))
+

@@ -1,0 +1,144 @@
+"""Operation base classes: what every te_seq op (basic or fused) implements.
+
+A *basic op* (`BasicOperation`) defines one piece of maths and may own parameters. A *fused op*
+(`FusedOperation`) owns nothing: it runs the maths of a window of adjacent basic ops faster.
+The fuser (core/fuser.py) gives every basic op its own `OperationContext`, also inside a fused op,
+so forward-only and backward-only fusions can mix with unfused partners.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+ParamGrads = Sequence[Tensor | None]
+
+
+class OperationContext:
+    """Per-basic-op, per-call state shared by an op's forward and backward.
+
+    Its contents are private to the op that owns it. Tensors saved with `save_for_backward` go
+    through `torch.autograd`'s saved-tensor hooks (the fuser hands them to the autograd context).
+    """
+
+    def __init__(self) -> None:
+        self.to_save: tuple[Tensor | None, ...] = ()
+        self.saved_tensors: tuple[Tensor | None, ...] = ()
+        # True when this op's backward will run (autograd is recording and something upstream,
+        # its own parameters or its extra inputs need a gradient).
+        self.requires_grad: bool = False
+        # True when the op's input needs a gradient (so dgrad must be computed).
+        self.input_requires_grad: bool = False
+        # True when any parameter of the op needs a gradient (so wgrad must be computed).
+        self.weight_requires_grad: bool = False
+        self.backend: str = "reference"
+
+    def save_for_backward(self, *tensors: Tensor | None) -> None:
+        self.to_save = tensors
+
+
+class FusibleOperation(torch.nn.Module):
+    """Anything the fuser can run: a basic op or a fused op."""
+
+    @property
+    def is_fused_op(self) -> bool:
+        raise NotImplementedError
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        input_: Tensor,
+        *,
+        basic_op_extra_inputs: list[tuple[Tensor, ...]],
+        basic_op_kwargs: list[dict[str, Any]],
+    ) -> tuple[Tensor, Sequence[Sequence[Tensor]]]:
+        """Forward over this op's basic ops. Returns (output, extra outputs per basic op)."""
+        raise NotImplementedError(f"{type(self).__name__} has no forward implementation")
+
+    def fuser_backward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        grad_output: Tensor,
+        *,
+        basic_op_grad_extra_outputs: list[tuple[Tensor | None, ...]],
+    ) -> tuple[Tensor | None, Sequence[ParamGrads], Sequence[Sequence[Tensor | None]]]:
+        """Backward over this op's basic ops, in forward order of the returned lists.
+
+        Returns (grad of input, parameter grads per basic op, extra-input grads per basic op).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no backward implementation")
+
+
+class BasicOperation(FusibleOperation):
+    """One piece of maths with an optional set of parameters.
+
+    Subclasses implement `op_forward`/`op_backward`; ops with extra inputs or outputs override
+    `fuser_forward`/`fuser_backward` instead.
+    """
+
+    num_extra_inputs: int = 0
+    num_extra_outputs: int = 0
+
+    @property
+    def is_fused_op(self) -> bool:
+        return False
+
+    def op_forward(self, ctx: OperationContext, input_: Tensor, **kwargs: Any) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement op_forward")
+
+    def op_backward(
+        self, ctx: OperationContext, grad_output: Tensor
+    ) -> tuple[Tensor | None, ParamGrads]:
+        raise NotImplementedError(f"{type(self).__name__} must implement op_backward")
+
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
+        output = self.op_forward(basic_op_ctxs[0], input_, **basic_op_kwargs[0])
+        return output, [()]
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        grad_input, param_grads = self.op_backward(basic_op_ctxs[0], grad_output)
+        return grad_input, [param_grads], [()]
+
+    # --- hooks the fuser and the gradient contract use -------------------------------------
+    def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple[Tensor, ...]) -> None:
+        """Validate the call's input before anything runs; raise ValueError naming the op."""
+
+    def plan_backend(self, requested: str, device: torch.device) -> str:
+        """The kernel backend this op runs under the requested one (see te_seq.config)."""
+        return "reference"
+
+    def need_backward_dw(self) -> bool:
+        return False
+
+    def backward_dw(self) -> None:
+        """Run the oldest pending delayed wgrad (ops without delayed wgrad do nothing)."""
+
+
+class FusedOperation(FusibleOperation):
+    """Runs the maths of adjacent basic ops together; holds references, owns no parameters."""
+
+    def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
+        super().__init__()
+        # A plain tuple (not a ModuleList) so the fused op registers no submodules or parameters.
+        object.__setattr__(self, "basic_ops", tuple(basic_ops))
+
+    @property
+    def is_fused_op(self) -> bool:
+        return True
+
+    def plan_backend(self, requested: str, device: torch.device) -> str:
+        return "reference"
+
+
+class CompositeOperation(torch.nn.Module):
+    """A module that is a fixed chain of basic ops (e.g. `Linear` = BasicLinear then Bias).
+
+    It owns the parameters (so its state_dict keys are its own); the basic ops it returns from
+    `basic_ops()` share those Parameter objects and join the fusion windows of a Sequential.
+    """
+
+    def basic_ops(self) -> list[BasicOperation]:
+        raise NotImplementedError

@@ -1,0 +1,128 @@
+"""te_seq.Sequential: a container that runs adjacent te_seq ops through fusers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from te_seq.core.fuser import Fuser
+from te_seq.core.operation import BasicOperation, CompositeOperation
+from te_seq.fusion.plan import FusionPlan
+
+Run = Fuser | torch.nn.Module
+
+
+class Sequential(torch.nn.Sequential):
+    """Chain of te_seq ops and plain `torch.nn.Module`s, fused where registered fusions match.
+
+    `forward(input, *extra_inputs)`: extra inputs go, in order, to the basic ops that declare them
+    (e.g. `split_sizes` for each GroupedLinear). Returns the output, or `(output, *extra_outputs)`
+    when some op makes extra outputs. Plain modules run unfused and split fusion windows; nested
+    te_seq Sequentials are flattened into this one's windows and basic-op indices.
+    """
+
+    def __init__(self, *modules: torch.nn.Module) -> None:
+        super().__init__(*modules)
+        self._runs_key: tuple | None = None
+        self._runs: list[Run] = []
+        self._last_plan: FusionPlan | None = None
+
+    # --- structure --------------------------------------------------------------------------
+    def _flat_modules(self) -> Iterator[torch.nn.Module]:
+        for module in self:
+            if isinstance(module, Sequential):
+                yield from module._flat_modules()
+            elif isinstance(module, CompositeOperation):
+                yield from module.basic_ops()
+            else:
+                yield module
+
+    def basic_ops(self) -> list[BasicOperation]:
+        """The flat list of basic ops, in forward order (what plan indices count)."""
+        return [m for m in self._flat_modules() if isinstance(m, BasicOperation)]
+
+    def _current_runs(self) -> list[Run]:
+        flat = list(self._flat_modules())
+        key = tuple(id(m) for m in flat)
+        if key != self._runs_key:
+            self._runs, self._runs_key = _split_runs(flat), key
+        return self._runs
+
+    # --- running ----------------------------------------------------------------------------
+    def forward(self, input_: Tensor, *extra_inputs: Any) -> Tensor | tuple[Tensor, ...]:
+        runs = self._current_runs()
+        per_op = _distribute_extra_inputs(self.basic_ops(), extra_inputs)
+        x, extra_outputs, plans, used = input_, [], [], 0
+        for run in runs:
+            if isinstance(run, Fuser):
+                op_extra = per_op[used:used + len(run.ops)]
+                used += len(run.ops)
+                x, outs = run(x, op_extra)
+                extra_outputs.extend(t for op_out in outs for t in op_out)
+                plans.append(run.last_plan)
+            else:
+                x = run(x)
+        self._last_plan = FusionPlan.concat(plans)
+        return (x, *extra_outputs) if extra_outputs else x
+
+    def fusion_plan(self) -> FusionPlan | None:
+        """The plan of the last forward call (None before any)."""
+        return self._last_plan
+
+    # --- delayed weight gradients (API.md §4) -----------------------------------------------
+    def need_backward_dw(self) -> bool:
+        return any(op.need_backward_dw() for op in self.basic_ops())
+
+    def backward_dw(self) -> None:
+        """Run the oldest pending wgrad of each op (one call per backward)."""
+        for op in self.basic_ops():
+            op.backward_dw()
+
+
+def _split_runs(flat: list[torch.nn.Module]) -> list[Run]:
+    """Maximal runs of adjacent basic ops become Fusers; plain modules stand alone."""
+    runs: list[Run] = []
+    pending: list[BasicOperation] = []
+    offset = 0
+    for module in flat + [None]:
+        if isinstance(module, BasicOperation):
+            pending.append(module)
+            continue
+        if pending:
+            runs.append(Fuser(pending, offset))
+            offset += len(pending)
+            pending = []
+        if module is not None:
+            runs.append(module)
+    return runs
+
+
+def _extra_names(op: BasicOperation) -> str:
+    names = getattr(op, "extra_input_names", ())
+    return ", ".join(names) if names else f"{op.num_extra_inputs} tensor(s)"
+
+
+def _distribute_extra_inputs(ops: list[BasicOperation], extra: tuple) -> list[tuple]:
+    """Hand each basic op its extra inputs, positionally; ValueError naming the op if off."""
+    per_op, pos = [], 0
+    for index, op in enumerate(ops):
+        need = op.num_extra_inputs
+        if pos + need > len(extra):
+            raise ValueError(
+                f"{type(op).__name__} (basic op {index}) expects {need} extra input(s) "
+                f"({_extra_names(op)}), but only {len(extra) - pos} of the {len(extra)} extra "
+                "inputs given to Sequential were left for it"
+            )
+        per_op.append(tuple(extra[pos:pos + need]))
+        pos += need
+    if pos != len(extra):
+        takers = [f"{type(op).__name__}[{i}]: {op.num_extra_inputs}"
+                  for i, op in enumerate(ops) if op.num_extra_inputs]
+        raise ValueError(
+            f"Sequential got {len(extra)} extra inputs but its ops take {pos} "
+            f"({', '.join(takers) or 'no op takes extra inputs'})"
+        )
+    return per_op

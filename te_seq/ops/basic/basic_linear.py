@@ -1,0 +1,108 @@
+"""BasicLinear: y = x Wᵀ, the GEMM half of a linear layer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from te_seq.core import checks
+from te_seq.core.grad_policy import WeightGradPolicy, WgradRequest
+from te_seq.core.operation import BasicOperation, OperationContext
+
+
+def init_linear_weight_(weight: Tensor) -> None:
+    """Initialise like `torch.nn.Linear` (Kaiming-uniform with a = sqrt(5))."""
+    torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
+def matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """out (+)= a @ b computed in out's precision (fp32 main_grad buffers)."""
+    product = a.to(out.dtype) @ b.to(out.dtype)
+    if accumulate:
+        out.add_(product)
+    else:
+        out.copy_(product)
+
+
+class BasicLinear(BasicOperation):
+    """y = x Wᵀ with W [out_features, in_features]; x [..., in_features] -> y [..., out_features].
+
+    Equivalent to `torch.nn.functional.linear(x, weight)`. `accumulate_into_main_grad` and
+    `delay_wgrad_compute` follow the gradient contract (docs/gradient_contract.md).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        accumulate_into_main_grad: bool = False,
+        delay_wgrad_compute: bool = False,
+    ) -> None:
+        super().__init__()
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(
+                f"BasicLinear: in_features and out_features must be positive, got "
+                f"{in_features} and {out_features}"
+            )
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = torch.nn.Parameter(
+            torch.empty(out_features, in_features, device=device, dtype=dtype)
+        )
+        init_linear_weight_(self.weight.data)
+        self.grad_policy = WeightGradPolicy(accumulate_into_main_grad, delay_wgrad_compute)
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        return self.grad_policy.delay_wgrad_compute
+
+    @property
+    def accumulate_into_main_grad(self) -> bool:
+        return self.grad_policy.accumulate_into_main_grad
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
+        checks.check_last_dim(self, input_, self.in_features, "in_features")
+        checks.check_matches_param(self, input_, self.weight)
+
+    def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
+        x = input_.reshape(-1, self.in_features)  # [T, in]
+        y = x @ self.weight.t()  # [T, out]
+        if ctx.requires_grad:
+            ctx.save_for_backward(
+                x if ctx.weight_requires_grad else None,
+                self.weight if ctx.input_requires_grad else None,
+            )
+            ctx.input_shape = input_.shape
+        return y.reshape(*input_.shape[:-1], self.out_features)
+
+    def op_backward(self, ctx: OperationContext, grad_output: Tensor):
+        x, weight = ctx.saved_tensors
+        dy = grad_output.reshape(-1, self.out_features)  # [T, out]
+        dx = None
+        if ctx.input_requires_grad:
+            dx = (dy @ weight).reshape(ctx.input_shape)  # dX = dY W
+        if not ctx.weight_requires_grad:
+            return dx, [None]
+        return dx, self.grad_policy.backward(self.wgrad_request(x, dy))
+
+    def wgrad_request(self, x: Tensor, dy: Tensor) -> WgradRequest:
+        """dW = dYᵀ X, computed now or in backward_dw() per the gradient contract."""
+        return WgradRequest.for_params(
+            "BasicLinear",
+            [("weight", self.weight)],
+            compute=lambda: [dy.t() @ x],
+            compute_into=lambda outs, acc: matmul_into(outs[0], dy.t(), x, acc),
+        )
+
+    def need_backward_dw(self) -> bool:
+        return self.grad_policy.need_backward_dw()
+
+    def backward_dw(self) -> None:
+        self.grad_policy.backward_dw()

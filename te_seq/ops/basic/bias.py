@@ -1,0 +1,39 @@
+"""Bias: y = x + b."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from te_seq.core import checks
+from te_seq.core.operation import BasicOperation, OperationContext
+
+
+def reduce_to_last_dim(grad: Tensor) -> Tensor:
+    """Sum a gradient [..., N] over every leading dim -> [N] (fp32 accumulate)."""
+    return grad.reshape(-1, grad.shape[-1]).sum(0, dtype=torch.float32).to(grad.dtype)
+
+
+class Bias(BasicOperation):
+    """y = x + b with b [size]; x [..., size]. Equivalent to `x + bias`; b initialises to zero."""
+
+    def __init__(self, size: int, *, device=None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if size <= 0:
+            raise ValueError(f"Bias: size must be positive, got {size}")
+        self.size = size
+        self.bias = torch.nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}"
+
+    def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
+        checks.check_last_dim(self, input_, self.size, "size")
+        checks.check_matches_param(self, input_, self.bias)
+
+    def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
+        return input_ + self.bias
+
+    def op_backward(self, ctx: OperationContext, grad_output: Tensor):
+        dbias = reduce_to_last_dim(grad_output) if ctx.weight_requires_grad else None
+        return grad_output, [dbias]

@@ -1,0 +1,26 @@
+"""GELU: y = gelu(x), tanh approximation by default."""
+
+from __future__ import annotations
+
+from te_seq.ops.basic.activation import Activation
+
+_APPROXIMATIONS = {"tanh": "gelu", "none": "gelu_erf"}
+
+
+class GELU(Activation):
+    """y = gelu(x); equivalent to `torch.nn.functional.gelu(x, approximate=approximate)`.
+
+    `approximate` is "tanh" (default, as TransformerEngine) or "none" (the exact erf form).
+    """
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in _APPROXIMATIONS:
+            raise ValueError(
+                f"GELU: approximate must be one of {sorted(_APPROXIMATIONS)}, got {approximate!r}"
+            )
+        self.approximate = approximate
+        self.act = _APPROXIMATIONS[approximate]
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"

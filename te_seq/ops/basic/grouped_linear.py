@@ -1,0 +1,269 @@
+"""GroupedLinear: one linear layer per group (expert) over contiguous row blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from te_seq import config, kernels
+from te_seq.core import checks
+from te_seq.core.grad_policy import WeightGradPolicy, WgradRequest
+from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.ops.basic.basic_linear import init_linear_weight_
+
+# Shape legend: T tokens (routed rows), G groups, K = in_features, N = out_features.
+
+
+def group_index(offs: Tensor, rows: int) -> Tensor:
+    """Group of every row [T] from the cumulative ends `offs` [G]; no host sync."""
+    positions = torch.arange(rows, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, positions, right=True)
+
+
+def check_split_sizes(op: object, splits: object, num_groups: int, input_: Tensor) -> None:
+    """Host split sizes are checked here (ValueError); device ones by a device-side assert."""
+    name = checks.op_name(op)
+    checks.check_tensor(op, "split_sizes", splits)
+    if splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool:
+        raise ValueError(f"{name}: split_sizes must be an integer tensor, got {splits.dtype}")
+    if splits.dim() != 1 or splits.numel() != num_groups:
+        raise ValueError(
+            f"{name}: split_sizes has shape {tuple(splits.shape)} ({splits.numel()} entries), "
+            f"expected a 1-D tensor with num_groups={num_groups} entries"
+        )
+    if splits.device.type != "cpu" and splits.device != input_.device:
+        raise ValueError(f"{name}: split_sizes is on {splits.device}, input on {input_.device}")
+    if splits.device.type == "cpu":
+        _check_host_split_values(name, splits, rows_of(input_))
+
+
+def _check_host_split_values(name: str, splits: Tensor, rows: int) -> None:
+    values = splits.tolist()
+    negative = [v for v in values if v < 0]
+    if negative:
+        raise ValueError(f"{name}: split_sizes has negative entries {negative}: {values}")
+    if sum(values) != rows:
+        raise ValueError(
+            f"{name}: split_sizes sum to {sum(values)} but the input has {rows} rows "
+            f"(split_sizes={values})"
+        )
+
+
+def rows_of(input_: Tensor) -> int:
+    return int(torch.Size(input_.shape[:-1]).numel())
+
+
+def device_offsets(splits: Tensor, rows: int, device: torch.device) -> Tensor:
+    """Cumulative ends on the data's device; for device split sizes a device-side check that
+    they are non-negative and sum to `rows` (no host sync; a bad split fails the assert)."""
+    offs = kernels.split_offsets(splits, device)
+    if splits.device.type == "cuda":
+        ok = (splits >= 0).all() & (offs[-1] == rows) if splits.numel() else torch.tensor(rows == 0)
+        torch._assert_async(ok.to(device), "split_sizes must be non-negative and sum to the rows")
+    return offs
+
+
+class GroupedLinear(BasicOperation):
+    """y_g = x_g W_gᵀ + b_g for each group g of contiguous rows (sizes from `split_sizes`).
+
+    x [..., in_features] is flattened to rows [T, in]; `split_sizes` [G] (host or device
+    integer tensor) cuts the rows into G blocks in order; empty groups are legal. With
+    `scale_bias`, the bias is scaled per row: y_t = x_t W_gᵀ + s_t b_g (extra input `scales` [T]).
+    Equivalent to `torch.cat([x_g @ W_g.T + b_g for g])`. Parameters `weight0..weight{G-1}`
+    [out, in] (or `weight` [G, out, in] with single_grouped_weight), then `bias0..` [out]
+    (or `bias` [G, out] with single_grouped_bias).
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device=None,
+        dtype: torch.dtype | None = None,
+        accumulate_into_main_grad: bool = False,
+        delay_wgrad_compute: bool = False,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool = False,
+        scale_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        _check_config(num_groups, in_features, out_features, bias, single_grouped_bias)
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        self.single_grouped_weight, self.single_grouped_bias = single_grouped_weight, single_grouped_bias
+        self.has_bias, self.scale_bias = bias, scale_bias
+        self._make_params(device, dtype)
+        self.grad_policy = WeightGradPolicy(accumulate_into_main_grad, delay_wgrad_compute)
+        self.num_extra_inputs = 2 if (scale_bias and bias) else 1
+        self.extra_input_names = ("split_sizes", "scales")[: self.num_extra_inputs]
+
+    def _make_params(self, device, dtype) -> None:
+        G, N, K = self.num_groups, self.out_features, self.in_features
+        if self.single_grouped_weight:
+            self.weight = torch.nn.Parameter(torch.empty(G, N, K, device=device, dtype=dtype))
+            for g in range(G):
+                init_linear_weight_(self.weight.data[g])
+        else:
+            for g in range(G):
+                w = torch.nn.Parameter(torch.empty(N, K, device=device, dtype=dtype))
+                init_linear_weight_(w.data)
+                self.register_parameter(f"weight{g}", w)
+        if not self.has_bias:
+            return
+        if self.single_grouped_bias:
+            self.bias = torch.nn.Parameter(torch.zeros(G, N, device=device, dtype=dtype))
+        else:
+            for g in range(G):
+                self.register_parameter(f"bias{g}", torch.nn.Parameter(
+                    torch.zeros(N, device=device, dtype=dtype)))
+
+    # --- parameters -------------------------------------------------------------------------
+    def named_weights(self) -> list[tuple[str, torch.nn.Parameter]]:
+        if self.single_grouped_weight:
+            return [("weight", self.weight)]
+        return [(f"weight{g}", getattr(self, f"weight{g}")) for g in range(self.num_groups)]
+
+    def named_biases(self) -> list[tuple[str, torch.nn.Parameter]]:
+        if not self.has_bias:
+            return []
+        if self.single_grouped_bias:
+            return [("bias", self.bias)]
+        return [(f"bias{g}", getattr(self, f"bias{g}")) for g in range(self.num_groups)]
+
+    def stacked_weight(self) -> Tensor:
+        """[G, N, K]: the parameter itself, or the per-group weights stacked (a copy)."""
+        if self.single_grouped_weight:
+            return self.weight
+        return torch.stack([w for _, w in self.named_weights()])
+
+    def stacked_bias(self) -> Tensor | None:
+        if not self.has_bias:
+            return None
+        if self.single_grouped_bias:
+            return self.bias
+        return torch.stack([b for _, b in self.named_biases()])
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        return self.grad_policy.delay_wgrad_compute
+
+    @property
+    def accumulate_into_main_grad(self) -> bool:
+        return self.grad_policy.accumulate_into_main_grad
+
+    def extra_repr(self) -> str:
+        return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.has_bias}")
+
+    # --- checks and planning ----------------------------------------------------------------
+    def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
+        checks.check_last_dim(self, input_, self.in_features, "in_features")
+        checks.check_matches_param(self, input_, self.named_weights()[0][1])
+        check_split_sizes(self, extra_inputs[0], self.num_groups, input_)
+        if self.num_extra_inputs == 2:
+            checks.check_tensor(self, "scales", extra_inputs[1])
+            checks.check_per_row(self, "scales", extra_inputs[1], input_)
+
+    def plan_backend(self, requested: str, device: torch.device) -> str:
+        return config.grouped_backend(requested, device)
+
+    # --- maths pieces (the fused GroupedMLP reuses them) -------------------------------------
+    def offsets(self, splits: Tensor, input_: Tensor) -> Tensor:
+        return device_offsets(splits, rows_of(input_), input_.device)
+
+    def bias_rows(self, offs: Tensor, rows: int, scales: Tensor | None) -> Tensor | None:
+        """Per-row bias [T, N] (times s_t with scale_bias), or None without bias."""
+        bias = self.stacked_bias()
+        if bias is None:
+            return None
+        rows_bias = bias[group_index(offs, rows)]  # [T, N]
+        if self.scale_bias:
+            rows_bias = rows_bias * scales.reshape(-1, 1).to(rows_bias.dtype)
+        return rows_bias
+
+    def bias_grads(self, dy: Tensor, offs: Tensor, scales: Tensor | None) -> tuple[list, Tensor | None]:
+        """(grads of the bias parameters, grad of scales) from dY [T, N]."""
+        if not self.has_bias:
+            return [], None
+        idx = group_index(offs, dy.shape[0])
+        dscales = None
+        if self.scale_bias:
+            bias_rows = self.stacked_bias()[idx]  # [T, N]
+            dscales = (dy.float() * bias_rows.float()).sum(-1).to(scales.dtype)
+            dy = dy * scales.reshape(-1, 1).to(dy.dtype)
+        sums = torch.zeros(self.num_groups, self.out_features, device=dy.device, dtype=torch.float32)
+        sums.index_add_(0, idx, dy.float())  # db_g = Σ_{t in g} dy_t (· s_t)
+        sums = sums.to(dy.dtype)
+        grads = [sums] if self.single_grouped_bias else list(sums.unbind(0))
+        return grads, dscales
+
+    def wgrad_request(self, x: Tensor, dy: Tensor, offs: Tensor, backend: str) -> WgradRequest:
+        """dW_g = dY_gᵀ X_g (varlen-K grouped GEMM), routed by the gradient contract."""
+
+        def compute() -> Sequence[Tensor]:
+            grads = kernels.grouped_wgrad(dy, x, offs, backend)  # [G, N, K]
+            return [grads] if self.single_grouped_weight else list(grads.unbind(0))
+
+        def compute_into(outs: Sequence[Tensor], accumulate: bool) -> None:
+            if self.single_grouped_weight:
+                kernels.grouped_wgrad(dy, x, offs, backend, out=outs[0], accumulate=accumulate)
+                return
+            G, N, K = self.num_groups, self.out_features, self.in_features
+            tmp = torch.empty(G, N, K, device=x.device, dtype=outs[0].dtype)
+            kernels.grouped_wgrad(dy, x, offs, backend, out=tmp, accumulate=False)
+            for out, grad in zip(outs, tmp.unbind(0)):
+                out.add_(grad) if accumulate else out.copy_(grad)
+
+        return WgradRequest.for_params("GroupedLinear", self.named_weights(), compute, compute_into)
+
+    # --- forward / backward -----------------------------------------------------------------
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
+        ctx = basic_op_ctxs[0]
+        splits, *rest = basic_op_extra_inputs[0]
+        scales = rest[0] if rest else None
+        x = input_.reshape(-1, self.in_features)  # [T, K]
+        offs = self.offsets(splits, input_)
+        weight = self.stacked_weight()  # [G, N, K]
+        y = kernels.grouped_mm(x, weight.transpose(1, 2), offs, ctx.backend)  # y_g = x_g W_gᵀ
+        bias = self.bias_rows(offs, x.shape[0], scales)
+        if bias is not None:
+            y = y + bias
+        if ctx.requires_grad:
+            ctx.save_for_backward(x, weight, offs, scales)
+            ctx.input_shape = input_.shape
+        return y.reshape(*input_.shape[:-1], self.out_features), [()]
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        ctx = basic_op_ctxs[0]
+        x, weight, offs, scales = ctx.saved_tensors
+        dy = grad_output.reshape(-1, self.out_features)  # [T, N]
+        dx = None
+        if ctx.input_requires_grad:
+            dx = kernels.grouped_mm(dy, weight, offs, ctx.backend)  # dX_g = dY_g W_g
+            dx = dx.reshape(ctx.input_shape)
+        bias_grads, dscales = self.bias_grads(dy, offs, scales)
+        weight_grads = [None] * len(self.named_weights())
+        if any(w.requires_grad for _, w in self.named_weights()) and ctx.weight_requires_grad:
+            weight_grads = self.grad_policy.backward(self.wgrad_request(x, dy, offs, ctx.backend))
+        extra_grads = (None, dscales) if self.num_extra_inputs == 2 else (None,)
+        return dx, [weight_grads + bias_grads], [extra_grads]
+
+    def need_backward_dw(self) -> bool:
+        return self.grad_policy.need_backward_dw()
+
+    def backward_dw(self) -> None:
+        self.grad_policy.backward_dw()
+
+
+def _check_config(num_groups, in_features, out_features, bias, single_grouped_bias) -> None:
+    if num_groups <= 0 or in_features <= 0 or out_features <= 0:
+        raise ValueError(
+            f"GroupedLinear: num_groups, in_features and out_features must be positive, got "
+            f"{num_groups}, {in_features}, {out_features}"
+        )
+    if single_grouped_bias and not bias:
+        raise ValueError("GroupedLinear: single_grouped_bias=True needs bias=True")

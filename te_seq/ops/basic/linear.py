@@ -1,0 +1,55 @@
+"""Linear: BasicLinear then Bias, as one composite op (state_dict keys `weight`, `bias`)."""
+
+from __future__ import annotations
+
+import torch
+
+from te_seq.core.operation import BasicOperation, CompositeOperation
+from te_seq.ops.basic.basic_linear import BasicLinear
+from te_seq.ops.basic.bias import Bias
+
+
+class Linear(CompositeOperation):
+    """y = x Wᵀ + b, like `torch.nn.Linear`; inside a Sequential it is BasicLinear then Bias
+    (so linear+bias fusions apply). Keyword options are BasicLinear's (gradient contract)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 device=None, dtype: torch.dtype | None = None, **linear_kwargs) -> None:
+        super().__init__()
+        linear = BasicLinear(in_features, out_features, device=device, dtype=dtype, **linear_kwargs)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = linear.weight
+        ops: list[BasicOperation] = [linear]
+        if bias:
+            bias_op = Bias(out_features, device=device, dtype=dtype)
+            self.bias = bias_op.bias
+            ops.append(bias_op)
+        else:
+            self.register_parameter("bias", None)
+        # Plain attribute, not submodules: the parameters belong to this module's state_dict.
+        object.__setattr__(self, "_basic_ops", ops)
+        object.__setattr__(self, "_chain", None)
+
+    def basic_ops(self) -> list[BasicOperation]:
+        return list(self._basic_ops)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        from te_seq.core.sequential import Sequential
+
+        if self._chain is None:  # built lazily: core.sequential imports the ops package
+            object.__setattr__(self, "_chain", Sequential(*self._basic_ops))
+        return self._chain(input_)
+
+    def need_backward_dw(self) -> bool:
+        return self._basic_ops[0].need_backward_dw()
+
+    def backward_dw(self) -> None:
+        self._basic_ops[0].backward_dw()
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        return self._basic_ops[0].delay_wgrad_compute
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}"

@@ -1,0 +1,36 @@
+"""ScaledSwiGLU: y = silu(gate) · up · s, with one scale per row (router probabilities)."""
+
+from __future__ import annotations
+
+from te_seq.core import checks
+from te_seq.kernels import reference
+from te_seq.ops.basic.swiglu import SwiGLU
+
+
+class ScaledSwiGLU(SwiGLU):
+    """y = silu(gate) · up · s[:, None]; x [..., 2F], extra input `scales` with one entry per
+    row of x (shape [T] or x.shape[:-1]) -> y [..., F]. `scales` gets a gradient:
+    ds_t = Σ_j dy_tj · silu(gate_tj) · up_tj.
+    """
+
+    num_extra_inputs = 1
+    extra_input_names = ("scales",)
+
+    def pre_forward_checks(self, input_, extra_inputs) -> None:
+        super().pre_forward_checks(input_, extra_inputs)
+        checks.check_tensor(self, "scales", extra_inputs[0])
+        checks.check_per_row(self, "scales", extra_inputs[0], input_)
+
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
+        ctx = basic_op_ctxs[0]
+        (scales,) = basic_op_extra_inputs[0]
+        rows = scales.reshape(input_.shape[:-1])
+        if ctx.requires_grad:
+            ctx.save_for_backward(input_, scales)
+        return reference.glu_forward(input_, self.act, self.glu_interleave_size, rows), [()]
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        x, scales = basic_op_ctxs[0].saved_tensors
+        rows = scales.reshape(x.shape[:-1])
+        dx, dscales = reference.glu_backward(x, grad_output, self.act, self.glu_interleave_size, rows)
+        return dx, [[]], [(dscales.reshape(scales.shape),)]
