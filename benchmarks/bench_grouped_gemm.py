@@ -1,0 +1,151 @@
+"""te_seq's CuTe DSL grouped GEMM vs torch._grouped_mm on the grouped-MLP GEMMs of DESIGN.md.
+
+For each shape (A, B, Q, Z) and GEMM (FC1/FC2 forward, FC1 dgrad, FC1 wgrad) it checks the CuTe
+result against torch._grouped_mm on random data (output poisoned with NaN first), then times both
+with CUDA events (warm-up, median of --iters, the two interleaved) and prints TFLOP/s and the ratio.
+FLOPs count real rows only. torch's wgrad (2D x 2D) needs group sizes that are multiples of 8: for
+shape Z it runs on zero-padded groups, whose padding is not counted.
+
+    python benchmarks/bench_grouped_gemm.py [--shapes A,B,Q,Z] [--iters 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+SHAPES = {  # E experts, H hidden, F ffn, M routed rows
+    "A": (8, 4096, 14336, 32768),
+    "B": (128, 4096, 1024, 65536),
+    "Q": (128, 2048, 768, 32768),
+    "Z": (128, 2048, 768, 32768),
+}
+
+
+def split_sizes(name: str, e: int, m: int, gen: torch.Generator) -> list[int]:
+    """Uniform-ish random counts, or (Z) Zipf-like counts with empty experts, not multiples of 8."""
+    if name != "Z":
+        w = torch.rand(e, generator=gen) * 0.2 + 0.9
+    else:
+        w = 1.0 / torch.arange(1, e + 1, dtype=torch.float64) ** 1.1
+        w[torch.randperm(e, generator=gen)[: e // 10]] = 0.0
+        w = w[torch.randperm(e, generator=gen)]
+    sizes = (w / w.sum() * m).floor().long()
+    sizes[int(torch.argmax(w))] += m - int(sizes.sum())
+    return sizes.tolist()
+
+
+def time_ms(fns: dict, iters: int) -> dict[str, float]:
+    """Median ms of each fn, runs interleaved."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(3):
+        for fn in fns.values():
+            fn()
+    for _ in range(iters):
+        for k, fn in fns.items():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times[k].append(s.elapsed_time(e))
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    if torch.isnan(x).any():
+        return float("nan")
+    return ((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)).item()
+
+
+def padded(t: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows regrouped with each group zero-padded to a multiple of 8 (torch's 2D x 2D needs it)."""
+    chunks, ends, start, total = [], [], 0, 0
+    for s in sizes:
+        ps = -(-s // 8) * 8
+        chunk = t.new_zeros(ps, t.shape[1])
+        chunk[:s] = t[start : start + s]
+        chunks.append(chunk)
+        start, total = start + s, total + ps
+        ends.append(total)
+    return torch.cat(chunks), torch.tensor(ends, dtype=torch.int32, device=t.device)
+
+
+def gemm_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
+    """(label, flops, cute fn, torch fn) for FC1 fwd, FC2 fwd, FC1 dgrad and FC1 wgrad."""
+    from te_seq.kernels import cute
+
+    sizes = split_sizes(name, e, m, gen)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32).cuda()
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, h, **bf)
+    w1 = torch.randn(e, 2 * f, h, **bf) * 0.02  # FC1 weight [E, 2F, H]
+    w2 = torch.randn(e, h, f, **bf) * 0.02  # FC2 weight [E, H, F]
+    act = torch.randn(m, f, **bf)
+    dh = torch.randn(m, 2 * f, **bf)
+    y1 = torch.empty(m, 2 * f, **bf)
+    y2 = torch.empty(m, h, **bf)
+    dx = torch.empty(m, h, **bf)
+    dw = torch.empty(e, 2 * f, h, **bf)
+    tg = torch._grouped_mm
+    if all(s % 8 == 0 for s in sizes):
+        dh_p, x_p, offs_p = dh, x, offs
+    else:
+        dh_p, offs_p = padded(dh, sizes)
+        x_p, _ = padded(x, sizes)
+    yield ("fc1_fwd", 2 * m * h * 2 * f, lambda: cute.grouped_mm(x, w1.transpose(1, 2), offs, out=y1),
+           lambda: tg(x, w1.transpose(1, 2), offs=offs), y1)
+    yield ("fc2_fwd", 2 * m * f * h, lambda: cute.grouped_mm(act, w2.transpose(1, 2), offs, out=y2),
+           lambda: tg(act, w2.transpose(1, 2), offs=offs), y2)
+    yield ("fc1_dgrad", 2 * m * 2 * f * h, lambda: cute.grouped_mm(dh, w1, offs, out=dx),
+           lambda: tg(dh, w1, offs=offs), dx)
+    yield ("fc1_wgrad", 2 * m * 2 * f * h, lambda: cute.grouped_wgrad(dh, x, offs, out=dw),
+           lambda: tg(dh_p.t(), x_p, offs=offs_p), dw)
+
+
+def run_shape(name: str, iters: int) -> list[dict]:
+    e, h, f, m = SHAPES[name]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for label, flops, ours, theirs, out in gemm_cases(name, e, h, f, m, gen):
+        out.fill_(float("nan"))
+        t0 = time.perf_counter()
+        ours()
+        torch.cuda.synchronize()
+        first_call_s = time.perf_counter() - t0
+        err = rel_err(out, theirs())
+        ms = time_ms({"cute": ours, "torch": theirs}, iters)
+        row = dict(shape=name, gemm=label, rel_err=err, first_call_s=round(first_call_s, 2),
+                   cute_ms=ms["cute"], torch_ms=ms["torch"],
+                   cute_tflops=flops / ms["cute"] / 1e9, torch_tflops=flops / ms["torch"] / 1e9,
+                   ratio=ms["torch"] / ms["cute"])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="A,B,Q,Z")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    rows = []
+    for name in args.shapes.split(","):
+        rows += run_shape(name, args.iters)
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}")
+    print(f"{'shape':5} {'gemm':10} {'err':>8} {'cute TF/s':>10} {'torch TF/s':>10} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['shape']:5} {r['gemm']:10} {r['rel_err']:8.1e} {r['cute_tflops']:10.0f} "
+              f"{r['torch_tflops']:10.0f} {r['ratio']:6.2f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Compiling the CuTe DSL grouped GEMM: one compile per static config, token dims symbolic.
+
+Imports cutlass; only ``te_seq.kernels.cute``'s functionals import this module, lazily.
+Set ``CUTE_DSL_ARCH=sm_90a`` before the first ``import cutlass`` to compile without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+from .grouped_gemm import GroupedGemmKernel
+
+_DTYPES = {
+    torch.bfloat16: cutlass.BFloat16,
+    torch.float16: cutlass.Float16,
+    torch.float32: cutlass.Float32,
+}
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Everything a compiled kernel is specialised on (no sizes: M, N, K, E are symbolic).
+
+    varlen: "m" (grouped_mm) or "k" (grouped_wgrad). b_major: "k" or "n" (varlen "m" only).
+    """
+
+    varlen: str
+    ab_dtype: torch.dtype
+    c_dtype: torch.dtype
+    b_major: str = "k"
+    tile_n: int = 256
+    cluster_m: int = 2
+    accumulate: bool = False
+
+
+@dataclass
+class CompiledGemm:
+    """A compiled kernel and how long its compile took (seconds)."""
+
+    fn: object
+    compile_s: float
+
+
+def _fake_args(cfg: GemmConfig) -> tuple:
+    """Fake tensors in the kernel's (mode-major) views; sizes symbolic, inner dims 16-byte aligned."""
+    ab = _DTYPES[cfg.ab_dtype]
+    c = _DTYPES[cfg.c_dtype]
+    rows = cute.sym_int32()
+    groups = cute.sym_int32()
+    div = 16 * 8 // ab.width
+    offs = make_fake_compact_tensor(cutlass.Int32, (groups,), assumed_align=4)
+    if cfg.varlen == "m":
+        k, n = cute.sym_int32(divisibility=div), cute.sym_int32(divisibility=div)
+        a = make_fake_compact_tensor(ab, (rows, k), stride_order=(1, 0), assumed_align=16)
+        s1, s2 = cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div)
+        b_stride = (s1, 1, s2) if cfg.b_major == "k" else (1, s1, s2)
+        b = make_fake_tensor(ab, (n, k, groups), stride=b_stride, assumed_align=16)
+        out = make_fake_compact_tensor(c, (rows, n), stride_order=(1, 0), assumed_align=16)
+    else:
+        n_out, k_in = cute.sym_int32(divisibility=div), cute.sym_int32(divisibility=div)
+        a = make_fake_compact_tensor(ab, (n_out, rows), stride_order=(0, 1), assumed_align=16)
+        b = make_fake_compact_tensor(ab, (k_in, rows), stride_order=(0, 1), assumed_align=16)
+        out = make_fake_compact_tensor(c, (n_out, k_in, groups), stride_order=(1, 0, 2), assumed_align=16)
+    return a, b, out, offs, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def tvm_ffi_available() -> bool:
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
+    """Compile (once per config, cached in memory) the grouped GEMM for ``cfg``."""
+    kernel = GroupedGemmKernel(
+        cfg.varlen, (128, cfg.tile_n), cfg.cluster_m, accumulate=cfg.accumulate
+    )
+    start = time.perf_counter()
+    options = "--enable-tvm-ffi" if tvm_ffi_available() else ""
+    fn = cute.compile(kernel, *_fake_args(cfg), options=options)
+    return CompiledGemm(fn, time.perf_counter() - start)

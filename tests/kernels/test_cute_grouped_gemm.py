@@ -1,0 +1,230 @@
+"""The CuTe DSL grouped GEMM against te_seq.kernels.reference.
+
+Compile-only tests run on any machine with the CuTe DSL installed (CUTE_DSL_ARCH=sm_90a in a
+subprocess, so the arch setting cannot leak into other tests); GPU tests need sm_90+.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from te_seq.kernels import reference
+
+_HAS_DSL = importlib.util.find_spec("cutlass") is not None
+
+
+def _cute_ready() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    from te_seq.kernels import cute
+
+    return cute.available()
+
+
+_READY, _WHY = _cute_ready()
+gpu = pytest.mark.gpu
+needs_cute = pytest.mark.skipif(not _READY, reason=_WHY or "cute backend unavailable")
+
+# ------------------------------------------------------------------ compile-only (CPU CI)
+
+# Every kernel configuration the functionals can request: both problems, both B majors
+# (forward uses W.transpose(1, 2), dgrad W itself), both 16-bit dtypes, and the wgrad outputs
+# (new tensor, fp32 main_grad written, fp32 main_grad accumulated).
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    import torch
+    from te_seq.kernels.cute.compile import GemmConfig, compile_gemm
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    configs = [
+        GemmConfig("m", bf16, bf16, "k"),
+        GemmConfig("m", bf16, bf16, "n"),
+        GemmConfig("m", fp16, fp16, "k"),
+        GemmConfig("k", bf16, bf16, "n"),
+        GemmConfig("k", bf16, fp32, "n"),
+        GemmConfig("k", bf16, fp32, "n", accumulate=True),
+    ]
+    for cfg in configs:
+        print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
+    print("ALL COMPILED")
+    """
+)
+
+
+@pytest.mark.skipif(not _HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
+def test_compile_all_configs_for_sm90a():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ALL COMPILED" in proc.stdout
+
+
+def test_import_does_not_import_cutlass():
+    code = "import sys, te_seq.kernels.cute as c; c.supports; print('cutlass' in sys.modules)"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_supports_rejects_unaligned_rows():
+    from te_seq.kernels import cute
+
+    a = torch.randn(16, 12, dtype=torch.bfloat16)
+    b = torch.randn(2, 12, 16, dtype=torch.bfloat16)
+    ok, why = cute.supports(a, b)
+    assert not ok and "K=12" in why
+    with pytest.raises(ValueError, match="K=12 and N=16 must be multiples of 8"):
+        cute.grouped_mm(a, b, torch.tensor([8, 16], dtype=torch.int32))
+
+
+# ------------------------------------------------------------------ GPU correctness
+
+
+def _offs(sizes: list[int]) -> torch.Tensor:
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "output has NaN (unwritten rows?)"
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+# (name, split sizes, K, N): one group; many groups; empty groups incl. first/last; sizes not
+# multiples of 8 or of the tile; K and N not multiples of the tile; everything in one group.
+_MM_CASES = [
+    ("one_group", [300], 256, 512),
+    ("128_groups", [int(s) for s in torch.randint(0, 70, (128,), generator=torch.Generator().manual_seed(0))], 512, 384),
+    ("empty_groups", [0, 77, 0, 0, 300, 5, 0], 128, 256),
+    ("unaligned_sizes", [1, 3, 129, 255, 257, 7, 513], 192, 264),
+    ("odd_k_n", [200, 130, 61], 200, 328),
+    ("all_in_one", [0, 0, 1000, 0], 320, 256),
+]
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b_major", ["k", "n"])
+@pytest.mark.parametrize("case", _MM_CASES, ids=[c[0] for c in _MM_CASES])
+def test_grouped_mm_matches_reference(case, b_major, dtype):
+    from te_seq.kernels import cute
+
+    _, sizes, k, n = case
+    m, e = sum(sizes), len(sizes)
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    # forward passes W.transpose(1, 2) (K contiguous); dgrad passes W [E, K, N] itself
+    w = torch.randn(e, n, k, device="cuda", dtype=dtype) if b_major == "k" else torch.randn(e, k, n, device="cuda", dtype=dtype)
+    b = w.transpose(1, 2) if b_major == "k" else w
+    offs = _offs(sizes)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    cute.grouped_mm(a, b, offs, out=out)
+    ref = reference.grouped_mm(a.double(), b.double(), offs)
+    assert _rel_err(out, ref) < _TOL[dtype]
+
+
+@gpu
+@needs_cute
+def test_grouped_mm_noncontiguous_b_and_rows_past_end():
+    from te_seq.kernels import cute
+
+    sizes, k, n = [40, 0, 90], 128, 136
+    big = torch.randn(3, k, n + 24, device="cuda", dtype=torch.bfloat16)
+    b = big[:, :, 8 : 8 + n]  # row stride n + 24, offset base: a non-contiguous view
+    a = torch.randn(sum(sizes) + 50, k, device="cuda", dtype=torch.bfloat16)  # 50 rows past offs[-1]
+    offs = _offs(sizes)
+    out = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cute.grouped_mm(a, b, offs, out=out)
+    ref = reference.grouped_mm(a.double(), b.double(), offs)
+    assert _rel_err(out, ref) < 1e-2
+    assert (out[sum(sizes) :] == 0).all()
+
+
+@gpu
+@needs_cute
+def test_grouped_mm_zero_rows():
+    from te_seq.kernels import cute
+
+    a = torch.randn(0, 64, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16)
+    out = cute.grouped_mm(a, b, _offs([0, 0, 0, 0]))
+    assert out.shape == (0, 128)
+
+
+_WGRAD_CASES = [
+    ("one_group", [300], 256, 512),
+    ("128_groups", [int(s) for s in torch.randint(0, 70, (128,), generator=torch.Generator().manual_seed(1))], 256, 384),
+    ("empty_and_unaligned", [0, 77, 0, 1, 300, 5, 0], 136, 200),
+    ("all_in_one", [0, 0, 1000, 0], 320, 256),
+    ("zero_rows", [0, 0], 64, 128),
+]
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("mode", ["new", "fp32_write", "fp32_accumulate", "bf16_out"])
+@pytest.mark.parametrize("case", _WGRAD_CASES, ids=[c[0] for c in _WGRAD_CASES])
+def test_grouped_wgrad_matches_reference(case, mode):
+    from te_seq.kernels import cute
+
+    _, sizes, n, k = case
+    m, e = sum(sizes), len(sizes)
+    grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    offs = _offs(sizes)
+    ref = reference.grouped_wgrad(grad_out.double(), x.double(), offs)
+    if mode == "new":
+        out = cute.grouped_wgrad(grad_out, x, offs)
+        assert out.dtype == torch.bfloat16
+    elif mode == "fp32_accumulate":
+        base = torch.randn(e, n, k, device="cuda", dtype=torch.float32)
+        out = base.clone()
+        cute.grouped_wgrad(grad_out, x, offs, out=out, accumulate=True)
+        ref = ref + base.double()
+    else:
+        dtype = torch.float32 if mode == "fp32_write" else torch.bfloat16
+        out = torch.full((e, n, k), float("nan"), device="cuda", dtype=dtype)
+        cute.grouped_wgrad(grad_out, x, offs, out=out)
+    tol = 1e-2 if out.dtype == torch.bfloat16 else 2e-3
+    if ref.norm() == 0:
+        assert not torch.isnan(out).any() and out.abs().max() == 0
+    else:
+        assert _rel_err(out, ref) < tol
+
+
+@gpu
+@needs_cute
+def test_cuda_graph_replays_with_new_split_sizes():
+    from te_seq.kernels import cute
+
+    k, n, m = 256, 512, 1024
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4, k, n, device="cuda", dtype=torch.bfloat16)
+    offs = _offs([256, 256, 256, 256])
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    cute.grouped_mm(a, b, offs, out=out)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cute.grouped_mm(a, b, offs, out=out)
+    for sizes in ([1000, 0, 24, 0], [0, 0, 0, 1024], [3, 500, 500, 21]):
+        offs.copy_(_offs(sizes))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(out, reference.grouped_mm(a.double(), b.double(), offs)) < 1e-2
