@@ -60,8 +60,8 @@ def device_offsets(splits: Tensor, rows: int, device: torch.device) -> Tensor:
     they are non-negative and sum to `rows` (no host sync; a bad split fails the assert)."""
     offs = kernels.split_offsets(splits, device)
     if splits.device.type == "cuda":
-        ok = (splits >= 0).all() & (offs[-1] == rows) if splits.numel() else torch.tensor(rows == 0)
-        torch._assert_async(ok.to(device), "split_sizes must be non-negative and sum to the rows")
+        ok = (splits >= 0).all() & (offs[-1] == rows)
+        torch._assert_async(ok, "split_sizes must be non-negative and sum to the rows")
     return offs
 
 
