@@ -428,6 +428,11 @@ class _StaticInputs:
                     f"graphed chunk {chunk}: argument {j} is {t.dtype} {tuple(t.shape)}, captured "
                     f"as {buf.dtype} {tuple(buf.shape)}"
                 )
+            if t.requires_grad and not buf.requires_grad:
+                raise ValueError(
+                    f"graphed chunk {chunk}: argument {j} requires grad but its sample did not, so "
+                    "no graph computes its gradient (capture with a sample that requires grad)"
+                )
         return users
 
     def copy_from(self, users: Sequence[Tensor]) -> None:

@@ -345,6 +345,9 @@ def test_static_inputs_keep_aliasing_of_shared_split_sizes() -> None:
         static.user_tensors(1, [x2, s2, s2.clone()])
     with pytest.raises(ValueError, match=r"argument 0 is torch.float32 \(5, 3\), captured as"):
         static.user_tensors(1, [torch.randn(5, 3), s2, s2])
+    no_grad_sample = graphs._StaticInputs.clone_of([torch.randn(4, 3)])
+    with pytest.raises(ValueError, match="argument 0 requires grad but its sample did not"):
+        no_grad_sample.user_tensors(1, [torch.randn(4, 3, requires_grad=True)])
     s32 = s2.int()
     with pytest.raises(ValueError, match=r"argument 1 is torch.int32 \(2,\), captured as torch"):
         static.user_tensors(1, [x2, s32, s32])
