@@ -121,7 +121,8 @@ def split_glu(x: Tensor, interleave: int | None = None) -> tuple[Tensor, Tensor]
     if interleave is None:
         gate, up = x.chunk(2, dim=-1)
         return gate, up
-    blocks = x.reshape(*x.shape[:-1], -1, 2, interleave)  # [..., F/s, 2, s]
+    num_blocks = x.shape[-1] // (2 * interleave)  # explicit (not -1): zero-row inputs stay legal
+    blocks = x.reshape(*x.shape[:-1], num_blocks, 2, interleave)  # [..., F/s, 2, s]
     return blocks[..., 0, :].flatten(-2), blocks[..., 1, :].flatten(-2)
 
 
@@ -129,8 +130,9 @@ def merge_glu(gate: Tensor, up: Tensor, interleave: int | None = None) -> Tensor
     """Inverse of `split_glu`."""
     if interleave is None:
         return torch.cat([gate, up], dim=-1)
-    g = gate.reshape(*gate.shape[:-1], -1, 1, interleave)
-    u = up.reshape(*up.shape[:-1], -1, 1, interleave)
+    blocks = gate.shape[-1] // interleave  # explicit (not -1): zero-row inputs stay legal
+    g = gate.reshape(*gate.shape[:-1], blocks, 1, interleave)
+    u = up.reshape(*up.shape[:-1], blocks, 1, interleave)
     return torch.cat([g, u], dim=-2).flatten(-3)
 
 

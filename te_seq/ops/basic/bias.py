@@ -10,8 +10,9 @@ from te_seq.core.operation import BasicOperation, OperationContext
 
 
 def reduce_to_last_dim(grad: Tensor) -> Tensor:
-    """Sum a gradient [..., N] over every leading dim -> [N] (fp32 accumulate)."""
-    return grad.reshape(-1, grad.shape[-1]).sum(0, dtype=torch.float32).to(grad.dtype)
+    """Sum a gradient [..., N] over every leading dim -> [N] (fp32 accumulate; fp64 stays fp64)."""
+    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    return grad.reshape(-1, grad.shape[-1]).sum(0, dtype=acc).to(grad.dtype)
 
 
 class Bias(BasicOperation):
