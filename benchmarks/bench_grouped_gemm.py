@@ -7,6 +7,7 @@ FLOPs count real rows only. torch's wgrad (2D x 2D) needs group sizes that are m
 shape Z it runs on zero-padded groups, whose padding is not counted.
 
     python benchmarks/bench_grouped_gemm.py [--shapes A,B,Q,Z] [--iters 20] [--json out.json]
+        [--tilings 256:2x1,256:1x2]   # CuTe variants: tile_n:cluster_mxcluster_n (first = default)
 """
 
 from __future__ import annotations
@@ -96,32 +97,47 @@ def gemm_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
     else:
         dh_p, offs_p = padded(dh, sizes)
         x_p, _ = padded(x, sizes)
-    yield ("fc1_fwd", 2 * m * h * 2 * f, lambda: cute.grouped_mm(x, w1.transpose(1, 2), offs, out=y1),
+    yield ("fc1_fwd", 2 * m * h * 2 * f, lambda t: cute.grouped_mm(x, w1.transpose(1, 2), offs, out=y1, tiling=t),
            lambda: tg(x, w1.transpose(1, 2), offs=offs), y1)
-    yield ("fc2_fwd", 2 * m * f * h, lambda: cute.grouped_mm(act, w2.transpose(1, 2), offs, out=y2),
+    yield ("fc2_fwd", 2 * m * f * h, lambda t: cute.grouped_mm(act, w2.transpose(1, 2), offs, out=y2, tiling=t),
            lambda: tg(act, w2.transpose(1, 2), offs=offs), y2)
-    yield ("fc1_dgrad", 2 * m * 2 * f * h, lambda: cute.grouped_mm(dh, w1, offs, out=dx),
+    yield ("fc1_dgrad", 2 * m * 2 * f * h, lambda t: cute.grouped_mm(dh, w1, offs, out=dx, tiling=t),
            lambda: tg(dh, w1, offs=offs), dx)
-    yield ("fc1_wgrad", 2 * m * 2 * f * h, lambda: cute.grouped_wgrad(dh, x, offs, out=dw),
+    yield ("fc1_wgrad", 2 * m * 2 * f * h, lambda t: cute.grouped_wgrad(dh, x, offs, out=dw, tiling=t),
            lambda: tg(dh_p.t(), x_p, offs=offs_p), dw)
 
 
-def run_shape(name: str, iters: int) -> list[dict]:
+def parse_tilings(spec: str) -> dict:
+    from te_seq.kernels.cute import Tiling
+
+    out = {}
+    for item in spec.split(","):
+        tn, cl = item.split(":")
+        cm, cn = cl.split("x")
+        out[item] = Tiling(int(tn), (int(cm), int(cn)))
+    return out
+
+
+def run_shape(name: str, iters: int, tilings: dict) -> list[dict]:
     e, h, f, m = SHAPES[name]
     gen = torch.Generator().manual_seed(0)
     rows = []
     for label, flops, ours, theirs, out in gemm_cases(name, e, h, f, m, gen):
-        out.fill_(float("nan"))
-        t0 = time.perf_counter()
-        ours()
-        torch.cuda.synchronize()
-        first_call_s = time.perf_counter() - t0
-        err = rel_err(out, theirs())
-        ms = time_ms({"cute": ours, "torch": theirs}, iters)
-        row = dict(shape=name, gemm=label, rel_err=err, first_call_s=round(first_call_s, 2),
-                   cute_ms=ms["cute"], torch_ms=ms["torch"],
-                   cute_tflops=flops / ms["cute"] / 1e9, torch_tflops=flops / ms["torch"] / 1e9,
-                   ratio=ms["torch"] / ms["cute"])
+        ref = theirs()
+        fns, errs, first = {"torch": theirs}, {}, {}
+        for key, tiling in tilings.items():
+            out.fill_(float("nan"))
+            t0 = time.perf_counter()
+            ours(tiling)
+            torch.cuda.synchronize()
+            first[key] = round(time.perf_counter() - t0, 2)
+            errs[key] = rel_err(out, ref)
+            fns[key] = (lambda t: lambda: ours(t))(tiling)
+        ms = time_ms(fns, iters)
+        best = min(tilings, key=lambda k: ms[k])
+        row = dict(shape=name, gemm=label, rel_err=errs, first_call_s=first, ms=ms,
+                   tflops={k: flops / v / 1e9 for k, v in ms.items()}, best=best,
+                   ratio=ms["torch"] / ms[next(iter(tilings))], best_ratio=ms["torch"] / ms[best])
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -132,16 +148,22 @@ def main() -> None:
     p.add_argument("--shapes", default="A,B,Q,Z")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--tilings", default="256:2x1")
     args = p.parse_args()
+    tilings = parse_tilings(args.tilings)
     rows = []
     for name in args.shapes.split(","):
-        rows += run_shape(name, args.iters)
+        rows += run_shape(name, args.iters, tilings)
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}")
-    print(f"{'shape':5} {'gemm':10} {'err':>8} {'cute TF/s':>10} {'torch TF/s':>10} {'ratio':>6}")
+    keys = list(tilings)
+    print(f"{'shape':5} {'gemm':10} {'max err':>8} {'torch':>6} " + " ".join(f"{k:>9}" for k in keys)
+          + "  ratio(default)  best")
     for r in rows:
-        print(f"{r['shape']:5} {r['gemm']:10} {r['rel_err']:8.1e} {r['cute_tflops']:10.0f} "
-              f"{r['torch_tflops']:10.0f} {r['ratio']:6.2f}")
+        cols = " ".join(f"{r['tflops'][k]:9.0f}" for k in keys)
+        print(f"{r['shape']:5} {r['gemm']:10} {max(r['rel_err'].values()):8.1e} "
+              f"{r['tflops']['torch']:6.0f} {cols}  {r['ratio']:6.2f}  {r['best']} {r['best_ratio']:.2f}")
+    print("(TFLOP/s; ratio = torch time / cute time)")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

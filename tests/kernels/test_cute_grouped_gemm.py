@@ -42,15 +42,17 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import os, sys, time
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
     import torch
+    from te_seq.kernels.cute import MM_TILING as M, WGRAD_TILING as W
     from te_seq.kernels.cute.compile import GemmConfig, compile_gemm
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     configs = [
-        GemmConfig("m", bf16, bf16, "k"),
-        GemmConfig("m", bf16, bf16, "n"),
-        GemmConfig("m", fp16, fp16, "k"),
-        GemmConfig("k", bf16, bf16, "n"),
-        GemmConfig("k", bf16, fp32, "n"),
-        GemmConfig("k", bf16, fp32, "n", accumulate=True),
+        GemmConfig("m", bf16, bf16, "k", M.tile_n, M.cluster_mn),
+        GemmConfig("m", bf16, bf16, "n", M.tile_n, M.cluster_mn),
+        GemmConfig("m", fp16, fp16, "k", M.tile_n, M.cluster_mn),
+        GemmConfig("m", bf16, bf16, "k", 256, (2, 1)),  # the other cluster shape
+        GemmConfig("k", bf16, bf16, "n", W.tile_n, W.cluster_mn),
+        GemmConfig("k", bf16, fp32, "n", W.tile_n, W.cluster_mn),
+        GemmConfig("k", bf16, fp32, "n", W.tile_n, W.cluster_mn, accumulate=True),
     ]
     for cfg in configs:
         print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
@@ -228,3 +230,26 @@ def test_cuda_graph_replays_with_new_split_sizes():
         graph.replay()
         torch.cuda.synchronize()
         assert _rel_err(out, reference.grouped_mm(a.double(), b.double(), offs)) < 1e-2
+
+
+# The non-default tilings stay correct too (2x1 multicasts B; 1x1 multicasts nothing).
+_OTHER_TILINGS = [(256, (2, 1)), (128, (1, 1))]
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("tiling", _OTHER_TILINGS, ids=str)
+def test_other_tilings_match_reference(tiling):
+    from te_seq.kernels import cute
+
+    t = cute.Tiling(tiling[0], tiling[1])
+    sizes, k, n = [1, 0, 129, 255, 257, 0, 513], 192, 264
+    a = torch.randn(sum(sizes), k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), n, k, device="cuda", dtype=torch.bfloat16)
+    offs = _offs(sizes)
+    out = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cute.grouped_mm(a, w.transpose(1, 2), offs, out=out, tiling=t)
+    assert _rel_err(out, reference.grouped_mm(a.double(), w.transpose(1, 2).double(), offs)) < 1e-2
+    g = torch.randn(sum(sizes), n, device="cuda", dtype=torch.bfloat16)
+    dw = cute.grouped_wgrad(g, a, offs, tiling=t)
+    assert _rel_err(dw, reference.grouped_wgrad(g.double(), a.double(), offs)) < 1e-2

@@ -12,14 +12,33 @@ sync-free and CUDA-graph capturable. ``te_seq.kernels.reference`` defines the ma
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["available", "supports", "grouped_mm", "grouped_wgrad"]
+__all__ = ["Tiling", "available", "supports", "supports_wgrad", "grouped_mm", "grouped_wgrad"]
 
 _AB_DTYPES = (torch.bfloat16, torch.float16)
-_TILE_M, _TILE_N, _CLUSTER_M = 128, 256, 2
+_TILE_M = 128
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """CTA tile width (the tile is 128 x tile_n x 64) and cluster shape (cluster_m, cluster_n).
+
+    cluster (2, 1): two m-tiles of one group share B by multicast; (1, 2): two n-tiles share A.
+    """
+
+    tile_n: int = 256
+    cluster_mn: tuple[int, int] = (1, 2)
+
+
+# Measured on one H200 (2026-11-22, benchmarks/bench_grouped_gemm.py, shapes A/B/Q/Z of DESIGN.md):
+# 128x256 with a 1x2 cluster was best or within 2% of best for every GEMM; 2x1 lost 5-20% on
+# varlen M (256-row cluster units waste rows of small experts), 128x128 lost up to 35% on A.
+MM_TILING = Tiling(256, (1, 2))
+WGRAD_TILING = Tiling(256, (1, 2))
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,7 +117,9 @@ def _check_offs(offs: Tensor, groups: int, device: torch.device) -> Tensor:
     return offs.to(torch.int32).contiguous()
 
 
-def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, out: Tensor | None = None) -> Tensor:
+def grouped_mm(
+    a: Tensor, b: Tensor, offs: Tensor, out: Tensor | None = None, *, tiling: Tiling | None = None
+) -> Tensor:
     """Varlen-M grouped GEMM: ``out[rows of e] = a[rows of e] @ b[e]`` (fp32 accumulate).
 
     a: [M, K], b: [E, K, N] (either major: ``W.transpose(1, 2)`` or ``W``), offs: int32 [E]
@@ -120,11 +141,14 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, out: Tensor | None = None) ->
         return out
     a = _row_major(a)
     b_view, b_major = _b_view(b)
-    kernel = compile_gemm(GemmConfig("m", a.dtype, a.dtype, b_major, _TILE_N, _CLUSTER_M)).fn
-    block_m = _TILE_M * _CLUSTER_M
-    # Grid from M and E only: no group has more units than its rows allow.
-    units = (rows + (groups + 1) * (block_m - 1)) // block_m * -(-n // _TILE_N)
-    clusters = max(1, min(units, _num_sms(a.device.index or 0) // _CLUSTER_M))
+    t = tiling or MM_TILING
+    kernel = compile_gemm(GemmConfig("m", a.dtype, a.dtype, b_major, t.tile_n, t.cluster_mn)).fn
+    cm, cn = t.cluster_mn
+    block_m = _TILE_M * cm
+    # Grid from M and E only: no group (nor the virtual one past offs[-1]) has more m-units than
+    # its rows allow, so the units are at most (M + (E + 1)(block_m - 1)) / block_m per n-unit.
+    units = (rows + (groups + 1) * (block_m - 1)) // block_m * -(-n // (t.tile_n * cn))
+    clusters = max(1, min(units, _num_sms(a.device.index or 0) // (cm * cn)))
     kernel(a, b_view, out, offs, clusters)
     return out
 
@@ -135,6 +159,8 @@ def grouped_wgrad(
     offs: Tensor,
     out: Tensor | None = None,
     accumulate: bool = False,
+    *,
+    tiling: Tiling | None = None,
 ) -> Tensor:
     """Varlen-K grouped GEMM: ``out[e] = grad_out[rows of e]ᵀ @ x[rows of e]`` -> [E, N, K].
 
@@ -154,15 +180,16 @@ def grouped_wgrad(
     if out.shape != (groups, n, k) or out.dtype not in (torch.float32, x.dtype):
         raise ValueError(f"out must be [{groups}, {n}, {k}] in float32 or {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     if not out.is_contiguous():
-        result = grouped_wgrad(grad_out, x, offs, torch.empty_like(out, memory_format=torch.contiguous_format), accumulate=False)
+        tmp = torch.empty_like(out, memory_format=torch.contiguous_format)
+        result = grouped_wgrad(grad_out, x, offs, tmp, tiling=tiling)
         return out.add_(result) if accumulate else out.copy_(result)
     if rows == 0:
         return out if accumulate else out.zero_()
     grad_out, x = _row_major(grad_out), _row_major(x)
-    cfg = GemmConfig("k", x.dtype, out.dtype, "n", _TILE_N, _CLUSTER_M, accumulate)
-    kernel = compile_gemm(cfg).fn
-    block_m = _TILE_M * _CLUSTER_M
-    units = groups * -(-n // block_m) * -(-k // _TILE_N)
-    clusters = max(1, min(units, _num_sms(x.device.index or 0) // _CLUSTER_M))
+    t = tiling or WGRAD_TILING
+    kernel = compile_gemm(GemmConfig("k", x.dtype, out.dtype, "n", t.tile_n, t.cluster_mn, accumulate)).fn
+    cm, cn = t.cluster_mn
+    units = groups * -(-n // (_TILE_M * cm)) * -(-k // (t.tile_n * cn))
+    clusters = max(1, min(units, _num_sms(x.device.index or 0) // (cm * cn)))
     kernel(grad_out.t(), x.t(), out.permute(1, 2, 0), offs, clusters)
     return out

@@ -36,7 +36,7 @@ class GemmConfig:
     c_dtype: torch.dtype
     b_major: str = "k"
     tile_n: int = 256
-    cluster_m: int = 2
+    cluster_mn: tuple[int, int] = (1, 2)
     accumulate: bool = False
 
 
@@ -83,7 +83,7 @@ def tvm_ffi_available() -> bool:
 def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     """Compile (once per config, cached in memory) the grouped GEMM for ``cfg``."""
     kernel = GroupedGemmKernel(
-        cfg.varlen, (128, cfg.tile_n), cfg.cluster_m, accumulate=cfg.accumulate
+        cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, accumulate=cfg.accumulate
     )
     start = time.perf_counter()
     options = "--enable-tvm-ffi" if tvm_ffi_available() else ""

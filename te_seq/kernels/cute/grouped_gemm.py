@@ -11,11 +11,13 @@ Two problems share one kernel class, chosen by ``varlen``:
   (M-major: the transpose of grad_out [M, N_out]), B seen as (K_in, M) (the transpose of
   x [M, K_in]), C seen as (N_out, K_in, E).
 
-Work is cut into cluster units (``cluster_m`` m-tiles × one n-tile of one group) that persistent
-clusters walk with a fixed stride. For ``"m"`` a unit's group is found from the device prefix sums
-by a warp-cooperative scan that only moves forward (each warp caches the group it is in), so the
-grid depends on M and E alone and the host never reads split sizes. The two CTAs of a cluster take
-neighbouring m-tiles of the same group and n-tile, so they share B by TMA multicast.
+Work is cut into cluster units (``cluster_m`` m-tiles × ``cluster_n`` n-tiles of one group) that
+persistent clusters walk with a fixed stride, m fastest within a group. For ``"m"`` a unit's group
+is found from the device prefix sums by a warp-cooperative scan that only moves forward (each warp
+caches the group it is in), so the grid depends on M and E alone and the host never reads split
+sizes. The CTAs of a 1×2 cluster take neighbouring n-tiles of one m-tile and share A by TMA
+multicast (2×1: neighbouring m-tiles share B). 1×2 keeps 128-row granularity on small groups:
+on one H200 (2026-11-22) it beat 2×1 by 5–20% on the varlen-M shapes of DESIGN.md.
 
 Bounds are enforced by TMA itself through "ragged" views (see ``_ragged_view``): the store of a
 varlen-M tile drops rows past its group, and the loads of a varlen-K tile zero-fill rows past its
@@ -31,10 +33,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
+import cutlass.memory as memory
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
 
 # Ragged views (the trick of Triton's ragged TMA): replace the ragged mode of extent L by
 # _BIG_INT and append two modes of extent _MAX_INT with strides (2**34 - s, s). Selecting the
@@ -80,18 +83,19 @@ class GroupedGemmKernel:
         self,
         varlen: str,
         tile_mn: tuple[int, int] = (128, 256),
-        cluster_m: int = 2,
+        cluster_mn: tuple[int, int] = (1, 2),
         accumulate: bool = False,
     ):
         if varlen not in ("m", "k"):
             raise ValueError(f"GroupedGemmKernel: varlen must be 'm' or 'k', got {varlen!r}")
         if tile_mn[0] != 128 or tile_mn[1] not in (64, 128, 192, 256):
             raise ValueError(f"GroupedGemmKernel: unsupported tile {tile_mn}")
-        if cluster_m not in (1, 2):
-            raise ValueError(f"GroupedGemmKernel: cluster_m must be 1 or 2, got {cluster_m}")
+        if cluster_mn not in ((1, 1), (2, 1), (1, 2)):
+            raise ValueError(f"GroupedGemmKernel: cluster must be 1x1, 2x1 or 1x2, got {cluster_mn}")
         self.varlen = varlen
         self.accumulate = accumulate and varlen == "k"
-        self.cluster_m = cluster_m
+        self.cluster_m, self.cluster_n = cluster_mn
+        self.cluster_size = self.cluster_m * self.cluster_n
         self.tile_mnk = (tile_mn[0], tile_mn[1], 64)
         self.threads = (1 + self.num_mma_warpgroups) * self.threads_per_warpgroup
         self.num_mma_threads = self.num_mma_warpgroups * self.threads_per_warpgroup
@@ -103,9 +107,9 @@ class GroupedGemmKernel:
     def _setup(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor) -> None:
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
         self.acc_dtype = Float32
-        self.a_layout = utils.LayoutEnum.from_tensor(a)
-        self.b_layout = utils.LayoutEnum.from_tensor(b)
-        self.c_layout = utils.LayoutEnum.from_tensor(c)
+        self.a_layout = LayoutEnum.from_tensor(a)
+        self.b_layout = LayoutEnum.from_tensor(b)
+        self.c_layout = LayoutEnum.from_tensor(c)
         tm, tn, tk = self.tile_mnk
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype,
@@ -120,7 +124,7 @@ class GroupedGemmKernel:
         self.epi_stage = 4 if self.c_dtype.width == 16 else 2
         ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8
         epi_bytes = tm * 32 * self.c_dtype.width // 8 * self.epi_stage
-        smem = utils.get_smem_capacity_in_bytes("sm_90")
+        smem = memory.get_smem_capacity_in_bytes("sm_90")
         self.ab_stage = (smem - 2048 - epi_bytes) // ab_bytes
         self.a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.a_dtype, self.ab_stage)
         self.b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.ab_stage)
@@ -153,7 +157,7 @@ class GroupedGemmKernel:
         else:
             a_tma_src = _ragged_view(a, 1)
             b_tma_src = _ragged_view(b, 1)
-        tma_a, mA = self._tma_load(a_tma_src, self.a_smem, (tm, tk), 1)
+        tma_a, mA = self._tma_load(a_tma_src, self.a_smem, (tm, tk), self.cluster_n)
         tma_b, mB = self._tma_load(b_tma_src, self.b_smem, (tn, tk), self.cluster_m)
         tma_c, mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
@@ -174,9 +178,9 @@ class GroupedGemmKernel:
             tma_a, mA, tma_b, mB, tma_c, mC, c, offs, a.shape[0], a.shape[1],
             self.tiled_mma, self.a_smem, self.b_smem, self.c_smem,
         ).launch(
-            grid=(num_clusters * self.cluster_m, 1, 1),
+            grid=(self.cluster_m, self.cluster_n, num_clusters),
             block=(self.threads, 1, 1),
-            cluster=(self.cluster_m, 1, 1),
+            cluster=(self.cluster_m, self.cluster_n, 1),
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -280,10 +284,10 @@ class GroupedGemmKernel:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
         tm, tn, tk = self.tile_mnk
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cta_layout = cute.make_layout((self.cluster_m, 1, 1))
+        cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
         cluster_coord = cta_layout.get_flat_coord(cta_rank)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = memory.SmemAllocator().allocate(self.shared_storage)
         a_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0)))
         b_bytes = cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
         # Each consumer warp releases a stage to every CTA that wrote into it (B is multicast).
@@ -292,13 +296,14 @@ class GroupedGemmKernel:
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.cluster_m * self.num_mma_warpgroups * 4
+                pipeline.Agent.Thread,
+                (self.cluster_m + self.cluster_n - 1) * self.num_mma_warpgroups * 4,
             ),
             tx_count=a_bytes + b_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
             defer_sync=True,
         )
-        pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
+        pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
@@ -310,9 +315,9 @@ class GroupedGemmKernel:
         else:
             n_dim = mB.shape[0]
             m_units_k = (mA.shape[0] + tm * self.cluster_m - 1) // (tm * self.cluster_m)
-        n_tiles = (n_dim + tn - 1) // tn
+        n_tiles = (n_dim + tn * self.cluster_n - 1) // (tn * self.cluster_n)  # cluster n-units
 
-        pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
+        pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
         wg = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.load_registers)
@@ -359,35 +364,40 @@ class GroupedGemmKernel:
         self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, offs, num_rows, k_dim, n_tiles, m_units_k,
         cluster_coord,
     ):
-        b_mask = None
-        if const_expr(self.cluster_m > 1):
-            b_mask = cute.make_layout_image_mask(
-                cute.make_layout((self.cluster_m, 1, 1)), cluster_coord, mode=0
-            )
-        b_cta_layout = cute.make_layout(self.cluster_m)
+        a_mask, b_mask = None, None
+        cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
+        if const_expr(self.cluster_n > 1):  # CTAs of one m-tile share A
+            a_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=1)
+        if const_expr(self.cluster_m > 1):  # CTAs of one n-tile share B
+            b_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-        cluster_id = cute.arch.block_idx()[0] // self.cluster_m
-        stride = cute.arch.grid_dim()[0] // self.cluster_m
+        cluster_id = cute.arch.block_idx()[2]
+        stride = cute.arch.grid_dim()[2]
         st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
         unit = cluster_id
-        valid, group, m_unit, n_tile, row0, rows, st = self._work(
+        valid, group, m_unit, n_unit, row0, rows, st = self._work(
             offs, num_rows, n_tiles, m_units_k, unit, st
         )
         while valid:
             m_tile = m_unit * self.cluster_m + cluster_coord[0]
+            n_tile = n_unit * self.cluster_n + cluster_coord[1]
             gA, gB = self._tile_tensors(mA, mB, group, m_tile, n_tile, row0, rows)
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
             tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                tma_a, cluster_coord[1], cute.make_layout(self.cluster_n),
+                cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
             )
             tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_b, cluster_coord[0], b_cta_layout, cute.group_modes(sB, 0, 2),
-                cute.group_modes(gB, 0, 2),
+                tma_b, cluster_coord[0], cute.make_layout(self.cluster_m),
+                cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
             )
             for k in range(k_tiles):
                 ab_pipe.producer_acquire(state)
                 bar = ab_pipe.producer_get_barrier(state)
-                cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(
+                    tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar,
+                    mcast_mask=a_mask,
+                )
                 cute.copy(
                     tma_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar,
                     mcast_mask=b_mask,
@@ -395,7 +405,7 @@ class GroupedGemmKernel:
                 ab_pipe.producer_commit(state)
                 state.advance()
             unit = unit + stride
-            valid, group, m_unit, n_tile, row0, rows, st = self._work(
+            valid, group, m_unit, n_unit, row0, rows, st = self._work(
                 offs, num_rows, n_tiles, m_units_k, unit, st
             )
         ab_pipe.producer_tail(state)
@@ -457,20 +467,21 @@ class GroupedGemmKernel:
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        cluster_id = cute.arch.block_idx()[0] // self.cluster_m
-        stride = cute.arch.grid_dim()[0] // self.cluster_m
+        cluster_id = cute.arch.block_idx()[2]
+        stride = cute.arch.grid_dim()[2]
         st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
         unit = cluster_id
         epi_count = Int32(0)
-        valid, group, m_unit, n_tile, row0, rows, st = self._work(
+        valid, group, m_unit, n_unit, row0, rows, st = self._work(
             offs, num_rows, n_tiles, m_units_k, unit, st
         )
         while valid:
             m_tile = m_unit * self.cluster_m + cluster_coord[0]
+            n_tile = n_unit * self.cluster_n + cluster_coord[1]
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
             read, release = self._mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles)
             if const_expr(self.accumulate):
-                self._add_existing(acc, thr_mma, c_raw, group, m_tile, n_tile)
+                self._add_existing(acc, tiled_mma.get_slice(mma_tidx), c_raw, group, m_tile, n_tile)
             if const_expr(self.varlen == "m"):
                 mC_g = _ragged_group(mC, 0, row0, rows)
             else:
@@ -498,19 +509,22 @@ class GroupedGemmKernel:
                 self.epi_barrier.arrive_and_wait()
             epi_count = epi_count + num_epi
             unit = unit + stride
-            valid, group, m_unit, n_tile, row0, rows, st = self._work(
+            valid, group, m_unit, n_unit, row0, rows, st = self._work(
                 offs, num_rows, n_tiles, m_units_k, unit, st
             )
         store_pipe.producer_tail()
 
     @cute.jit
     def _add_existing(self, acc, thr_mma, c_raw, group, m_tile, n_tile):
-        """acc += C (wgrad accumulation into an existing buffer), predicated on the bounds."""
+        """acc += C (wgrad accumulation into an existing buffer), predicated on the bounds.
+
+        ``thr_mma`` is this thread's slice (not the warpgroup's, which only serves smem operands).
+        """
         tm, tn, _ = self.tile_mnk
         gC = cute.local_tile(c_raw[None, None, group], (tm, tn), (m_tile, n_tile))
         cC = cute.local_tile(cute.make_identity_tensor(c_raw.shape[:2]), (tm, tn), (m_tile, n_tile))
         tCgC = thr_mma.partition_C(gC)
         tCcC = thr_mma.partition_C(cC)
-        for i in cutlass.range_constexpr(cute.size(acc)):
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
             if cute.elem_less(tCcC[i], c_raw.shape[:2]):
                 acc[i] = acc[i] + tCgC[i].to(Float32)
