@@ -143,14 +143,37 @@ def run_shape(name: str, iters: int, tilings: dict) -> list[dict]:
     return rows
 
 
+def launch_overhead_us(calls: int = 2000) -> dict[str, float]:
+    """Host time per call on a tiny problem (the GPU keeps up, so this is the launch path)."""
+    from te_seq.kernels import cute
+
+    a = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([64, 128, 192, 256], dtype=torch.int32, device="cuda")
+    out = torch.empty(256, 128, device="cuda", dtype=torch.bfloat16)
+    res = {}
+    for key, fn in {"cute": lambda: cute.grouped_mm(a, b, offs, out=out),
+                    "torch": lambda: torch._grouped_mm(a, b, offs=offs)}.items():
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        res[key] = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="A,B,Q,Z")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)
-    p.add_argument("--tilings", default="256:2x1")
+    p.add_argument("--tilings", default="256:1x2,256:2x1")
     args = p.parse_args()
     tilings = parse_tilings(args.tilings)
+    launch = launch_overhead_us()
+    print("host us per call (tiny problem):", {k: round(v, 1) for k, v in launch.items()})
     rows = []
     for name in args.shapes.split(","):
         rows += run_shape(name, args.iters, tilings)
@@ -164,9 +187,10 @@ def main() -> None:
         print(f"{r['shape']:5} {r['gemm']:10} {max(r['rel_err'].values()):8.1e} "
               f"{r['tflops']['torch']:6.0f} {cols}  {r['ratio']:6.2f}  {r['best']} {r['best_ratio']:.2f}")
     print("(TFLOP/s; ratio = torch time / cute time)")
+    print("host us per call (tiny problem):", {k: round(v, 1) for k, v in launch.items()})
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump({"launch_us": launch, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
