@@ -59,7 +59,7 @@ def available() -> tuple[bool, str]:
 
 def _row_ok(n: int, dtype: torch.dtype) -> bool:
     """TMA needs every non-unit stride 16-byte aligned."""
-    return (n * torch.empty((), dtype=dtype).element_size()) % 16 == 0
+    return (n * dtype.itemsize) % 16 == 0
 
 
 def supports(a: Tensor, b: Tensor) -> tuple[bool, str]:
@@ -114,7 +114,7 @@ def _check_offs(offs: Tensor, groups: int, device: torch.device) -> Tensor:
         raise ValueError(f"offs must be 1-D of length {groups}, got shape {tuple(offs.shape)}")
     if offs.device != device:
         raise ValueError(f"offs must be on {device}, got {offs.device}")
-    return offs.to(torch.int32).contiguous()
+    return offs if offs.dtype == torch.int32 and offs.is_contiguous() else offs.to(torch.int32).contiguous()
 
 
 def grouped_mm(
