@@ -181,6 +181,11 @@ def _run_backward(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple])
     dy = grad_output
     for seg in call.plan.backward:
         ctxs = [call.ctxs[p] for p in seg.positions]
+        if not any(ctx.requires_grad for ctx in ctxs):
+            # requires_grad only grows in forward order: no earlier op needs a backward either
+            # (their contexts saved nothing), and the run's input needs no gradient.
+            dy = None
+            break
         for ctx in ctxs:
             ctx.backend = call.plan.backends[id(seg.op)]
         dy, pgrads, egrads = seg.op.fuser_backward(

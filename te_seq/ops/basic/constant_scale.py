@@ -1,0 +1,29 @@
+"""ConstantScale: y = scale · x."""
+
+from __future__ import annotations
+
+import numbers
+
+from torch import Tensor
+
+from te_seq.core.operation import BasicOperation, OperationContext
+
+
+class ConstantScale(BasicOperation):
+    """y = scale · x for a fixed Python number `scale`; x any shape, y the same shape and dtype.
+    Equivalent to `x * scale`. Backward: dx = scale · dy."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+            raise TypeError(f"ConstantScale: scale must be a real number, got {scale!r}")
+        self.scale = float(scale)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}"
+
+    def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
+        return input_ * self.scale
+
+    def op_backward(self, ctx: OperationContext, grad_output: Tensor):
+        return grad_output * self.scale, []

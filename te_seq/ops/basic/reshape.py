@@ -1,0 +1,53 @@
+"""Reshape: y = x.reshape(shape)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from te_seq.core.operation import BasicOperation, OperationContext
+
+
+def _parse_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        raise TypeError(f"Reshape: shape must be a sequence of ints, got {shape!r}")
+    if any(d < -1 for d in dims) or dims.count(-1) > 1:
+        raise ValueError(
+            f"Reshape: shape {dims} may hold sizes >= 0 and at most one -1 (inferred)"
+        )
+    return dims
+
+
+class Reshape(BasicOperation):
+    """y = x.reshape(shape) over the whole tensor (leading dims included), like `torch.reshape`;
+    `shape` may hold one -1. Backward: dx = dy.reshape(x.shape). y may be a view of x."""
+
+    def __init__(self, shape: int | Sequence[int]) -> None:
+        super().__init__()
+        self.shape = _parse_shape(shape)
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}"
+
+    def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
+        known = math.prod(d for d in self.shape if d != -1)
+        numel = input_.numel()
+        if -1 in self.shape:  # the inferred size must be an integer (and unique: known > 0)
+            fits = known > 0 and numel % known == 0
+        else:
+            fits = numel == known
+        if not fits:
+            raise ValueError(
+                f"Reshape: cannot reshape input of shape {tuple(input_.shape)} "
+                f"({numel} elements) to {self.shape}"
+            )
+
+    def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
+        ctx.input_shape = input_.shape
+        return input_.reshape(self.shape)
+
+    def op_backward(self, ctx: OperationContext, grad_output: Tensor):
+        return grad_output.reshape(ctx.input_shape), []

@@ -1,0 +1,70 @@
+"""RMSNorm: y = x / sqrt(mean(x²) + eps) · γ over the last dimension."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from te_seq.core import checks
+from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.ops.basic.layer_norm import (
+    check_eps,
+    effective_gamma,
+    parse_normalized_shape,
+    reduce_rows,
+    upcast,
+)
+
+
+class RMSNorm(BasicOperation):
+    """RMS norm over the last dim: x [..., N] -> y [..., N],
+
+        rstd = 1 / sqrt(mean(x²) + eps),  x̂ = x · rstd,
+        y = x̂ · γ,  γ = weight (or 1 + weight with `zero_centered_gamma`).
+
+    Equivalent to `x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * γ` (and to
+    `torch.nn.functional.rms_norm(x, (N,), γ, eps)`). Computed in fp32 for low-precision inputs.
+    `normalized_shape` is an int or a 1-tuple (last dimension only). weight [N] starts at one
+    (zero with `zero_centered_gamma`); there is no bias.
+    Backward (ĝ = dy · γ): dx = rstd · (ĝ - x̂ · mean(ĝ · x̂)), dγ = Σ dy · x̂.
+    """
+
+    def __init__(self, normalized_shape: int | Sequence[int], *, eps: float = 1e-5,
+                 zero_centered_gamma: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.normalized_shape = parse_normalized_shape("RMSNorm", normalized_shape)
+        self.eps = check_eps("RMSNorm", eps)
+        self.zero_centered_gamma = zero_centered_gamma
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(self.normalized_shape, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"zero_centered_gamma={self.zero_centered_gamma}")
+
+    def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
+        checks.check_last_dim(self, input_, self.normalized_shape, "normalized_shape")
+        checks.check_matches_param(self, input_, self.weight)
+
+    def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
+        x = upcast(input_)  # [..., N]
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., 1]
+        y = x * rstd * effective_gamma(self.weight, self.zero_centered_gamma)
+        if ctx.requires_grad:
+            ctx.save_for_backward(input_, rstd, self.weight)
+        return y.to(input_.dtype)
+
+    def op_backward(self, ctx: OperationContext, grad_output: Tensor):
+        x_in, rstd, weight = ctx.saved_tensors
+        x_hat = upcast(x_in) * rstd  # [..., N]
+        dy = upcast(grad_output)
+        dx = None
+        if ctx.input_requires_grad:
+            g = dy * effective_gamma(weight, self.zero_centered_gamma)
+            dx = (rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))).to(x_in.dtype)
+        if not ctx.weight_requires_grad:
+            return dx, [None]
+        return dx, [reduce_rows(dy * x_hat).to(self.weight.dtype)]

@@ -1,0 +1,75 @@
+"""Helpers shared by the forward fusions that start with BasicLinear → Bias.
+
+A forward-only fusion must leave each basic op's context exactly as that op's own forward would,
+so the unfused backward (or a backward fusion) can run from it: `save_linear_ctx` mirrors
+`BasicLinear.op_forward`, and `Bias.op_forward` saves nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from te_seq.core.grad_policy import ForwardWeights
+from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.fusion.registry import NoMatch
+from te_seq.ops.basic.basic_linear import BasicLinear
+from te_seq.ops.basic.bias import Bias
+from te_seq.ops.fused.grouped_mlp import ACTIVATION_OPS
+
+_MATHS_METHODS = ("op_forward", "op_backward", "fuser_forward", "fuser_backward")
+
+
+def save_linear_ctx(linear: BasicLinear, ctx: OperationContext, x: Tensor, input_shape) -> None:
+    """What `BasicLinear.op_forward` saves: x [T, in] for wgrad, W for dgrad, the input shape and
+    the forward's weights for the gradient contract. (tests/test_ops_details.py runs the unfused
+    backward from these contexts, so a change to BasicLinear's context shows up there.)"""
+    if ctx.requires_grad:
+        ctx.save_for_backward(
+            x if ctx.weight_requires_grad else None,
+            linear.weight if ctx.input_requires_grad else None,
+        )
+        ctx.input_shape = input_shape
+        ctx.weights = ForwardWeights.take("BasicLinear", [("weight", linear.weight)])
+
+
+def shape_proxy(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """A tensor with `shape` and `like`'s dtype and device that owns no memory (zero strides),
+    for checks that read only shape, dtype and device."""
+    return torch.empty((), dtype=like.dtype, device=like.device).expand(shape)
+
+
+def check_linear_bias(linear: BasicLinear, bias: Bias) -> NoMatch | None:
+    """Why BasicLinear → Bias cannot run as one addmm (None when it can)."""
+    if bias.size != linear.out_features:
+        return NoMatch(
+            f"Bias size {bias.size} does not match BasicLinear out_features {linear.out_features}"
+        )
+    w, b = linear.weight, bias.bias
+    if (w.dtype, w.device) != (b.dtype, b.device):
+        return NoMatch(
+            f"Bias parameter ({b.dtype}, {b.device}) differs from BasicLinear weight "
+            f"({w.dtype}, {w.device})"
+        )
+    return None
+
+
+def check_activation(act: BasicOperation, width: int) -> NoMatch | None:
+    """Why an activation op cannot be run by a fused op over input width `width` (None if it can).
+
+    A user subclass that overrides the maths of a built-in activation is declined: the fused op
+    only knows the built-in maths.
+    """
+    base = next(c for c in type(act).__mro__ if c in ACTIVATION_OPS)
+    overridden = [m for m in _MATHS_METHODS if getattr(type(act), m) is not getattr(base, m)]
+    if overridden:
+        return NoMatch(
+            f"{type(act).__name__} overrides {', '.join(overridden)} of {base.__name__}"
+        )
+    if act.gated:
+        multiple = 2 * (act.glu_interleave_size or 1)
+        if width % multiple:
+            return NoMatch(
+                f"{type(act).__name__} needs a width that is a multiple of {multiple}, got {width}"
+            )
+    return None

@@ -1,0 +1,55 @@
+"""MakeExtraOutputLinearBackward: the backward of MakeExtraOutput → BasicLinear, with the
+linear's dgrad accumulated onto the residual's gradient by one GEMM.
+
+Registered as the backward fusion "make_extra_output_linear_backward". Shape legend: T tokens
+(rows), K in_features, N out_features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from te_seq.core.operation import BasicOperation, FusedOperation
+from te_seq.fusion.registry import register_fusion
+from te_seq.ops.basic.basic_linear import BasicLinear
+from te_seq.ops.basic.make_extra_output import MakeExtraOutput
+
+
+class MakeExtraOutputLinearBackward(FusedOperation):
+    """Backward of r = x (the extra output), y = x Wᵀ: dy [..., N], dr [..., K] ->
+
+        dX = dR + dY W   (one `torch.addmm`, out of place: autograd's dR is never written),
+        dW = dYᵀ X       (through BasicLinear's gradient contract).
+
+    Backward only: it reads what BasicLinear's own forward saved (x, W, the input shape);
+    MakeExtraOutput saves nothing.
+    """
+
+    def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
+        super().__init__(basic_ops)
+        self.make_extra_output, self.linear = basic_ops
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        _, linear_ctx = basic_op_ctxs
+        (d_residual,) = basic_op_grad_extra_outputs[0]
+        x, weight = linear_ctx.saved_tensors
+        linear = self.linear
+        dy = grad_output.reshape(-1, linear.out_features)  # [T, N]
+        dx = None
+        if linear_ctx.input_requires_grad:
+            if d_residual is None:
+                dx = dy @ weight  # dX = dY W   [T, K]
+            else:
+                d_r = d_residual.reshape(-1, linear.in_features)  # [T, K]
+                dx = torch.addmm(d_r, dy, weight)  # dX = dR + dY W   [T, K]
+            dx = dx.reshape(linear_ctx.input_shape)
+        wgrads = linear.weight_grads(linear_ctx, x, dy)  # dW = dYᵀ X, per the gradient contract
+        return dx, [[], wgrads], [(), ()]
+
+
+@register_fusion(name="make_extra_output_linear_backward", phase="backward",
+                 pattern=(MakeExtraOutput, BasicLinear), builtin=True)
+def _build_make_extra_output_linear_backward(window) -> MakeExtraOutputLinearBackward:
+    return MakeExtraOutputLinearBackward(window)
