@@ -1,26 +1,42 @@
 """Basic ops: one piece of maths each, with a pure-PyTorch reference path."""
 
+from te_seq.ops.basic.add_extra_input import AddExtraInput
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
+from te_seq.ops.basic.constant_scale import ConstantScale
+from te_seq.ops.basic.dropout import Dropout
 from te_seq.ops.basic.geglu import GEGLU
 from te_seq.ops.basic.gelu import GELU
 from te_seq.ops.basic.grouped_linear import GroupedLinear
+from te_seq.ops.basic.identity import Identity
+from te_seq.ops.basic.layer_norm import LayerNorm
 from te_seq.ops.basic.linear import Linear
+from te_seq.ops.basic.make_extra_output import MakeExtraOutput
 from te_seq.ops.basic.reglu import ReGLU
 from te_seq.ops.basic.relu import ReLU
+from te_seq.ops.basic.reshape import Reshape
+from te_seq.ops.basic.rms_norm import RMSNorm
 from te_seq.ops.basic.scaled_swiglu import ScaledSwiGLU
 from te_seq.ops.basic.silu import SiLU
 from te_seq.ops.basic.swiglu import SwiGLU
 
 __all__ = [
-    "GEGLU",
-    "GELU",
+    "AddExtraInput",
     "BasicLinear",
     "Bias",
+    "ConstantScale",
+    "Dropout",
+    "GEGLU",
+    "GELU",
     "GroupedLinear",
+    "Identity",
+    "LayerNorm",
     "Linear",
+    "MakeExtraOutput",
+    "RMSNorm",
     "ReGLU",
     "ReLU",
+    "Reshape",
     "ScaledSwiGLU",
     "SiLU",
     "SwiGLU",
