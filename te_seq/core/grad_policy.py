@@ -1,9 +1,10 @@
 """The gradient contract (API.md §4): the one place that decides where a weight gradient goes.
 
-Every op with weights (BasicLinear, GroupedLinear, the fused GroupedMLP) describes its wgrad as a
-`WgradRequest` and hands it to its `WeightGradPolicy`; the policy runs it now or queues it for
-`backward_dw()`, writes `.grad` or `main_grad`, sets `grad_added_to_main_grad`, and says what
-autograd gets back:
+Every op with weights (BasicLinear, GroupedLinear, the fused GroupedMLP) records its weights at
+forward (`ForwardWeights.take`, weak references to the very Parameter objects the forward used),
+describes its wgrad at backward as a `WgradRequest` and hands it to its `WeightGradPolicy`; the
+policy runs it now or queues it for `backward_dw()`, writes `.grad` or `main_grad`, sets
+`grad_added_to_main_grad`, and says what autograd gets back:
 
 | configuration                               | wgrad goes to                    | autograd gets |
 |---------------------------------------------|----------------------------------|---------------|
@@ -12,6 +13,10 @@ autograd gets back:
 | main_grad, param has no flag attribute      | main_grad (+= or = if overwrite) | None          |
 | main_grad, param has grad_added_to_main_grad| main_grad; flag set True         | dummy         |
 | delayed + main_grad (without / with flag)   | main_grad in backward_dw()       | None / dummy  |
+
+The attributes (`main_grad`, `overwrite_main_grad`, `grad_added_to_main_grad`, `zero_out_wgrad`)
+are read on the forward's Parameter when the wgrad is computed (at backward, or in backward_dw()
+when delayed), so a trainer may set or swap `main_grad` or `overwrite_main_grad` in between.
 
 A dummy is a freshly allocated tensor shaped like the weight (zeros when the parameter has
 `zero_out_wgrad=True`, otherwise uninitialised): it never shares storage with anything, so a
@@ -29,59 +34,80 @@ import torch
 from torch import Tensor
 
 
-@dataclass
-class WgradRequest:
-    """One pending weight gradient of an op: the weights and how to compute their gradients.
+@dataclass(frozen=True)
+class ForwardWeights:
+    """The weights one forward call used, by weak reference, and which of them need a gradient.
 
-    `compute()` returns one gradient per weight (in the weight's dtype). `compute_into(outs,
-    accumulate)`, when given, writes (or adds) the gradients straight into the given buffers —
-    the fp32 `main_grad` path, with no intermediate low-precision copy.
+    Taken in forward so that the wgrad targets the forward's Parameter objects even if the module's
+    attribute is replaced before backward; weak so a queued wgrad never keeps a weight alive.
     """
 
     op_name: str
-    param_names: tuple[str, ...]
-    param_refs: tuple[weakref.ref, ...]
-    compute: Callable[[], Sequence[Tensor]]
-    compute_into: Callable[[Sequence[Tensor], bool], None] | None = None
+    names: tuple[str, ...]
+    refs: tuple[weakref.ref, ...]
+    needs_grad: tuple[bool, ...]
 
     @staticmethod
-    def for_params(
-        op_name: str,
-        named_params: Sequence[tuple[str, torch.nn.Parameter]],
-        compute: Callable[[], Sequence[Tensor]],
-        compute_into: Callable[[Sequence[Tensor], bool], None] | None = None,
-    ) -> WgradRequest:
-        names = tuple(name for name, _ in named_params)
-        refs = tuple(weakref.ref(p) for _, p in named_params)
-        return WgradRequest(op_name, names, refs, compute, compute_into)
+    def take(
+        op_name: str, named_params: Sequence[tuple[str, torch.nn.Parameter]]
+    ) -> ForwardWeights:
+        return ForwardWeights(
+            op_name,
+            tuple(name for name, _ in named_params),
+            tuple(weakref.ref(p) for _, p in named_params),
+            tuple(bool(p.requires_grad) for _, p in named_params),
+        )
+
+    @property
+    def any_needs_grad(self) -> bool:
+        return any(self.needs_grad)
 
     def params(self) -> list[torch.nn.Parameter]:
         """The original Parameter objects; a clear error if one was freed meanwhile."""
         out = []
-        for name, ref in zip(self.param_names, self.param_refs):
+        for name, ref in zip(self.names, self.refs):
             param = ref()
             if param is None:
                 raise RuntimeError(
-                    f"{self.op_name}.{name}: the weight was freed before its gradient was "
-                    "computed (keep the module alive until backward/backward_dw has run)"
+                    f"{self.op_name}.{name}: the weight used in forward was freed before its "
+                    "gradient was computed (keep the Parameter alive until backward / "
+                    "backward_dw() has run)"
                 )
             out.append(param)
         return out
 
 
-def _main_grads(request: WgradRequest, params: Sequence[torch.nn.Parameter]) -> list[Tensor]:
-    buffers = []
-    for name, param in zip(request.param_names, params):
-        buffer = getattr(param, "main_grad", None)
-        if buffer is None:
+@dataclass
+class WgradRequest:
+    """One pending weight gradient of an op: the forward's weights and how to compute their grads.
+
+    `compute()` returns one gradient per weight (in the weight's dtype). `compute_into(outs,
+    accumulate)`, when given, writes (or adds) all gradients straight into the given buffers —
+    the fp32 `main_grad` path, with no intermediate low-precision copy.
+    """
+
+    weights: ForwardWeights
+    compute: Callable[[], Sequence[Tensor]]
+    compute_into: Callable[[Sequence[Tensor], bool], None] | None = None
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.weights.params()
+
+
+def _main_grads(request: WgradRequest, params: Sequence[torch.nn.Parameter]) -> list[Tensor | None]:
+    """The main_grad buffer of every weight that needs a gradient (None for the others)."""
+    buffers: list[Tensor | None] = []
+    for name, param, needed in zip(request.weights.names, params, request.weights.needs_grad):
+        buffer = getattr(param, "main_grad", None) if needed else None
+        if needed and buffer is None:
             raise RuntimeError(
-                f"{request.op_name}.{name}: accumulate_into_main_grad=True but the parameter has "
-                "no `main_grad` buffer when its weight gradient is computed (set "
+                f"{request.weights.op_name}.{name}: accumulate_into_main_grad=True but the "
+                "parameter has no `main_grad` buffer when its weight gradient is computed (set "
                 "`param.main_grad` to an fp32 tensor of the weight's shape before backward)"
             )
-        if buffer.shape != param.shape:
+        if buffer is not None and buffer.shape != param.shape:
             raise RuntimeError(
-                f"{request.op_name}.{name}: main_grad has shape {tuple(buffer.shape)}, "
+                f"{request.weights.op_name}.{name}: main_grad has shape {tuple(buffer.shape)}, "
                 f"expected the weight's shape {tuple(param.shape)}"
             )
         buffers.append(buffer)
@@ -89,14 +115,17 @@ def _main_grads(request: WgradRequest, params: Sequence[torch.nn.Parameter]) -> 
 
 
 def _write_main_grad(request: WgradRequest) -> None:
-    """main_grad += wgrad, or = wgrad where the parameter says overwrite_main_grad."""
+    """main_grad += wgrad, or = wgrad where the parameter says overwrite_main_grad (read now)."""
     params = request.params()
     buffers = _main_grads(request, params)
     overwrite = [bool(getattr(p, "overwrite_main_grad", False)) for p in params]
-    if request.compute_into is not None and len(set(overwrite)) <= 1:
-        request.compute_into(buffers, not (overwrite and overwrite[0]))
+    uniform = len(set(overwrite)) <= 1 and all(b is not None for b in buffers)
+    if request.compute_into is not None and uniform:
+        request.compute_into(buffers, not overwrite[0])
         return
     for buffer, grad, over in zip(buffers, request.compute(), overwrite):
+        if buffer is None:
+            continue
         if over:
             buffer.copy_(grad)
         else:
@@ -106,17 +135,18 @@ def _write_main_grad(request: WgradRequest) -> None:
 def _add_to_grad(request: WgradRequest) -> None:
     """Delayed wgrad without main_grad: add into `.grad` (set it when None)."""
     params = request.params()
-    with torch.no_grad():
-        for param, grad in zip(params, request.compute()):
-            if param.grad is None:
-                param.grad = grad.to(param.dtype).clone(memory_format=torch.contiguous_format)
-            else:
-                param.grad.add_(grad.to(param.grad.dtype))
+    for param, grad, needed in zip(params, request.compute(), request.weights.needs_grad):
+        if not needed:
+            continue
+        if param.grad is None:
+            param.grad = grad.to(param.dtype).clone(memory_format=torch.contiguous_format)
+        else:
+            param.grad.add_(grad.to(param.grad.dtype))
 
 
-def _dummy_or_none(param: torch.nn.Parameter) -> Tensor | None:
+def _dummy_or_none(param: torch.nn.Parameter, needed: bool) -> Tensor | None:
     """What autograd gets when the wgrad went (or will go) to main_grad."""
-    if not hasattr(param, "grad_added_to_main_grad"):
+    if not needed or not hasattr(param, "grad_added_to_main_grad"):
         return None
     param.grad_added_to_main_grad = True
     if getattr(param, "zero_out_wgrad", False):
@@ -134,30 +164,37 @@ class WeightGradPolicy:
 
     def backward(self, request: WgradRequest) -> list[Tensor | None]:
         """Route one wgrad at backward time; returns what autograd gets for each weight."""
+        needs = request.weights.needs_grad
         if self.delay_wgrad_compute:
             self._pending.append(request)
         elif self.accumulate_into_main_grad:
             with torch.no_grad():
                 _write_main_grad(request)
         else:
-            return list(request.compute())
+            return [g if n else None for g, n in zip(request.compute(), needs)]
         if not self.accumulate_into_main_grad:
-            return [None] * len(request.param_names)
-        return [_dummy_or_none(p) for p in request.params()]
+            return [None] * len(needs)
+        return [_dummy_or_none(p, n) for p, n in zip(request.params(), needs)]
 
     def need_backward_dw(self) -> bool:
         return bool(self._pending)
 
     def backward_dw(self) -> None:
-        """Run the oldest pending wgrad (FIFO over microbatches), then drop its saved tensors."""
+        """Run the oldest pending wgrad (FIFO over microbatches), then drop its saved tensors.
+
+        If it raises (missing main_grad, freed weight), the wgrad stays queued and nothing has
+        been written, so the caller can fix the parameter and call again.
+        """
         if not self._pending:
             return
-        request = self._pending.popleft()
+        request = self._pending[0]
         with torch.no_grad():
             if self.accumulate_into_main_grad:
                 _write_main_grad(request)
             else:
                 _add_to_grad(request)
+        self._pending.popleft()
 
     def clear(self) -> None:
+        """Drop every pending wgrad (and the activations it holds) without computing it."""
         self._pending.clear()

@@ -129,6 +129,14 @@ class FusedOperation(FusibleOperation):
     def is_fused_op(self) -> bool:
         return True
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # `self.fc1 = basic_ops[0]` in a subclass must not register a submodule: the fused op
+        # would then own its basic ops' parameters (API.md: fused ops own no parameters).
+        if isinstance(value, torch.nn.Module):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def plan_backend(self, requested: str, device: torch.device) -> str:
         return "reference"
 

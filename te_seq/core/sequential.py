@@ -29,6 +29,7 @@ class Sequential(torch.nn.Sequential):
         self._runs_key: tuple | None = None
         self._runs: list[Run] = []
         self._last_plan: FusionPlan | None = None
+        self._plan_parts: list[FusionPlan] = []
 
     # --- structure --------------------------------------------------------------------------
     def _flat_modules(self) -> Iterator[torch.nn.Module]:
@@ -65,8 +66,17 @@ class Sequential(torch.nn.Sequential):
                 plans.append(run.last_plan)
             else:
                 x = run(x)
-        self._last_plan = FusionPlan.concat(plans)
+        self._last_plan = self._joined_plan(plans)
         return (x, *extra_outputs) if extra_outputs else x
+
+    def _joined_plan(self, plans: list[FusionPlan]) -> FusionPlan:
+        """The whole plan; the same object as last call when no run's cached plan changed."""
+        if len(plans) == len(self._plan_parts) and all(
+            a is b for a, b in zip(plans, self._plan_parts)
+        ):
+            return self._last_plan
+        self._plan_parts = plans
+        return FusionPlan.concat(plans)
 
     def fusion_plan(self) -> FusionPlan | None:
         """The plan of the last forward call (None before any)."""

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from te_seq.core import checks
-from te_seq.core.grad_policy import WeightGradPolicy, WgradRequest
+from te_seq.core.grad_policy import ForwardWeights, WeightGradPolicy, WgradRequest
 from te_seq.core.operation import BasicOperation, OperationContext
 
 
@@ -80,6 +80,8 @@ class BasicLinear(BasicOperation):
                 self.weight if ctx.input_requires_grad else None,
             )
             ctx.input_shape = input_.shape
+            # The contract targets the Parameter this forward used (weakly held).
+            ctx.weights = ForwardWeights.take("BasicLinear", [("weight", self.weight)])
         return y.reshape(*input_.shape[:-1], self.out_features)
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
@@ -88,15 +90,18 @@ class BasicLinear(BasicOperation):
         dx = None
         if ctx.input_requires_grad:
             dx = (dy @ weight).reshape(ctx.input_shape)  # dX = dY W
-        if not ctx.weight_requires_grad:
-            return dx, [None]
-        return dx, self.grad_policy.backward(self.wgrad_request(x, dy))
+        return dx, self.weight_grads(ctx, x, dy)
 
-    def wgrad_request(self, x: Tensor, dy: Tensor) -> WgradRequest:
+    def weight_grads(self, ctx: OperationContext, x: Tensor, dy: Tensor) -> list[Tensor | None]:
+        """What autograd gets for `weight` (fusions call this too): the contract decides."""
+        if not (ctx.weight_requires_grad and ctx.weights.any_needs_grad):
+            return [None]
+        return self.grad_policy.backward(self.wgrad_request(ctx.weights, x, dy))
+
+    def wgrad_request(self, weights: ForwardWeights, x: Tensor, dy: Tensor) -> WgradRequest:
         """dW = dYᵀ X, computed now or in backward_dw() per the gradient contract."""
-        return WgradRequest.for_params(
-            "BasicLinear",
-            [("weight", self.weight)],
+        return WgradRequest(
+            weights,
             compute=lambda: [dy.t() @ x],
             compute_into=lambda outs, acc: matmul_into(outs[0], dy.t(), x, acc),
         )

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from te_seq import config, kernels
 from te_seq.core import checks
-from te_seq.core.grad_policy import WeightGradPolicy, WgradRequest
+from te_seq.core.grad_policy import ForwardWeights, WeightGradPolicy, WgradRequest
 from te_seq.core.operation import BasicOperation, OperationContext
 from te_seq.ops.basic.basic_linear import init_linear_weight_
 
@@ -201,7 +201,19 @@ class GroupedLinear(BasicOperation):
         grads = [sums] if self.single_grouped_bias else list(sums.unbind(0))
         return grads, dscales
 
-    def wgrad_request(self, x: Tensor, dy: Tensor, offs: Tensor, backend: str) -> WgradRequest:
+    def weight_grads(self, ctx: OperationContext, x: Tensor, dy: Tensor,
+                     offs: Tensor) -> list[Tensor | None]:
+        """What autograd gets for the weights (the fused GroupedMLP calls this too)."""
+        if not (ctx.weight_requires_grad and ctx.weights.any_needs_grad):
+            return [None] * len(self.named_weights())
+        return self.grad_policy.backward(self.wgrad_request(ctx.weights, x, dy, offs, ctx.backend))
+
+    def forward_weights(self) -> ForwardWeights:
+        """The weights of this forward call, weakly held, for the gradient contract."""
+        return ForwardWeights.take("GroupedLinear", self.named_weights())
+
+    def wgrad_request(self, weights: ForwardWeights, x: Tensor, dy: Tensor, offs: Tensor,
+                      backend: str) -> WgradRequest:
         """dW_g = dY_gᵀ X_g (varlen-K grouped GEMM), routed by the gradient contract."""
 
         def compute() -> Sequence[Tensor]:
@@ -218,7 +230,7 @@ class GroupedLinear(BasicOperation):
             for out, grad in zip(outs, tmp.unbind(0)):
                 out.add_(grad) if accumulate else out.copy_(grad)
 
-        return WgradRequest.for_params("GroupedLinear", self.named_weights(), compute, compute_into)
+        return WgradRequest(weights, compute, compute_into)
 
     # --- forward / backward -----------------------------------------------------------------
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
@@ -235,6 +247,7 @@ class GroupedLinear(BasicOperation):
         if ctx.requires_grad:
             ctx.save_for_backward(x, weight, offs, scales)
             ctx.input_shape = input_.shape
+            ctx.weights = self.forward_weights()
         return y.reshape(*input_.shape[:-1], self.out_features), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
@@ -246,9 +259,7 @@ class GroupedLinear(BasicOperation):
             dx = kernels.grouped_mm(dy, weight, offs, ctx.backend)  # dX_g = dY_g W_g
             dx = dx.reshape(ctx.input_shape)
         bias_grads, dscales = self.bias_grads(dy, offs, scales)
-        weight_grads = [None] * len(self.named_weights())
-        if any(w.requires_grad for _, w in self.named_weights()) and ctx.weight_requires_grad:
-            weight_grads = self.grad_policy.backward(self.wgrad_request(x, dy, offs, ctx.backend))
+        weight_grads = self.weight_grads(ctx, x, dy, offs)
         extra_grads = (None, dscales) if self.num_extra_inputs == 2 else (None,)
         return dx, [weight_grads + bias_grads], [extra_grads]
 

@@ -94,6 +94,8 @@ class GroupedMLP(FusedOperation):
             ctx.save_for_backward(x, h, w1, w2, offs, extras.probs, extras.fc1_scales,
                                   extras.fc2_scales)
             ctx.input_shape = input_.shape
+            ctx.weights = self.fc1.forward_weights()
+            basic_op_ctxs[2].weights = self.fc2.forward_weights()
         return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
 
     # --- backward -----------------------------------------------------------------------------
@@ -117,9 +119,7 @@ class GroupedMLP(FusedOperation):
                      offs: Tensor, scales: Tensor | None):
         """Weight grads through the gradient contract (dW_e = dOut_eᵀ In_e), bias grads at once."""
         bias_grads, dscales = fc.bias_grads(dout, offs, scales)
-        weight_grads: list = [None] * len(fc.named_weights())
-        if ctx.weight_requires_grad and any(w.requires_grad for _, w in fc.named_weights()):
-            weight_grads = fc.grad_policy.backward(fc.wgrad_request(inp, dout, offs, ctx.backend))
+        weight_grads = fc.weight_grads(ctx, inp, dout, offs)
         return weight_grads + bias_grads, dscales
 
 
