@@ -1,0 +1,42 @@
+"""Shared test setup: deterministic data, and no global te_seq state leaking between tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import te_seq
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` skip, with the reason, where CUDA is unavailable."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Fresh random data that is the same on every run (failures reproduce)."""
+    torch.manual_seed(1234)
+
+
+@pytest.fixture(autouse=True)
+def _restore_te_seq_state() -> Iterator[None]:
+    """Undo what a test did to the registry (user fusions, enabled flags) and the backend."""
+    before = {f.name: f.enabled for f in te_seq.list_fusions()}
+    backend_before = te_seq.current_backend()
+    yield
+    for record in te_seq.list_fusions():
+        if record.name not in before:
+            te_seq.unregister_fusion(record.name)
+        elif before[record.name]:
+            te_seq.enable_fusion(record.name)
+        else:
+            te_seq.disable_fusion(record.name)
+    te_seq.set_backend(backend_before)
