@@ -54,26 +54,19 @@ _COMPILE_SCRIPT = textwrap.dedent(
         GemmConfig("k", bf16, fp32, "n", W.tile_n, W.cluster_mn),
         GemmConfig("k", bf16, fp32, "n", W.tile_n, W.cluster_mn, accumulate=True),
     ]
-    from te_seq.kernels.cute import compile as cc
-    cc.set_cache_dir(sys.argv[1])  # a fresh directory: every config really compiles
     for cfg in configs:
         print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
-    # the disk cache round trip: a new lookup loads the exported library instead of compiling
-    compile_gemm.cache_clear()
-    again = compile_gemm(configs[0])
-    assert "tvm_ffi" not in sys.modules or type(again.fn).__module__.startswith("tvm_ffi"), type(again.fn)
-    print("reloaded in", round(again.compile_s, 2), "s")
     print("ALL COMPILED")
     """
 )
 
 
 @pytest.mark.skipif(not _HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
-def test_compile_all_configs_for_sm90a(tmp_path):
+def test_compile_all_configs_for_sm90a():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT, str(tmp_path)],
+        [sys.executable, "-c", _COMPILE_SCRIPT],
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
