@@ -97,14 +97,34 @@ def gemm_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
     else:
         dh_p, offs_p = padded(dh, sizes)
         x_p, _ = padded(x, sizes)
-    yield ("fc1_fwd", 2 * m * h * 2 * f, lambda t: cute.grouped_mm(x, w1.transpose(1, 2), offs, out=y1, tiling=t),
-           lambda: tg(x, w1.transpose(1, 2), offs=offs), y1)
-    yield ("fc2_fwd", 2 * m * f * h, lambda t: cute.grouped_mm(act, w2.transpose(1, 2), offs, out=y2, tiling=t),
-           lambda: tg(act, w2.transpose(1, 2), offs=offs), y2)
-    yield ("fc1_dgrad", 2 * m * 2 * f * h, lambda t: cute.grouped_mm(dh, w1, offs, out=dx, tiling=t),
-           lambda: tg(dh, w1, offs=offs), dx)
-    yield ("fc1_wgrad", 2 * m * 2 * f * h, lambda t: cute.grouped_wgrad(dh, x, offs, out=dw, tiling=t),
-           lambda: tg(dh_p.t(), x_p, offs=offs_p), dw)
+    yield (
+        "fc1_fwd",
+        2 * m * h * 2 * f,
+        lambda t: cute.grouped_mm(x, w1.transpose(1, 2), offs, out=y1, tiling=t),
+        lambda: tg(x, w1.transpose(1, 2), offs=offs),
+        y1,
+    )
+    yield (
+        "fc2_fwd",
+        2 * m * f * h,
+        lambda t: cute.grouped_mm(act, w2.transpose(1, 2), offs, out=y2, tiling=t),
+        lambda: tg(act, w2.transpose(1, 2), offs=offs),
+        y2,
+    )
+    yield (
+        "fc1_dgrad",
+        2 * m * 2 * f * h,
+        lambda t: cute.grouped_mm(dh, w1, offs, out=dx, tiling=t),
+        lambda: tg(dh, w1, offs=offs),
+        dx,
+    )
+    yield (
+        "fc1_wgrad",
+        2 * m * 2 * f * h,
+        lambda t: cute.grouped_wgrad(dh, x, offs, out=dw, tiling=t),
+        lambda: tg(dh_p.t(), x_p, offs=offs_p),
+        dw,
+    )
 
 
 def parse_tilings(spec: str) -> dict:
@@ -135,9 +155,17 @@ def run_shape(name: str, iters: int, tilings: dict) -> list[dict]:
             fns[key] = (lambda t: lambda: ours(t))(tiling)
         ms = time_ms(fns, iters)
         best = min(tilings, key=lambda k: ms[k])
-        row = dict(shape=name, gemm=label, rel_err=errs, first_call_s=first, ms=ms,
-                   tflops={k: flops / v / 1e9 for k, v in ms.items()}, best=best,
-                   ratio=ms["torch"] / ms[next(iter(tilings))], best_ratio=ms["torch"] / ms[best])
+        row = dict(
+            shape=name,
+            gemm=label,
+            rel_err=errs,
+            first_call_s=first,
+            ms=ms,
+            tflops={k: flops / v / 1e9 for k, v in ms.items()},
+            best=best,
+            ratio=ms["torch"] / ms[next(iter(tilings))],
+            best_ratio=ms["torch"] / ms[best],
+        )
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -152,8 +180,10 @@ def launch_overhead_us(calls: int = 2000) -> dict[str, float]:
     offs = torch.tensor([64, 128, 192, 256], dtype=torch.int32, device="cuda")
     out = torch.empty(256, 128, device="cuda", dtype=torch.bfloat16)
     res = {}
-    for key, fn in {"cute": lambda: cute.grouped_mm(a, b, offs, out=out),
-                    "torch": lambda: torch._grouped_mm(a, b, offs=offs)}.items():
+    for key, fn in {
+        "cute": lambda: cute.grouped_mm(a, b, offs, out=out),
+        "torch": lambda: torch._grouped_mm(a, b, offs=offs),
+    }.items():
         fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -178,14 +208,22 @@ def main() -> None:
     for name in args.shapes.split(","):
         rows += run_shape(name, args.iters, tilings)
         torch.cuda.empty_cache()
-    print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}")
+    print(
+        f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}"
+    )
     keys = list(tilings)
-    print(f"{'shape':5} {'gemm':10} {'max err':>8} {'torch':>6} " + " ".join(f"{k:>9}" for k in keys)
-          + "  ratio(default)  best")
+    print(
+        f"{'shape':5} {'gemm':10} {'max err':>8} {'torch':>6} "
+        + " ".join(f"{k:>9}" for k in keys)
+        + "  ratio(default)  best"
+    )
     for r in rows:
         cols = " ".join(f"{r['tflops'][k]:9.0f}" for k in keys)
-        print(f"{r['shape']:5} {r['gemm']:10} {max(r['rel_err'].values()):8.1e} "
-              f"{r['tflops']['torch']:6.0f} {cols}  {r['ratio']:6.2f}  {r['best']} {r['best_ratio']:.2f}")
+        print(
+            f"{r['shape']:5} {r['gemm']:10} {max(r['rel_err'].values()):8.1e} "
+            f"{r['tflops']['torch']:6.0f} {cols}  {r['ratio']:6.2f}  "
+            f"{r['best']} {r['best_ratio']:.2f}"
+        )
     print("(TFLOP/s; ratio = torch time / cute time)")
     print("host us per call (tiny problem):", {k: round(v, 1) for k, v in launch.items()})
     if args.json:

@@ -64,10 +64,17 @@ _COMPILE_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not _HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
 def test_compile_all_configs_for_sm90a():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        CUTE_DSL_ARCH="sm_90a",
+        PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     proc = subprocess.run(
         [sys.executable, "-c", _COMPILE_SCRIPT],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ALL COMPILED" in proc.stdout
@@ -112,7 +119,12 @@ _TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 # multiples of 8 or of the tile; K and N not multiples of the tile; everything in one group.
 _MM_CASES = [
     ("one_group", [300], 256, 512),
-    ("128_groups", [int(s) for s in torch.randint(0, 70, (128,), generator=torch.Generator().manual_seed(0))], 512, 384),
+    (
+        "128_groups",
+        [int(s) for s in torch.randint(0, 70, (128,), generator=torch.Generator().manual_seed(0))],
+        512,
+        384,
+    ),
     ("empty_groups", [0, 77, 0, 0, 300, 5, 0], 128, 256),
     ("unaligned_sizes", [1, 3, 129, 255, 257, 7, 513], 192, 264),
     ("odd_k_n", [200, 130, 61], 200, 328),
@@ -132,7 +144,11 @@ def test_grouped_mm_matches_reference(case, b_major, dtype):
     m, e = sum(sizes), len(sizes)
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     # forward passes W.transpose(1, 2) (K contiguous); dgrad passes W [E, K, N] itself
-    w = torch.randn(e, n, k, device="cuda", dtype=dtype) if b_major == "k" else torch.randn(e, k, n, device="cuda", dtype=dtype)
+    w = (
+        torch.randn(e, n, k, device="cuda", dtype=dtype)
+        if b_major == "k"
+        else torch.randn(e, k, n, device="cuda", dtype=dtype)
+    )
     b = w.transpose(1, 2) if b_major == "k" else w
     offs = _offs(sizes)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
@@ -149,7 +165,9 @@ def test_grouped_mm_noncontiguous_b_and_rows_past_end():
     sizes, k, n = [40, 0, 90], 128, 136
     big = torch.randn(3, k, n + 24, device="cuda", dtype=torch.bfloat16)
     b = big[:, :, 8 : 8 + n]  # row stride n + 24, offset base: a non-contiguous view
-    a = torch.randn(sum(sizes) + 50, k, device="cuda", dtype=torch.bfloat16)  # 50 rows past offs[-1]
+    a = torch.randn(
+        sum(sizes) + 50, k, device="cuda", dtype=torch.bfloat16
+    )  # 50 rows past offs[-1]
     offs = _offs(sizes)
     out = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
     cute.grouped_mm(a, b, offs, out=out)
@@ -171,7 +189,12 @@ def test_grouped_mm_zero_rows():
 
 _WGRAD_CASES = [
     ("one_group", [300], 256, 512),
-    ("128_groups", [int(s) for s in torch.randint(0, 70, (128,), generator=torch.Generator().manual_seed(1))], 256, 384),
+    (
+        "128_groups",
+        [int(s) for s in torch.randint(0, 70, (128,), generator=torch.Generator().manual_seed(1))],
+        256,
+        384,
+    ),
     ("empty_and_unaligned", [0, 77, 0, 1, 300, 5, 0], 136, 200),
     ("all_in_one", [0, 0, 1000, 0], 320, 256),
     ("zero_rows", [0, 0], 64, 128),

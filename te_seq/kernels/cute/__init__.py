@@ -77,11 +77,14 @@ def supports(a: Tensor, b: Tensor) -> tuple[bool, str]:
 
 
 def supports_wgrad(grad_out: Tensor, x: Tensor) -> tuple[bool, str]:
-    """Whether ``grouped_wgrad(grad_out, x, ...)`` can run on this backend, with the reason if not."""
+    """Whether ``grouped_wgrad(grad_out, x, ...)`` can run here, with the reason if not."""
     if x.dtype not in _AB_DTYPES or grad_out.dtype != x.dtype:
         return False, f"needs bf16/fp16 operands of one dtype, got {grad_out.dtype} and {x.dtype}"
     if grad_out.dim() != 2 or x.dim() != 2 or grad_out.shape[0] != x.shape[0]:
-        return False, f"needs grad_out [M, N] and x [M, K], got {tuple(grad_out.shape)} and {tuple(x.shape)}"
+        return (
+            False,
+            f"needs grad_out [M, N] and x [M, K], got {tuple(grad_out.shape)} and {tuple(x.shape)}",
+        )
     n, k = grad_out.shape[1], x.shape[1]
     if not (_row_ok(k, x.dtype) and _row_ok(n, x.dtype)):
         return False, f"K={k} and N={n} must be multiples of 8 (TMA rows are 16-byte aligned)"
@@ -114,7 +117,11 @@ def _check_offs(offs: Tensor, groups: int, device: torch.device) -> Tensor:
         raise ValueError(f"offs must be 1-D of length {groups}, got shape {tuple(offs.shape)}")
     if offs.device != device:
         raise ValueError(f"offs must be on {device}, got {offs.device}")
-    return offs if offs.dtype == torch.int32 and offs.is_contiguous() else offs.to(torch.int32).contiguous()
+    return (
+        offs
+        if offs.dtype == torch.int32 and offs.is_contiguous()
+        else offs.to(torch.int32).contiguous()
+    )
 
 
 def grouped_mm(
@@ -136,7 +143,10 @@ def grouped_mm(
     if out is None:
         out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     elif out.shape != (rows, n) or out.dtype != a.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{rows}, {n}] {a.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"out must be a contiguous [{rows}, {n}] {a.dtype} tensor, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
     if rows == 0:
         return out
     a = _row_major(a)
@@ -169,7 +179,9 @@ def grouped_wgrad(
     """
     ok, why = supports_wgrad(grad_out, x)
     if not ok:
-        raise ValueError(f"cute grouped_wgrad: grad_out {tuple(grad_out.shape)}, x {tuple(x.shape)}: {why}")
+        raise ValueError(
+            f"cute grouped_wgrad: grad_out {tuple(grad_out.shape)}, x {tuple(x.shape)}: {why}"
+        )
     from .compile import GemmConfig, compile_gemm
 
     rows, n, k = x.shape[0], grad_out.shape[1], x.shape[1]
@@ -178,7 +190,10 @@ def grouped_wgrad(
     if out is None:
         out, accumulate = torch.empty(groups, n, k, dtype=x.dtype, device=x.device), False
     if out.shape != (groups, n, k) or out.dtype not in (torch.float32, x.dtype):
-        raise ValueError(f"out must be [{groups}, {n}, {k}] in float32 or {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"out must be [{groups}, {n}, {k}] in float32 or {x.dtype}, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
     if not out.is_contiguous():
         tmp = torch.empty_like(out, memory_format=torch.contiguous_format)
         result = grouped_wgrad(grad_out, x, offs, tmp, tiling=tiling)
@@ -187,7 +202,9 @@ def grouped_wgrad(
         return out if accumulate else out.zero_()
     grad_out, x = _row_major(grad_out), _row_major(x)
     t = tiling or WGRAD_TILING
-    kernel = compile_gemm(GemmConfig("k", x.dtype, out.dtype, "n", t.tile_n, t.cluster_mn, accumulate)).fn
+    kernel = compile_gemm(
+        GemmConfig("k", x.dtype, out.dtype, "n", t.tile_n, t.cluster_mn, accumulate)
+    ).fn
     cm, cn = t.cluster_mn
     units = groups * -(-n // (_TILE_M * cm)) * -(-k // (t.tile_n * cn))
     clusters = max(1, min(units, _num_sms(x.device.index or 0) // (cm * cn)))

@@ -55,7 +55,7 @@ class CompiledGemm:
 
 
 def _fake_args(cfg: GemmConfig) -> tuple:
-    """Fake tensors in the kernel's (mode-major) views; sizes symbolic, inner dims 16-byte aligned."""
+    """Fake tensors in the kernel's views: sizes symbolic, inner dims 16-byte aligned."""
     ab = _DTYPES[cfg.ab_dtype]
     c = _DTYPES[cfg.c_dtype]
     rows = cute.sym_int32()
@@ -73,7 +73,9 @@ def _fake_args(cfg: GemmConfig) -> tuple:
         n_out, k_in = cute.sym_int32(divisibility=div), cute.sym_int32(divisibility=div)
         a = make_fake_compact_tensor(ab, (n_out, rows), stride_order=(0, 1), assumed_align=16)
         b = make_fake_compact_tensor(ab, (k_in, rows), stride_order=(0, 1), assumed_align=16)
-        out = make_fake_compact_tensor(c, (n_out, k_in, groups), stride_order=(1, 0, 2), assumed_align=16)
+        out = make_fake_compact_tensor(
+            c, (n_out, k_in, groups), stride_order=(1, 0, 2), assumed_align=16
+        )
     return a, b, out, offs, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
 
 

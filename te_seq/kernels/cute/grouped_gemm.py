@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.memory as memory
+import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
@@ -56,9 +56,7 @@ def _ragged_view(t: cute.Tensor, mode: int) -> cute.Tensor:
     shape = list(t.shape)
     shape[mode] = _BIG_INT
     stride = list(t.stride)
-    layout = cute.make_layout(
-        (*shape, _MAX_INT, _MAX_INT), stride=(*stride, _WRAP - s, s)
-    )
+    layout = cute.make_layout((*shape, _MAX_INT, _MAX_INT), stride=(*stride, _WRAP - s, s))
     return cute.make_tensor(t.iterator, layout)
 
 
@@ -91,7 +89,9 @@ class GroupedGemmKernel:
         if tile_mn[0] != 128 or tile_mn[1] not in (64, 128, 192, 256):
             raise ValueError(f"GroupedGemmKernel: unsupported tile {tile_mn}")
         if cluster_mn not in ((1, 1), (2, 1), (1, 2)):
-            raise ValueError(f"GroupedGemmKernel: cluster must be 1x1, 2x1 or 1x2, got {cluster_mn}")
+            raise ValueError(
+                f"GroupedGemmKernel: cluster must be 1x1, 2x1 or 1x2, got {cluster_mn}"
+            )
         self.varlen = varlen
         self.accumulate = accumulate and varlen == "k"
         self.cluster_m, self.cluster_n = cluster_mn
@@ -126,9 +126,15 @@ class GroupedGemmKernel:
         epi_bytes = tm * 32 * self.c_dtype.width // 8 * self.epi_stage
         smem = memory.get_smem_capacity_in_bytes("sm_90")
         self.ab_stage = (smem - 2048 - epi_bytes) // ab_bytes
-        self.a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.a_dtype, self.ab_stage)
-        self.b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.ab_stage)
-        self.c_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage)
+        self.a_smem = sm90_utils.make_smem_layout_a(
+            self.a_layout, self.tile_mnk, self.a_dtype, self.ab_stage
+        )
+        self.b_smem = sm90_utils.make_smem_layout_b(
+            self.b_layout, self.tile_mnk, self.b_dtype, self.ab_stage
+        )
+        self.c_smem = sm90_utils.make_smem_layout_epi(
+            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
+        )
 
     def _tma_load(self, t: cute.Tensor, smem_staged, tile: tuple[int, int], mcast: int):
         op = (
@@ -169,14 +175,32 @@ class GroupedGemmKernel:
         @cute.struct
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.c_smem)], 1024]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem)], 1024
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem)], 1024
+            ]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, cute.cosize(self.c_smem)], 1024
+            ]
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_a, mA, tma_b, mB, tma_c, mC, c, offs, a.shape[0], a.shape[1],
-            self.tiled_mma, self.a_smem, self.b_smem, self.c_smem,
+            tma_a,
+            mA,
+            tma_b,
+            mB,
+            tma_c,
+            mC,
+            c,
+            offs,
+            a.shape[0],
+            a.shape[1],
+            self.tiled_mma,
+            self.a_smem,
+            self.b_smem,
+            self.c_smem,
         ).launch(
             grid=(self.cluster_m, self.cluster_n, num_clusters),
             block=(self.threads, 1, 1),
@@ -192,7 +216,8 @@ class GroupedGemmKernel:
         """Move the cached group forward until it holds ``unit`` (varlen M).
 
         ``st`` = (group, first unit, end unit, next group to scan, its first unit, row start,
-        row count). Group E (one past the last) is virtual: rows past ``offs[-1]``, written as zeros.
+        row count). Group E (one past the last) is virtual: rows past ``offs[-1]``, written as
+        zeros.
         Each round loads 32 groups' sizes, one per lane, and finds the first whose units end past
         ``unit`` by an inclusive warp scan and a ballot.
         """
@@ -233,7 +258,7 @@ class GroupedGemmKernel:
 
     @cute.jit
     def _work(self, offs, num_rows, n_tiles, m_units_k, unit, st):
-        """Decode ``unit`` to (valid, group, m-unit, n-tile, row start, rows) and the new scan state."""
+        """Decode ``unit``: (valid, group, m-unit, n-unit, row start, rows, new scan state)."""
         if const_expr(self.varlen == "m"):
             st = self._scan_groups(offs, num_rows, n_tiles, unit, st)
             group, first, end, _, _, row0, rows = st
@@ -323,14 +348,38 @@ class GroupedGemmKernel:
             cute.arch.setmaxregister_decrease(self.load_registers)
             if warp == self.load_warp:
                 self._producer(
-                    tma_a, mA, tma_b, mB, sA, sB, ab_pipe, offs, num_rows, k_dim, n_tiles,
-                    m_units_k, cluster_coord,
+                    tma_a,
+                    mA,
+                    tma_b,
+                    mB,
+                    sA,
+                    sB,
+                    ab_pipe,
+                    offs,
+                    num_rows,
+                    k_dim,
+                    n_tiles,
+                    m_units_k,
+                    cluster_coord,
                 )
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
             self._consumer(
-                tma_c, mC, c_raw, sA, sB, sC, ab_pipe, offs, num_rows, k_dim, n_tiles,
-                m_units_k, cluster_coord, tidx, tiled_mma,
+                tma_c,
+                mC,
+                c_raw,
+                sA,
+                sB,
+                sC,
+                ab_pipe,
+                offs,
+                num_rows,
+                k_dim,
+                n_tiles,
+                m_units_k,
+                cluster_coord,
+                tidx,
+                tiled_mma,
             )
 
     @cute.jit
@@ -361,7 +410,19 @@ class GroupedGemmKernel:
 
     @cute.jit
     def _producer(
-        self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, offs, num_rows, k_dim, n_tiles, m_units_k,
+        self,
+        tma_a,
+        mA,
+        tma_b,
+        mB,
+        sA,
+        sB,
+        ab_pipe,
+        offs,
+        num_rows,
+        k_dim,
+        n_tiles,
+        m_units_k,
         cluster_coord,
     ):
         a_mask, b_mask = None, None
@@ -384,22 +445,34 @@ class GroupedGemmKernel:
             gA, gB = self._tile_tensors(mA, mB, group, m_tile, n_tile, row0, rows)
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
             tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_a, cluster_coord[1], cute.make_layout(self.cluster_n),
-                cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+                tma_a,
+                cluster_coord[1],
+                cute.make_layout(self.cluster_n),
+                cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2),
             )
             tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_b, cluster_coord[0], cute.make_layout(self.cluster_m),
-                cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
+                tma_b,
+                cluster_coord[0],
+                cute.make_layout(self.cluster_m),
+                cute.group_modes(sB, 0, 2),
+                cute.group_modes(gB, 0, 2),
             )
             for k in range(k_tiles):
                 ab_pipe.producer_acquire(state)
                 bar = ab_pipe.producer_get_barrier(state)
                 cute.copy(
-                    tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar,
+                    tma_a,
+                    tAgA[(None, k)],
+                    tAsA[(None, state.index)],
+                    tma_bar_ptr=bar,
                     mcast_mask=a_mask,
                 )
                 cute.copy(
-                    tma_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                    tma_b,
+                    tBgB[(None, k)],
+                    tBsB[(None, state.index)],
+                    tma_bar_ptr=bar,
                     mcast_mask=b_mask,
                 )
                 ab_pipe.producer_commit(state)
@@ -436,8 +509,22 @@ class GroupedGemmKernel:
 
     @cute.jit
     def _consumer(
-        self, tma_c, mC, c_raw, sA, sB, sC, ab_pipe, offs, num_rows, k_dim, n_tiles, m_units_k,
-        cluster_coord, tidx, tiled_mma,
+        self,
+        tma_c,
+        mC,
+        c_raw,
+        sA,
+        sB,
+        sC,
+        ab_pipe,
+        offs,
+        num_rows,
+        k_dim,
+        n_tiles,
+        m_units_k,
+        cluster_coord,
+        tidx,
+        tiled_mma,
     ):
         tm, tn, tk = self.tile_mnk
         mma_tidx = tidx - self.threads_per_warpgroup
@@ -452,7 +539,9 @@ class GroupedGemmKernel:
         stm_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
         )
-        tiled_r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+        tiled_r2s = cute.make_tiled_copy_S(
+            r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma)
+        )
         thr_r2s = tiled_r2s.get_slice(mma_tidx)
         tRS_sC = thr_r2s.partition_D(sC)
         tRS_acc = tiled_r2s.retile(acc)
@@ -479,7 +568,9 @@ class GroupedGemmKernel:
             m_tile = m_unit * self.cluster_m + cluster_coord[0]
             n_tile = n_unit * self.cluster_n + cluster_coord[1]
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
-            read, release = self._mainloop(tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles)
+            read, release = self._mainloop(
+                tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles
+            )
             if const_expr(self.accumulate):
                 self._add_existing(acc, tiled_mma.get_slice(mma_tidx), c_raw, group, m_tile, n_tile)
             if const_expr(self.varlen == "m"):
@@ -487,32 +578,43 @@ class GroupedGemmKernel:
             else:
                 mC_g = mC[None, None, group]
             gC = cute.local_tile(mC_g, (tm, tn), (m_tile, n_tile))
-            gC_epi = cute.zipped_divide(gC, self.epi_tile)
-            bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+            num_epi = self._epilogue(
+                tma_c, gC, sC, tiled_r2s, tRS_acc, tRS_sC, rD, rD_out, store_pipe, epi_count, warp
             )
-            num_epi = cute.size(gC_epi, mode=[1])
-            epi_layout = cute.make_layout(gC_epi.shape[1], stride=(gC_epi.shape[1][1], 1))
-            size_rD = cute.size(rD)
-            for e in cutlass.range_constexpr(num_epi):
-                for v in cutlass.range_constexpr(size_rD):
-                    rD[v] = tRS_acc[e * size_rD + v]
-                rD_out.store(rD.load().to(self.c_dtype))
-                buf = (epi_count + e) % self.epi_stage
-                cute.copy(tiled_r2s, rD_out, tRS_sC[(None, None, None, buf)])
-                cute.arch.fence_proxy("async.shared", space="cta")
-                self.epi_barrier.arrive_and_wait()
-                if warp == self.epi_store_warp:
-                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
-                    store_pipe.producer_commit()
-                    store_pipe.producer_acquire()
-                self.epi_barrier.arrive_and_wait()
             epi_count = epi_count + num_epi
             unit = unit + stride
             valid, group, m_unit, n_unit, row0, rows, st = self._work(
                 offs, num_rows, n_tiles, m_units_k, unit, st
             )
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _epilogue(
+        self, tma_c, gC, sC, tiled_r2s, tRS_acc, tRS_sC, rD, rD_out, store_pipe, epi_count, warp
+    ):
+        """Store the accumulators of one tile: per (tm x 32) subtile, convert to the output type,
+        copy to a ring of smem buffers and TMA-store; returns the number of subtiles."""
+        gC_epi = cute.zipped_divide(gC, self.epi_tile)
+        bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+        )
+        num_epi = cute.size(gC_epi, mode=[1])
+        epi_layout = cute.make_layout(gC_epi.shape[1], stride=(gC_epi.shape[1][1], 1))
+        size_rD = cute.size(rD)
+        for e in cutlass.range_constexpr(num_epi):
+            for v in cutlass.range_constexpr(size_rD):
+                rD[v] = tRS_acc[e * size_rD + v]
+            rD_out.store(rD.load().to(self.c_dtype))
+            buf = (epi_count + e) % self.epi_stage
+            cute.copy(tiled_r2s, rD_out, tRS_sC[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.epi_barrier.arrive_and_wait()
+            if warp == self.epi_store_warp:
+                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            self.epi_barrier.arrive_and_wait()
+        return num_epi
 
     @cute.jit
     def _add_existing(self, acc, thr_mma, c_raw, group, m_tile, n_tile):
