@@ -1,0 +1,111 @@
+"""Every file in examples/ runs as a subprocess (tested documentation, STYLE.md §11).
+
+Each example gets small settings here (fewer steps, the CPU) so the whole file takes seconds on
+a 2-core CI machine; a new example with no entry in ARGS runs with no arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+# Small settings per example: enough steps for the loss to fall, on the CPU.
+ARGS = {
+    "moe_train.py": ["--steps", "40", "--device", "cpu", "--dtype", "float32"],
+}
+
+
+def run_example(path: Path, args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    # Runs from a source checkout too (the CI installs the package, which also works).
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, str(path), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _describe(proc: subprocess.CompletedProcess) -> str:
+    return (f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
+            f"--- stderr ---\n{proc.stderr[-4000:]}")
+
+
+def test_examples_exist():
+    names = {p.name for p in EXAMPLES}
+    assert {"moe_train.py", "custom_fusion.py"} <= names, names
+    assert set(ARGS) <= names, f"ARGS names examples that do not exist: {set(ARGS) - names}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs(path: Path):
+    proc = run_example(path, ARGS.get(path.name, []))
+    assert proc.returncode == 0, _describe(proc)
+    check = CHECKS.get(path.name)
+    if check is not None:
+        check(proc.stdout)
+
+
+def _check_moe_train(out: str) -> None:
+    assert "FusionPlan" in out
+    assert "GroupedMLP[0, 1, 2]" in out, "the grouped MLP fusion did not fire"
+    assert "backend chosen by the plan: reference" in out  # CPU data runs the reference
+    m = re.search(r"first/last \d+: ([\d.e+-]+) -> ([\d.e+-]+)", out)
+    assert m, out
+    first, last = float(m.group(1)), float(m.group(2))
+    assert last < 0.9 * first, (first, last)
+    assert re.search(r"te_seq vs per-expert loop: max abs diff", out)
+
+
+def _check_custom_fusion(out: str) -> None:
+    for fused in ("ScaleShiftSquare[0, 1]", "SquareScaleShiftForward[1, 2]",
+                  "SquareScaleShiftBackward[3, 4]"):
+        assert fused in out, f"{fused} missing from the printed plans"
+    assert "scale_shift_square[0, 1]: ScaleShiftSquare is written for float32/bf16" in out
+    assert "ValueError: register_fusion: a fusion named 'scale_shift_square'" in out
+    assert out.count("-> OK") == 5 and "MISMATCH" not in out
+    assert "all checks passed" in out
+
+
+CHECKS = {"moe_train.py": _check_moe_train, "custom_fusion.py": _check_custom_fusion}
+
+
+def test_moe_train_fails_when_the_loss_does_not_fall():
+    # lr=0 keeps the weights fixed, so the loss cannot fall: the example must say so and exit 1.
+    proc = run_example(ROOT / "examples" / "moe_train.py",
+                       ["--steps", "12", "--device", "cpu", "--lr", "0"])
+    assert proc.returncode == 1, _describe(proc)
+    assert "loss did not fall" in proc.stderr
+
+
+def readme_command(marker: str) -> str:
+    """The first line of the ```bash block that follows `marker` in README.md."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(re.escape(marker) + r".*?```bash\n(.+?)\n", text, re.S)
+    assert m, f"README.md has no bash block after {marker!r}"
+    return m.group(1).strip()
+
+
+def test_ci_runs_the_readme_test_command():
+    command = readme_command("<!-- test-command")
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert command in ci_lines, f".ci/run does not run the README's test command {command!r}"
+    assert os.access(ROOT / ".ci" / "run", os.X_OK), ".ci/run is not executable"
+
+
+def test_readme_main_command_runs_the_main_example():
+    command = readme_command("**Install and run the main example**")
+    assert command.endswith("python3 examples/moe_train.py"), command
+
+
+def test_readme_quickstart_runs(capsys):
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"## Quickstart\s+```python\n(.+?)\n```", text, re.S)
+    assert m, "README.md has no Quickstart python block"
+    exec(compile(m.group(1), "README.md quickstart", "exec"), {})  # noqa: S102
+    assert "GroupedMLP[0, 1, 2]" in capsys.readouterr().out
