@@ -361,14 +361,16 @@ def assert_close_to(actual: Tensor, ref64: Tensor, dtype: torch.dtype,
     """float64/float32: tight rtol/atol. bf16/fp16: the error vs the float64 reference may be at
     most twice PyTorch's own error (the same reference run in that dtype) plus two ulps of the
     result's magnitude (te_seq rounds once, PyTorch sometimes more often, sometimes less)."""
-    assert actual.shape == ref64.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(ref64.shape)}"
+    assert actual.shape == ref64.shape, f"{what}: shape {actual.shape} != {ref64.shape}"
     if actual.numel() == 0:
         return
     if dtype in EXACT_TOL:
         tol = EXACT_TOL[dtype]
-        torch.testing.assert_close(actual.double(), ref64, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(actual.double(), ref64, rtol=tol, atol=tol,
+                                   msg=lambda m: f"{what}: {m}")
         return
     err = (actual.double() - ref64).abs().max().item()
     torch_err = (torch_lowp.double() - ref64).abs().max().item() if torch_lowp is not None else 0.0
     bound = 2 * torch_err + 2 * EPS[dtype] * max(ref64.abs().max().item(), 1e-3)
-    assert err <= bound, f"{what}: max error {err:.3g} > bound {bound:.3g} (torch {dtype}: {torch_err:.3g})"
+    assert err <= bound, (
+        f"{what}: max error {err:.3g} > bound {bound:.3g} (torch {dtype}: {torch_err:.3g})")

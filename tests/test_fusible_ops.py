@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from op_specs import (
     API_BASIC_OPS,
     SPECS,

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from op_specs import missing_op, randomize_params
 
 import te_seq
-from op_specs import missing_op, randomize_params
 from te_seq import ops
 
 # Shape legend: T rows, W the width flowing into a factory's op, FFN the hidden width of MLPs.
@@ -182,7 +182,8 @@ def test_registered_fusion_matches_unfused(name: str, classes: tuple[type, ...])
     for i, (a, b) in enumerate(zip(fused, unfused)):
         assert (a is None) == (b is None), f"tensor {i}: grad present only on one side"
         if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"tensor {i}: {m}")
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12,
+                                       msg=lambda m: f"tensor {i}: {m}")
 
 
 def test_every_builtin_fusion_has_factories() -> None:
@@ -251,7 +252,8 @@ def test_grouped_mlp_declines_dims_that_dont_chain() -> None:
     seq = _mlp(fc2_in=FFN + 1)
     splits = torch.tensor([3, 0, 4])
     # The unfused chain runs and fails at FC2's input check, naming the op and both sizes.
-    with pytest.raises(ValueError, match=rf"GroupedLinear: input has last dimension {FFN}.*in_features={FFN + 1}"):
+    match = rf"GroupedLinear: input has last dimension {FFN}.*in_features={FFN + 1}"
+    with pytest.raises(ValueError, match=match):
         seq(torch.randn(T, HID, dtype=torch.float64), splits, splits)
     record = next(r for r in te_seq.list_fusions() if r.name == "grouped_mlp")
     from te_seq.fusion.matcher import Window
@@ -289,7 +291,8 @@ class ChainFused(ops.FusedOperation):
         pgrads, egrads, dy = [None] * n, [None] * n, grad_output
         for i in reversed(range(n)):
             dy, pg, eg = self.basic_ops[i].fuser_backward(
-                [basic_op_ctxs[i]], dy, basic_op_grad_extra_outputs=[basic_op_grad_extra_outputs[i]])
+                [basic_op_ctxs[i]], dy,
+                basic_op_grad_extra_outputs=[basic_op_grad_extra_outputs[i]])
             pgrads[i], egrads[i] = pg[0], eg[0]
         return dy, pgrads, egrads
 
@@ -350,7 +353,8 @@ def test_user_fusion_is_tried_before_builtin(user_fusions) -> None:
     pattern = (ops.GroupedLinear, ops.SwiGLU, ops.GroupedLinear)
     _register(user_fusions, "user_mlp", "joint", pattern)
     seq, splits = _mlp(), torch.tensor([3, 0, 4])
-    seq(torch.randn(T, HID, dtype=torch.float64, requires_grad=True), splits, splits).sum().backward()
+    x = torch.randn(T, HID, dtype=torch.float64, requires_grad=True)
+    seq(x, splits, splits).sum().backward()
     assert _names(seq.fusion_plan().forward) == ["UserJoint"]
     assert _names(seq.fusion_plan().backward) == ["UserJoint"]
     order = [r.name for r in te_seq.list_fusions()]
@@ -435,16 +439,20 @@ def test_disable_enable_and_context_manager() -> None:
     assert enabled()["grouped_mlp"] is False, "fusions_disabled must restore the previous state"
 
 
+def _never(window):
+    raise AssertionError("a rejected registration must never be built")
+
+
 def test_registry_errors(user_fusions) -> None:
     _register(user_fusions, "user_dup", "forward", (ops.GELU,))
     with pytest.raises(ValueError, match="'user_dup' is already registered"):
-        te_seq.register_fusion(name="user_dup", phase="forward", pattern=(ops.ReLU,))(lambda w: None)
+        te_seq.register_fusion(name="user_dup", phase="forward", pattern=(ops.ReLU,))(_never)
     with pytest.raises(ValueError, match="'grouped_mlp' is already registered"):
-        te_seq.register_fusion(name="grouped_mlp", phase="joint", pattern=(ops.ReLU,))(lambda w: None)
+        te_seq.register_fusion(name="grouped_mlp", phase="joint", pattern=(ops.ReLU,))(_never)
     with pytest.raises(ValueError, match=r"phase must be one of .*got 'sideways'"):
-        te_seq.register_fusion(name="user_x", phase="sideways", pattern=(ops.ReLU,))(lambda w: None)
+        te_seq.register_fusion(name="user_x", phase="sideways", pattern=(ops.ReLU,))(_never)
     with pytest.raises(ValueError, match="pattern is empty"):
-        te_seq.register_fusion(name="user_x", phase="forward", pattern=())(lambda w: None)
+        te_seq.register_fusion(name="user_x", phase="forward", pattern=())(_never)
     for call in (te_seq.disable_fusion, te_seq.enable_fusion, te_seq.unregister_fusion):
         with pytest.raises(ValueError, match="no fusion named 'nope' is registered"):
             call("nope")

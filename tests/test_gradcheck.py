@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from op_specs import SPECS, OpSpec, build_case, floating, skip_if_missing
 
 import te_seq
-from op_specs import SPECS, OpSpec, build_case, floating, skip_if_missing
 from te_seq import ops
 
 ROWS = 5
@@ -44,7 +44,8 @@ def _gradcheck_module(seq: te_seq.Sequential, x: torch.Tensor, extras: Sequence,
 @pytest.mark.parametrize("spec", [pytest.param(s, id=s.name) for s in SPECS])
 def test_op_gradcheck(spec: OpSpec) -> None:
     if spec.name.endswith("in_place"):
-        pytest.skip("in-place variants write into their inputs; the out-of-place spec covers the maths")
+        pytest.skip("in-place variants write into their inputs; the out-of-place spec "
+                    "covers the maths")
     x = torch.randn(ROWS, spec.in_width, dtype=torch.float64)
     case = build_case(spec, torch.float64, x)
     _gradcheck_module(case.seq, case.x, list(case.extras), list(case.params.values()))

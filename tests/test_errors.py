@@ -1,0 +1,220 @@
+"""Every bad input of API.md is an exception whose message names the op and shows the values.
+
+Input errors run twice: with fusions enabled (a fused op must check its inner ops' inputs as the
+unfused chain does) and under `te_seq.fusions_disabled()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from op_specs import skip_if_missing
+
+import te_seq
+from te_seq import ops
+
+# Shape legend: T rows, H hidden, F ffn, G groups.
+T, H, F, G = 7, 8, 6, 3
+f64 = torch.float64
+
+
+def x_of(width: int = H, dtype: torch.dtype = f64, rows: int = T) -> torch.Tensor:
+    return torch.randn(rows, width, dtype=dtype)
+
+
+def splits(*sizes) -> torch.Tensor:
+    return torch.tensor(sizes)
+
+
+def gl(g: int = G, k: int = H, n: int = H, **kw) -> torch.nn.Module:
+    return ops.GroupedLinear(g, k, n, dtype=f64, **kw)
+
+
+def mlp(act=None, **kw) -> list[torch.nn.Module]:
+    return [gl(n=2 * F, **kw), act or ops.SwiGLU(), gl(k=F, **kw)]
+
+
+@dataclass
+class Bad:
+    """A Sequential (built lazily), the call's arguments, and the exception it must raise."""
+
+    id: str
+    needs: tuple[str, ...]  # ops that must exist (else skip)
+    build: Callable[[], list[torch.nn.Module]]
+    args: Callable[[], tuple]
+    exc: type[Exception]
+    match: str
+
+
+def _same_twice(split_sizes) -> tuple:
+    """x and the same split-sizes object for both GroupedLinears (so the window can fuse)."""
+    return x_of(), split_sizes, split_sizes
+
+
+S = splits(3, 0, 4)  # one shared split tensor: lets the GroupedMLP windows fuse
+BAD_INPUTS = [
+    # --- wrong feature sizes ---------------------------------------------------------------
+    Bad("basic_linear_in_features", (), lambda: [ops.BasicLinear(H, F, dtype=f64)],
+        lambda: (x_of(5),), ValueError,
+        r"BasicLinear: input has last dimension 5 \(shape \(7, 5\)\), but in_features=8"),
+    Bad("linear_in_features", (), lambda: [ops.Linear(H, F, dtype=f64)], lambda: (x_of(5),),
+        ValueError, r"BasicLinear: input has last dimension 5 .*in_features=8"),
+    Bad("bias_size", (), lambda: [ops.Bias(H, dtype=f64)], lambda: (x_of(5),), ValueError,
+        r"Bias: input has last dimension 5 .*size=8"),
+    Bad("bias_after_linear", (), lambda: [ops.BasicLinear(H, F, dtype=f64), ops.Bias(5, dtype=f64)],
+        lambda: (x_of(),), ValueError, r"Bias: input has last dimension 6 .*size=5"),
+    Bad("grouped_in_features", (), lambda: [gl()], lambda: (x_of(5), S), ValueError,
+        r"GroupedLinear: input has last dimension 5 .*in_features=8"),
+    Bad("grouped_mlp_in_features", (), mlp, lambda: (x_of(5), S, S), ValueError,
+        r"GroupedLinear: input has last dimension 5 .*in_features=8"),
+    Bad("layer_norm_size", ("LayerNorm",), lambda: [ops.LayerNorm(H, dtype=f64)],
+        lambda: (x_of(5),), ValueError,
+        r"LayerNorm: input has last dimension 5 .*normalized_shape=8"),
+    Bad("rms_norm_size", ("RMSNorm",), lambda: [ops.RMSNorm(H, dtype=f64)],
+        lambda: (x_of(5),), ValueError,
+        r"RMSNorm: input has last dimension 5 .*normalized_shape=8"),
+    Bad("scalar_input", (), lambda: [ops.BasicLinear(H, F, dtype=f64)],
+        lambda: (torch.tensor(1.0, dtype=f64),), ValueError, r"BasicLinear: input is a scalar"),
+    Bad("reshape_numel", ("Reshape",), lambda: [ops.Reshape((5, 5))], lambda: (x_of(),),
+        ValueError, r"Reshape: cannot reshape input of shape \(7, 8\) \(56 elements\) to \(5, 5\)"),
+    Bad("add_extra_input_shape", ("AddExtraInput",), lambda: [ops.AddExtraInput()],
+        lambda: (x_of(), x_of(4)), ValueError,
+        r"AddExtraInput: extra of shape \(7, 4\) does not broadcast to the input's shape \(7, 8\)"),
+    # --- dtype and device ------------------------------------------------------------------
+    Bad("basic_linear_dtype", (), lambda: [ops.BasicLinear(H, F)], lambda: (x_of(),), ValueError,
+        r"BasicLinear: input dtype torch.float64 does not match the op's parameter dtype "
+        r"torch.float32"),
+    Bad("grouped_dtype", (), lambda: [ops.GroupedLinear(G, H, H)], lambda: (x_of(), S),
+        ValueError, r"GroupedLinear: input dtype torch.float64 does not match .* torch.float32"),
+    Bad("grouped_mlp_dtype", (), lambda: [ops.GroupedLinear(G, H, 2 * F), ops.SwiGLU(),
+                                          ops.GroupedLinear(G, F, H)],
+        lambda: (x_of(), S, S), ValueError, r"GroupedLinear: input dtype torch.float64"),
+    Bad("layer_norm_dtype", ("LayerNorm",), lambda: [ops.LayerNorm(H)], lambda: (x_of(),),
+        ValueError, r"LayerNorm: input dtype torch.float64 does not match .* torch.float32"),
+    Bad("basic_linear_device", (), lambda: [ops.BasicLinear(H, F, dtype=f64)],
+        lambda: (torch.empty(T, H, dtype=f64, device="meta"),), ValueError,
+        r"BasicLinear: input is on meta but the op's parameters are on cpu"),
+    Bad("activation_integer_input", (), lambda: [ops.GELU()],
+        lambda: (torch.ones(T, H, dtype=torch.int64),), ValueError,
+        r"GELU: input must be floating point, got torch.int64"),
+    # --- extra-input count -----------------------------------------------------------------
+    Bad("too_few_extra_inputs", (), lambda: [gl()], lambda: (x_of(),), ValueError,
+        r"GroupedLinear \(basic op 0\) expects 1 extra input\(s\) \(split_sizes\), but only 0 "
+        r"of the 0"),
+    Bad("too_few_extra_inputs_for_last_op", (), lambda: mlp(ops.ScaledSwiGLU()),
+        lambda: (x_of(), S, torch.rand(T, dtype=f64)), ValueError,
+        r"GroupedLinear \(basic op 2\) expects 1 extra input\(s\) \(split_sizes\), but only 0 "
+        r"of the 2"),
+    Bad("too_few_extra_inputs_scales", (), lambda: mlp(ops.ScaledSwiGLU()), lambda: (x_of(), S),
+        ValueError, r"ScaledSwiGLU \(basic op 1\) expects 1 extra input\(s\) \(scales\)"),
+    Bad("too_many_extra_inputs", (), lambda: [gl()], lambda: (x_of(), S, S), ValueError,
+        r"Sequential got 2 extra inputs but its ops take 1 \(GroupedLinear\[0\]: 1\)"),
+    Bad("extra_inputs_but_no_taker", (), lambda: [ops.GELU()], lambda: (x_of(), S), ValueError,
+        r"Sequential got 1 extra inputs but its ops take 0 \(no op takes extra inputs\)"),
+    # --- split sizes -----------------------------------------------------------------------
+    Bad("splits_wrong_length", (), lambda: [gl()], lambda: (x_of(), splits(3, 4)), ValueError,
+        r"GroupedLinear: split_sizes has shape \(2,\) \(2 entries\), expected a 1-D tensor with "
+        r"num_groups=3 entries"),
+    Bad("splits_2d", (), lambda: [gl()], lambda: (x_of(), splits([3, 0, 4])), ValueError,
+        r"GroupedLinear: split_sizes has shape \(1, 3\)"),
+    Bad("splits_negative", (), lambda: [gl()], lambda: (x_of(), splits(8, -1, 0)), ValueError,
+        r"GroupedLinear: split_sizes has negative entries \[-1\]: \[8, -1, 0\]"),
+    Bad("splits_wrong_sum", (), lambda: [gl()], lambda: (x_of(), splits(3, 0, 3)), ValueError,
+        r"GroupedLinear: split_sizes sum to 6 but the input has 7 rows "
+        r"\(split_sizes=\[3, 0, 3\]\)"),
+    Bad("splits_float", (), lambda: [gl()], lambda: (x_of(), torch.tensor([3.0, 0.0, 4.0])),
+        ValueError, r"GroupedLinear: split_sizes must be an integer tensor, got torch.float32"),
+    Bad("splits_not_a_tensor", (), lambda: [gl()], lambda: (x_of(), [3, 0, 4]), TypeError,
+        r"GroupedLinear: split_sizes must be a torch.Tensor, got list"),
+    Bad("grouped_mlp_splits_wrong_sum", (), mlp, lambda: _same_twice(splits(3, 0, 3)), ValueError,
+        r"GroupedLinear: split_sizes sum to 6 but the input has 7"),
+    Bad("grouped_mlp_fc2_splits_wrong_sum", (), mlp, lambda: (x_of(), S, splits(3, 0, 5)),
+        ValueError, r"GroupedLinear: split_sizes sum to 8 but the input has 7 rows"),
+    Bad("grouped_mlp_splits_not_a_tensor", (), mlp, lambda: _same_twice([3, 0, 4]),
+        TypeError, r"GroupedLinear: split_sizes must be a torch.Tensor, got list"),
+    # --- scales ----------------------------------------------------------------------------
+    Bad("probs_wrong_length", (), lambda: [ops.ScaledSwiGLU()],
+        lambda: (x_of(2 * F), torch.rand(5, dtype=f64)), ValueError,
+        r"ScaledSwiGLU: scales has 5 entries \(shape \(5,\)\), expected one per row of the "
+        r"input: 7"),
+    Bad("grouped_mlp_probs_wrong_length", (), lambda: mlp(ops.ScaledSwiGLU()),
+        lambda: (x_of(), S, torch.rand(5, dtype=f64), S), ValueError,
+        r"ScaledSwiGLU: scales has 5 entries \(shape \(5,\)\), expected one per row of the "
+        r"input: 7"),
+    Bad("probs_not_floating", (), lambda: [ops.ScaledSwiGLU()],
+        lambda: (x_of(2 * F), torch.ones(T, dtype=torch.int64)), ValueError,
+        r"ScaledSwiGLU: scales must be floating point, got torch.int64"),
+    Bad("scale_bias_scales_wrong_length", (), lambda: [gl(scale_bias=True)],
+        lambda: (x_of(), S, torch.rand(4, dtype=f64)), ValueError,
+        r"GroupedLinear: scales has 4 entries \(shape \(4,\)\), expected one per row of the "
+        r"input: 7"),
+    # --- GLU widths ------------------------------------------------------------------------
+    Bad("glu_odd_width", (), lambda: [ops.SwiGLU()], lambda: (x_of(7),), ValueError,
+        r"SwiGLU: input's last dimension 7 must be a multiple of 2 to hold gate and up"),
+    Bad("glu_interleave_width", (), lambda: [ops.GEGLU(glu_interleave_size=4)],
+        lambda: (x_of(12),), ValueError,
+        r"GEGLU: input's last dimension 12 must be a multiple of 8 \(glu_interleave_size=4\)"),
+    Bad("glu_odd_width_after_linear_bias", (),
+        lambda: [ops.BasicLinear(H, 7, dtype=f64), ops.Bias(7, dtype=f64), ops.SwiGLU()],
+        lambda: (x_of(),), ValueError, r"SwiGLU: input's last dimension 7 must be a multiple of 2"),
+]
+
+
+@pytest.mark.parametrize("fusion", ["fused", "unfused"])
+@pytest.mark.parametrize("bad", [pytest.param(b, id=b.id) for b in BAD_INPUTS])
+def test_bad_input(bad: Bad, fusion: str) -> None:
+    for name in bad.needs:
+        skip_if_missing(name)
+    seq = te_seq.Sequential(*bad.build())
+    guard = te_seq.fusions_disabled() if fusion == "unfused" else contextlib.nullcontext()
+    with guard, pytest.raises(bad.exc, match=bad.match):
+        seq(*bad.args())
+
+
+BAD_CONSTRUCTORS = [
+    ("BasicLinear", lambda: ops.BasicLinear(0, 4), ValueError,
+     r"BasicLinear: in_features and out_features must be positive, got 0 and 4"),
+    ("Linear", lambda: ops.Linear(4, -2), ValueError,
+     r"BasicLinear: in_features and out_features must be positive, got 4 and -2"),
+    ("Bias", lambda: ops.Bias(0), ValueError, r"Bias: size must be positive, got 0"),
+    ("GroupedLinear", lambda: ops.GroupedLinear(0, 8, 8), ValueError,
+     r"GroupedLinear: num_groups, in_features and out_features must be positive, got 0, 8, 8"),
+    ("GroupedLinear", lambda: ops.GroupedLinear(3, 8, 8, bias=False, single_grouped_bias=True),
+     ValueError, r"GroupedLinear: single_grouped_bias=True needs bias=True"),
+    ("SwiGLU", lambda: ops.SwiGLU(glu_interleave_size=0), ValueError,
+     r"SwiGLU: glu_interleave_size must be positive, got 0"),
+    ("ScaledSwiGLU", lambda: ops.ScaledSwiGLU(glu_interleave_size=-2), ValueError,
+     r"ScaledSwiGLU: glu_interleave_size must be positive, got -2"),
+    ("GELU", lambda: ops.GELU(approximate="fast"), ValueError,
+     r"GELU: approximate must be one of \['none', 'tanh'\], got 'fast'"),
+    ("LayerNorm", lambda: ops.LayerNorm(0), ValueError,
+     r"LayerNorm: normalized_shape must be positive, got 0"),
+    ("RMSNorm", lambda: ops.RMSNorm(8, eps=0.0), ValueError,
+     r"RMSNorm: eps must be positive, got 0"),
+    ("Dropout", lambda: ops.Dropout(1.5), ValueError,
+     r"Dropout: p must be a number in \[0, 1\), got 1.5"),
+    ("Dropout", lambda: ops.Dropout(-0.1), ValueError, r"Dropout: p must be .*got -0.1"),
+    ("Reshape", lambda: ops.Reshape((-1, -1)), ValueError, re.escape("Reshape: shape (-1, -1)")),
+    ("ConstantScale", lambda: ops.ConstantScale("a"), TypeError,
+     r"ConstantScale: scale must be a real number, got 'a'"),
+]
+
+
+@pytest.mark.parametrize("op_name,make,exc,match", [
+    pytest.param(*c, id=f"{c[0]}-{i}") for i, c in enumerate(BAD_CONSTRUCTORS)])
+def test_bad_constructor(op_name: str, make, exc, match: str) -> None:
+    skip_if_missing(op_name)
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_grouped_mlp_checks_like_the_unfused_chain() -> None:
+    """Sanity: the fused window really fused (so the 'fused' error cases test the fused op)."""
+    seq = te_seq.Sequential(*mlp())
+    seq(x_of(), S, S)
+    assert [s.name for s in seq.fusion_plan().forward] == ["GroupedMLP"]
