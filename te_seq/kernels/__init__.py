@@ -35,7 +35,7 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, backend: str) -> Tensor:
     if backend == "cute":
         from te_seq.kernels import cute
 
-        if not cute.supports_mm(a, b)[0]:
+        if not cute.supports(a, b)[0]:
             backend = "torch"
     return _module(backend).grouped_mm(a, b, offs)
 
@@ -49,3 +49,40 @@ def grouped_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, backend: str,
         if not cute.supports_wgrad(grad_out, x)[0]:
             backend = "torch"
     return _module(backend).grouped_wgrad(grad_out, x, offs, out=out, accumulate=accumulate)
+
+
+# --- fused grouped-MLP pieces (GLU activations) ---------------------------------------------
+# Shape legend: M rows, E experts, H hidden, F ffn; h = FC1's pre-activation [M, 2F] in the
+# activation op's column layout ([gate | up] halves or glu_interleave_size blocks).
+
+
+def _cute_glu(backend: str, name: str):
+    """The cute kernel for a fused GLU step, or None where it does not apply."""
+    if backend != "cute":
+        return None
+    from te_seq.kernels import cute
+
+    return getattr(cute, name, None)
+
+
+def glu_fc1_forward(x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int | None,
+                    probs: Tensor | None, backend: str) -> tuple[Tensor, Tensor]:
+    """(h, a): h = x_e W1_eᵀ [M, 2F] and a = act(gate) · up (· probs) [M, F]."""
+    fused = _cute_glu(backend, "glu_fc1_forward")
+    if fused is not None and fused.supports(x, w1t, act, interleave)[0]:
+        return fused(x, w1t, offs, act, interleave, probs)
+    h = grouped_mm(x, w1t, offs, backend)
+    return h, reference.glu_forward(h, act, interleave, probs)
+
+
+def glu_fc2_dgrad(dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str,
+                  interleave: int | None, probs: Tensor | None, backend: str
+                  ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(dh, a, dprobs) from dA = dY_e W2_e: the activation gradient, the re-emitted activation
+    a (for FC2's wgrad) and d(probs) [M] (None without probs)."""
+    fused = _cute_glu(backend, "glu_fc2_dgrad")
+    if fused is not None and fused.supports(dy, w2, act, interleave)[0]:
+        return fused(dy, w2, offs, h, act, interleave, probs)
+    da = grouped_mm(dy, w2, offs, backend)
+    dh, dprobs = reference.glu_backward(h, da, act, interleave, probs)
+    return dh, reference.glu_forward(h, act, interleave, probs), dprobs

@@ -55,18 +55,31 @@ class GroupedMLP(FusedOperation):
         return config.grouped_backend(requested, device)
 
     # --- activation ---------------------------------------------------------------------------
-    def _act(self, h: Tensor, probs: Tensor | None) -> Tensor:
-        """a = act(h) (· probs): [T, 2F] -> [T, F] for gated activations."""
-        op = self.activation
-        if op.gated:
-            return reference.glu_forward(h, op.act, op.glu_interleave_size, probs)
-        return reference.act_forward(h, op.act)
+    def _fc1_act(self, x: Tensor, w1: Tensor, offs: Tensor, extras: _Extras, probs, backend: str):
+        """(h, a): FC1's pre-activation [T, 2F] and the activation [T, F] (· probs).
 
-    def _act_backward(self, h: Tensor, da: Tensor, probs: Tensor | None):
+        Gated activations without an FC1 bias run as one kernel on the cute backend (the
+        activation in the GEMM's epilogue); the rest run the GEMM, then the activation.
+        """
+        op = self.activation
+        if op.gated and not self.fc1.has_bias:
+            w1t = w1.transpose(1, 2)  # [G, H, 2F]
+            return kernels.glu_fc1_forward(x, w1t, offs, op.act, op.glu_interleave_size, probs,
+                                           backend)
+        h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, backend)
+        if op.gated:
+            return h, reference.glu_forward(h, op.act, op.glu_interleave_size, probs)
+        return h, reference.act_forward(h, op.act)
+
+    def _fc2_dgrad_act(self, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, probs, backend: str):
+        """(dh, a, dprobs): dA = dY_e W2_e through the activation's gradient, and the activation
+        re-emitted for FC2's wgrad (one kernel on the cute backend for gated activations)."""
         op = self.activation
         if op.gated:
-            return reference.glu_backward(h, da, op.act, op.glu_interleave_size, probs)
-        return reference.act_backward(h, da, op.act), None
+            return kernels.glu_fc2_dgrad(dy, w2, offs, h, op.act, op.glu_interleave_size, probs,
+                                         backend)
+        da = kernels.grouped_mm(dy, w2, offs, backend)  # [T, F]
+        return reference.act_backward(h, da, op.act), reference.act_forward(h, op.act), None
 
     # --- forward ------------------------------------------------------------------------------
     def _unpack(self, extra_inputs) -> _Extras:
@@ -85,9 +98,9 @@ class GroupedMLP(FusedOperation):
         offs = self.fc1.offsets(extras.splits, input_)
         probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]
         w1, w2 = self.fc1.stacked_weight(), self.fc2.stacked_weight()  # [G, 2F, H], [G, H, F]
-        h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, ctx.backend)  # [T, 2F]
-        self.activation.pre_forward_checks(h, basic_op_extra_inputs[1])
-        a = self._act(h, probs)  # [T, F]
+        h_like = x.new_empty(()).expand(x.shape[0], self.fc1.out_features)  # shape only, no memory
+        self.activation.pre_forward_checks(h_like, basic_op_extra_inputs[1])
+        h, a = self._fc1_act(x, w1, offs, extras, probs, ctx.backend)  # [T, 2F], [T, F]
         self.fc2.pre_forward_checks(a, basic_op_extra_inputs[2])
         y = _linear(self.fc2, a, w2, offs, extras.fc2_scales, ctx.backend)  # [T, H]
         if ctx.requires_grad:
@@ -104,9 +117,8 @@ class GroupedMLP(FusedOperation):
         x, h, w1, w2, offs, probs_in, s1, s2 = ctx1.saved_tensors
         probs = None if probs_in is None else probs_in.reshape(-1)
         dy = grad_output.reshape(-1, self.fc2.out_features)  # [T, H]
-        da = kernels.grouped_mm(dy, w2, offs, ctx1.backend)  # dA_e = dY_e W2_e   [T, F]
-        dh, dprobs = self._act_backward(h, da, probs)  # [T, 2F], [T]
-        fc2_grads, ds2 = self._param_grads(self.fc2, ctx2, self._act(h, probs), dy, offs, s2)
+        dh, a, dprobs = self._fc2_dgrad_act(dy, w2, offs, h, probs, ctx1.backend)  # [T, 2F], [T, F]
+        fc2_grads, ds2 = self._param_grads(self.fc2, ctx2, a, dy, offs, s2)
         fc1_grads, ds1 = self._param_grads(self.fc1, ctx1, x, dh, offs, s1)
         dx = None
         if ctx1.input_requires_grad:
