@@ -191,12 +191,13 @@ class GroupedLinear(BasicOperation):
             return [], None
         idx = group_index(offs, dy.shape[0])
         dscales = None
+        acc = torch.float64 if dy.dtype == torch.float64 else torch.float32  # float64 stays exact
         if self.scale_bias:
             bias_rows = self.stacked_bias()[idx]  # [T, N]
-            dscales = (dy.float() * bias_rows.float()).sum(-1).to(scales.dtype)
+            dscales = (dy.to(acc) * bias_rows.to(acc)).sum(-1).to(scales.dtype)
             dy = dy * scales.reshape(-1, 1).to(dy.dtype)
-        sums = torch.zeros(self.num_groups, self.out_features, device=dy.device, dtype=torch.float32)
-        sums.index_add_(0, idx, dy.float())  # db_g = Σ_{t in g} dy_t (· s_t)
+        sums = torch.zeros(self.num_groups, self.out_features, device=dy.device, dtype=acc)
+        sums.index_add_(0, idx, dy.to(acc))  # db_g = Σ_{t in g} dy_t (· s_t)
         sums = sums.to(dy.dtype)
         grads = [sums] if self.single_grouped_bias else list(sums.unbind(0))
         return grads, dscales
