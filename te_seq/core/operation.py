@@ -103,6 +103,16 @@ class BasicOperation(FusibleOperation):
         return grad_input, [param_grads], [()]
 
     # --- hooks the fuser and the gradient contract use -------------------------------------
+    def forward(self, input_: Tensor, *extra_inputs: Any) -> Tensor | tuple[Tensor, ...]:
+        """Run this op alone (outside a Sequential): `op(x, *extra_inputs)`, same results and
+        gradient contract as inside a `te_seq.Sequential(op)`."""
+        from te_seq.core.sequential import Sequential
+
+        chain = self.__dict__.get("_standalone")
+        if chain is None:  # a plain attribute: the op must not become its own submodule
+            chain = self.__dict__["_standalone"] = Sequential(self)
+        return chain(input_, *extra_inputs)
+
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple[Tensor, ...]) -> None:
         """Validate the call's input before anything runs; raise ValueError naming the op."""
 
