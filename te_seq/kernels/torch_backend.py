@@ -162,7 +162,8 @@ def _native_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     align = 16 // a.element_size()
     k, n = b.shape[1], b.shape[2]
     kp, np_ = _round_up(k, align), _round_up(n, align)
-    if kp != k or not _aligned(a, align):
+    # a must be row-major: with M contiguous, every group boundary would need 16-byte alignment.
+    if kp != k or not _aligned(a, align) or a.stride(-1) != 1:
         a = F.pad(a, (0, kp - k)).contiguous()  # [M, Kp], zero columns
     if kp != k or np_ != n or not _aligned(b, align):
         b = F.pad(b, (0, np_ - n, 0, kp - k)).contiguous()  # [E, Kp, Np], zero rows/columns
