@@ -18,6 +18,18 @@ BACKENDS = ("auto", "reference", "torch", "cute")
 
 _state = threading.local()
 _global_backend = "auto"
+_compile_elementwise = True
+
+
+def compile_elementwise() -> bool:
+    """Whether the GPU backends run activations through `torch.compile` (default True)."""
+    return _compile_elementwise
+
+
+def set_compile_elementwise(enabled: bool) -> None:
+    """Turn the compiled elementwise path of the GPU backends on or off (off: plain PyTorch)."""
+    global _compile_elementwise
+    _compile_elementwise = bool(enabled)
 
 
 @functools.lru_cache(maxsize=None)

@@ -108,10 +108,14 @@ class GroupedLinear(BasicOperation):
             for g in range(G):
                 init_linear_weight_(self.weight.data[g])
         else:
+            # Per-group Parameters are views of one [G, N, K] block, so the grouped GEMM reads
+            # them without a per-forward stack (a copy of every weight; see stacked_weight).
+            block = torch.empty(G, N, K, device=device, dtype=dtype)
             for g in range(G):
-                w = torch.nn.Parameter(torch.empty(N, K, device=device, dtype=dtype))
+                w = torch.nn.Parameter(block[g])
                 init_linear_weight_(w.data)
                 self.register_parameter(f"weight{g}", w)
+            self.__dict__["_weight_block"] = block  # plain attribute: not a parameter or buffer
         if not self.has_bias:
             return
         if self.single_grouped_bias:
@@ -135,10 +139,16 @@ class GroupedLinear(BasicOperation):
         return [(f"bias{g}", getattr(self, f"bias{g}")) for g in range(self.num_groups)]
 
     def stacked_weight(self) -> Tensor:
-        """[G, N, K]: the parameter itself, or the per-group weights stacked (a copy)."""
+        """[G, N, K]: the single grouped weight, the block the per-group weights still view,
+        or (after something replaced their storage, e.g. `.to()`) the weights stacked (a copy)."""
         if self.single_grouped_weight:
             return self.weight
-        return torch.stack([w for _, w in self.named_weights()])
+        weights = [w for _, w in self.named_weights()]
+        block = self.__dict__.get("_weight_block")
+        if block is not None and _views_block(weights, block):
+            return block
+        self.__dict__["_weight_block"] = None  # stale: don't keep old storage alive
+        return torch.stack(weights)
 
     def stacked_bias(self) -> Tensor | None:
         if not self.has_bias:
@@ -269,6 +279,18 @@ class GroupedLinear(BasicOperation):
 
     def backward_dw(self) -> None:
         self.grad_policy.backward_dw()
+
+
+def _views_block(weights: list[Tensor], block: Tensor) -> bool:
+    """Whether weight g is exactly block[g] for every g (same storage, place, shape, dtype)."""
+    if block.dtype != weights[0].dtype or block.device != weights[0].device:
+        return False
+    step = block.stride(0) * block.element_size()
+    base = block.data_ptr()
+    return all(
+        w.data_ptr() == base + g * step and w.shape == block.shape[1:] and w.stride() == block.stride()[1:]
+        for g, w in enumerate(weights)
+    )
 
 
 def _check_config(num_groups, in_features, out_features, bias, single_grouped_bias) -> None:

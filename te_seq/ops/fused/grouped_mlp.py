@@ -19,7 +19,6 @@ from te_seq import config, kernels
 from te_seq.core.operation import BasicOperation, FusedOperation, OperationContext
 from te_seq.fusion.matcher import same_extra_input
 from te_seq.fusion.registry import NoMatch, register_fusion
-from te_seq.kernels import reference
 from te_seq.ops.basic import (
     GEGLU,
     GELU,
@@ -68,8 +67,9 @@ class GroupedMLP(FusedOperation):
                                            backend)
         h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, backend)
         if op.gated:
-            return h, reference.glu_forward(h, op.act, op.glu_interleave_size, probs)
-        return h, reference.act_forward(h, op.act)
+            glu = kernels.elementwise("glu_forward", backend, h.device)
+            return h, glu(h, op.act, op.glu_interleave_size, probs)
+        return h, kernels.elementwise("act_forward", backend, h.device)(h, op.act)
 
     def _fc2_dgrad_act(self, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, probs, backend: str):
         """(dh, a, dprobs): dA = dY_e W2_e through the activation's gradient, and the activation
@@ -79,7 +79,9 @@ class GroupedMLP(FusedOperation):
             return kernels.glu_fc2_dgrad(dy, w2, offs, h, op.act, op.glu_interleave_size, probs,
                                          backend)
         da = kernels.grouped_mm(dy, w2, offs, backend)  # [T, F]
-        return reference.act_backward(h, da, op.act), reference.act_forward(h, op.act), None
+        act_bwd = kernels.elementwise("act_backward", backend, h.device)
+        act_fwd = kernels.elementwise("act_forward", backend, h.device)
+        return act_bwd(h, da, op.act), act_fwd(h, op.act), None
 
     # --- forward ------------------------------------------------------------------------------
     def _unpack(self, extra_inputs) -> _Extras:
