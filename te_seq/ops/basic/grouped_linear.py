@@ -232,8 +232,9 @@ class GroupedLinear(BasicOperation):
             return [grads] if self.single_grouped_weight else list(grads.unbind(0))
 
         def compute_into(outs: Sequence[Tensor], accumulate: bool) -> None:
-            if self.single_grouped_weight:
-                kernels.grouped_wgrad(dy, x, offs, backend, out=outs[0], accumulate=accumulate)
+            block = outs[0] if self.single_grouped_weight else _block_of(outs)
+            if block is not None:  # one [G, N, K] buffer (Megatron's main_grad buckets are)
+                kernels.grouped_wgrad(dy, x, offs, backend, out=block, accumulate=accumulate)
                 return
             G, N, K = self.num_groups, self.out_features, self.in_features
             tmp = torch.empty(G, N, K, device=x.device, dtype=outs[0].dtype)
@@ -279,6 +280,17 @@ class GroupedLinear(BasicOperation):
 
     def backward_dw(self) -> None:
         self.grad_policy.backward_dw()
+
+
+def _block_of(tensors: Sequence[Tensor]) -> Tensor | None:
+    """A [G, *shape] view over tensors that lie back to back in one storage, else None."""
+    first = tensors[0]
+    needed = (first.storage_offset() + len(tensors) * first.numel()) * first.element_size()
+    if not first.is_contiguous() or first.untyped_storage().nbytes() < needed:
+        return None
+    block = torch.as_strided(first, (len(tensors), *first.shape),
+                             (first.numel(), *first.stride()))
+    return block if _views_block(list(tensors), block) else None
 
 
 def _views_block(weights: list[Tensor], block: Tensor) -> bool:
