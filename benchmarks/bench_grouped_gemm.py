@@ -8,6 +8,12 @@ shape Z it runs on zero-padded groups, whose padding is not counted.
 
     python benchmarks/bench_grouped_gemm.py [--shapes A,B,Q,Z] [--iters 20] [--json out.json]
         [--tilings 256:2x1,256:1x2]   # CuTe variants: tile_n:cluster_mxcluster_n (first = default)
+    python benchmarks/bench_grouped_gemm.py --glu [--shapes Q,B,A] [--iters 20] [--json out.json]
+
+``--glu`` times the fused grouped-MLP GLU steps instead (SwiGLU with router probs): FC1 forward
+(h and a = silu(gate)·up·probs) and FC2 dgrad (dh, re-emitted a, d(probs)), each as
+torch._grouped_mm + the reference elementwise maths (fp32 upcast), cute grouped_mm + the same
+elementwise maths, and the fused cute kernel. FLOPs are the GEMM's only.
 """
 
 from __future__ import annotations
@@ -194,13 +200,112 @@ def launch_overhead_us(calls: int = 2000) -> dict[str, float]:
     return res
 
 
+def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
+    """(label, flops, {variant: fn}, check) for the FC1 forward and FC2 dgrad GLU steps."""
+    from te_seq.kernels import cute, reference
+
+    sizes = split_sizes(name, e, m, gen)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32).cuda()
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, h, **bf)
+    w1t = (torch.randn(e, 2 * f, h, **bf) * 0.02).transpose(1, 2)
+    w2 = torch.randn(e, h, f, **bf) * 0.02
+    probs = torch.rand(m, device="cuda")
+    dy = torch.randn(m, h, **bf)
+    hpre = torch.randn(m, 2 * f, **bf)
+    tg = torch._grouped_mm
+
+    def fc1(mm):
+        hh = mm(x, w1t)
+        return hh, reference.glu_forward(hh, "silu", None, probs)
+
+    def dgrad(mm):
+        da = mm(dy, w2)
+        dh, dp = reference.glu_backward(hpre, da, "silu", None, probs)
+        return dh, reference.glu_forward(hpre, "silu", None, probs), dp
+
+    yield (
+        "fc1_glu_fwd",
+        2 * m * h * 2 * f,
+        {
+            "torch+ew": lambda: fc1(lambda a, b: tg(a, b, offs=offs)),
+            "cute+ew": lambda: fc1(lambda a, b: cute.grouped_mm(a, b, offs)),
+            "fused": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs),
+        },
+    )
+    yield (
+        "fc2_glu_dgrad",
+        2 * m * h * f,
+        {
+            "torch+ew": lambda: dgrad(lambda a, b: tg(a, b, offs=offs)),
+            "cute+ew": lambda: dgrad(lambda a, b: cute.grouped_mm(a, b, offs)),
+            "fused": lambda: cute.glu_fc2_dgrad(dy, w2, offs, hpre, "silu", None, probs),
+        },
+    )
+
+
+def run_glu_shape(name: str, iters: int) -> list[dict]:
+    e, h, f, m = SHAPES[name]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for label, flops, fns in glu_cases(name, e, h, f, m, gen):
+        ref = fns["torch+ew"]()
+        first, errs = {}, {}
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize()
+            first[key] = round(time.perf_counter() - t0, 2)
+            errs[key] = [rel_err(o, r) for o, r in zip(out, ref)]
+        ms = time_ms(fns, iters)
+        row = dict(
+            shape=name,
+            step=label,
+            rel_err_vs_torch=errs,
+            first_call_s=first,
+            ms=ms,
+            tflops={k: flops / v / 1e9 for k, v in ms.items()},
+            fused_vs_torch=ms["torch+ew"] / ms["fused"],
+            fused_vs_cute=ms["cute+ew"] / ms["fused"],
+        )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del ref
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main_glu(args) -> None:
+    rows = []
+    for name in args.shapes.split(","):
+        rows += run_glu_shape(name, args.iters)
+    print(
+        f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}"
+    )
+    print(f"{'shape':5} {'step':14} {'torch+ew':>9} {'cute+ew':>8} {'fused':>6}  vs torch  vs cute")
+    for r in rows:
+        t = r["tflops"]
+        print(
+            f"{r['shape']:5} {r['step']:14} {t['torch+ew']:9.0f} {t['cute+ew']:8.0f} "
+            f"{t['fused']:6.0f}  {r['fused_vs_torch']:8.2f}  {r['fused_vs_cute']:7.2f}"
+        )
+    print("(TFLOP/s of the GEMM incl. the elementwise time; ratio = their time / fused time)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"rows": rows}, fh, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="A,B,Q,Z")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)
     p.add_argument("--tilings", default="256:1x2,256:2x1")
+    p.add_argument("--glu", action="store_true", help="time the fused GLU steps instead")
     args = p.parse_args()
+    if args.glu:
+        main_glu(args)
+        return
     tilings = parse_tilings(args.tilings)
     launch = launch_overhead_us()
     print("host us per call (tiny problem):", {k: round(v, 1) for k, v in launch.items()})

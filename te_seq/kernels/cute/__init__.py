@@ -17,7 +17,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Tiling", "available", "supports", "supports_wgrad", "grouped_mm", "grouped_wgrad"]
+__all__ = [
+    "Tiling",
+    "available",
+    "supports",
+    "supports_wgrad",
+    "grouped_mm",
+    "grouped_wgrad",
+    "glu_fc1_forward",
+    "glu_fc2_dgrad",
+]
 
 _AB_DTYPES = (torch.bfloat16, torch.float16)
 _TILE_M = 128
@@ -210,3 +219,8 @@ def grouped_wgrad(
     clusters = max(1, min(units, _num_sms(x.device.index or 0) // (cm * cn)))
     kernel(grad_out.t(), x.t(), out.permute(1, 2, 0), offs, clusters)
     return out
+
+
+# Fused GLU steps of the grouped MLP (each with a ``.supports(x, w, act, interleave)``); imported
+# last because they use the helpers above. They import no cutlass until first called.
+from .glu import glu_fc1_forward, glu_fc2_dgrad  # noqa: E402

@@ -97,3 +97,61 @@ def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     options = "--enable-tvm-ffi" if tvm_ffi_available() else ""
     fn = cute.compile(kernel, *_fake_args(cfg), options=options)
     return CompiledGemm(fn, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------- fused GLU epilogues
+
+
+@dataclass(frozen=True)
+class GluConfig:
+    """A fused GLU GEMM's static config (sizes symbolic): ``glu_epilogue.GluGemmKernel``.
+
+    mode "fc1" (B = W1 as (2F, H, E)) or "dgrad" (B = W2 as (F, H, E)); probs_dtype None
+    without router probs.
+    """
+
+    mode: str
+    ab_dtype: torch.dtype
+    b_major: str
+    act: str
+    interleave: int | None
+    probs_dtype: torch.dtype | None
+    cluster_mn: tuple[int, int] = (1, 2)
+
+
+def _fake_glu_args(cfg: GluConfig) -> tuple:
+    """Fake tensors: every tensor gets its own symbolic sizes (unused ones come as dummies)."""
+    ab = _DTYPES[cfg.ab_dtype]
+    div = 16 * 8 // ab.width
+    rows, groups = cute.sym_int32(), cute.sym_int32()
+    k, n = cute.sym_int32(divisibility=div), cute.sym_int32(divisibility=div)
+    a = make_fake_compact_tensor(ab, (rows, k), stride_order=(1, 0), assumed_align=16)
+    s1, s2 = cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div)
+    b_stride = (s1, 1, s2) if cfg.b_major == "k" else (1, s1, s2)
+    b = make_fake_tensor(ab, (n, k, groups), stride=b_stride, assumed_align=16)
+
+    def matrix():
+        r, w = cute.sym_int32(), cute.sym_int32(divisibility=div)
+        return make_fake_compact_tensor(ab, (r, w), stride_order=(1, 0), assumed_align=16)
+
+    c, act_out, h_in = matrix(), matrix(), matrix()
+    offs = make_fake_compact_tensor(cutlass.Int32, (groups,), assumed_align=4)
+    p_dtype = _DTYPES[cfg.probs_dtype or torch.float32]
+    probs = make_fake_compact_tensor(p_dtype, (cute.sym_int32(),), assumed_align=2)
+    dprobs = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=4)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return a, b, c, offs, cutlass.Int32(1), act_out, probs, dprobs, h_in, stream
+
+
+@functools.lru_cache(maxsize=None)
+def compile_glu(cfg: GluConfig) -> CompiledGemm:
+    """Compile (once per config, cached in memory) a fused GLU GEMM."""
+    from .glu_epilogue import GluGemmKernel
+
+    kernel = GluGemmKernel(
+        cfg.mode, cfg.act, cfg.interleave, cfg.probs_dtype is not None, cfg.cluster_mn
+    )
+    start = time.perf_counter()
+    options = "--enable-tvm-ffi" if tvm_ffi_available() else ""
+    fn = cute.compile(kernel, *_fake_glu_args(cfg), options=options)
+    return CompiledGemm(fn, time.perf_counter() - start)

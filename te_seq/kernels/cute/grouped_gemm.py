@@ -30,6 +30,8 @@ accumulators, stages them in smem and TMA-stores them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory as memory
@@ -66,6 +68,25 @@ def _ragged_group(t: cute.Tensor, mode: int, start: Int32, length: Int32) -> cut
     off = [0, 0]
     off[mode] = _BIG_INT - length
     return cute.domain_offset(tuple(off), sel)
+
+
+class _EpilogueState(NamedTuple):
+    """Loop-invariant epilogue pieces of a consumer warpgroup (trace-time bundle)."""
+
+    tma_c: object
+    mC: object
+    c_raw: object
+    sC: object
+    tiled_r2s: object
+    tRS_acc: object
+    tRS_sC: object
+    rD: object
+    rD_out: object
+    store_pipe: object
+    warp: object
+    tiled_mma: object
+    mma_tidx: object
+    epi: tuple
 
 
 class GroupedGemmKernel:
@@ -155,9 +176,22 @@ class GroupedGemmKernel:
         num_clusters: Int32,
         stream,
     ):
+        self._launch(a, b, c, offs, num_clusters, stream, b, ())
+
+    # ---------------------------------------------------------------- epilogue hooks
+    # Subclasses (``glu_epilogue.GluGemmKernel``) override these to fuse work into the epilogue;
+    # the scheduler, producer and mainloop are shared.
+
+    def _make_epi(self, c: cute.Tensor, epi_inputs: tuple) -> tuple:
+        """Host-side (jit) epilogue state passed to the kernel: extra TMA atoms, tensors."""
+        return ()
+
+    @cute.jit
+    def _launch(self, a, b, c, offs, num_clusters, stream, b_tma_view, epi_inputs):
+        """Set up, build the TMA atoms (B through ``b_tma_view``, a view of ``b``) and launch."""
         self._setup(a, b, c)
         tm, tn, tk = self.tile_mnk
-        a_tma_src, b_tma_src, c_tma_src = a, b, c
+        a_tma_src, b_tma_src, c_tma_src = a, b_tma_view, c
         if const_expr(self.varlen == "m"):
             c_tma_src = _ragged_view(c, 0)
         else:
@@ -171,6 +205,7 @@ class GroupedGemmKernel:
             cute.slice_(self.c_smem, (None, None, 0)),
             self.epi_tile,
         )
+        epi = self._make_epi(c, epi_inputs)
 
         @cute.struct
         class SharedStorage:
@@ -201,6 +236,7 @@ class GroupedGemmKernel:
             self.a_smem,
             self.b_smem,
             self.c_smem,
+            epi,
         ).launch(
             grid=(self.cluster_m, self.cluster_n, num_clusters),
             block=(self.threads, 1, 1),
@@ -300,6 +336,7 @@ class GroupedGemmKernel:
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         c_smem: cute.ComposedLayout,
+        epi,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -334,11 +371,10 @@ class GroupedGemmKernel:
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
 
+        n_dim = cute.size(mB, mode=[0])  # mode 0 may be hierarchical (an interleaving view)
         if const_expr(self.varlen == "m"):
-            n_dim = mB.shape[0]
             m_units_k = Int32(1)
         else:
-            n_dim = mB.shape[0]
             m_units_k = (mA.shape[0] + tm * self.cluster_m - 1) // (tm * self.cluster_m)
         n_tiles = (n_dim + tn * self.cluster_n - 1) // (tn * self.cluster_n)  # cluster n-units
 
@@ -380,6 +416,7 @@ class GroupedGemmKernel:
                 cluster_coord,
                 tidx,
                 tiled_mma,
+                epi,
             )
 
     @cute.jit
@@ -525,6 +562,7 @@ class GroupedGemmKernel:
         cluster_coord,
         tidx,
         tiled_mma,
+        epi,
     ):
         tm, tn, tk = self.tile_mnk
         mma_tidx = tidx - self.threads_per_warpgroup
@@ -571,22 +609,35 @@ class GroupedGemmKernel:
             read, release = self._mainloop(
                 tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles
             )
-            if const_expr(self.accumulate):
-                self._add_existing(acc, tiled_mma.get_slice(mma_tidx), c_raw, group, m_tile, n_tile)
-            if const_expr(self.varlen == "m"):
-                mC_g = _ragged_group(mC, 0, row0, rows)
-            else:
-                mC_g = mC[None, None, group]
-            gC = cute.local_tile(mC_g, (tm, tn), (m_tile, n_tile))
-            num_epi = self._epilogue(
-                tma_c, gC, sC, tiled_r2s, tRS_acc, tRS_sC, rD, rD_out, store_pipe, epi_count, warp
+            ep = _EpilogueState(
+                tma_c, mC, c_raw, sC, tiled_r2s, tRS_acc, tRS_sC, rD, rD_out, store_pipe, warp,
+                tiled_mma, mma_tidx, epi,
             )
+            num_epi = self._store_tile(ep, acc, group, m_tile, n_tile, row0, rows, epi_count)
             epi_count = epi_count + num_epi
             unit = unit + stride
             valid, group, m_unit, n_unit, row0, rows, st = self._work(
                 offs, num_rows, n_tiles, m_units_k, unit, st
             )
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _store_tile(self, ep, acc, group, m_tile, n_tile, row0, rows, epi_count):
+        """Epilogue hook: write one tile's accumulators; returns the number of smem stores used."""
+        tm, tn, _ = self.tile_mnk
+        if const_expr(self.accumulate):
+            self._add_existing(
+                acc, ep.tiled_mma.get_slice(ep.mma_tidx), ep.c_raw, group, m_tile, n_tile
+            )
+        if const_expr(self.varlen == "m"):
+            mC_g = _ragged_group(ep.mC, 0, row0, rows)
+        else:
+            mC_g = ep.mC[None, None, group]
+        gC = cute.local_tile(mC_g, (tm, tn), (m_tile, n_tile))
+        return self._epilogue(
+            ep.tma_c, gC, ep.sC, ep.tiled_r2s, ep.tRS_acc, ep.tRS_sC, ep.rD, ep.rD_out,
+            ep.store_pipe, epi_count, ep.warp,
+        )
 
     @cute.jit
     def _epilogue(

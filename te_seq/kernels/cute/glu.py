@@ -1,0 +1,167 @@
+"""Fused grouped-MLP GLU steps on the CuTe DSL backend (sm_90a): FC1 + activation, FC2 dgrad +
+activation gradient. Kernel: ``glu_epilogue.GluGemmKernel``; maths: ``reference.glu_forward`` /
+``reference.glu_backward`` (fp32, one rounding per output).
+
+Shape legend: M rows, E experts, H hidden, F ffn; h [M, 2F] in the activation op's column layout.
+Imports no cutlass until a kernel is first compiled; no host reads of ``offs`` (sync-free,
+CUDA-graph capturable once compiled). ``te_seq.kernels.glu_fc1_forward`` / ``glu_fc2_dgrad``
+call these when ``<fn>.supports(...)`` is (True, "") and compose GEMM + elementwise otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_AB_DTYPES = (torch.bfloat16, torch.float16)
+_PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ACTS = ("silu", "gelu", "relu")
+_TILE_M, _TILE_N, _CLUSTER = 128, 256, (1, 2)
+_DUMMY: dict = {}
+
+
+def _supports(x: Tensor, w: Tensor, act: str, interleave: int | None, fc1: bool) -> tuple[bool, str]:
+    """Shared checks; ``w`` is w1t [E, H, 2F] (fc1) or w2 [E, H, F] (dgrad)."""
+    from . import available
+
+    if act not in _ACTS:
+        return False, f"act {act!r} has no fused epilogue (only {_ACTS})"
+    if x.dtype not in _AB_DTYPES or w.dtype != x.dtype:
+        return False, f"needs bf16/fp16 operands of one dtype, got {x.dtype} and {w.dtype}"
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
+        return False, f"needs x [M, H] and w [E, H, N], got {tuple(x.shape)} and {tuple(w.shape)}"
+    f = w.shape[2] // 2 if fc1 else w.shape[2]
+    if x.shape[1] % 8:
+        return False, f"H={x.shape[1]} must be a multiple of 8 (TMA rows are 16-byte aligned)"
+    if interleave is None and f % 128:
+        return False, f"F={f} must be a multiple of 128 for [gate | up] halves"
+    allowed = (32, 64, 128) if fc1 else tuple(range(32, f + 1, 32))
+    if interleave is not None and (interleave not in allowed or f % interleave):
+        return False, f"glu_interleave_size={interleave} unsupported with F={f} (32, 64 or 128)"
+    if not (x.is_cuda and w.is_cuda):
+        return False, "needs CUDA tensors"
+    return available()
+
+
+def _b_view(b: Tensor) -> tuple[Tensor, str]:
+    from . import _b_view as view
+
+    return view(b)
+
+
+def _dummy(device: torch.device) -> tuple[Tensor, Tensor]:
+    """(fp32 [8], bf16 [8, 8]) placeholders for the kernel's unused tensor arguments."""
+    key = (device.type, device.index)
+    if key not in _DUMMY:
+        _DUMMY[key] = (
+            torch.zeros(8, dtype=torch.float32, device=device),
+            torch.zeros(8, 8, dtype=torch.bfloat16, device=device),
+        )
+    return _DUMMY[key]
+
+
+def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
+    if probs is None:
+        return None
+    if probs.shape != (rows,) or probs.dtype not in _PROBS_DTYPES:
+        raise ValueError(
+            f"cute {op}: probs must be [{rows}] in float32/bf16/fp16, "
+            f"got {tuple(probs.shape)} {probs.dtype}"
+        )
+    return probs.contiguous()
+
+
+def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave) -> None:
+    from . import _check_offs, _num_sms, _row_major
+    from .compile import GluConfig, compile_glu
+
+    rows, groups = x.shape[0], b.shape[0]
+    offs = _check_offs(offs, groups, x.device)
+    b_view, b_major = _b_view(b)
+    cfg = GluConfig(
+        mode, x.dtype, b_major, act, interleave, None if probs is None else probs.dtype, _CLUSTER
+    )
+    kernel = compile_glu(cfg).fn
+    fp32_dummy, mat_dummy = _dummy(x.device)
+    cm, cn = _CLUSTER
+    block_m = _TILE_M * cm
+    n = b.shape[2]
+    units = (rows + (groups + 1) * (block_m - 1)) // block_m * -(-n // (_TILE_N * cn))
+    clusters = max(1, min(units, _num_sms(x.device.index or 0) // (cm * cn)))
+    kernel(
+        _row_major(x),
+        b_view,
+        c,
+        offs,
+        clusters,
+        act_out,
+        fp32_dummy if probs is None else probs,
+        fp32_dummy if dprobs is None else dprobs,
+        mat_dummy.to(x.dtype) if h_in is None else h_in,
+    )
+
+
+class _Fc1Forward:
+    """``glu_fc1_forward(x, w1t, offs, act, interleave, probs) -> (h, a)``; see ``__call__``."""
+
+    @staticmethod
+    def supports(x: Tensor, w1t: Tensor, act: str, interleave: int | None) -> tuple[bool, str]:
+        """(True, "") when the fused kernel handles these operands, else (False, why)."""
+        return _supports(x, w1t, act, interleave, fc1=True)
+
+    def __call__(
+        self, x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int | None,
+        probs: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """h = x_e W1_eᵀ [M, 2F] (w1t = W1.transpose(1, 2) [E, H, 2F]) and
+        a = act(gate)·up(·probs) [M, F] from the bf16 h, as ``reference.glu_forward(h, ...)``.
+        Rows past ``offs[-1]`` are zeros in h and a."""
+        ok, why = self.supports(x, w1t, act, interleave)
+        if not ok:
+            raise ValueError(f"cute glu_fc1_forward: x {tuple(x.shape)}, w1t {tuple(w1t.shape)}: {why}")
+        rows, f = x.shape[0], w1t.shape[2] // 2
+        probs = _check_probs(probs, rows, "glu_fc1_forward")
+        h = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device)
+        a = torch.empty(rows, f, dtype=x.dtype, device=x.device)
+        if rows:
+            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave)
+        return h, a
+
+
+class _Fc2Dgrad:
+    """``glu_fc2_dgrad(dy, w2, offs, h, act, interleave, probs) -> (dh, a, dprobs)``."""
+
+    @staticmethod
+    def supports(dy: Tensor, w2: Tensor, act: str, interleave: int | None) -> tuple[bool, str]:
+        """(True, "") when the fused kernel handles these operands, else (False, why)."""
+        return _supports(dy, w2, act, interleave, fc1=False)
+
+    def __call__(
+        self, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str, interleave: int | None,
+        probs: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """dA = dY_e W2_e (w2 [E, H, F]) never stored; dh [M, 2F] =
+        ``reference.glu_backward(h, dA, ...)``, a [M, F] = ``reference.glu_forward(h, ...)`` and
+        dprobs [M] (fp32 sums, in probs.dtype; None without probs)."""
+        ok, why = self.supports(dy, w2, act, interleave)
+        if not ok:
+            raise ValueError(f"cute glu_fc2_dgrad: dy {tuple(dy.shape)}, w2 {tuple(w2.shape)}: {why}")
+        rows, f = dy.shape[0], w2.shape[2]
+        if h.shape != (rows, 2 * f) or h.dtype != dy.dtype:
+            raise ValueError(
+                f"cute glu_fc2_dgrad: h must be [{rows}, {2 * f}] {dy.dtype}, "
+                f"got {tuple(h.shape)} {h.dtype}"
+            )
+        probs = _check_probs(probs, rows, "glu_fc2_dgrad")
+        dh = torch.empty(rows, 2 * f, dtype=dy.dtype, device=dy.device)
+        a = torch.empty(rows, f, dtype=dy.dtype, device=dy.device)
+        dprobs = None if probs is None else torch.zeros(rows, dtype=torch.float32, device=dy.device)
+        if rows:
+            _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h.contiguous(), act, interleave)
+        if dprobs is not None and probs.dtype != torch.float32:
+            dprobs = dprobs.to(probs.dtype)
+        return dh, a, dprobs
+
+
+glu_fc1_forward = _Fc1Forward()
+glu_fc2_dgrad = _Fc2Dgrad()

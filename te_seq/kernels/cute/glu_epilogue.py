@@ -1,0 +1,287 @@
+"""Gated-activation (GLU) epilogues for the CuTe DSL grouped GEMM (sm_90a).
+
+Shape legend: M routed rows, E experts, H hidden, F ffn width; h = FC1's pre-activation [M, 2F]
+in the activation op's column layout: ``[gate | up]`` halves (interleave None) or alternating
+blocks of ``s`` columns (``glu_interleave_size=s``), see ``reference.split_glu``.
+
+``GluGemmKernel`` is ``GroupedGemmKernel`` (varlen M, same scheduler, producer and mainloop)
+with the epilogue hook ``_store_tile`` replaced:
+
+* ``"fc1"``: acc = x_e W1_eᵀ for 256 GEMM columns that hold 128 gate and the 128 matching up
+  columns; writes h (its halves at their own columns of h) and a = act(gate)·up(·probs), the
+  activation computed from the bf16-rounded h, as the reference does from the saved h.
+  With halves, W1 is seen through a hierarchical view ((128, 2, F/128), H, E) (no copy) so GEMM
+  column 256t + 128q + i is W1 row q·F + 128t + i. With blocks of s in {32, 64, 128} every
+  256-column tile of W1 already holds whole gate/up block pairs, so W1 is read as it is.
+* ``"dgrad"``: acc = dA = dY_e W2_e for 256 columns j of F; loads gate_j, up_j of h and writes
+  dh (dgate = dA·p·up·act'(gate), dup = dA·p·act(gate)), a = act(gate)·up·p and adds
+  Σ_j dA·act(gate)·up into an fp32 d(probs) buffer (zeroed by the caller) with atomics.
+
+All maths in fp32 on the accumulator, one rounding per output. Stores go through the parent's
+ring of (128 x 32) smem buffers and TMA, clipped to the expert by the ragged views.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .grouped_gemm import GroupedGemmKernel, _ragged_group, _ragged_view
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+_GELU_C = 0.044715
+ACTS = ("silu", "gelu", "relu")
+
+
+def _act_and_grad(x, act: str, need_grad: bool):
+    """(f(x), f'(x) or None) on an fp32 TensorSSA; the formulas of ``reference.ACTIVATIONS``."""
+    if act == "silu":
+        sig = 1.0 / (1.0 + cute.math.exp(-x, fastmath=True))
+        f = x * sig
+        df = sig * (1.0 + x * (1.0 - sig)) if need_grad else None
+        return f, df
+    if act == "gelu":  # tanh approximation
+        t = cute.math.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x))
+        f = 0.5 * x * (1.0 + t)
+        df = None
+        if need_grad:
+            d_inner = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)
+            df = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
+        return f, df
+    pos = x > 0.0
+    return cute.where(pos, x, 0.0), (cute.where(pos, cute.full_like(x, 1.0), 0.0) if need_grad else None)
+
+
+class GluGemmKernel(GroupedGemmKernel):
+    """Varlen-M grouped GEMM with a GLU epilogue (``mode`` "fc1" or "dgrad"); see the module."""
+
+    def __init__(
+        self,
+        mode: str,
+        act: str,
+        interleave: int | None,
+        has_probs: bool,
+        cluster_mn: tuple[int, int] = (1, 2),
+    ):
+        if mode not in ("fc1", "dgrad"):
+            raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
+        if act not in ACTS:
+            raise ValueError(f"GluGemmKernel: act must be one of {ACTS}, got {act!r}")
+        if interleave is not None and (interleave % 32 or (mode == "fc1" and 128 % interleave)):
+            raise ValueError(f"GluGemmKernel: unsupported interleave {interleave} for {mode}")
+        super().__init__("m", (128, 256), cluster_mn)
+        self.mode, self.act, self.interleave, self.has_probs = mode, act, interleave, has_probs
+
+    # ---------------------------------------------------------------- host side (jit)
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,  # x [M, H] (fc1) or dY [M, H] (dgrad)
+        b: cute.Tensor,  # (N, K, E): W1 as (2F, H, E) (fc1) or W2 as (F, H, E) (dgrad)
+        c: cute.Tensor,  # h [M, 2F] (fc1) or dh [M, 2F] (dgrad), written
+        offs: cute.Tensor,
+        num_clusters: Int32,
+        act_out: cute.Tensor,  # a [M, F], written
+        probs: cute.Tensor,  # [M] (unused without probs)
+        dprobs: cute.Tensor,  # fp32 [M], accumulated (dgrad with probs)
+        h_in: cute.Tensor,  # h [M, 2F] (dgrad)
+        stream,
+    ):
+        b_view = b
+        if const_expr(self.mode == "fc1" and self.interleave is None):
+            # GEMM column 256t + 128q + i  ->  W1 row q*F + 128t + i
+            f = b.shape[0] // 2
+            s0 = b.stride[0]
+            layout = cute.make_layout(
+                ((128, 2, f // 128), b.shape[1], b.shape[2]),
+                stride=((s0, f * s0, 128 * s0), b.stride[1], b.stride[2]),
+            )
+            b_view = cute.make_tensor(b.iterator, layout)
+        self._launch(a, b, c, offs, num_clusters, stream, b_view, (act_out, probs, dprobs, h_in))
+
+    def _make_epi(self, c: cute.Tensor, epi_inputs: tuple) -> tuple:
+        act_out, probs, dprobs, h_in = epi_inputs
+        tma_o, m_o = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            _ragged_view(act_out, 0),
+            cute.slice_(self.c_smem, (None, None, 0)),
+            self.epi_tile,
+        )
+        return (tma_o, m_o, act_out, probs, dprobs, h_in)
+
+    # ---------------------------------------------------------------- device side
+
+    @cute.jit
+    def _store(self, ep, tma, s_part, g_part, coord, r_out, buf):
+        """Stage one (128 x 32) subtile in smem buffer ``buf`` and TMA-store it at ``coord``."""
+        store_pipe, warp = ep.store_pipe, ep.warp
+        cute.copy(ep.tiled_r2s, r_out, ep.tRS_sC[(None, None, None, buf)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.epi_barrier.arrive_and_wait()
+        if warp == self.epi_store_warp:
+            cute.copy(tma, s_part[(None, buf)], g_part[(None, coord)])
+            store_pipe.producer_commit()
+            store_pipe.producer_acquire()
+        self.epi_barrier.arrive_and_wait()
+
+    @cute.jit
+    def _partition(self, tma, m_view, sC, row0, rows):
+        """TMA partitions of a ragged (M, cols) view clipped to the group, per (128 x 32) tile."""
+        g = cute.zipped_divide(_ragged_group(m_view, 0, row0, rows), self.epi_tile)
+        return cute.nvgpu.cpasync.tma_partition(
+            tma, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), g
+        )
+
+    @cute.jit
+    def _store_tile(self, ep, acc, group, m_tile, n_tile, row0, rows, epi_count):
+        tm, tn, _ = self.tile_mnk
+        tma_o, m_o, act_out, probs, dprobs, h_in = ep.epi
+        f_dim = act_out.shape[1]
+        # (row, col) in the tile of each accumulator value, in tRS_acc's order
+        c_tile = cute.make_identity_tensor((tm, tn))
+        tRS_c = ep.tiled_r2s.retile(ep.tiled_mma.get_slice(ep.mma_tidx).partition_C(c_tile))
+        size_rD = cute.size(ep.rD)
+        rows_here = rows - m_tile * tm  # valid rows of this tile (may exceed tm)
+        row_base = row0 + m_tile * tm
+        r_p = cute.make_rmem_tensor(ep.rD.shape, Float32)
+        r_s = cute.make_rmem_tensor(ep.rD.shape, Float32)
+        for v in cutlass.range_constexpr(size_rD):
+            r_p[v] = Float32(1.0)
+            r_s[v] = Float32(0.0)
+            if const_expr(self.has_probs):
+                r = tRS_c[v][0]
+                if r < rows_here:
+                    r_p[v] = probs[row_base + r].to(Float32)
+        sH, gH = self._partition(ep.tma_c, ep.mC, ep.sC, row0, rows)
+        sO, gO = self._partition(tma_o, m_o, ep.sC, row0, rows)
+        if const_expr(self.mode == "fc1"):
+            count = self._fc1_epilogue(
+                ep, acc, m_tile, n_tile, f_dim, r_p, sH, gH, sO, gO, tma_o, epi_count
+            )
+        else:
+            count = self._dgrad_epilogue(
+                ep, m_tile, n_tile, f_dim, r_p, r_s, tRS_c, rows_here, row_base, h_in,
+                sH, gH, sO, gO, tma_o, epi_count,
+            )
+            if const_expr(self.has_probs):
+                self._add_dprobs(r_s, tRS_c, rows_here, row_base, dprobs)
+        return count
+
+    @cute.jit
+    def _fc1_epilogue(self, ep, acc, m_tile, n_tile, f_dim, r_p, sH, gH, sO, gO, tma_o, count0):
+        """h subtiles (gate and up of each pair) and the activation subtile; returns #stores."""
+        size_rD = cute.size(ep.rD)
+        ts = 128 if const_expr(self.interleave is None) else self.interleave
+        q = ts // 32  # subtiles per gate (or up) block of the tile
+        r_up = cute.make_rmem_tensor(ep.rD.shape, Float32)
+        r_up_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
+        count = count0
+        for e in cutlass.range_constexpr(8):
+            if const_expr((e // q) % 2 == 0):
+                eu = e + q
+                for v in cutlass.range_constexpr(size_rD):
+                    ep.rD[v] = ep.tRS_acc[e * size_rD + v]
+                    r_up[v] = ep.tRS_acc[eu * size_rD + v]
+                ep.rD_out.store(ep.rD.load().to(self.c_dtype))
+                r_up_out.store(r_up.load().to(self.c_dtype))
+                # activation column block (of 32) and h column blocks of gate and up
+                j_blk = n_tile * 4 + ((32 * e) // (2 * ts)) * q + e % q
+                if const_expr(self.interleave is None):
+                    g_blk = j_blk
+                    u_blk = f_dim // 32 + j_blk
+                else:
+                    g_blk = n_tile * 8 + e
+                    u_blk = g_blk + q
+                # the tile past F (zero-filled) stores nothing: point its stores past the end
+                g_blk, u_blk, j_blk = self._drop_unless(j_blk * 32 < f_dim, f_dim, g_blk, u_blk, j_blk)
+                buf = count % self.epi_stage
+                self._store(ep, ep.tma_c, sH, gH, (m_tile, g_blk), ep.rD_out, buf)
+                buf = (count + 1) % self.epi_stage
+                self._store(ep, ep.tma_c, sH, gH, (m_tile, u_blk), r_up_out, buf)
+                gate = ep.rD_out.load().to(Float32)
+                up = r_up_out.load().to(Float32)
+                fg, _ = _act_and_grad(gate, self.act, False)
+                res = fg * up
+                if const_expr(self.has_probs):
+                    res = res * r_p.load()
+                ep.rD_out.store(res.to(self.c_dtype))
+                buf = (count + 2) % self.epi_stage
+                self._store(ep, tma_o, sO, gO, (m_tile, j_blk), ep.rD_out, buf)
+                count = count + 3
+        return count - count0
+
+    @cute.jit
+    def _dgrad_epilogue(
+        self, ep, m_tile, n_tile, f_dim, r_p, r_s, tRS_c, rows_here, row_base, h_in,
+        sH, gH, sO, gO, tma_o, count0,
+    ):
+        """Per 32-column subtile of dA: dgate, dup and a stores; d(probs) partial sums in r_s."""
+        size_rD = cute.size(ep.rD)
+        r_g = cute.make_rmem_tensor(ep.rD.shape, Float32)
+        r_u = cute.make_rmem_tensor(ep.rD.shape, Float32)
+        r_du_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
+        r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
+        count = count0
+        for e in cutlass.range_constexpr(8):
+            j0 = n_tile * 256 + 32 * e
+            if const_expr(self.interleave is None):
+                g_col = j0
+                u_col = f_dim + j0
+            else:
+                s = self.interleave
+                g_col = (j0 // s) * (2 * s) + j0 % s
+                u_col = g_col + s
+            col_ok = j0 < f_dim
+            for v in cutlass.range_constexpr(size_rD):
+                ep.rD[v] = ep.tRS_acc[e * size_rD + v]
+                r_g[v] = Float32(0.0)
+                r_u[v] = Float32(0.0)
+                r, cc = tRS_c[v]
+                if col_ok & (r < rows_here):
+                    r_g[v] = h_in[row_base + r, g_col + cc].to(Float32)
+                    r_u[v] = h_in[row_base + r, u_col + cc].to(Float32)
+            gate = r_g.load()
+            up = r_u.load()
+            da = ep.rD.load()
+            fg, dfg = _act_and_grad(gate, self.act, True)
+            fgu = fg * up
+            if const_expr(self.has_probs):
+                r_s.store(r_s.load() + da * fgu)
+                p = r_p.load()
+                da = da * p
+                fgu = fgu * p
+            ep.rD_out.store((da * up * dfg).to(self.c_dtype))
+            r_du_out.store((da * fg).to(self.c_dtype))
+            r_a_out.store(fgu.to(self.c_dtype))
+            g_blk, u_blk, j_blk = self._drop_unless(col_ok, f_dim, g_col // 32, u_col // 32, j0 // 32)
+            buf = count % self.epi_stage
+            self._store(ep, ep.tma_c, sH, gH, (m_tile, g_blk), ep.rD_out, buf)
+            buf = (count + 1) % self.epi_stage
+            self._store(ep, ep.tma_c, sH, gH, (m_tile, u_blk), r_du_out, buf)
+            buf = (count + 2) % self.epi_stage
+            self._store(ep, tma_o, sO, gO, (m_tile, j_blk), r_a_out, buf)
+            count = count + 3
+        return count - count0
+
+    @cute.jit
+    def _drop_unless(self, ok, f_dim, g_blk, u_blk, j_blk):
+        """Column blocks of h (2F wide) and a (F wide), or blocks just past their ends (TMA drops
+        those stores) where ``ok`` is False."""
+        g, u, j = f_dim // 16, f_dim // 16, f_dim // 32
+        if ok:
+            g, u, j = g_blk, u_blk, j_blk
+        return g, u, j
+
+    @cute.jit
+    def _add_dprobs(self, r_s, tRS_c, rows_here, row_base, dprobs):
+        """Reduce the row partial sums over the 4 lanes sharing a row; one atomic add each."""
+        lane = cute.arch.lane_idx()
+        for v in cutlass.range_constexpr(cute.size(r_s)):
+            val = r_s[v]
+            val = val + cute.arch.shuffle_sync_bfly(val, 1)
+            val = val + cute.arch.shuffle_sync_bfly(val, 2)
+            r = tRS_c[v][0]
+            if (lane % 4 == 0) & (r < rows_here):
+                cute.arch.atomic_add(dprobs.iterator + (row_base + r), val)
