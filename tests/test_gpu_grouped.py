@@ -33,7 +33,10 @@ SPLIT_CASES = [
     ("unaligned", [13, 7, 129, 250, 3, 1, 255, 17]),
     ("all_in_one", [0, 0, 300, 0]),
     ("zero_rows", [0, 0, 0]),
-    ("many_groups", [int(v) for v in torch.randint(0, 40, (128,), generator=torch.Generator().manual_seed(1))]),
+    (
+        "many_groups",
+        [int(v) for v in torch.randint(0, 40, (128,), generator=torch.Generator().manual_seed(1))],
+    ),
 ]
 
 
@@ -70,8 +73,9 @@ def _compare(model, x, extras, backend, dtype):
     ref = model.to(device="cpu", dtype=torch.float64)
     ref.zero_grad(set_to_none=True)
     ref_extras = [e.cpu().double() if e.is_floating_point() else e.cpu() for e in extras]
-    y_ref, grads_ref, _ = _run(ref, x.cpu().double(), ref_extras, "reference",
-                               grad_out.cpu().double())
+    y_ref, grads_ref, _ = _run(
+        ref, x.cpu().double(), ref_extras, "reference", grad_out.cpu().double()
+    )
     tol = _tolerance(dtype)
     assert _rel_err(y, y_ref) < tol, (backend, _rel_err(y, y_ref))
     for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
@@ -83,7 +87,9 @@ def _compare(model, x, extras, backend, dtype):
 
 def _mlp(num_groups, hidden, ffn, act, bias, dtype):
     act_op = act()
-    width = 2 * ffn if act_op.__class__ in (ops.SwiGLU, ops.ScaledSwiGLU, ops.GEGLU, ops.ReGLU) else ffn
+    width = (
+        2 * ffn if act_op.__class__ in (ops.SwiGLU, ops.ScaledSwiGLU, ops.GEGLU, ops.ReGLU) else ffn
+    )
     model = te_seq.Sequential(
         ops.GroupedLinear(num_groups, hidden, width, bias=bias, device="cuda", dtype=dtype),
         act_op,
@@ -168,8 +174,11 @@ def test_bad_device_split_sizes_fail_a_device_check():
         torch.cuda.synchronize()
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode != 0
-    assert "split_sizes must be non-negative and sum to the rows" in result.stderr or \
-        "device-side assert" in result.stderr
+    assert (
+        "split_sizes must be non-negative and sum to the rows" in result.stderr
+        or "device-side assert" in result.stderr
+    )

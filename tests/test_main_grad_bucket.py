@@ -5,7 +5,6 @@ equals per-group float64 autograd, for accumulate and overwrite, including an em
 import pytest
 import torch
 
-import te_seq
 from te_seq import ops
 
 
@@ -14,7 +13,7 @@ def _bucket_main_grads(linear: ops.GroupedLinear) -> torch.Tensor:
     bucket = torch.zeros(sum(w.numel() for w in weights) + 5, dtype=torch.float32)
     offset = 5  # not at the bucket's start: a view with a storage offset
     for w in weights:
-        w.main_grad = bucket[offset:offset + w.numel()].view_as(w)
+        w.main_grad = bucket[offset : offset + w.numel()].view_as(w)
         offset += w.numel()
     return bucket
 
@@ -22,15 +21,16 @@ def _bucket_main_grads(linear: ops.GroupedLinear) -> torch.Tensor:
 def _expected_wgrads(linear, x, splits, dy) -> list[torch.Tensor]:
     out, start = [], 0
     for size in splits.tolist():
-        out.append(dy[start:start + size].double().t() @ x[start:start + size].double())
+        out.append(dy[start : start + size].double().t() @ x[start : start + size].double())
         start += size
     return out
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_bucketed_main_grad_gets_every_group(overwrite):
-    linear = ops.GroupedLinear(4, 6, 5, bias=False, accumulate_into_main_grad=True,
-                               dtype=torch.float32)
+    linear = ops.GroupedLinear(
+        4, 6, 5, bias=False, accumulate_into_main_grad=True, dtype=torch.float32
+    )
     _bucket_main_grads(linear)
     for _, w in linear.named_weights():
         w.overwrite_main_grad = overwrite
@@ -51,8 +51,8 @@ def test_bucket_block_detection():
     from te_seq.ops.basic.grouped_linear import _block_of
 
     bucket = torch.zeros(40)
-    back_to_back = [bucket[2 + 6 * i: 8 + 6 * i].view(2, 3) for i in range(3)]
+    back_to_back = [bucket[2 + 6 * i : 8 + 6 * i].view(2, 3) for i in range(3)]
     assert _block_of(back_to_back).data_ptr() == back_to_back[0].data_ptr()
-    gapped = [bucket[2 + 7 * i: 8 + 7 * i].view(2, 3) for i in range(3)]
+    gapped = [bucket[2 + 7 * i : 8 + 7 * i].view(2, 3) for i in range(3)]
     assert _block_of(gapped) is None
     assert _block_of([torch.zeros(2, 3), torch.zeros(2, 3)]) is None

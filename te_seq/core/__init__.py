@@ -1,1 +1,1 @@
-"""Core machinery: operations, the fuser and its autograd bridge, Sequential, the gradient contract."""
+"""Core machinery: operations, the fuser and its autograd bridge, Sequential, gradient contract."""

@@ -68,7 +68,9 @@ class Fuser:
 
     # --- planning ---------------------------------------------------------------------------
     def _key(self, input_: Tensor, flat_extra: Sequence[Any], with_backward: bool) -> tuple:
-        params = tuple((p.dtype, p.device, p.requires_grad) for op in self.ops for p in op.parameters())
+        params = tuple(
+            (p.dtype, p.device, p.requires_grad) for op in self.ops for p in op.parameters()
+        )
         return (
             registry_version(),
             config.current_backend(),
@@ -103,7 +105,9 @@ class Fuser:
             misses += bwd_misses
         requested = config.current_backend()
         backends = {id(s.op): s.op.plan_backend(requested, device) for s in forward + backward}
-        return RunPlan(forward, backward, backends, self._public(forward, backward, misses, backends))
+        return RunPlan(
+            forward, backward, backends, self._public(forward, backward, misses, backends)
+        )
 
     def _public(self, forward, backward, misses: list[PlanMiss], backends) -> FusionPlan:
         def step(seg: Segment) -> PlanStep:
@@ -118,8 +122,13 @@ class Fuser:
         with_backward = any(ctx.requires_grad for ctx in ctxs)
         plan = self.plan(input_, extra, with_backward)
         self.last_plan = plan.public
-        call = _Call(plan, self.ops, ctxs, [len(e) for e in extra],
-                     [len(list(op.parameters())) for op in self.ops])
+        call = _Call(
+            plan,
+            self.ops,
+            ctxs,
+            [len(e) for e in extra],
+            [len(list(op.parameters())) for op in self.ops],
+        )
         if not with_backward:
             out, extra_out = _run_forward(call, input_, extra)
             return out, extra_out
@@ -137,7 +146,9 @@ class Fuser:
             ctx = OperationContext()
             ctx.input_requires_grad = running
             ctx.weight_requires_grad = grad_on and any(p.requires_grad for p in op.parameters())
-            extra_grad = grad_on and any(isinstance(t, Tensor) and t.requires_grad for t in op_extra)
+            extra_grad = grad_on and any(
+                isinstance(t, Tensor) and t.requires_grad for t in op_extra
+            )
             ctx.requires_grad = running or ctx.weight_requires_grad or extra_grad
             running = ctx.requires_grad
             ctxs.append(ctx)
@@ -147,7 +158,7 @@ class Fuser:
 def _unflatten(flat: Sequence[Any], counts: Sequence[int]) -> list[tuple]:
     out, start = [], 0
     for n in counts:
-        out.append(tuple(flat[start:start + n]))
+        out.append(tuple(flat[start : start + n]))
         start += n
     return out
 
@@ -202,7 +213,8 @@ def _padded(grads: Sequence, count: int, what: str, op: BasicOperation) -> list:
         return [None] * count
     if len(grads) != count:
         raise RuntimeError(
-            f"{type(op).__name__}: backward returned {len(grads)} {what} gradients, expected {count}"
+            f"{type(op).__name__}: backward returned {len(grads)} {what} gradients, "
+            f"expected {count}"
         )
     return grads
 
@@ -230,17 +242,22 @@ class _FuserFunction(torch.autograd.Function):
         call: _Call = func_ctx.call
         saved = func_ctx.saved_tensors
         for ctx, (start, n) in zip(call.ctxs, call.saved_ranges):
-            ctx.saved_tensors = saved[start:start + n]
+            ctx.saved_tensors = saved[start : start + n]
         basic_ops = call.ops
         grad_extra = _unflatten(grad_extra_flat, [op.num_extra_outputs for op in basic_ops])
         dx, param_grads, extra_grads = _run_backward(call, grad_output, grad_extra)
         for ctx in call.ctxs:
             ctx.saved_tensors = ()
-        flat_extra = [g for op, n, eg in zip(basic_ops, call.extra_counts, extra_grads)
-                      for g in _padded(eg, n, "extra-input", op)]
-        flat_params = [g for op, n, pg in zip(basic_ops, call.param_counts, param_grads)
-                       for g in _padded(pg, n, "parameter", op)]
+        flat_extra = [
+            g
+            for op, n, eg in zip(basic_ops, call.extra_counts, extra_grads)
+            for g in _padded(eg, n, "extra-input", op)
+        ]
+        flat_params = [
+            g
+            for op, n, pg in zip(basic_ops, call.param_counts, param_grads)
+            for g in _padded(pg, n, "parameter", op)
+        ]
         needs = func_ctx.needs_input_grad
         grads = [dx, None, *flat_extra, *flat_params]
         return tuple(g if need else None for g, need in zip(grads, needs))
-

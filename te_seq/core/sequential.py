@@ -59,7 +59,7 @@ class Sequential(torch.nn.Sequential):
         x, extra_outputs, plans, used = input_, [], [], 0
         for run in runs:
             if isinstance(run, Fuser):
-                op_extra = per_op[used:used + len(run.ops)]
+                op_extra = per_op[used : used + len(run.ops)]
                 used += len(run.ops)
                 x, outs = run(x, op_extra)
                 extra_outputs.extend(t for op_out in outs for t in op_out)
@@ -126,11 +126,14 @@ def _distribute_extra_inputs(ops: list[BasicOperation], extra: tuple) -> list[tu
                 f"({_extra_names(op)}), but only {len(extra) - pos} of the {len(extra)} extra "
                 "inputs given to Sequential were left for it"
             )
-        per_op.append(tuple(extra[pos:pos + need]))
+        per_op.append(tuple(extra[pos : pos + need]))
         pos += need
     if pos != len(extra):
-        takers = [f"{type(op).__name__}[{i}]: {op.num_extra_inputs}"
-                  for i, op in enumerate(ops) if op.num_extra_inputs]
+        takers = [
+            f"{type(op).__name__}[{i}]: {op.num_extra_inputs}"
+            for i, op in enumerate(ops)
+            if op.num_extra_inputs
+        ]
         raise ValueError(
             f"Sequential got {len(extra)} extra inputs but its ops take {pos} "
             f"({', '.join(takers) or 'no op takes extra inputs'})"

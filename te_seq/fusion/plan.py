@@ -46,9 +46,14 @@ class FusionPlan:
             return tuple(i + offset for i in indices)
 
         return FusionPlan(
-            forward=[PlanStep(s.name, move(s.basic_op_indices), s.backend, s.op) for s in self.forward],
-            backward=[PlanStep(s.name, move(s.basic_op_indices), s.backend, s.op)
-                      for s in self.backward] if with_backward else [],
+            forward=[
+                PlanStep(s.name, move(s.basic_op_indices), s.backend, s.op) for s in self.forward
+            ],
+            backward=[
+                PlanStep(s.name, move(s.basic_op_indices), s.backend, s.op) for s in self.backward
+            ]
+            if with_backward
+            else [],
             misses=[PlanMiss(m.fusion, move(m.basic_op_indices), m.reason) for m in self.misses],
         )
 
@@ -72,4 +77,6 @@ class FusionPlan:
             return [f"{title}:"] + [f"  {item}" for item in items] if items else [f"{title}: -"]
 
         body = lines("forward", self.forward) + lines("backward", self.backward)
-        return "\n".join(["FusionPlan"] + ["  " + line for line in body + lines("declined", self.misses)])
+        return "\n".join(
+            ["FusionPlan"] + ["  " + line for line in body + lines("declined", self.misses)]
+        )

@@ -129,7 +129,9 @@ def enable_fusion(name: str) -> None:
 
 def list_fusions() -> list[FusionPattern]:
     """All registered fusions in matching order (user before built-in, registration order)."""
-    ordered = sorted(_patterns.values(), key=lambda p: p.builtin)  # stable: keeps registration order
+    ordered = sorted(
+        _patterns.values(), key=lambda p: p.builtin
+    )  # stable: keeps registration order
     return list(ordered)
 
 

@@ -45,8 +45,14 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, backend: str) -> Tensor:
     return _module(backend).grouped_mm(a, b, offs)
 
 
-def grouped_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, backend: str,
-                  out: Tensor | None = None, accumulate: bool = False) -> Tensor:
+def grouped_wgrad(
+    grad_out: Tensor,
+    x: Tensor,
+    offs: Tensor,
+    backend: str,
+    out: Tensor | None = None,
+    accumulate: bool = False,
+) -> Tensor:
     """out[e] = grad_out[rows of e]ᵀ @ x[rows of e] -> [E, N, K] (written/added into `out`)."""
     if backend == "cute":
         from te_seq.kernels import cute
@@ -70,8 +76,15 @@ def _cute_glu(backend: str, name: str):
     return getattr(cute, name, None)
 
 
-def glu_fc1_forward(x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int | None,
-                    probs: Tensor | None, backend: str) -> tuple[Tensor, Tensor]:
+def glu_fc1_forward(
+    x: Tensor,
+    w1t: Tensor,
+    offs: Tensor,
+    act: str,
+    interleave: int | None,
+    probs: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
     """(h, a): h = x_e W1_eᵀ [M, 2F] and a = act(gate) · up (· probs) [M, F]."""
     fused = _cute_glu(backend, "glu_fc1_forward")
     if fused is not None and fused.supports(x, w1t, act, interleave)[0]:
@@ -80,9 +93,16 @@ def glu_fc1_forward(x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: 
     return h, elementwise("glu_forward", backend, h.device)(h, act, interleave, probs)
 
 
-def glu_fc2_dgrad(dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str,
-                  interleave: int | None, probs: Tensor | None, backend: str
-                  ) -> tuple[Tensor, Tensor, Tensor | None]:
+def glu_fc2_dgrad(
+    dy: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    h: Tensor,
+    act: str,
+    interleave: int | None,
+    probs: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dh, a, dprobs) from dA = dY_e W2_e: the activation gradient, the re-emitted activation
     a (for FC2's wgrad) and d(probs) [M] (None without probs)."""
     fused = _cute_glu(backend, "glu_fc2_dgrad")
@@ -117,8 +137,11 @@ class _CompiledElementwise:
                 return self.compiled(*args)
             except Exception as exc:  # noqa: BLE001 - any compiler failure falls back
                 self.broken = exc
-                warnings.warn(f"te_seq: torch.compile of {self.fn.__name__} failed ({exc}); "
-                              "running the uncompiled reference", stacklevel=2)
+                warnings.warn(
+                    f"te_seq: torch.compile of {self.fn.__name__} failed ({exc}); "
+                    "running the uncompiled reference",
+                    stacklevel=2,
+                )
         return self.fn(*args)
 
 

@@ -23,7 +23,7 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype | None
     """Varlen-M grouped GEMM: ``out[rows of e] = a[rows of e] @ b[e]``.
 
     a: [M, K], b: [E, K, N] (any strides), offs: [E] int32 -> out: [M, N] in ``out_dtype``
-    (default ``a.dtype``). Products accumulate in float32 (float64 stays float64) like the GPU paths.
+    (default ``a.dtype``). Products accumulate in float32 (float64 stays float64), as on the GPU.
     Rows past ``offs[-1]`` are zero.
     """
     out_dtype = out_dtype or a.dtype
@@ -117,7 +117,7 @@ ACTIVATIONS = {
 
 
 def split_glu(x: Tensor, interleave: int | None = None) -> tuple[Tensor, Tensor]:
-    """(gate, up) of a GLU input [..., 2F]: halves, or alternating blocks of `interleave` columns."""
+    """(gate, up) of a GLU input [..., 2F]: halves, or alternating `interleave`-column blocks."""
     if interleave is None:
         gate, up = x.chunk(2, dim=-1)
         return gate, up
@@ -136,8 +136,9 @@ def merge_glu(gate: Tensor, up: Tensor, interleave: int | None = None) -> Tensor
     return torch.cat([g, u], dim=-2).flatten(-3)
 
 
-def glu_forward(x: Tensor, act: str, interleave: int | None = None,
-                scales: Tensor | None = None) -> Tensor:
+def glu_forward(
+    x: Tensor, act: str, interleave: int | None = None, scales: Tensor | None = None
+) -> Tensor:
     """act(gate) · up (· scales per row); computed in fp32 for low-precision inputs."""
     f, _ = ACTIVATIONS[act]
     gate, up = split_glu(_upcast(x), interleave)
@@ -147,8 +148,9 @@ def glu_forward(x: Tensor, act: str, interleave: int | None = None,
     return y.to(x.dtype)
 
 
-def glu_backward(x: Tensor, dy: Tensor, act: str, interleave: int | None = None,
-                 scales: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def glu_backward(
+    x: Tensor, dy: Tensor, act: str, interleave: int | None = None, scales: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
     """(d x, d scales) of `glu_forward`."""
     f, df = ACTIVATIONS[act]
     gate, up = split_glu(_upcast(x), interleave)

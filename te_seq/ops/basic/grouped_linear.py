@@ -94,7 +94,10 @@ class GroupedLinear(BasicOperation):
         super().__init__()
         _check_config(num_groups, in_features, out_features, bias, single_grouped_bias)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
-        self.single_grouped_weight, self.single_grouped_bias = single_grouped_weight, single_grouped_bias
+        self.single_grouped_weight, self.single_grouped_bias = (
+            single_grouped_weight,
+            single_grouped_bias,
+        )
         self.has_bias, self.scale_bias = bias, scale_bias
         self._make_params(device, dtype)
         self.grad_policy = WeightGradPolicy(accumulate_into_main_grad, delay_wgrad_compute)
@@ -122,8 +125,9 @@ class GroupedLinear(BasicOperation):
             self.bias = torch.nn.Parameter(torch.zeros(G, N, device=device, dtype=dtype))
         else:
             for g in range(G):
-                self.register_parameter(f"bias{g}", torch.nn.Parameter(
-                    torch.zeros(N, device=device, dtype=dtype)))
+                self.register_parameter(
+                    f"bias{g}", torch.nn.Parameter(torch.zeros(N, device=device, dtype=dtype))
+                )
 
     # --- parameters -------------------------------------------------------------------------
     def named_weights(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -166,8 +170,10 @@ class GroupedLinear(BasicOperation):
         return self.grad_policy.accumulate_into_main_grad
 
     def extra_repr(self) -> str:
-        return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, bias={self.has_bias}")
+        return (
+            f"num_groups={self.num_groups}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.has_bias}"
+        )
 
     # --- checks and planning ----------------------------------------------------------------
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
@@ -195,7 +201,9 @@ class GroupedLinear(BasicOperation):
             rows_bias = rows_bias * scales.reshape(-1, 1).to(rows_bias.dtype)
         return rows_bias
 
-    def bias_grads(self, dy: Tensor, offs: Tensor, scales: Tensor | None) -> tuple[list, Tensor | None]:
+    def bias_grads(
+        self, dy: Tensor, offs: Tensor, scales: Tensor | None
+    ) -> tuple[list, Tensor | None]:
         """(grads of the bias parameters, grad of scales) from dY [T, N]."""
         if not self.has_bias:
             return [], None
@@ -212,8 +220,9 @@ class GroupedLinear(BasicOperation):
         grads = [sums] if self.single_grouped_bias else list(sums.unbind(0))
         return grads, dscales
 
-    def weight_grads(self, ctx: OperationContext, x: Tensor, dy: Tensor,
-                     offs: Tensor) -> list[Tensor | None]:
+    def weight_grads(
+        self, ctx: OperationContext, x: Tensor, dy: Tensor, offs: Tensor
+    ) -> list[Tensor | None]:
         """What autograd gets for the weights (the fused GroupedMLP calls this too)."""
         if not (ctx.weight_requires_grad and ctx.weights.any_needs_grad):
             return [None] * len(self.named_weights())
@@ -223,8 +232,9 @@ class GroupedLinear(BasicOperation):
         """The weights of this forward call, weakly held, for the gradient contract."""
         return ForwardWeights.take("GroupedLinear", self.named_weights())
 
-    def wgrad_request(self, weights: ForwardWeights, x: Tensor, dy: Tensor, offs: Tensor,
-                      backend: str) -> WgradRequest:
+    def wgrad_request(
+        self, weights: ForwardWeights, x: Tensor, dy: Tensor, offs: Tensor, backend: str
+    ) -> WgradRequest:
         """dW_g = dY_gᵀ X_g (varlen-K grouped GEMM), routed by the gradient contract."""
 
         def compute() -> Sequence[Tensor]:
@@ -288,8 +298,7 @@ def _block_of(tensors: Sequence[Tensor]) -> Tensor | None:
     needed = (first.storage_offset() + len(tensors) * first.numel()) * first.element_size()
     if not first.is_contiguous() or first.untyped_storage().nbytes() < needed:
         return None
-    block = torch.as_strided(first, (len(tensors), *first.shape),
-                             (first.numel(), *first.stride()))
+    block = torch.as_strided(first, (len(tensors), *first.shape), (first.numel(), *first.stride()))
     return block if _views_block(list(tensors), block) else None
 
 
@@ -300,7 +309,9 @@ def _views_block(weights: list[Tensor], block: Tensor) -> bool:
     step = block.stride(0) * block.element_size()
     base = block.data_ptr()
     return all(
-        w.data_ptr() == base + g * step and w.shape == block.shape[1:] and w.stride() == block.stride()[1:]
+        w.data_ptr() == base + g * step
+        and w.shape == block.shape[1:]
+        and w.stride() == block.stride()[1:]
         for g, w in enumerate(weights)
     )
 

@@ -32,5 +32,7 @@ class ScaledSwiGLU(SwiGLU):
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         x, scales = basic_op_ctxs[0].saved_tensors
         rows = scales.reshape(x.shape[:-1])
-        dx, dscales = reference.glu_backward(x, grad_output, self.act, self.glu_interleave_size, rows)
+        dx, dscales = reference.glu_backward(
+            x, grad_output, self.act, self.glu_interleave_size, rows
+        )
         return dx, [[]], [(dscales.reshape(scales.shape),)]

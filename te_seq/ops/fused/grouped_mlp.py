@@ -63,8 +63,9 @@ class GroupedMLP(FusedOperation):
         op = self.activation
         if op.gated and not self.fc1.has_bias:
             w1t = w1.transpose(1, 2)  # [G, H, 2F]
-            return kernels.glu_fc1_forward(x, w1t, offs, op.act, op.glu_interleave_size, probs,
-                                           backend)
+            return kernels.glu_fc1_forward(
+                x, w1t, offs, op.act, op.glu_interleave_size, probs, backend
+            )
         h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, backend)
         if op.gated:
             glu = kernels.elementwise("glu_forward", backend, h.device)
@@ -76,8 +77,9 @@ class GroupedMLP(FusedOperation):
         re-emitted for FC2's wgrad (one kernel on the cute backend for gated activations)."""
         op = self.activation
         if op.gated:
-            return kernels.glu_fc2_dgrad(dy, w2, offs, h, op.act, op.glu_interleave_size, probs,
-                                         backend)
+            return kernels.glu_fc2_dgrad(
+                dy, w2, offs, h, op.act, op.glu_interleave_size, probs, backend
+            )
         da = kernels.grouped_mm(dy, w2, offs, backend)  # [T, F]
         act_bwd = kernels.elementwise("act_backward", backend, h.device)
         act_fwd = kernels.elementwise("act_forward", backend, h.device)
@@ -106,8 +108,9 @@ class GroupedMLP(FusedOperation):
         self.fc2.pre_forward_checks(a, basic_op_extra_inputs[2])
         y = _linear(self.fc2, a, w2, offs, extras.fc2_scales, ctx.backend)  # [T, H]
         if ctx.requires_grad:
-            ctx.save_for_backward(x, h, w1, w2, offs, extras.probs, extras.fc1_scales,
-                                  extras.fc2_scales)
+            ctx.save_for_backward(
+                x, h, w1, w2, offs, extras.probs, extras.fc1_scales, extras.fc2_scales
+            )
             ctx.input_shape = input_.shape
             ctx.weights = self.fc1.forward_weights()
             basic_op_ctxs[2].weights = self.fc2.forward_weights()
@@ -124,13 +127,22 @@ class GroupedMLP(FusedOperation):
         fc1_grads, ds1 = self._param_grads(self.fc1, ctx1, x, dh, offs, s1)
         dx = None
         if ctx1.input_requires_grad:
-            dx = kernels.grouped_mm(dh, w1, offs, ctx1.backend).reshape(ctx1.input_shape)  # dX = dH W1
+            dx = kernels.grouped_mm(dh, w1, offs, ctx1.backend).reshape(
+                ctx1.input_shape
+            )  # dX = dH W1
         act_extra = () if probs_in is None else (dprobs.reshape(probs_in.shape),)
         extra = [_extra_grads(self.fc1, ds1), act_extra, _extra_grads(self.fc2, ds2)]
         return dx, [fc1_grads, [], fc2_grads], extra
 
-    def _param_grads(self, fc: GroupedLinear, ctx: OperationContext, inp: Tensor, dout: Tensor,
-                     offs: Tensor, scales: Tensor | None):
+    def _param_grads(
+        self,
+        fc: GroupedLinear,
+        ctx: OperationContext,
+        inp: Tensor,
+        dout: Tensor,
+        offs: Tensor,
+        scales: Tensor | None,
+    ):
         """Weight grads through the gradient contract (dW_e = dOut_eᵀ In_e), bias grads at once."""
         bias_grads, dscales = fc.bias_grads(dout, offs, scales)
         weight_grads = fc.weight_grads(ctx, inp, dout, offs)
@@ -148,8 +160,12 @@ def _extra_grads(fc: GroupedLinear, dscales: Tensor | None) -> tuple:
     return (None, dscales) if fc.num_extra_inputs == 2 else (None,)
 
 
-@register_fusion(name="grouped_mlp", phase="joint",
-                 pattern=(GroupedLinear, ACTIVATION_OPS, GroupedLinear), builtin=True)
+@register_fusion(
+    name="grouped_mlp",
+    phase="joint",
+    pattern=(GroupedLinear, ACTIVATION_OPS, GroupedLinear),
+    builtin=True,
+)
 def _build_grouped_mlp(window) -> GroupedMLP | NoMatch:
     fc1, act, fc2 = window
     if fc1.num_groups != fc2.num_groups:
