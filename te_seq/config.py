@@ -101,3 +101,23 @@ def grouped_backend(requested: str, device: torch.device) -> str:
         if backend_available(name)[0]:
             return name
     return "reference"
+
+
+def backend_reason(requested: str, chosen: str, device: torch.device) -> str:
+    """Why a plan step runs on `chosen` when `requested` was asked for (shown in the plan)."""
+    if chosen == "reference" and grouped_backend(requested, device) != "reference":
+        return "pure PyTorch op: no GPU kernel of its own"
+    if requested == chosen:
+        return "requested"
+    if device.type != "cuda":
+        return (
+            f"data on {device.type}: {'auto' if requested == 'auto' else requested} "
+            "runs the reference there"
+        )
+    skipped = [
+        f"{name} unavailable: {backend_available(name)[1]}"
+        for name in ("cute", "torch")
+        if name != chosen and not backend_available(name)[0]
+    ]
+    prefix = "auto: fastest available" if requested == "auto" else f"{requested} requested"
+    return "; ".join([prefix] + skipped)

@@ -105,14 +105,23 @@ class Fuser:
             misses += bwd_misses
         requested = config.current_backend()
         backends = {id(s.op): s.op.plan_backend(requested, device) for s in forward + backward}
-        return RunPlan(
-            forward, backward, backends, self._public(forward, backward, misses, backends)
-        )
+        public = self._public(forward, backward, misses, backends, requested, device)
+        return RunPlan(forward, backward, backends, public)
 
-    def _public(self, forward, backward, misses: list[PlanMiss], backends) -> FusionPlan:
+    def _public(
+        self,
+        forward,
+        backward,
+        misses: list[PlanMiss],
+        backends,
+        requested: str,
+        device: torch.device,
+    ) -> FusionPlan:
         def step(seg: Segment) -> PlanStep:
             indices = tuple(p + self.offset for p in seg.positions)
-            return PlanStep(type(seg.op).__name__, indices, backends[id(seg.op)], seg.op)
+            chosen = backends[id(seg.op)]
+            why = config.backend_reason(requested, chosen, device)
+            return PlanStep(type(seg.op).__name__, indices, chosen, seg.op, why)
 
         return FusionPlan([step(s) for s in forward], [step(s) for s in backward], misses)
 

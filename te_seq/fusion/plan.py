@@ -14,9 +14,11 @@ class PlanStep:
     basic_op_indices: tuple[int, ...]
     backend: str
     op: Any = field(default=None, repr=False, compare=False)
+    backend_reason: str = field(default="", compare=False)  # why this backend ran
 
     def __str__(self) -> str:
-        return f"{self.name}{list(self.basic_op_indices)} [{self.backend}]"
+        why = f" ({self.backend_reason})" if self.backend_reason else ""
+        return f"{self.name}{list(self.basic_op_indices)} [{self.backend}]{why}"
 
 
 @dataclass(frozen=True)
@@ -38,24 +40,6 @@ class FusionPlan:
     forward: list[PlanStep] = field(default_factory=list)
     backward: list[PlanStep] = field(default_factory=list)
     misses: list[PlanMiss] = field(default_factory=list)
-
-    def shifted(self, offset: int, with_backward: bool) -> FusionPlan:
-        """This plan with basic-op indices moved by `offset` (for a Sequential of several runs)."""
-
-        def move(indices: tuple[int, ...]) -> tuple[int, ...]:
-            return tuple(i + offset for i in indices)
-
-        return FusionPlan(
-            forward=[
-                PlanStep(s.name, move(s.basic_op_indices), s.backend, s.op) for s in self.forward
-            ],
-            backward=[
-                PlanStep(s.name, move(s.basic_op_indices), s.backend, s.op) for s in self.backward
-            ]
-            if with_backward
-            else [],
-            misses=[PlanMiss(m.fusion, move(m.basic_op_indices), m.reason) for m in self.misses],
-        )
 
     @staticmethod
     def concat(plans: list[FusionPlan]) -> FusionPlan:
