@@ -198,3 +198,25 @@ class WeightGradPolicy:
     def clear(self) -> None:
         """Drop every pending wgrad (and the activations it holds) without computing it."""
         self._pending.clear()
+
+
+class GradContractMixin:
+    """The gradient-contract surface of an op with weights (BasicLinear, GroupedLinear): its
+    configuration and delayed-wgrad queue, all delegated to `self.grad_policy`."""
+
+    grad_policy: WeightGradPolicy
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        return self.grad_policy.delay_wgrad_compute
+
+    @property
+    def accumulate_into_main_grad(self) -> bool:
+        return self.grad_policy.accumulate_into_main_grad
+
+    def need_backward_dw(self) -> bool:
+        return self.grad_policy.need_backward_dw()
+
+    def backward_dw(self) -> None:
+        """Run this op's oldest pending wgrad (FIFO over microbatches)."""
+        self.grad_policy.backward_dw()

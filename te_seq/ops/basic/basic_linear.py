@@ -8,7 +8,12 @@ import torch
 from torch import Tensor
 
 from te_seq.core import checks
-from te_seq.core.grad_policy import ForwardWeights, WeightGradPolicy, WgradRequest
+from te_seq.core.grad_policy import (
+    ForwardWeights,
+    GradContractMixin,
+    WeightGradPolicy,
+    WgradRequest,
+)
 from te_seq.core.operation import BasicOperation, OperationContext
 
 
@@ -26,7 +31,7 @@ def matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
         out.copy_(product)
 
 
-class BasicLinear(BasicOperation):
+class BasicLinear(GradContractMixin, BasicOperation):
     """y = x Wᵀ with W [out_features, in_features]; x [..., in_features] -> y [..., out_features].
 
     Equivalent to `torch.nn.functional.linear(x, weight)`. `accumulate_into_main_grad` and
@@ -55,14 +60,6 @@ class BasicLinear(BasicOperation):
         )
         init_linear_weight_(self.weight.data)
         self.grad_policy = WeightGradPolicy(accumulate_into_main_grad, delay_wgrad_compute)
-
-    @property
-    def delay_wgrad_compute(self) -> bool:
-        return self.grad_policy.delay_wgrad_compute
-
-    @property
-    def accumulate_into_main_grad(self) -> bool:
-        return self.grad_policy.accumulate_into_main_grad
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -105,9 +102,3 @@ class BasicLinear(BasicOperation):
             compute=lambda: [dy.t() @ x],
             compute_into=lambda outs, acc: matmul_into(outs[0], dy.t(), x, acc),
         )
-
-    def need_backward_dw(self) -> bool:
-        return self.grad_policy.need_backward_dw()
-
-    def backward_dw(self) -> None:
-        self.grad_policy.backward_dw()

@@ -9,7 +9,12 @@ from torch import Tensor
 
 from te_seq import config, kernels
 from te_seq.core import checks
-from te_seq.core.grad_policy import ForwardWeights, WeightGradPolicy, WgradRequest
+from te_seq.core.grad_policy import (
+    ForwardWeights,
+    GradContractMixin,
+    WeightGradPolicy,
+    WgradRequest,
+)
 from te_seq.core.operation import BasicOperation, OperationContext
 from te_seq.ops.basic.basic_linear import init_linear_weight_
 
@@ -65,7 +70,7 @@ def device_offsets(splits: Tensor, rows: int, device: torch.device) -> Tensor:
     return offs
 
 
-class GroupedLinear(BasicOperation):
+class GroupedLinear(GradContractMixin, BasicOperation):
     """y_g = x_g W_gᵀ + b_g for each group g of contiguous rows (sizes from `split_sizes`).
 
     x [..., in_features] is flattened to rows [T, in]; `split_sizes` [G] (host or device
@@ -160,14 +165,6 @@ class GroupedLinear(BasicOperation):
         if self.single_grouped_bias:
             return self.bias
         return torch.stack([b for _, b in self.named_biases()])
-
-    @property
-    def delay_wgrad_compute(self) -> bool:
-        return self.grad_policy.delay_wgrad_compute
-
-    @property
-    def accumulate_into_main_grad(self) -> bool:
-        return self.grad_policy.accumulate_into_main_grad
 
     def extra_repr(self) -> str:
         return (
@@ -284,12 +281,6 @@ class GroupedLinear(BasicOperation):
         weight_grads = self.weight_grads(ctx, x, dy, offs)
         extra_grads = (None, dscales) if self.num_extra_inputs == 2 else (None,)
         return dx, [weight_grads + bias_grads], [extra_grads]
-
-    def need_backward_dw(self) -> bool:
-        return self.grad_policy.need_backward_dw()
-
-    def backward_dw(self) -> None:
-        self.grad_policy.backward_dw()
 
 
 def _block_of(tensors: Sequence[Tensor]) -> Tensor | None:
