@@ -137,7 +137,9 @@ def _fake_glu_args(cfg: GluConfig) -> tuple:
     c, act_out, h_in = matrix(), matrix(), matrix()
     offs = make_fake_compact_tensor(cutlass.Int32, (groups,), assumed_align=4)
     p_dtype = _DTYPES[cfg.probs_dtype or torch.float32]
-    probs = make_fake_compact_tensor(p_dtype, (cute.sym_int32(),), assumed_align=2)
+    probs = make_fake_compact_tensor(
+        p_dtype, (cute.sym_int32(),), assumed_align=p_dtype.width // 8
+    )
     dprobs = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     return a, b, c, offs, cutlass.Int32(1), act_out, probs, dprobs, h_in, stream

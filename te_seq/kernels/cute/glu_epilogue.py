@@ -72,6 +72,8 @@ class GluGemmKernel(GroupedGemmKernel):
             raise ValueError(f"GluGemmKernel: unsupported interleave {interleave} for {mode}")
         super().__init__("m", (128, 256), cluster_mn)
         self.mode, self.act, self.interleave, self.has_probs = mode, act, interleave, has_probs
+        if mode == "dgrad":  # 2 store buffers + gate/up buffers that TMA fills with h, 1 mbarrier
+            self.epi_store_stages, self.epi_extra_buffers, self.extra_barriers = 2, 2, 1
 
     # ---------------------------------------------------------------- host side (jit)
 
@@ -109,7 +111,15 @@ class GluGemmKernel(GroupedGemmKernel):
             cute.slice_(self.c_smem, (None, None, 0)),
             self.epi_tile,
         )
-        return (tma_o, m_o, act_out, probs, dprobs, h_in)
+        tma_h, m_h = None, None
+        if self.mode == "dgrad":
+            tma_h, m_h = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                h_in,
+                cute.slice_(self.c_smem, (None, None, 0)),
+                self.epi_tile,
+            )
+        return (tma_o, m_o, act_out, probs, dprobs, tma_h, m_h)
 
     # ---------------------------------------------------------------- device side
 
@@ -137,7 +147,7 @@ class GluGemmKernel(GroupedGemmKernel):
     @cute.jit
     def _store_tile(self, ep, acc, group, m_tile, n_tile, row0, rows, epi_count):
         tm, tn, _ = self.tile_mnk
-        tma_o, m_o, act_out, probs, dprobs, h_in = ep.epi
+        tma_o, m_o, act_out, probs, dprobs, tma_h, m_h = ep.epi
         f_dim = act_out.shape[1]
         # (row, col) in the tile of each accumulator value, in tRS_acc's order
         c_tile = cute.make_identity_tensor((tm, tn))
@@ -147,13 +157,12 @@ class GluGemmKernel(GroupedGemmKernel):
         row_base = row0 + m_tile * tm
         r_p = cute.make_rmem_tensor(ep.rD.shape, Float32)
         r_s = cute.make_rmem_tensor(ep.rD.shape, Float32)
+        last_row = cute.size(probs) - 1
         for v in cutlass.range_constexpr(size_rD):
             r_p[v] = Float32(1.0)
             r_s[v] = Float32(0.0)
-            if const_expr(self.has_probs):
-                r = tRS_c[v][0]
-                if r < rows_here:
-                    r_p[v] = probs[row_base + r].to(Float32)
+            if const_expr(self.has_probs):  # unpredicated (clamped) loads; rows past the tile
+                r_p[v] = probs[cutlass.min(row_base + tRS_c[v][0], last_row)].to(Float32)
         sH, gH = self._partition(ep.tma_c, ep.mC, ep.sC, row0, rows)
         sO, gO = self._partition(tma_o, m_o, ep.sC, row0, rows)
         if const_expr(self.mode == "fc1"):
@@ -162,7 +171,7 @@ class GluGemmKernel(GroupedGemmKernel):
             )
         else:
             count = self._dgrad_epilogue(
-                ep, m_tile, n_tile, f_dim, r_p, r_s, tRS_c, rows_here, row_base, h_in,
+                ep, m_tile, n_tile, f_dim, r_p, r_s, tRS_c, rows_here, row_base, tma_h, m_h,
                 sH, gH, sO, gO, tma_o, epi_count,
             )
             if const_expr(self.has_probs):
@@ -214,34 +223,38 @@ class GluGemmKernel(GroupedGemmKernel):
 
     @cute.jit
     def _dgrad_epilogue(
-        self, ep, m_tile, n_tile, f_dim, r_p, r_s, tRS_c, rows_here, row_base, h_in,
+        self, ep, m_tile, n_tile, f_dim, r_p, r_s, tRS_c, rows_here, row_base, tma_h, m_h,
         sH, gH, sO, gO, tma_o, count0,
     ):
-        """Per 32-column subtile of dA: dgate, dup and a stores; d(probs) partial sums in r_s."""
+        """Per 32-column subtile of dA: dgate, dup and a stores; d(probs) partial sums in r_s.
+
+        The subtile's gate and up columns of h arrive by TMA in two smem buffers (one mbarrier,
+        one phase per subtile: 8 per tile, so the parity of subtile e is e % 2 on every tile);
+        the next subtile's load is issued once every thread has read the current one."""
         size_rD = cute.size(ep.rD)
         r_g = cute.make_rmem_tensor(ep.rD.shape, Float32)
         r_u = cute.make_rmem_tensor(ep.rD.shape, Float32)
         r_du_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
+        g_h = cute.zipped_divide(cute.domain_offset((row_base, 0), m_h), self.epi_tile)
+        s_l, g_l = cute.nvgpu.cpasync.tma_partition(
+            tma_h, 0, cute.make_layout(1), cute.group_modes(ep.sC, 0, 2), g_h
+        )
+        self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, 0)
+        g_buf, u_buf = self.epi_stage, self.epi_stage + 1
         count = count0
         for e in cutlass.range_constexpr(8):
-            j0 = n_tile * 256 + 32 * e
-            if const_expr(self.interleave is None):
-                g_col = j0
-                u_col = f_dim + j0
-            else:
-                s = self.interleave
-                g_col = (j0 // s) * (2 * s) + j0 % s
-                u_col = g_col + s
+            j0, g_col, u_col = self._h_cols(n_tile, f_dim, e)
             col_ok = j0 < f_dim
+            cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
             for v in cutlass.range_constexpr(size_rD):
                 ep.rD[v] = ep.tRS_acc[e * size_rD + v]
-                r_g[v] = Float32(0.0)
-                r_u[v] = Float32(0.0)
                 r, cc = tRS_c[v]
-                if col_ok & (r < rows_here):
-                    r_g[v] = h_in[row_base + r, g_col + cc].to(Float32)
-                    r_u[v] = h_in[row_base + r, u_col + cc].to(Float32)
+                r_g[v] = cutlass.select_(col_ok, ep.sC[r, cc, g_buf].to(Float32), Float32(0.0))
+                r_u[v] = cutlass.select_(col_ok, ep.sC[r, cc, u_buf].to(Float32), Float32(0.0))
+            self.epi_barrier.arrive_and_wait()  # the h buffers are free again
+            if const_expr(e + 1 < 8):
+                self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, e + 1)
             gate = r_g.load()
             up = r_u.load()
             da = ep.rD.load()
@@ -264,6 +277,36 @@ class GluGemmKernel(GroupedGemmKernel):
             self._store(ep, tma_o, sO, gO, (m_tile, j_blk), r_a_out, buf)
             count = count + 3
         return count - count0
+
+    @cute.jit
+    def _h_cols(self, n_tile, f_dim, e: int):
+        """(j0, gate column, up column) of dgrad subtile ``e``: dA columns [j0, j0 + 32)."""
+        j0 = n_tile * 256 + 32 * e
+        if const_expr(self.interleave is None):
+            g_col = j0
+            u_col = f_dim + j0
+        else:
+            s = self.interleave
+            g_col = (j0 // s) * (2 * s) + j0 % s
+            u_col = g_col + s
+        return j0, g_col, u_col
+
+    @cute.jit
+    def _issue_h(self, ep, tma_h, s_l, g_l, n_tile, f_dim, e: int):
+        """TMA-load the gate and up (128 x 32) blocks of h for dgrad subtile ``e`` (rows past M
+        and columns past 2F are zero-filled; other out-of-tile values are masked by the reader)."""
+        _, g_col, u_col = self._h_cols(n_tile, f_dim, e)
+        warp = ep.warp
+        bar = ep.extra_bar
+        if warp == self.epi_store_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    bar, 2 * self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
+                )
+            cute.copy(tma_h, g_l[(None, (0, g_col // 32))], s_l[(None, self.epi_stage)], tma_bar_ptr=bar)
+            cute.copy(
+                tma_h, g_l[(None, (0, u_col // 32))], s_l[(None, self.epi_stage + 1)], tma_bar_ptr=bar
+            )
 
     @cute.jit
     def _drop_unless(self, ok, f_dim, g_blk, u_blk, j_blk):

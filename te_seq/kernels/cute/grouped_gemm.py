@@ -87,6 +87,7 @@ class _EpilogueState(NamedTuple):
     tiled_mma: object
     mma_tidx: object
     epi: tuple
+    extra_bar: object  # pointer to the subclass's extra mbarriers (smem)
 
 
 class GroupedGemmKernel:
@@ -97,6 +98,11 @@ class GroupedGemmKernel:
     load_warp = 0
     load_registers = 40
     mma_registers = 232
+    # Epilogue hook knobs (subclasses): store-ring depth (None: 4 for 16-bit C, else 2), extra
+    # (128 x 32) smem buffers after the ring, and extra mbarriers after the mainloop's.
+    epi_store_stages: int | None = None
+    epi_extra_buffers = 0
+    extra_barriers = 0
 
     def __init__(
         self,
@@ -142,9 +148,10 @@ class GroupedGemmKernel:
             tiler_mn=(64, tn),
         )
         self.epi_tile = (tm, 32)
-        self.epi_stage = 4 if self.c_dtype.width == 16 else 2
+        self.epi_stage = self.epi_store_stages or (4 if self.c_dtype.width == 16 else 2)
+        epi_buffers = self.epi_stage + self.epi_extra_buffers
         ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8
-        epi_bytes = tm * 32 * self.c_dtype.width // 8 * self.epi_stage
+        epi_bytes = tm * 32 * self.c_dtype.width // 8 * epi_buffers
         smem = memory.get_smem_capacity_in_bytes("sm_90")
         self.ab_stage = (smem - 2048 - epi_bytes) // ab_bytes
         self.a_smem = sm90_utils.make_smem_layout_a(
@@ -154,7 +161,7 @@ class GroupedGemmKernel:
             self.b_layout, self.tile_mnk, self.b_dtype, self.ab_stage
         )
         self.c_smem = sm90_utils.make_smem_layout_epi(
-            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
+            self.c_dtype, self.c_layout, self.epi_tile, epi_buffers
         )
 
     def _tma_load(self, t: cute.Tensor, smem_staged, tile: tuple[int, int], mcast: int):
@@ -209,7 +216,9 @@ class GroupedGemmKernel:
 
         @cute.struct
         class SharedStorage:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            ab_barriers: cute.struct.MemRange[
+                cutlass.Int64, self.ab_stage * 2 + self.extra_barriers
+            ]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem)], 1024
             ]
@@ -365,6 +374,13 @@ class GroupedGemmKernel:
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
             defer_sync=True,
         )
+        extra_bar = storage.ab_barriers.data_ptr() + self.ab_stage * 2
+        if const_expr(self.extra_barriers > 0):
+            if warp == 0:
+                with cute.arch.elect_one():
+                    for i in cutlass.range_constexpr(self.extra_barriers):
+                        cute.arch.mbarrier_init(extra_bar + i, 1)
+                cute.arch.mbarrier_init_fence()
         pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -416,7 +432,7 @@ class GroupedGemmKernel:
                 cluster_coord,
                 tidx,
                 tiled_mma,
-                epi,
+                (epi, extra_bar),
             )
 
     @cute.jit
@@ -562,8 +578,9 @@ class GroupedGemmKernel:
         cluster_coord,
         tidx,
         tiled_mma,
-        epi,
+        epi_and_bar,
     ):
+        epi, extra_bar = epi_and_bar
         tm, tn, tk = self.tile_mnk
         mma_tidx = tidx - self.threads_per_warpgroup
         wg_layout = cute.make_layout(self.num_mma_warpgroups, stride=self.threads_per_warpgroup)
@@ -611,7 +628,7 @@ class GroupedGemmKernel:
             )
             ep = _EpilogueState(
                 tma_c, mC, c_raw, sC, tiled_r2s, tRS_acc, tRS_sC, rD, rD_out, store_pipe, warp,
-                tiled_mma, mma_tidx, epi,
+                tiled_mma, mma_tidx, epi, extra_bar,
             )
             num_epi = self._store_tile(ep, acc, group, m_tile, n_tile, row0, rows, epi_count)
             epi_count = epi_count + num_epi
