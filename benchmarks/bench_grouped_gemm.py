@@ -12,8 +12,9 @@ shape Z it runs on zero-padded groups, whose padding is not counted.
 
 ``--glu`` times the fused grouped-MLP GLU steps instead (SwiGLU with router probs): FC1 forward
 (h and a = silu(gate)·up·probs) and FC2 dgrad (dh, re-emitted a, d(probs)), each as
-torch._grouped_mm + the reference elementwise maths (fp32 upcast), cute grouped_mm + the same
-elementwise maths, and the fused cute kernel. FLOPs are the GEMM's only.
+torch._grouped_mm + the reference elementwise maths (eager, fp32 upcast), cute grouped_mm + the
+same, cute grouped_mm + the same maths compiled by torch.compile (te_seq's unfused GPU path), and
+the fused cute kernel. FLOPs are the GEMM's only.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def launch_overhead_us(calls: int = 2000) -> dict[str, float]:
 
 def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
     """(label, flops, {variant: fn}, check) for the FC1 forward and FC2 dgrad GLU steps."""
-    from te_seq.kernels import cute, reference
+    from te_seq.kernels import cute, elementwise, reference
 
     sizes = split_sizes(name, e, m, gen)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32).cuda()
@@ -215,21 +216,30 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
     hpre = torch.randn(m, 2 * f, **bf)
     tg = torch._grouped_mm
 
-    def fc1(mm):
-        hh = mm(x, w1t)
-        return hh, reference.glu_forward(hh, "silu", None, probs)
+    # eager reference maths, or the same compiled by torch.compile into one pass (te_seq's
+    # unfused GPU path: te_seq.kernels.elementwise)
+    eager = (reference.glu_forward, reference.glu_backward)
+    compiled = tuple(elementwise(n, "cute", x.device) for n in ("glu_forward", "glu_backward"))
 
-    def dgrad(mm):
+    def fc1(mm, ew=eager):
+        hh = mm(x, w1t)
+        return hh, ew[0](hh, "silu", None, probs)
+
+    def dgrad(mm, ew=eager):
         da = mm(dy, w2)
-        dh, dp = reference.glu_backward(hpre, da, "silu", None, probs)
-        return dh, reference.glu_forward(hpre, "silu", None, probs), dp
+        dh, dp = ew[1](hpre, da, "silu", None, probs)
+        return dh, ew[0](hpre, "silu", None, probs), dp
+
+    def cmm(a, b):
+        return cute.grouped_mm(a, b, offs)
 
     yield (
         "fc1_glu_fwd",
         2 * m * h * 2 * f,
         {
             "torch+ew": lambda: fc1(lambda a, b: tg(a, b, offs=offs)),
-            "cute+ew": lambda: fc1(lambda a, b: cute.grouped_mm(a, b, offs)),
+            "cute+ew": lambda: fc1(cmm),
+            "cute+compiled_ew": lambda: fc1(cmm, compiled),
             "fused": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs),
         },
     )
@@ -238,7 +248,8 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
         2 * m * h * f,
         {
             "torch+ew": lambda: dgrad(lambda a, b: tg(a, b, offs=offs)),
-            "cute+ew": lambda: dgrad(lambda a, b: cute.grouped_mm(a, b, offs)),
+            "cute+ew": lambda: dgrad(cmm),
+            "cute+compiled_ew": lambda: dgrad(cmm, compiled),
             "fused": lambda: cute.glu_fc2_dgrad(dy, w2, offs, hpre, "silu", None, probs),
         },
     )
@@ -267,6 +278,7 @@ def run_glu_shape(name: str, iters: int) -> list[dict]:
             tflops={k: flops / v / 1e9 for k, v in ms.items()},
             fused_vs_torch=ms["torch+ew"] / ms["fused"],
             fused_vs_cute=ms["cute+ew"] / ms["fused"],
+            fused_vs_cute_compiled=ms["cute+compiled_ew"] / ms["fused"],
         )
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -282,14 +294,21 @@ def main_glu(args) -> None:
     print(
         f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}"
     )
-    print(f"{'shape':5} {'step':14} {'torch+ew':>9} {'cute+ew':>8} {'fused':>6}  vs torch  vs cute")
+    print(
+        f"{'shape':5} {'step':14} {'torch+ew':>9} {'cute+ew':>8} {'cute+cew':>8} {'fused':>6}"
+        "  vs torch  vs cute  vs cute+cew"
+    )
     for r in rows:
         t = r["tflops"]
         print(
             f"{r['shape']:5} {r['step']:14} {t['torch+ew']:9.0f} {t['cute+ew']:8.0f} "
-            f"{t['fused']:6.0f}  {r['fused_vs_torch']:8.2f}  {r['fused_vs_cute']:7.2f}"
+            f"{t['cute+compiled_ew']:8.0f} {t['fused']:6.0f}  {r['fused_vs_torch']:8.2f}  "
+            f"{r['fused_vs_cute']:7.2f}  {r['fused_vs_cute_compiled']:10.2f}"
         )
-    print("(TFLOP/s of the GEMM incl. the elementwise time; ratio = their time / fused time)")
+    print(
+        "(TFLOP/s of the GEMM incl. the elementwise time; ratio = their time / fused time; "
+        "cew = reference maths compiled by torch.compile)"
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"rows": rows}, fh, indent=1)

@@ -61,7 +61,10 @@ def test_glu_kernels_compile_for_sm90a():
         PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
     proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+        [sys.executable, "-c", _COMPILE_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -88,7 +91,9 @@ def _operands(h: int, f: int, dtype=torch.bfloat16, device="cpu"):
 def test_supports_says_why(kwargs, match):
     from te_seq.kernels import cute
 
-    x, w1t, w2 = _operands(kwargs.get("h", 64), kwargs.get("f", 128), kwargs.get("dtype", torch.bfloat16))
+    x, w1t, w2 = _operands(
+        kwargs.get("h", 64), kwargs.get("f", 128), kwargs.get("dtype", torch.bfloat16)
+    )
     act, il = kwargs.get("act", "silu"), kwargs.get("interleave")
     for fn, w in ((cute.glu_fc1_forward, w1t), (cute.glu_fc2_dgrad, w2)):
         ok, why = fn.supports(x, w, act, il)
@@ -120,7 +125,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _poison(*shapes_dtypes) -> None:
-    """Fill the caching allocator's next blocks of these sizes with NaN (outputs are torch.empty)."""
+    """Fill the caching allocator's next blocks of these sizes with NaN (outputs: torch.empty)."""
     held = [torch.full(s, float("nan"), dtype=d, device="cuda") for s, d in shapes_dtypes]
     del held
 

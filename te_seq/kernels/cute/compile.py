@@ -117,6 +117,7 @@ class GluConfig:
     interleave: int | None
     probs_dtype: torch.dtype | None
     cluster_mn: tuple[int, int] = (1, 2)
+    store_stages: int | None = None  # dgrad's smem store ring (None: the kernel's default)
 
 
 def _fake_glu_args(cfg: GluConfig) -> tuple:
@@ -137,9 +138,7 @@ def _fake_glu_args(cfg: GluConfig) -> tuple:
     c, act_out, h_in = matrix(), matrix(), matrix()
     offs = make_fake_compact_tensor(cutlass.Int32, (groups,), assumed_align=4)
     p_dtype = _DTYPES[cfg.probs_dtype or torch.float32]
-    probs = make_fake_compact_tensor(
-        p_dtype, (cute.sym_int32(),), assumed_align=p_dtype.width // 8
-    )
+    probs = make_fake_compact_tensor(p_dtype, (cute.sym_int32(),), assumed_align=p_dtype.width // 8)
     dprobs = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     return a, b, c, offs, cutlass.Int32(1), act_out, probs, dprobs, h_in, stream
@@ -151,7 +150,12 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
     from .glu_epilogue import GluGemmKernel
 
     kernel = GluGemmKernel(
-        cfg.mode, cfg.act, cfg.interleave, cfg.probs_dtype is not None, cfg.cluster_mn
+        cfg.mode,
+        cfg.act,
+        cfg.interleave,
+        cfg.probs_dtype is not None,
+        cfg.cluster_mn,
+        cfg.store_stages,
     )
     start = time.perf_counter()
     options = "--enable-tvm-ffi" if tvm_ffi_available() else ""

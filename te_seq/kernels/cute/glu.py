@@ -20,7 +20,9 @@ _TILE_M, _TILE_N, _CLUSTER = 128, 256, (1, 2)
 _DUMMY: dict = {}
 
 
-def _supports(x: Tensor, w: Tensor, act: str, interleave: int | None, fc1: bool) -> tuple[bool, str]:
+def _supports(
+    x: Tensor, w: Tensor, act: str, interleave: int | None, fc1: bool
+) -> tuple[bool, str]:
     """Shared checks; ``w`` is w1t [E, H, 2F] (fc1) or w2 [E, H, F] (dgrad)."""
     from . import available
 
@@ -78,9 +80,8 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
     rows, groups = x.shape[0], b.shape[0]
     offs = _check_offs(offs, groups, x.device)
     b_view, b_major = _b_view(b)
-    cfg = GluConfig(
-        mode, x.dtype, b_major, act, interleave, None if probs is None else probs.dtype, _CLUSTER
-    )
+    p_dtype = None if probs is None else probs.dtype
+    cfg = GluConfig(mode, x.dtype, b_major, act, interleave, p_dtype, _CLUSTER)
     kernel = compile_glu(cfg).fn
     fp32_dummy, mat_dummy = _dummy(x.device)
     cm, cn = _CLUSTER
@@ -110,7 +111,12 @@ class _Fc1Forward:
         return _supports(x, w1t, act, interleave, fc1=True)
 
     def __call__(
-        self, x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int | None,
+        self,
+        x: Tensor,
+        w1t: Tensor,
+        offs: Tensor,
+        act: str,
+        interleave: int | None,
         probs: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """h = x_e W1_eᵀ [M, 2F] (w1t = W1.transpose(1, 2) [E, H, 2F]) and
@@ -118,7 +124,9 @@ class _Fc1Forward:
         Rows past ``offs[-1]`` are zeros in h and a."""
         ok, why = self.supports(x, w1t, act, interleave)
         if not ok:
-            raise ValueError(f"cute glu_fc1_forward: x {tuple(x.shape)}, w1t {tuple(w1t.shape)}: {why}")
+            raise ValueError(
+                f"cute glu_fc1_forward: x {tuple(x.shape)}, w1t {tuple(w1t.shape)}: {why}"
+            )
         rows, f = x.shape[0], w1t.shape[2] // 2
         probs = _check_probs(probs, rows, "glu_fc1_forward")
         h = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device)
@@ -137,7 +145,13 @@ class _Fc2Dgrad:
         return _supports(dy, w2, act, interleave, fc1=False)
 
     def __call__(
-        self, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str, interleave: int | None,
+        self,
+        dy: Tensor,
+        w2: Tensor,
+        offs: Tensor,
+        h: Tensor,
+        act: str,
+        interleave: int | None,
         probs: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """dA = dY_e W2_e (w2 [E, H, F]) never stored; dh [M, 2F] =
@@ -145,7 +159,9 @@ class _Fc2Dgrad:
         dprobs [M] (fp32 sums, in probs.dtype; None without probs)."""
         ok, why = self.supports(dy, w2, act, interleave)
         if not ok:
-            raise ValueError(f"cute glu_fc2_dgrad: dy {tuple(dy.shape)}, w2 {tuple(w2.shape)}: {why}")
+            raise ValueError(
+                f"cute glu_fc2_dgrad: dy {tuple(dy.shape)}, w2 {tuple(w2.shape)}: {why}"
+            )
         rows, f = dy.shape[0], w2.shape[2]
         if h.shape != (rows, 2 * f) or h.dtype != dy.dtype:
             raise ValueError(

@@ -50,7 +50,9 @@ def _act_and_grad(x, act: str, need_grad: bool):
             df = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
         return f, df
     pos = x > 0.0
-    return cute.where(pos, x, 0.0), (cute.where(pos, cute.full_like(x, 1.0), 0.0) if need_grad else None)
+    return cute.where(pos, x, 0.0), (
+        cute.where(pos, cute.full_like(x, 1.0), 0.0) if need_grad else None
+    )
 
 
 class GluGemmKernel(GroupedGemmKernel):
@@ -63,6 +65,7 @@ class GluGemmKernel(GroupedGemmKernel):
         interleave: int | None,
         has_probs: bool,
         cluster_mn: tuple[int, int] = (1, 2),
+        store_stages: int | None = None,
     ):
         if mode not in ("fc1", "dgrad"):
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
@@ -72,8 +75,10 @@ class GluGemmKernel(GroupedGemmKernel):
             raise ValueError(f"GluGemmKernel: unsupported interleave {interleave} for {mode}")
         super().__init__("m", (128, 256), cluster_mn)
         self.mode, self.act, self.interleave, self.has_probs = mode, act, interleave, has_probs
-        if mode == "dgrad":  # 2 store buffers + gate/up buffers that TMA fills with h, 1 mbarrier
-            self.epi_store_stages, self.epi_extra_buffers, self.extra_barriers = 2, 2, 1
+        if mode == "dgrad":  # store ring + gate/up buffers that TMA fills with h, 1 mbarrier
+            # 2 store buffers keep 4 mainloop stages; 4 leave 3 (smem)
+            self.epi_store_stages = store_stages or 2
+            self.epi_extra_buffers, self.extra_barriers = 2, 1
 
     # ---------------------------------------------------------------- host side (jit)
 
@@ -171,8 +176,23 @@ class GluGemmKernel(GroupedGemmKernel):
             )
         else:
             count = self._dgrad_epilogue(
-                ep, m_tile, n_tile, f_dim, r_p, r_s, tRS_c, rows_here, row_base, tma_h, m_h,
-                sH, gH, sO, gO, tma_o, epi_count,
+                ep,
+                m_tile,
+                n_tile,
+                f_dim,
+                r_p,
+                r_s,
+                tRS_c,
+                rows_here,
+                row_base,
+                tma_h,
+                m_h,
+                sH,
+                gH,
+                sO,
+                gO,
+                tma_o,
+                epi_count,
             )
             if const_expr(self.has_probs):
                 self._add_dprobs(r_s, tRS_c, rows_here, row_base, dprobs)
@@ -204,7 +224,9 @@ class GluGemmKernel(GroupedGemmKernel):
                     g_blk = n_tile * 8 + e
                     u_blk = g_blk + q
                 # the tile past F (zero-filled) stores nothing: point its stores past the end
-                g_blk, u_blk, j_blk = self._drop_unless(j_blk * 32 < f_dim, f_dim, g_blk, u_blk, j_blk)
+                g_blk, u_blk, j_blk = self._drop_unless(
+                    j_blk * 32 < f_dim, f_dim, g_blk, u_blk, j_blk
+                )
                 buf = count % self.epi_stage
                 self._store(ep, ep.tma_c, sH, gH, (m_tile, g_blk), ep.rD_out, buf)
                 buf = (count + 1) % self.epi_stage
@@ -223,8 +245,24 @@ class GluGemmKernel(GroupedGemmKernel):
 
     @cute.jit
     def _dgrad_epilogue(
-        self, ep, m_tile, n_tile, f_dim, r_p, r_s, tRS_c, rows_here, row_base, tma_h, m_h,
-        sH, gH, sO, gO, tma_o, count0,
+        self,
+        ep,
+        m_tile,
+        n_tile,
+        f_dim,
+        r_p,
+        r_s,
+        tRS_c,
+        rows_here,
+        row_base,
+        tma_h,
+        m_h,
+        sH,
+        gH,
+        sO,
+        gO,
+        tma_o,
+        count0,
     ):
         """Per 32-column subtile of dA: dgate, dup and a stores; d(probs) partial sums in r_s.
 
@@ -255,20 +293,10 @@ class GluGemmKernel(GroupedGemmKernel):
             self.epi_barrier.arrive_and_wait()  # the h buffers are free again
             if const_expr(e + 1 < 8):
                 self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, e + 1)
-            gate = r_g.load()
-            up = r_u.load()
-            da = ep.rD.load()
-            fg, dfg = _act_and_grad(gate, self.act, True)
-            fgu = fg * up
-            if const_expr(self.has_probs):
-                r_s.store(r_s.load() + da * fgu)
-                p = r_p.load()
-                da = da * p
-                fgu = fgu * p
-            ep.rD_out.store((da * up * dfg).to(self.c_dtype))
-            r_du_out.store((da * fg).to(self.c_dtype))
-            r_a_out.store(fgu.to(self.c_dtype))
-            g_blk, u_blk, j_blk = self._drop_unless(col_ok, f_dim, g_col // 32, u_col // 32, j0 // 32)
+            self._dglu(ep.rD, r_g, r_u, r_p, r_s, ep.rD_out, r_du_out, r_a_out)
+            g_blk, u_blk, j_blk = self._drop_unless(
+                col_ok, f_dim, g_col // 32, u_col // 32, j0 // 32
+            )
             buf = count % self.epi_stage
             self._store(ep, ep.tma_c, sH, gH, (m_tile, g_blk), ep.rD_out, buf)
             buf = (count + 1) % self.epi_stage
@@ -277,6 +305,24 @@ class GluGemmKernel(GroupedGemmKernel):
             self._store(ep, tma_o, sO, gO, (m_tile, j_blk), r_a_out, buf)
             count = count + 3
         return count - count0
+
+    @cute.jit
+    def _dglu(self, r_da, r_g, r_u, r_p, r_s, r_dg_out, r_du_out, r_a_out):
+        """dgate = dA·p·up·act'(gate), dup = dA·p·act(gate), a = act(gate)·up·p (rounded once);
+        r_s += dA·act(gate)·up (the d(probs) partial sums, before the p scaling)."""
+        gate = r_g.load()
+        up = r_u.load()
+        da = r_da.load()
+        fg, dfg = _act_and_grad(gate, self.act, True)
+        fgu = fg * up
+        if const_expr(self.has_probs):
+            r_s.store(r_s.load() + da * fgu)
+            p = r_p.load()
+            da = da * p
+            fgu = fgu * p
+        r_dg_out.store((da * up * dfg).to(self.c_dtype))
+        r_du_out.store((da * fg).to(self.c_dtype))
+        r_a_out.store(fgu.to(self.c_dtype))
 
     @cute.jit
     def _h_cols(self, n_tile, f_dim, e: int):
@@ -303,9 +349,14 @@ class GluGemmKernel(GroupedGemmKernel):
                 cute.arch.mbarrier_arrive_and_expect_tx(
                     bar, 2 * self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
                 )
-            cute.copy(tma_h, g_l[(None, (0, g_col // 32))], s_l[(None, self.epi_stage)], tma_bar_ptr=bar)
             cute.copy(
-                tma_h, g_l[(None, (0, u_col // 32))], s_l[(None, self.epi_stage + 1)], tma_bar_ptr=bar
+                tma_h, g_l[(None, (0, g_col // 32))], s_l[(None, self.epi_stage)], tma_bar_ptr=bar
+            )
+            cute.copy(
+                tma_h,
+                g_l[(None, (0, u_col // 32))],
+                s_l[(None, self.epi_stage + 1)],
+                tma_bar_ptr=bar,
             )
 
     @cute.jit

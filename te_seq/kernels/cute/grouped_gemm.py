@@ -627,8 +627,21 @@ class GroupedGemmKernel:
                 tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles
             )
             ep = _EpilogueState(
-                tma_c, mC, c_raw, sC, tiled_r2s, tRS_acc, tRS_sC, rD, rD_out, store_pipe, warp,
-                tiled_mma, mma_tidx, epi, extra_bar,
+                tma_c,
+                mC,
+                c_raw,
+                sC,
+                tiled_r2s,
+                tRS_acc,
+                tRS_sC,
+                rD,
+                rD_out,
+                store_pipe,
+                warp,
+                tiled_mma,
+                mma_tidx,
+                epi,
+                extra_bar,
             )
             num_epi = self._store_tile(ep, acc, group, m_tile, n_tile, row0, rows, epi_count)
             epi_count = epi_count + num_epi
@@ -652,8 +665,17 @@ class GroupedGemmKernel:
             mC_g = ep.mC[None, None, group]
         gC = cute.local_tile(mC_g, (tm, tn), (m_tile, n_tile))
         return self._epilogue(
-            ep.tma_c, gC, ep.sC, ep.tiled_r2s, ep.tRS_acc, ep.tRS_sC, ep.rD, ep.rD_out,
-            ep.store_pipe, epi_count, ep.warp,
+            ep.tma_c,
+            gC,
+            ep.sC,
+            ep.tiled_r2s,
+            ep.tRS_acc,
+            ep.tRS_sC,
+            ep.rD,
+            ep.rD_out,
+            ep.store_pipe,
+            epi_count,
+            ep.warp,
         )
 
     @cute.jit
