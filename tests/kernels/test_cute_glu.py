@@ -111,6 +111,23 @@ def test_calls_raise_with_the_reason():
         cute.glu_fc2_dgrad(x, w2, offs, torch.randn(16, 256), "srelu", None, None)
 
 
+def test_probs_are_checked_and_normalised():
+    from te_seq.kernels.cute.glu import _check_probs
+
+    with pytest.raises(ValueError, match=r"cute glu_fc2_dgrad: probs must hold one float per row"):
+        _check_probs(torch.rand(5), 6, "glu_fc2_dgrad")
+    with pytest.raises(ValueError, match=r"probs must hold one float per row \(4\)"):
+        _check_probs(torch.ones(4, dtype=torch.int64), 4, "glu_fc1_forward")
+    p64 = torch.rand(4, 1, dtype=torch.float64)
+    out = _check_probs(p64, 4, "glu_fc1_forward")
+    assert (
+        out.shape == (4,) and out.dtype == torch.float32 and torch.equal(out, p64.flatten().float())
+    )
+    p16 = torch.rand(8, dtype=torch.bfloat16)[::2]
+    out = _check_probs(p16, 4, "glu_fc1_forward")
+    assert out.is_contiguous() and out.dtype == torch.bfloat16 and torch.equal(out, p16)
+
+
 # ------------------------------------------------------------------ GPU correctness
 
 

@@ -63,14 +63,16 @@ def _dummy(device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
+    """probs as a contiguous [rows] tensor the kernel reads (other float dtypes go through fp32)."""
     if probs is None:
         return None
-    if probs.shape != (rows,) or probs.dtype not in _PROBS_DTYPES:
+    if probs.numel() != rows or not probs.is_floating_point():
         raise ValueError(
-            f"cute {op}: probs must be [{rows}] in float32/bf16/fp16, "
+            f"cute {op}: probs must hold one float per row ({rows}), "
             f"got {tuple(probs.shape)} {probs.dtype}"
         )
-    return probs.contiguous()
+    probs = probs.reshape(rows)
+    return (probs if probs.dtype in _PROBS_DTYPES else probs.float()).contiguous()
 
 
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave) -> None:
@@ -168,14 +170,15 @@ class _Fc2Dgrad:
                 f"cute glu_fc2_dgrad: h must be [{rows}, {2 * f}] {dy.dtype}, "
                 f"got {tuple(h.shape)} {h.dtype}"
             )
+        probs_dtype = None if probs is None else probs.dtype
         probs = _check_probs(probs, rows, "glu_fc2_dgrad")
         dh = torch.empty(rows, 2 * f, dtype=dy.dtype, device=dy.device)
         a = torch.empty(rows, f, dtype=dy.dtype, device=dy.device)
         dprobs = None if probs is None else torch.zeros(rows, dtype=torch.float32, device=dy.device)
         if rows:
             _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h.contiguous(), act, interleave)
-        if dprobs is not None and probs.dtype != torch.float32:
-            dprobs = dprobs.to(probs.dtype)
+        if dprobs is not None and probs_dtype != torch.float32:
+            dprobs = dprobs.to(probs_dtype)
         return dh, a, dprobs
 
 
