@@ -287,10 +287,13 @@ class KernelsVariant(Variant):
 class TeSeqVariant(Variant):
     """te_seq.Sequential(GroupedLinear, SwiGLU, GroupedLinear)(x, split_sizes, split_sizes)."""
 
-    def __init__(self, case: Case, backend: str) -> None:
-        self.name, self.backend, self.case = f"te_seq:{backend}", backend, case
+    def __init__(self, case: Case, backend: str, per_group: bool = False) -> None:
+        suffix = ":per-group" if per_group else ""
+        self.name, self.backend, self.case = f"te_seq:{backend}{suffix}", backend, case
         s, x = case.shape, case.x
-        kw = {"device": x.device, "dtype": x.dtype}
+        # The default layout is one [E, out, in] weight per linear (single_grouped_weight): with
+        # E Parameters (weight0..), autograd accumulates E gradients one by one (host time).
+        kw = {"device": x.device, "dtype": x.dtype, "single_grouped_weight": not per_group}
         self.fc1 = ops.GroupedLinear(s.E, s.H, 2 * s.F, bias=False, **kw)
         self.fc2 = ops.GroupedLinear(s.E, s.F, s.H, bias=False, **kw)
         self.mlp = te_seq.Sequential(self.fc1, ops.SwiGLU(), self.fc2)
@@ -376,6 +379,8 @@ def build_variants(
             skipped.append(Result(case.name, "both", f"te_seq:{backend}", note=reason))
         else:
             attempt(f"te_seq:{backend}", lambda b=backend: TeSeqVariant(case, b))
+            if backend == "cute":
+                attempt("te_seq:cute:per-group", lambda: TeSeqVariant(case, "cute", True))
         attempt(f"kernels:{backend}", lambda b=backend: _kernels_variant(case, b))
     return variants, skipped
 

@@ -69,7 +69,7 @@ class Fuser:
     # --- planning ---------------------------------------------------------------------------
     def _key(self, input_: Tensor, flat_extra: Sequence[Any], with_backward: bool) -> tuple:
         params = tuple(
-            (p.dtype, p.device, p.requires_grad) for op in self.ops for p in op.parameters()
+            (p.dtype, p.device, p.requires_grad) for op in self.ops for p in op.fuser_parameters()
         )
         return (
             registry_version(),
@@ -136,12 +136,12 @@ class Fuser:
             self.ops,
             ctxs,
             [len(e) for e in extra],
-            [len(list(op.parameters())) for op in self.ops],
+            [len(op.fuser_parameters()) for op in self.ops],
         )
         if not with_backward:
             out, extra_out = _run_forward(call, input_, extra)
             return out, extra_out
-        params = [p for op in self.ops for p in op.parameters()]
+        params = [p for op in self.ops for p in op.fuser_parameters()]
         flat_extra = [t for group in extra for t in group]
         outputs = _FuserFunction.apply(input_, call, *flat_extra, *params)
         return outputs[0], _unflatten(outputs[1:], [op.num_extra_outputs for op in self.ops])
@@ -154,7 +154,9 @@ class Fuser:
         for op, op_extra in zip(self.ops, extra):
             ctx = OperationContext()
             ctx.input_requires_grad = running
-            ctx.weight_requires_grad = grad_on and any(p.requires_grad for p in op.parameters())
+            ctx.weight_requires_grad = grad_on and any(
+                p.requires_grad for p in op.fuser_parameters()
+            )
             extra_grad = grad_on and any(
                 isinstance(t, Tensor) and t.requires_grad for t in op_extra
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -123,7 +124,9 @@ class GroupedLinear(GradContractMixin, BasicOperation):
                 w = torch.nn.Parameter(block[g])
                 init_linear_weight_(w.data)
                 self.register_parameter(f"weight{g}", w)
-            self.__dict__["_weight_block"] = block  # plain attribute: not a parameter or buffer
+            # Plain attributes (not parameters or buffers): the block and where each weight sat.
+            self.__dict__["_weight_block"] = block
+            self.__dict__["_block_ptrs"] = [block[g].data_ptr() for g in range(G)]
         if not self.has_bias:
             return
         if self.single_grouped_bias:
@@ -136,16 +139,18 @@ class GroupedLinear(GradContractMixin, BasicOperation):
 
     # --- parameters -------------------------------------------------------------------------
     def named_weights(self) -> list[tuple[str, torch.nn.Parameter]]:
+        params = self._parameters
         if self.single_grouped_weight:
-            return [("weight", self.weight)]
-        return [(f"weight{g}", getattr(self, f"weight{g}")) for g in range(self.num_groups)]
+            return [("weight", params["weight"])]
+        return [(name, params[name]) for name in _names("weight", self.num_groups)]
 
     def named_biases(self) -> list[tuple[str, torch.nn.Parameter]]:
         if not self.has_bias:
             return []
+        params = self._parameters
         if self.single_grouped_bias:
-            return [("bias", self.bias)]
-        return [(f"bias{g}", getattr(self, f"bias{g}")) for g in range(self.num_groups)]
+            return [("bias", params["bias"])]
+        return [(name, params[name]) for name in _names("bias", self.num_groups)]
 
     def stacked_weight(self) -> Tensor:
         """[G, N, K]: the single grouped weight, the block the per-group weights still view,
@@ -154,7 +159,8 @@ class GroupedLinear(GradContractMixin, BasicOperation):
             return self.weight
         weights = [w for _, w in self.named_weights()]
         block = self.__dict__.get("_weight_block")
-        if block is not None and _views_block(weights, block):
+        # Storage is only ever replaced, never moved: equal addresses mean the views still hold.
+        if block is not None and [w.data_ptr() for w in weights] == self._block_ptrs:
             return block
         self.__dict__["_weight_block"] = None  # stale: don't keep old storage alive
         return torch.stack(weights)
@@ -281,6 +287,11 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         weight_grads = self.weight_grads(ctx, x, dy, offs)
         extra_grads = (None, dscales) if self.num_extra_inputs == 2 else (None,)
         return dx, [weight_grads + bias_grads], [extra_grads]
+
+
+@functools.lru_cache(maxsize=64)
+def _names(prefix: str, count: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{g}" for g in range(count))
 
 
 def _block_of(tensors: Sequence[Tensor]) -> Tensor | None:
