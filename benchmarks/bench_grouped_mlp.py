@@ -249,14 +249,16 @@ class GroupedMMVariant(Variant):
 
 
 class KernelsVariant(Variant):
-    """A backend's raw functionals: grouped_mm / grouped_wgrad, SwiGLU from its module if it has
-    one, else from te_seq.kernels.torch_backend."""
+    """A backend's raw GEMM functionals (grouped_mm / grouped_wgrad) with te_seq's SwiGLU maths
+    (te_seq.kernels.elementwise: the reference, compiled on CUDA), not fused into the GEMMs."""
 
-    def __init__(self, case: Case, backend: str, module: object, helpers: object) -> None:
+    def __init__(self, case: Case, backend: str, module: object, elementwise) -> None:
         self.name = f"kernels:{backend}"
         self.case, self.k = case, module
-        self.swiglu = getattr(module, "swiglu", None) or helpers.swiglu
-        self.swiglu_bwd = getattr(module, "swiglu_backward", None) or helpers.swiglu_backward
+        glu_fwd = elementwise("glu_forward", backend, case.x.device)
+        glu_bwd = elementwise("glu_backward", backend, case.x.device)
+        self.swiglu = lambda h: glu_fwd(h, "silu", None, None)
+        self.swiglu_bwd = lambda da, h: glu_bwd(h, da, "silu", None, None)[0]
         self.result: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
     def _fc1(self) -> tuple[Tensor, Tensor]:
@@ -409,14 +411,14 @@ def _kernels_variant(case: Case, backend: str) -> Variant:
         module = importlib.import_module(
             f"te_seq.kernels.{'torch_backend' if backend == 'torch' else backend}"
         )
-    helpers = importlib.import_module("te_seq.kernels.torch_backend")
+    elementwise = importlib.import_module("te_seq.kernels").elementwise
     ok, reason = getattr(module, "available", lambda: (True, ""))()
     if not ok:
         raise RuntimeError(reason)
     missing = [f for f in ("grouped_mm", "grouped_wgrad") if not hasattr(module, f)]
     if missing:
         raise RuntimeError(f"{module.__name__} has no {', '.join(missing)}")
-    return KernelsVariant(case, backend, module, helpers)
+    return KernelsVariant(case, backend, module, elementwise)
 
 
 # --------------------------------------------------------------------------- checking

@@ -1,4 +1,6 @@
-"""The "torch" backend: te_seq's grouped GEMMs on ``torch._grouped_mm``, elementwise ops in PyTorch.
+"""The "torch" backend: te_seq's grouped GEMMs on ``torch._grouped_mm``.
+
+Activations use the reference maths, compiled on CUDA (``te_seq.kernels.elementwise``).
 
 Same signatures and maths as ``te_seq.kernels.reference`` (read its docstrings first). Shape legend:
 M rows (tokens), E groups (experts), K reduction dim, N output dim, A row alignment of a padded
@@ -241,72 +243,3 @@ def _tiled_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor) -> Tensor:
         partial = torch.bmm(dy[c].transpose(1, 2), xs[c])  # [tiles, N, K]; dW_t = dY_tᵀ X_t
         result.index_add_(0, groups[c], partial)
     return result
-
-
-# --------------------------------------------------------------------------- SwiGLU
-
-
-def _split_glu(x: Tensor, glu_interleave_size: int | None) -> tuple[Tensor, Tensor]:
-    """x [T, 2F] -> (gate, up): halves [T, F], or alternating blocks [T, F/s, s] of s columns."""
-    if glu_interleave_size is None:
-        return x.chunk(2, dim=-1)
-    s = glu_interleave_size
-    if s <= 0 or x.shape[-1] % (2 * s) != 0:
-        raise ValueError(f"SwiGLU: glu_interleave_size={s} does not divide width {x.shape[-1]} / 2")
-    blocks = x.unflatten(-1, (x.shape[-1] // (2 * s), 2, s))  # [T, F/s, 2, s]
-    return blocks[..., 0, :], blocks[..., 1, :]
-
-
-def _join_glu(gate: Tensor, up: Tensor, glu_interleave_size: int | None) -> Tensor:
-    """Inverse of ``_split_glu``: (gate, up) -> [T, 2F]."""
-    if glu_interleave_size is None:
-        return torch.cat([gate, up], dim=-1)
-    return torch.stack([gate, up], dim=-2).flatten(-3)  # [T, F/s, 2, s] -> [T, 2F]
-
-
-def _per_row(scales: Tensor, like: Tensor) -> Tensor:
-    """scales [T] -> broadcastable against ``like`` [T, ...], in ``like``'s dtype."""
-    return scales.to(like.dtype).reshape(scales.shape + (1,) * (like.dim() - scales.dim()))
-
-
-def swiglu(x: Tensor, glu_interleave_size: int | None = None) -> Tensor:
-    """x [T, 2F] = [gate, up] -> silu(gate) · up [T, F], computed in float32, in x.dtype."""
-    return scaled_swiglu(x, None, glu_interleave_size)
-
-
-def scaled_swiglu(
-    x: Tensor, scales: Tensor | None, glu_interleave_size: int | None = None
-) -> Tensor:
-    """x [T, 2F], scales [T] (or None) -> silu(gate) · up · scales[:, None] [T, F], in x.dtype."""
-    gate, up = _split_glu(x.to(_acc_dtype(x.dtype)), glu_interleave_size)
-    y = F.silu(gate) * up  # [T, F] or [T, F/s, s]
-    if scales is not None:
-        y = y * _per_row(scales, y)
-    return (y.flatten(-2) if glu_interleave_size else y).to(x.dtype)  # [T, F]
-
-
-def swiglu_backward(grad_y: Tensor, x: Tensor, glu_interleave_size: int | None = None) -> Tensor:
-    """grad_y [T, F], x [T, 2F] -> grad_x [T, 2F] of ``swiglu``, in x.dtype."""
-    return scaled_swiglu_backward(grad_y, x, None, glu_interleave_size)[0]
-
-
-def scaled_swiglu_backward(
-    grad_y: Tensor, x: Tensor, scales: Tensor | None, glu_interleave_size: int | None = None
-) -> tuple[Tensor, Tensor | None]:
-    """Gradients of ``scaled_swiglu``: (grad_x [T, 2F] in x.dtype, grad_scales [T] or None).
-
-    dgate = g · up · silu'(gate), dup = g · silu(gate) with g = grad_y · s;
-    dscales = Σ_f grad_y · silu(gate) · up.
-    """
-    acc = _acc_dtype(x.dtype)
-    gate, up = _split_glu(x.to(acc), glu_interleave_size)
-    dy = grad_y.to(acc).reshape(gate.shape)  # [T, F] or [T, F/s, s]
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    g = dy if scales is None else dy * _per_row(scales, dy)
-    dgate = g * up * (sig * (1 + gate * (1 - sig)))
-    grad_x = _join_glu(dgate, g * silu, glu_interleave_size).to(x.dtype)
-    if scales is None:
-        return grad_x, None
-    grad_scales = (dy * silu * up).flatten(scales.dim()).sum(-1).to(scales.dtype)  # [T]
-    return grad_x, grad_scales

@@ -185,58 +185,6 @@ def test_available_says_why() -> None:
     assert ok or "_grouped_mm" in reason
 
 
-# --------------------------------------------------------------------------- SwiGLU
-
-
-def _swiglu_autograd(x: Tensor, scales: Tensor | None, s: int | None) -> Tensor:
-    """Plain-PyTorch SwiGLU in the layout of API.md: halves, or alternating blocks of s columns."""
-    if s is None:
-        gate, up = x.chunk(2, dim=-1)
-    else:
-        blocks = x.unflatten(-1, (-1, 2, s))
-        gate, up = blocks[..., 0, :].flatten(-2), blocks[..., 1, :].flatten(-2)
-    y = torch.nn.functional.silu(gate) * up
-    return y if scales is None else y * scales[:, None]
-
-
-@pytest.mark.parametrize("scaled", [False, True])
-@pytest.mark.parametrize("interleave", [None, 4])
-def test_swiglu_forward_backward(interleave: int | None, scaled: bool) -> None:
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn(11, 24, generator=gen, dtype=torch.float64, requires_grad=True)
-    probs = torch.rand(11, generator=gen, dtype=torch.float64, requires_grad=True)
-    scales = probs if scaled else None
-    dy = torch.randn(11, 12, generator=gen, dtype=torch.float64)
-    expected = _swiglu_autograd(x, scales, interleave)
-    expected.backward(dy)
-    y = torch_backend.scaled_swiglu(
-        x.detach(), None if scales is None else probs.detach(), interleave
-    )
-    torch.testing.assert_close(y, expected.detach())
-    dx, dprobs = torch_backend.scaled_swiglu_backward(
-        dy, x.detach(), None if scales is None else probs.detach(), interleave
-    )
-    torch.testing.assert_close(dx, x.grad)
-    if scaled:
-        torch.testing.assert_close(dprobs, probs.grad)
-    else:
-        assert dprobs is None
-        torch.testing.assert_close(torch_backend.swiglu(x.detach(), interleave), y)
-        torch.testing.assert_close(torch_backend.swiglu_backward(dy, x.detach(), interleave), dx)
-
-
-def test_swiglu_bf16_computes_in_fp32() -> None:
-    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(10))
-    y = torch_backend.swiglu(x.bfloat16())
-    assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y, _swiglu_autograd(x.bfloat16().float(), None, None).bfloat16())
-
-
-def test_swiglu_bad_interleave_size() -> None:
-    with pytest.raises(ValueError, match="glu_interleave_size=5"):
-        torch_backend.swiglu(torch.randn(3, 24), glu_interleave_size=5)
-
-
 # --------------------------------------------------------------------------- GPU
 
 
