@@ -1,0 +1,24 @@
+"""The grouped-MLP benchmark's CPU dry run: every variant builds, agrees with the others and is
+timed, so a broken benchmark is caught in CI rather than on the GPU host."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_grouped_mlp_dry_run(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "benchmarks/bench_grouped_mlp.py", "--dry-run", "--json", str(out),
+           "--png", str(tmp_path / "bench.png")]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    timed = {(r["shape"], r["mode"], r["variant"]) for r in results if r["status"] == "ok"}
+    for shape in ("T", "U"):
+        for mode in ("fwd", "fwd+bwd"):
+            for variant in ("grouped_mm", "loop", "te_seq:torch", "kernels:torch"):
+                assert (shape, mode, variant) in timed, (shape, mode, variant, results)
+    assert all(r["max_rel_err"] is None or r["max_rel_err"] < 1e-4 for r in results)
