@@ -376,6 +376,11 @@ def build_variants(
             note = "reference backend skipped for big shapes (host loop)"
             skipped.append(Result(case.name, "both", f"te_seq:{backend}", note=note))
             continue
+        if backend == "cute" and case.x.device.type != "cuda":
+            note = "the cute kernels need CUDA data (this run is on the CPU)"
+            skipped += [Result(case.name, "both", f"{kind}:cute", note=note)
+                        for kind in ("te_seq", "kernels")]
+            continue
         reason = _te_seq_unavailable(backend)
         if reason:
             skipped.append(Result(case.name, "both", f"te_seq:{backend}", note=reason))
