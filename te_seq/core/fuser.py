@@ -87,11 +87,12 @@ class Fuser:
         flat_extra = [t for group in extra for t in group]
         key = self._key(input_, flat_extra, with_backward)
         if key != self._cache_key:
-            self._cache = self._build_plan(input_.device, extra, with_backward)
+            self._cache = self._build_plan(input_, extra, with_backward)
             self._cache_key = key
         return self._cache
 
-    def _build_plan(self, device: torch.device, extra: list[tuple], with_backward: bool) -> RunPlan:
+    def _build_plan(self, input_: Tensor, extra: list[tuple], with_backward: bool) -> RunPlan:
+        device = input_.device
         taken = [False] * len(self.ops)
         joint, misses = match_phase(self.ops, taken, "joint", extra, self.offset)
         fwd_taken = list(taken)
@@ -105,22 +106,18 @@ class Fuser:
             misses += bwd_misses
         requested = config.current_backend()
         backends = {id(s.op): s.op.plan_backend(requested, device) for s in forward + backward}
-        public = self._public(forward, backward, misses, backends, requested, device)
+        public = self._public(forward, backward, misses, backends, requested, input_)
         return RunPlan(forward, backward, backends, public)
 
     def _public(
-        self,
-        forward,
-        backward,
-        misses: list[PlanMiss],
-        backends,
-        requested: str,
-        device: torch.device,
+        self, forward, backward, misses: list[PlanMiss], backends, requested: str, input_: Tensor
     ) -> FusionPlan:
         def step(seg: Segment) -> PlanStep:
             indices = tuple(p + self.offset for p in seg.positions)
             chosen = backends[id(seg.op)]
-            why = config.backend_reason(requested, chosen, device)
+            why = config.backend_reason(requested, chosen, input_.device)
+            note = seg.op.plan_note(chosen, input_.dtype, input_.device)
+            why = f"{why}; {note}" if note else why
             return PlanStep(type(seg.op).__name__, indices, chosen, seg.op, why)
 
         return FusionPlan([step(s) for s in forward], [step(s) for s in backward], misses)

@@ -47,6 +47,10 @@ class FusibleOperation(torch.nn.Module):
     def is_fused_op(self) -> bool:
         raise NotImplementedError
 
+    def plan_note(self, backend: str, dtype: torch.dtype, device: torch.device) -> str:
+        """A line for `fusion_plan()` on how this op runs (e.g. which kernels fuse); "" if none."""
+        return ""
+
     def fuser_forward(
         self,
         basic_op_ctxs: list[OperationContext],

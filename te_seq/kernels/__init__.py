@@ -76,6 +76,25 @@ def _cute_glu(backend: str, name: str):
     return getattr(cute, name, None)
 
 
+def glu_epilogue_status(
+    x: Tensor, w1t: Tensor, w2: Tensor, act: str, interleave: int | None, backend: str
+) -> tuple[bool, str]:
+    """Whether the fused grouped MLP's activation runs in the GEMM epilogues, and if not why.
+
+    x [M, H] may be empty (only dtype, width and device are read); w1t [E, H, 2F]; w2 [E, H, F].
+    """
+    fc1, dgrad = _cute_glu(backend, "glu_fc1_forward"), _cute_glu(backend, "glu_fc2_dgrad")
+    if fc1 is None or dgrad is None:
+        return False, f"the {backend} backend has no fused activation epilogue"
+    for name, (ok, why) in (
+        ("FC1", fc1.supports(x, w1t, act, interleave)),
+        ("FC2 dgrad", dgrad.supports(x, w2, act, interleave)),
+    ):
+        if not ok:
+            return False, f"{name}: {why}"
+    return True, ""
+
+
 def glu_fc1_forward(
     x: Tensor,
     w1t: Tensor,

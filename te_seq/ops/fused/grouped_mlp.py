@@ -53,6 +53,25 @@ class GroupedMLP(FusedOperation):
     def plan_backend(self, requested: str, device: torch.device) -> str:
         return config.grouped_backend(requested, device)
 
+    def plan_note(self, backend: str, dtype: torch.dtype, device: torch.device) -> str:
+        """Whether the activation runs inside the GEMMs' epilogues (cute) or after them."""
+        op = self.activation
+        if backend != "cute":
+            return ""
+        if not op.gated or self.fc1.has_bias:
+            what = "an FC1 bias" if self.fc1.has_bias else f"non-gated {type(op).__name__}"
+            return f"activation after the GEMMs ({what} has no fused epilogue)"
+        x_like = torch.empty(0, self.fc1.in_features, dtype=dtype, device=device)
+        w1t = self.fc1.stacked_weight().transpose(1, 2)
+        ok, why = kernels.glu_epilogue_status(
+            x_like, w1t, self.fc2.stacked_weight(), op.act, op.glu_interleave_size, backend
+        )
+        return (
+            "activation fused into the FC1 and FC2-dgrad epilogues"
+            if ok
+            else f"activation after the GEMMs ({why})"
+        )
+
     # --- activation ---------------------------------------------------------------------------
     def _fc1_act(self, x: Tensor, w1: Tensor, offs: Tensor, extras: _Extras, probs, backend: str):
         """(h, a): FC1's pre-activation [T, 2F] and the activation [T, F] (· probs).
