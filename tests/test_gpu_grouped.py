@@ -182,3 +182,25 @@ def test_bad_device_split_sizes_fail_a_device_check():
         "split_sizes must be non-negative and sum to the rows" in result.stderr
         or "device-side assert" in result.stderr
     )
+
+
+GATED = [ops.SwiGLU, ops.ScaledSwiGLU, ops.GEGLU, ops.ReGLU]
+
+
+@pytest.mark.skipif("cute" not in GPU_BACKENDS, reason="needs the cute backend (sm_90 + DSL)")
+@pytest.mark.parametrize("act", GATED, ids=[a.__name__ for a in GATED])
+@pytest.mark.parametrize("interleave", [None, 64])
+def test_grouped_mlp_epilogue_fusion_matches_reference(act, interleave):
+    """F a multiple of 128: the activation runs in the cute GEMM epilogues (the plan says so)."""
+    dtype = torch.bfloat16
+    sizes = [0, 37, 128, 3, 0, 91, 250, 7]
+    splits = torch.tensor(sizes, device="cuda")
+    model = _mlp(len(sizes), 128, 128, act, False, dtype)
+    model[1].glu_interleave_size = interleave
+    x = torch.randn(sum(sizes), 128, device="cuda", dtype=dtype)
+    extras = [splits]
+    if act is ops.ScaledSwiGLU:
+        extras.append(torch.rand(sum(sizes), device="cuda", dtype=torch.float32))
+    extras.append(splits)
+    plan = _compare(model, x, extras, "cute", dtype)
+    assert "activation fused into the FC1 and FC2-dgrad epilogues" in plan.forward[0].backend_reason
