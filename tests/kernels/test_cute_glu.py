@@ -7,7 +7,6 @@ GPU tests need sm_90+ and compare with float64 references on fresh random data.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,24 +14,12 @@ import textwrap
 
 import pytest
 import torch
+from cute_marks import HAS_DSL as _HAS_DSL
+from cute_marks import gpu, needs_cute
 
 from te_seq.kernels import reference
 
-_HAS_DSL = importlib.util.find_spec("cutlass") is not None
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _cute_ready() -> tuple[bool, str]:
-    if not torch.cuda.is_available():
-        return False, "CUDA is not available"
-    from te_seq.kernels import cute
-
-    return cute.available()
-
-
-_READY, _WHY = _cute_ready()
-gpu = pytest.mark.gpu
-needs_cute = pytest.mark.skipif(not _READY, reason=_WHY or "cute backend unavailable")
 
 # ------------------------------------------------------------------ CPU: compile-only, errors
 

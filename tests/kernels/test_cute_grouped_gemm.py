@@ -6,7 +6,6 @@ subprocess, so the arch setting cannot leak into other tests); GPU tests need sm
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,23 +13,10 @@ import textwrap
 
 import pytest
 import torch
+from cute_marks import HAS_DSL as _HAS_DSL
+from cute_marks import gpu, needs_cute
 
 from te_seq.kernels import reference
-
-_HAS_DSL = importlib.util.find_spec("cutlass") is not None
-
-
-def _cute_ready() -> tuple[bool, str]:
-    if not torch.cuda.is_available():
-        return False, "CUDA is not available"
-    from te_seq.kernels import cute
-
-    return cute.available()
-
-
-_READY, _WHY = _cute_ready()
-gpu = pytest.mark.gpu
-needs_cute = pytest.mark.skipif(not _READY, reason=_WHY or "cute backend unavailable")
 
 # ------------------------------------------------------------------ compile-only (CPU CI)
 
