@@ -7,50 +7,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from te_seq.core import checks
-from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.core.operation import OperationContext
+from te_seq.ops.basic.normalization import (
+    Normalization,
+    effective_gamma,
+    reduce_rows,
+    upcast,
+)
 
 
-def parse_normalized_shape(op_name: str, normalized_shape: int | Sequence[int]) -> int:
-    """The normalized size from an int or a 1-element sequence (te_seq norms: last dim only)."""
-    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
-        size = normalized_shape
-    elif (isinstance(normalized_shape, Sequence) and len(normalized_shape) == 1
-          and isinstance(normalized_shape[0], int)):
-        size = normalized_shape[0]
-    else:
-        raise ValueError(
-            f"{op_name}: normalized_shape must be an int or a 1-tuple (the last dimension), "
-            f"got {normalized_shape!r}"
-        )
-    if size <= 0:
-        raise ValueError(f"{op_name}: normalized_shape must be positive, got {size}")
-    return size
-
-
-def check_eps(op_name: str, eps: float) -> float:
-    if not eps > 0:
-        raise ValueError(f"{op_name}: eps must be positive, got {eps}")
-    return float(eps)
-
-
-def upcast(t: Tensor) -> Tensor:
-    """fp32 compute for low-precision tensors; float64 stays float64."""
-    return t if t.dtype == torch.float64 else t.float()
-
-
-def effective_gamma(weight: Tensor, zero_centered: bool) -> Tensor:
-    """γ = weight, or 1 + weight with zero_centered_gamma (in the compute precision)."""
-    gamma = upcast(weight)
-    return gamma + 1 if zero_centered else gamma
-
-
-def reduce_rows(t: Tensor) -> Tensor:
-    """[..., N] -> [N], summed over every leading dim."""
-    return t.reshape(-1, t.shape[-1]).sum(0)
-
-
-class LayerNorm(BasicOperation):
+class LayerNorm(Normalization):
     """Layer norm over the last dim: x [..., N] -> y [..., N],
 
         x̂ = (x - mean(x)) · rstd,  rstd = 1 / sqrt(var(x) + eps)  (biased variance)
@@ -66,22 +32,9 @@ class LayerNorm(BasicOperation):
     def __init__(self, normalized_shape: int | Sequence[int], *, eps: float = 1e-5,
                  zero_centered_gamma: bool = False, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.normalized_shape = parse_normalized_shape("LayerNorm", normalized_shape)
-        self.eps = check_eps("LayerNorm", eps)
-        self.zero_centered_gamma = zero_centered_gamma
-        n = self.normalized_shape
-        init = torch.zeros if zero_centered_gamma else torch.ones
-        self.weight = torch.nn.Parameter(init(n, device=device, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(n, device=device, dtype=dtype))
-
-    def extra_repr(self) -> str:
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"zero_centered_gamma={self.zero_centered_gamma}")
-
-    def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
-        checks.check_last_dim(self, input_, self.normalized_shape, "normalized_shape")
-        checks.check_matches_param(self, input_, self.weight)
+        super().__init__(normalized_shape, eps, zero_centered_gamma, device, dtype)
+        self.bias = torch.nn.Parameter(
+            torch.zeros(self.normalized_shape, device=device, dtype=dtype))
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
         x = upcast(input_)  # [..., N]

@@ -7,18 +7,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from te_seq.core import checks
-from te_seq.core.operation import BasicOperation, OperationContext
-from te_seq.ops.basic.layer_norm import (
-    check_eps,
+from te_seq.core.operation import OperationContext
+from te_seq.ops.basic.normalization import (
+    Normalization,
     effective_gamma,
-    parse_normalized_shape,
     reduce_rows,
     upcast,
 )
 
 
-class RMSNorm(BasicOperation):
+class RMSNorm(Normalization):
     """RMS norm over the last dim: x [..., N] -> y [..., N],
 
         rstd = 1 / sqrt(mean(x²) + eps),  x̂ = x · rstd,
@@ -34,20 +32,7 @@ class RMSNorm(BasicOperation):
     def __init__(self, normalized_shape: int | Sequence[int], *, eps: float = 1e-5,
                  zero_centered_gamma: bool = False, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.normalized_shape = parse_normalized_shape("RMSNorm", normalized_shape)
-        self.eps = check_eps("RMSNorm", eps)
-        self.zero_centered_gamma = zero_centered_gamma
-        init = torch.zeros if zero_centered_gamma else torch.ones
-        self.weight = torch.nn.Parameter(init(self.normalized_shape, device=device, dtype=dtype))
-
-    def extra_repr(self) -> str:
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"zero_centered_gamma={self.zero_centered_gamma}")
-
-    def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
-        checks.check_last_dim(self, input_, self.normalized_shape, "normalized_shape")
-        checks.check_matches_param(self, input_, self.weight)
+        super().__init__(normalized_shape, eps, zero_centered_gamma, device, dtype)
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
         x = upcast(input_)  # [..., N]
