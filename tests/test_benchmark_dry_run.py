@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # a subprocess of several seconds; CI runs it
 def test_bench_grouped_mlp_dry_run(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "benchmarks/bench_grouped_mlp.py", "--dry-run", "--json", str(out),

@@ -42,6 +42,7 @@ def test_examples_exist():
     assert set(ARGS) <= names, f"ARGS names examples that do not exist: {set(ARGS) - names}"
 
 
+@pytest.mark.slow  # subprocesses of seconds each; CI runs them
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_runs(path: Path):
     proc = run_example(path, ARGS.get(path.name, []))
@@ -75,6 +76,7 @@ def _check_custom_fusion(out: str) -> None:
 CHECKS = {"moe_train.py": _check_moe_train, "custom_fusion.py": _check_custom_fusion}
 
 
+@pytest.mark.slow
 def test_moe_train_fails_when_the_loss_does_not_fall():
     # lr=0 keeps the weights fixed, so the loss cannot fall: the example must say so and exit 1.
     proc = run_example(ROOT / "examples" / "moe_train.py",

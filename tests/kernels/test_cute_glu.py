@@ -40,6 +40,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # ~10 s of DSL compiles; CI runs it, `-m "not slow"` quick runs skip it
 @pytest.mark.skipif(not _HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
 def test_glu_kernels_compile_for_sm90a():
     env = dict(

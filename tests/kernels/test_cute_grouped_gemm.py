@@ -47,6 +47,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # ~20 s of DSL compiles; CI runs it, `-m "not slow"` quick runs skip it
 @pytest.mark.skipif(not _HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
 def test_compile_all_configs_for_sm90a():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
