@@ -7,19 +7,14 @@ GPU tests need sm_90+ and compare with float64 references on fresh random data.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from cute_marks import HAS_DSL as _HAS_DSL
-from cute_marks import gpu, needs_cute
+from cute_marks import compile_for_sm90a, gpu, needs_cute
 
 from te_seq.kernels import reference
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # ------------------------------------------------------------------ CPU: compile-only, errors
 
@@ -43,20 +38,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 @pytest.mark.slow  # ~10 s of DSL compiles; CI runs it, `-m "not slow"` quick runs skip it
 @pytest.mark.skipif(not _HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
 def test_glu_kernels_compile_for_sm90a():
-    env = dict(
-        os.environ,
-        CUTE_DSL_ARCH="sm_90a",
-        PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "ALL COMPILED" in proc.stdout
+    compile_for_sm90a(_COMPILE_SCRIPT, timeout=600)
 
 
 def _operands(h: int, f: int, dtype=torch.bfloat16, device="cpu"):

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 from cute_marks import HAS_DSL as _HAS_DSL
-from cute_marks import gpu, needs_cute
+from cute_marks import ROOT, compile_for_sm90a, gpu, needs_cute
 
 from te_seq.kernels import reference
 
@@ -50,27 +50,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
 @pytest.mark.slow  # ~20 s of DSL compiles; CI runs it, `-m "not slow"` quick runs skip it
 @pytest.mark.skipif(not _HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
 def test_compile_all_configs_for_sm90a():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(
-        os.environ,
-        CUTE_DSL_ARCH="sm_90a",
-        PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "ALL COMPILED" in proc.stdout
+    compile_for_sm90a(_COMPILE_SCRIPT, timeout=900)
 
 
 def test_import_does_not_import_cutlass():
     code = "import sys, te_seq.kernels.cute as c; c.supports; print('cutlass' in sys.modules)"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
