@@ -3,11 +3,13 @@
 Imports cutlass; only ``te_seq.kernels.cute``'s functionals import this module, lazily.
 Set ``CUTE_DSL_ARCH=sm_90a`` before the first ``import cutlass`` to compile without a GPU.
 
-Kernels are cached in memory only. A disk cache through TVM-FFI's AOT path (``export_to_c``,
-``gcc -shared``, ``cute.runtime.load_module``) was tried: it exported, linked (0.45 s) and loaded
-(3 ms), but every launch of a loaded kernel failed with CUDA error 98 (invalid device function)
-on an H200 (DSL 4.8.1, 2026-11-22), so it is left out until that is understood. A compile takes
-2-8 s per config (measured on CPU and on the H200).
+Compiled kernels are cached in memory (per process) and on disk (``disk_cache``): a TVM-FFI
+kernel is exported as an object file to ``$TE_SEQ_CACHE_DIR``, else
+``$XDG_CACHE_HOME/te_seq/cute`` or ``~/.cache/te_seq/cute``, named by a sha256 of the config,
+the nvidia-cutlass-dsl and apache-tvm-ffi versions, ``CUTE_DSL_ARCH``, the kernel sources and a
+format version. A later process loads it (under 0.3 s) instead of compiling (2-8 s per config,
+measured on CPU and on an H200). ``TE_SEQ_DISK_CACHE=0`` turns the disk cache off; a broken or
+unwritable cache only warns and compiles. Without apache-tvm-ffi kernels compile uncached.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
+from . import disk_cache
 from .grouped_gemm import GroupedGemmKernel
 
 _DTYPES = {
@@ -48,10 +51,15 @@ class GemmConfig:
 
 @dataclass
 class CompiledGemm:
-    """A compiled kernel and how long its compile took (seconds)."""
+    """A compiled kernel, the seconds it took to get and where it came from.
+
+    source: "compiled" (compile_s: the compile) or "disk" (compile_s: the load from the disk
+    cache). Repeated calls in a process return the same object from the in-memory cache.
+    """
 
     fn: object
     compile_s: float
+    source: str = "compiled"
 
 
 def _fake_args(cfg: GemmConfig) -> tuple:
@@ -87,16 +95,27 @@ def tvm_ffi_available() -> bool:
     return True
 
 
+def _compile(name: str, cfg: object, kernel: object, fake_args: tuple) -> CompiledGemm:
+    """Compile ``kernel`` for ``cfg`` through the disk cache (with TVM-FFI only: the path whose
+    exported files were verified to load and run)."""
+    if not tvm_ffi_available():
+        start = time.perf_counter()
+        fn = cute.compile(kernel, *fake_args)
+        return CompiledGemm(fn, time.perf_counter() - start)
+
+    def build():
+        return cute.compile(kernel, *fake_args, options="--enable-tvm-ffi")
+
+    return CompiledGemm(*disk_cache.load_or_compile(name, (cfg,), build))
+
+
 @functools.lru_cache(maxsize=None)
 def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
-    """Compile (once per config, cached in memory) the grouped GEMM for ``cfg``."""
+    """The grouped GEMM for ``cfg``: compiled once per config, cached in memory and on disk."""
     kernel = GroupedGemmKernel(
         cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, accumulate=cfg.accumulate
     )
-    start = time.perf_counter()
-    options = "--enable-tvm-ffi" if tvm_ffi_available() else ""
-    fn = cute.compile(kernel, *_fake_args(cfg), options=options)
-    return CompiledGemm(fn, time.perf_counter() - start)
+    return _compile("gemm", cfg, kernel, _fake_args(cfg))
 
 
 # ---------------------------------------------------------------- fused GLU epilogues
@@ -146,7 +165,7 @@ def _fake_glu_args(cfg: GluConfig) -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def compile_glu(cfg: GluConfig) -> CompiledGemm:
-    """Compile (once per config, cached in memory) a fused GLU GEMM."""
+    """A fused GLU GEMM for ``cfg``: compiled once per config, cached in memory and on disk."""
     from .glu_epilogue import GluGemmKernel
 
     kernel = GluGemmKernel(
@@ -157,7 +176,4 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.cluster_mn,
         cfg.store_stages,
     )
-    start = time.perf_counter()
-    options = "--enable-tvm-ffi" if tvm_ffi_available() else ""
-    fn = cute.compile(kernel, *_fake_glu_args(cfg), options=options)
-    return CompiledGemm(fn, time.perf_counter() - start)
+    return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
