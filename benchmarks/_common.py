@@ -1,8 +1,12 @@
 """Benchmark plumbing shared by te_seq's benchmarks: timing, dense peak, checks, table, JSON, PNG.
 
-Timing protocol (DESIGN.md "Benchmarks"): every variant is warmed up, then timed one call at a
-time, the variants interleaved round by round (the order rotates each round), with CUDA events on
-the GPU and a wall clock on the CPU (dry runs only); a variant's time is the median of its runs.
+Timing protocol (DESIGN.md "Benchmarks"): every variant is warmed up, then timed round by round,
+the variants interleaved (the order rotates each round), with CUDA events on the GPU and a wall
+clock on the CPU (dry runs only); a variant's time is the median of its runs. A run is either a
+burst of back-to-back calls between one pair of events, divided by the burst length (steady
+state, as in a training loop: the host may run ahead of the GPU, so host time counts only where
+it exceeds the GPU's), or one call from an idle GPU to its end (latency: the host time before the
+first kernel counts in full).
 """
 
 from __future__ import annotations
@@ -37,27 +41,37 @@ class Result:
         None  # the checking call (forward, then forward+backward): compiles
     )
     runs: list[float] = field(default_factory=list)
+    latency_ms: float | None = None  # median of single calls, each from an idle GPU
+    latency_runs: list[float] = field(default_factory=list)
 
 
-def time_once(fn: Callable[[], object], device: torch.device) -> float:
-    """Milliseconds of one call: CUDA events on the GPU (launch time included), else wall clock."""
+def time_once(fn: Callable[[], object], device: torch.device, burst: int = 1) -> float:
+    """Milliseconds per call of ``burst`` back-to-back calls: CUDA events on the GPU (launch time
+    included, one synchronisation after the burst), else wall clock."""
     if device.type == "cuda":
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(burst):
+            fn()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end) / burst
     t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+    for _ in range(burst):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / burst
 
 
 def time_interleaved(
-    fns: dict[str, Callable[[], object]], iters: int, warmup: int, device: torch.device
+    fns: dict[str, Callable[[], object]],
+    iters: int,
+    warmup: int,
+    device: torch.device,
+    burst: int = 1,
 ) -> dict[str, list[float]]:
-    """Run times (ms) per variant: ``warmup`` untimed calls each, then ``iters`` rounds."""
+    """Run times (ms per call) per variant: ``warmup`` untimed calls each, then ``iters`` rounds
+    of one ``burst`` each (``time_once``)."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):
@@ -68,7 +82,7 @@ def time_interleaved(
     for r in range(iters):
         order = names[r % len(names) :] + names[: r % len(names)] if names else []
         for name in order:
-            runs[name].append(time_once(fns[name], device))
+            runs[name].append(time_once(fns[name], device, burst))
     return runs
 
 
@@ -102,14 +116,26 @@ def rel_err(ours: Tensor, ref: Tensor) -> float:
     return (diff / torch.linalg.vector_norm(ref.double().flatten()).clamp_min(1e-30)).item()
 
 
-def print_table(results: Sequence[Result], peak_tflops: float) -> None:
+def _cell(value: float | None, fmt: str, width: int) -> str:
+    return format(value, fmt) if value is not None else "-".rjust(width)
+
+
+def print_table(results: Sequence[Result], peak_tflops: float, baseline: str = "") -> None:
+    """One line per result; ``vs`` = the ``baseline`` variant's time / this one's (same case)."""
     print(f"\ndense peak (measured): {peak_tflops:.1f} TFLOP/s")
-    print(f"{'shape':5} {'mode':8} {'variant':18} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6}  note")
+    print(
+        f"{'shape':5} {'mode':8} {'variant':18} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6} "
+        f"{'vs':>5} {'latency':>9}  note"
+    )
+    base = {(r.shape, r.mode): r.ms for r in results if r.variant == baseline and r.ms}
     for r in results:
-        ms = f"{r.ms:9.3f}" if r.ms is not None else f"{'-':>9}"
-        tf = f"{r.tflops:8.1f}" if r.tflops is not None else f"{'-':>8}"
-        pct = f"{r.pct_peak:6.1f}" if r.pct_peak is not None else f"{'-':>6}"
-        print(f"{r.shape:5} {r.mode:8} {r.variant:18} {ms} {tf} {pct}  {r.note}")
+        ref = base.get((r.shape, r.mode))
+        ratio = ref / r.ms if ref and r.ms else None
+        print(
+            f"{r.shape:5} {r.mode:8} {r.variant:18} {_cell(r.ms, '9.3f', 9)} "
+            f"{_cell(r.tflops, '8.1f', 8)} {_cell(r.pct_peak, '6.1f', 6)} "
+            f"{_cell(ratio, '5.2f', 5)} {_cell(r.latency_ms, '9.3f', 9)}  {r.note}"
+        )
 
 
 def write_json(path: str, meta: dict[str, object], results: Sequence[Result]) -> None:

@@ -378,8 +378,10 @@ def build_variants(
             continue
         if backend == "cute" and case.x.device.type != "cuda":
             note = "the cute kernels need CUDA data (this run is on the CPU)"
-            skipped += [Result(case.name, "both", f"{kind}:cute", note=note)
-                        for kind in ("te_seq", "kernels")]
+            skipped += [
+                Result(case.name, "both", f"{kind}:cute", note=note)
+                for kind in ("te_seq", "kernels")
+            ]
             continue
         reason = _te_seq_unavailable(backend)
         if reason:
@@ -510,11 +512,8 @@ def measure_case(
     ready = [v for v in variants if checks[v.name].ok]
     for mode in args.modes:
         fns = {v.name: _mode_fn(v, mode) for v in ready}
-        try:
-            runs = time_interleaved(fns, args.iters, args.warmup, args.device)
-        except Exception as exc:  # noqa: BLE001 - time them one by one to find the culprit
-            print(f"[{case.name}] {mode}: interleaved timing failed ({_why(exc)}); timing alone")
-            runs = _time_each(fns, args)
+        runs = _time_all(case.name, mode, fns, args, args.burst)
+        latency = _time_all(case.name, mode, fns, args, 1) if args.burst > 1 else runs
         for v in variants:
             chk = checks[v.name]
             r = Result(case.name, mode, v.name, "failed", max_rel_err=chk.max_rel_err)
@@ -523,6 +522,9 @@ def measure_case(
             if isinstance(runs.get(v.name), list) and runs[v.name]:
                 summarize(r, runs[v.name], _flops(case.shape, mode), peak)
                 r.status = "ok"
+                if isinstance(latency.get(v.name), list) and latency[v.name]:
+                    r.latency_runs = [round(t, 5) for t in latency[v.name]]
+                    r.latency_ms = sorted(latency[v.name])[len(latency[v.name]) // 2]
             elif v.name in runs:
                 r.note = f"timing failed: {runs[v.name]}"
             results.append(r)
@@ -530,11 +532,28 @@ def measure_case(
     return results
 
 
-def _time_each(fns: dict[str, Callable[[], object]], args: argparse.Namespace) -> dict:
+def _time_all(
+    shape: str,
+    mode: str,
+    fns: dict[str, Callable[[], object]],
+    args: argparse.Namespace,
+    burst: int,
+) -> dict:
+    """Interleaved runs of every variant, or (if that fails) of each alone to find the culprit."""
+    try:
+        return time_interleaved(fns, args.iters, args.warmup, args.device, burst)
+    except Exception as exc:  # noqa: BLE001
+        print(f"[{shape}] {mode}: interleaved timing failed ({_why(exc)}); timing alone")
+        return _time_each(fns, args, burst)
+
+
+def _time_each(fns: dict[str, Callable[[], object]], args: argparse.Namespace, burst: int) -> dict:
     out: dict[str, object] = {}
     for name, fn in fns.items():
         try:
-            out[name] = time_interleaved({name: fn}, args.iters, args.warmup, args.device)[name]
+            out[name] = time_interleaved({name: fn}, args.iters, args.warmup, args.device, burst)[
+                name
+            ]
         except Exception as exc:  # noqa: BLE001
             out[name] = _why(exc)
             _free_memory()
@@ -592,6 +611,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="fwd,fwd+bwd")
     p.add_argument("--iters", type=int, default=20, help="timed runs per variant (median)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--burst",
+        type=int,
+        default=10,
+        help="back-to-back calls per timed run (steady state); the JSON also holds each "
+        "variant's single-call latency (from an idle GPU) when > 1",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="benchmarks/results/grouped_mlp.json")
     p.add_argument("--png", default="benchmarks/results/grouped_mlp.png")
@@ -632,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shapes:
         rows, shapes[name] = run_shape(name, args, peak)
         results += rows
-    print_table(results, peak)
+    print_table(results, peak, baseline="grouped_mm")
     meta = _meta(args, peak, shapes)
     write_json(args.json, meta, results)
     write_png(args.png, [r for r in results if r.tflops], peak, f"grouped MLP, {meta['device']}")
@@ -655,6 +681,7 @@ def _meta(args: argparse.Namespace, peak: float, shapes: dict) -> dict[str, obje
         "dtype": str(args.dtype),
         "iters": args.iters,
         "warmup": args.warmup,
+        "burst": args.burst,
         "dense_peak_tflops": peak,
         "flops": "fwd 6*M*H*F, fwd+bwd 18*M*H*F; padding rows are not counted",
         "te_seq_error": TE_SEQ_ERROR,

@@ -29,12 +29,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def compile_for_sm90a(script: str, timeout: int) -> None:
     """Run a compile-only script in a fresh process with CUTE_DSL_ARCH=sm_90a (read once at
-    `import cutlass`, so never in this process) and check it compiled every config."""
+    `import cutlass`, so never in this process) and check it compiled every config. Without a
+    cache directory chosen by the caller (``TE_SEQ_CACHE_DIR``, as the disk-cache tests do) the
+    disk cache is off, so every config really compiles."""
     env = dict(
         os.environ,
         CUTE_DSL_ARCH="sm_90a",
         PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
+    if "TE_SEQ_CACHE_DIR" not in os.environ:
+        env["TE_SEQ_DISK_CACHE"] = "0"
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout
     )

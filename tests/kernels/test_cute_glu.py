@@ -28,6 +28,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     for cfg in [
         GluConfig("fc1", bf16, "k", "silu", None, torch.float32),
         GluConfig("dgrad", bf16, "n", "gelu", 64, bf16),
+        GluConfig("dgrad", bf16, "n", "silu", None, torch.float32, tile_n=192),
     ]:
         print(cfg, f"{compile_glu(cfg).compile_s:.1f}s", flush=True)
     print("ALL COMPILED")
@@ -117,11 +118,14 @@ def _poison(*shapes_dtypes) -> None:
     del held
 
 
-# (name, split sizes, extra rows past offs[-1], H, F)
+# (name, split sizes, extra rows past offs[-1], H, F). dgrad's tile width follows F
+# (``tile_n_for``): 128 for F = 256 and 128, 192 for F = 384, 256 for F = 512. Sizes such as
+# 300, 129 or 257 leave at most 64 rows in an expert's last tile (one warpgroup skips its MMA).
 _CASES = [
     ("one_expert", [300], 0, 256, 256),
     ("empty_experts_rows_past_end", [0, 77, 0, 0, 300, 5, 0], 40, 128, 384),
     ("unaligned", [1, 3, 129, 255, 257, 7, 513], 0, 192, 128),
+    ("wide_f", [200, 0, 321], 3, 64, 512),
 ]
 # (act, interleave, probs dtype): each config compiles once per kernel, so cover, don't multiply
 _CONFIGS = [

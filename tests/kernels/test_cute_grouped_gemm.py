@@ -36,6 +36,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
         GemmConfig("m", bf16, bf16, "n", M.tile_n, M.cluster_mn),
         GemmConfig("m", fp16, fp16, "k", M.tile_n, M.cluster_mn),
         GemmConfig("m", bf16, bf16, "k", 256, (2, 1)),  # the other cluster shape
+        GemmConfig("m", bf16, bf16, "k", 192, M.cluster_mn),  # narrower tiles (tile_n_for)
+        GemmConfig("m", bf16, bf16, "n", 128, M.cluster_mn),
+        GemmConfig("k", bf16, fp32, "n", 192, W.cluster_mn, accumulate=True),
         GemmConfig("k", bf16, bf16, "n", W.tile_n, W.cluster_mn),
         GemmConfig("k", bf16, fp32, "n", W.tile_n, W.cluster_mn),
         GemmConfig("k", bf16, fp32, "n", W.tile_n, W.cluster_mn, accumulate=True),
@@ -59,6 +62,17 @@ def test_import_does_not_import_cutlass():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "n, tile_n",
+    [(768, 192), (384, 192), (2048, 256), (1536, 256), (14336, 256), (264, 192), (256, 128)],
+)
+def test_tile_width_leaves_fewest_columns_idle(n, tile_n):
+    from te_seq.kernels import cute
+
+    assert cute.tile_n_for(n) == tile_n
+    assert cute.default_tiling(n, cute.MM_TILING) == cute.Tiling(tile_n, cute.MM_TILING.cluster_mn)
 
 
 def test_supports_rejects_unaligned_rows():

@@ -4,9 +4,10 @@ Shape legend: M routed rows (tokens), E groups (experts), K reduction dim, N out
 ``offs`` is int32 [E] of cumulative row ends on the device (``offs[e] = sum(split_sizes[:e+1])``).
 
 Importing this package imports no cutlass and compiles nothing: each kernel config compiles on
-first use (``compile.compile_gemm``, symbolic M/N/K/E, cached in memory) and launches on torch's
-current stream through TVM-FFI. No function here reads ``offs`` on the host, so every call is
-sync-free and CUDA-graph capturable. ``te_seq.kernels.reference`` defines the maths.
+first use (``compile.compile_gemm``, symbolic M/N/K/E, cached in memory and on disk) and
+launches on torch's current stream through TVM-FFI. No function here reads ``offs`` on the
+host, so every call is sync-free and CUDA-graph capturable. ``te_seq.kernels.reference``
+defines the maths.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from torch import Tensor
 
 __all__ = [
     "Tiling",
+    "tile_n_for",
+    "default_tiling",
     "available",
     "supports",
     "supports_wgrad",
@@ -46,8 +49,21 @@ class Tiling:
 # Measured on one H200 (2026-11-22, benchmarks/bench_grouped_gemm.py, shapes A/B/Q/Z of DESIGN.md):
 # 128x256 with a 1x2 cluster was best or within 2% of best for every GEMM; 2x1 lost 5-20% on
 # varlen M (256-row cluster units waste rows of small experts), 128x128 lost up to 35% on A.
+# The tile width is then narrowed where 256 would leave columns idle (``tile_n_for``).
 MM_TILING = Tiling(256, (1, 2))
 WGRAD_TILING = Tiling(256, (1, 2))
+TILE_WIDTHS = (256, 192, 128)
+
+
+def tile_n_for(n: int, cluster_n: int = 2) -> int:
+    """The widest tile in ``TILE_WIDTHS`` whose cluster units cover ``n`` columns with the least
+    padding: N = 768 takes 192 (two 384-column units) where 256 would compute 1024 columns."""
+    return min(TILE_WIDTHS, key=lambda t: (-(-n // (t * cluster_n)) * t * cluster_n, -t))
+
+
+def default_tiling(n: int, base: Tiling) -> Tiling:
+    """``base`` with its tile width fitted to ``n`` columns (``tile_n_for``)."""
+    return Tiling(tile_n_for(n, base.cluster_mn[1]), base.cluster_mn)
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,7 +176,7 @@ def grouped_mm(
         return out
     a = _row_major(a)
     b_view, b_major = _b_view(b)
-    t = tiling or MM_TILING
+    t = tiling or default_tiling(n, MM_TILING)
     kernel = compile_gemm(GemmConfig("m", a.dtype, a.dtype, b_major, t.tile_n, t.cluster_mn)).fn
     cm, cn = t.cluster_mn
     block_m = _TILE_M * cm
@@ -210,7 +226,7 @@ def grouped_wgrad(
     if rows == 0:
         return out if accumulate else out.zero_()
     grad_out, x = _row_major(grad_out), _row_major(x)
-    t = tiling or WGRAD_TILING
+    t = tiling or default_tiling(k, WGRAD_TILING)
     kernel = compile_gemm(
         GemmConfig("k", x.dtype, out.dtype, "n", t.tile_n, t.cluster_mn, accumulate)
     ).fn

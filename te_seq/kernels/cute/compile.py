@@ -137,6 +137,7 @@ class GluConfig:
     probs_dtype: torch.dtype | None
     cluster_mn: tuple[int, int] = (1, 2)
     store_stages: int | None = None  # dgrad's smem store ring (None: the kernel's default)
+    tile_n: int = 256  # CTA tile width (fc1: 256; dgrad: 256, 192 or 128)
 
 
 def _fake_glu_args(cfg: GluConfig) -> tuple:
@@ -175,5 +176,6 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.probs_dtype is not None,
         cfg.cluster_mn,
         cfg.store_stages,
+        cfg.tile_n,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))

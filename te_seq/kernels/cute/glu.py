@@ -16,7 +16,7 @@ from torch import Tensor
 _AB_DTYPES = (torch.bfloat16, torch.float16)
 _PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACTS = ("silu", "gelu", "relu")
-_TILE_M, _TILE_N, _CLUSTER = 128, 256, (1, 2)
+_TILE_M, _FC1_TILE_N, _CLUSTER = 128, 256, (1, 2)
 _DUMMY: dict = {}
 
 
@@ -76,20 +76,22 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
 
 
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave) -> None:
-    from . import _check_offs, _num_sms, _row_major
+    from . import _check_offs, _num_sms, _row_major, tile_n_for
     from .compile import GluConfig, compile_glu
 
     rows, groups = x.shape[0], b.shape[0]
     offs = _check_offs(offs, groups, x.device)
     b_view, b_major = _b_view(b)
     p_dtype = None if probs is None else probs.dtype
-    cfg = GluConfig(mode, x.dtype, b_major, act, interleave, p_dtype, _CLUSTER)
+    cm, cn = _CLUSTER
+    n = b.shape[2]
+    # FC1's tiles pair 128 gate with 128 up columns; dgrad's width is free (N = F)
+    tile_n = _FC1_TILE_N if mode == "fc1" else tile_n_for(n, cn)
+    cfg = GluConfig(mode, x.dtype, b_major, act, interleave, p_dtype, _CLUSTER, tile_n=tile_n)
     kernel = compile_glu(cfg).fn
     fp32_dummy, mat_dummy = _dummy(x.device)
-    cm, cn = _CLUSTER
     block_m = _TILE_M * cm
-    n = b.shape[2]
-    units = (rows + (groups + 1) * (block_m - 1)) // block_m * -(-n // (_TILE_N * cn))
+    units = (rows + (groups + 1) * (block_m - 1)) // block_m * -(-n // (tile_n * cn))
     clusters = max(1, min(units, _num_sms(x.device.index or 0) // (cm * cn)))
     kernel(
         _row_major(x),

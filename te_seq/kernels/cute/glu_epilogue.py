@@ -13,9 +13,10 @@ with the epilogue hook ``_store_tile`` replaced:
   With halves, W1 is seen through a hierarchical view ((128, 2, F/128), H, E) (no copy) so GEMM
   column 256t + 128q + i is W1 row q·F + 128t + i. With blocks of s in {32, 64, 128} every
   256-column tile of W1 already holds whole gate/up block pairs, so W1 is read as it is.
-* ``"dgrad"``: acc = dA = dY_e W2_e for 256 columns j of F; loads gate_j, up_j of h and writes
-  dh (dgate = dA·p·up·act'(gate), dup = dA·p·act(gate)), a = act(gate)·up·p and adds
-  Σ_j dA·act(gate)·up into an fp32 d(probs) buffer (zeroed by the caller) with atomics.
+* ``"dgrad"``: acc = dA = dY_e W2_e for a tile of 256, 192 or 128 columns j of F; loads gate_j,
+  up_j of h and writes dh (dgate = dA·p·up·act'(gate), dup = dA·p·act(gate)),
+  a = act(gate)·up·p and adds Σ_j dA·act(gate)·up into an fp32 d(probs) buffer (zeroed by the
+  caller) with atomics.
 
 All maths in fp32 on the accumulator, one rounding per output. Stores go through the parent's
 ring of (128 x 32) smem buffers and TMA, clipped to the expert by the ragged views.
@@ -35,14 +36,18 @@ ACTS = ("silu", "gelu", "relu")
 
 
 def _act_and_grad(x, act: str, need_grad: bool):
-    """(f(x), f'(x) or None) on an fp32 TensorSSA; the formulas of ``reference.ACTIVATIONS``."""
+    """(f(x), f'(x) or None) on an fp32 TensorSSA; the formulas of ``reference.ACTIVATIONS``.
+
+    The sigmoid uses the approximate exp and reciprocal (MUFU, ~1e-6 relative; outputs are
+    16-bit): an IEEE division per element made the dgrad epilogue's maths cost 0.075 of its
+    0.33 ms on shape Q (one H200, 2026-11-22)."""
     if act == "silu":
-        sig = 1.0 / (1.0 + cute.math.exp(-x, fastmath=True))
+        sig = cute.math.rcp(1.0 + cute.math.exp(-x, fastmath=True), approx=True, ftz=True)
         f = x * sig
         df = sig * (1.0 + x * (1.0 - sig)) if need_grad else None
         return f, df
     if act == "gelu":  # tanh approximation
-        t = cute.math.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x))
+        t = cute.math.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x), fastmath=True)
         f = 0.5 * x * (1.0 + t)
         df = None
         if need_grad:
@@ -66,6 +71,7 @@ class GluGemmKernel(GroupedGemmKernel):
         has_probs: bool,
         cluster_mn: tuple[int, int] = (1, 2),
         store_stages: int | None = None,
+        tile_n: int = 256,
     ):
         if mode not in ("fc1", "dgrad"):
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
@@ -73,8 +79,11 @@ class GluGemmKernel(GroupedGemmKernel):
             raise ValueError(f"GluGemmKernel: act must be one of {ACTS}, got {act!r}")
         if interleave is not None and (interleave % 32 or (mode == "fc1" and 128 % interleave)):
             raise ValueError(f"GluGemmKernel: unsupported interleave {interleave} for {mode}")
-        super().__init__("m", (128, 256), cluster_mn)
+        if tile_n != 256 and (mode == "fc1" or tile_n not in (128, 192)):
+            raise ValueError(f"GluGemmKernel: tile_n {tile_n} unsupported for {mode} (fc1: 256)")
+        super().__init__("m", (128, tile_n), cluster_mn)
         self.mode, self.act, self.interleave, self.has_probs = mode, act, interleave, has_probs
+        self.epi_store_stages = store_stages
         if mode == "dgrad":  # store ring + gate/up buffers that TMA fills with h, 1 mbarrier
             # 2 store buffers keep 4 mainloop stages; 4 leave 3 (smem)
             self.epi_store_stages = store_stages or 2
@@ -129,17 +138,10 @@ class GluGemmKernel(GroupedGemmKernel):
     # ---------------------------------------------------------------- device side
 
     @cute.jit
-    def _store(self, ep, tma, s_part, g_part, coord, r_out, buf):
-        """Stage one (128 x 32) subtile in smem buffer ``buf`` and TMA-store it at ``coord``."""
-        store_pipe, warp = ep.store_pipe, ep.warp
-        cute.copy(ep.tiled_r2s, r_out, ep.tRS_sC[(None, None, None, buf)])
-        cute.arch.fence_proxy("async.shared", space="cta")
-        self.epi_barrier.arrive_and_wait()
-        if warp == self.epi_store_warp:
-            cute.copy(tma, s_part[(None, buf)], g_part[(None, coord)])
-            store_pipe.producer_commit()
-            store_pipe.producer_acquire()
-        self.epi_barrier.arrive_and_wait()
+    def _store(self, ep, items: list, count):
+        """Stage and TMA-store (128 x 32) subtiles from ring slot ``count`` on: ``items`` =
+        (registers, TMA atom, smem partition, gmem partition, gmem coordinate)."""
+        self._store_group(ep.tiled_r2s, ep.tRS_sC, ep.warp, items, count)
 
     @cute.jit
     def _partition(self, tma, m_view, sC, row0, rows):
@@ -206,6 +208,7 @@ class GluGemmKernel(GroupedGemmKernel):
         q = ts // 32  # subtiles per gate (or up) block of the tile
         r_up = cute.make_rmem_tensor(ep.rD.shape, Float32)
         r_up_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
+        r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         count = count0
         for e in cutlass.range_constexpr(8):
             if const_expr((e // q) % 2 == 0):
@@ -227,19 +230,19 @@ class GluGemmKernel(GroupedGemmKernel):
                 g_blk, u_blk, j_blk = self._drop_unless(
                     j_blk * 32 < f_dim, f_dim, g_blk, u_blk, j_blk
                 )
-                buf = count % self.epi_stage
-                self._store(ep, ep.tma_c, sH, gH, (m_tile, g_blk), ep.rD_out, buf)
-                buf = (count + 1) % self.epi_stage
-                self._store(ep, ep.tma_c, sH, gH, (m_tile, u_blk), r_up_out, buf)
                 gate = ep.rD_out.load().to(Float32)
                 up = r_up_out.load().to(Float32)
                 fg, _ = _act_and_grad(gate, self.act, False)
                 res = fg * up
                 if const_expr(self.has_probs):
                     res = res * r_p.load()
-                ep.rD_out.store(res.to(self.c_dtype))
-                buf = (count + 2) % self.epi_stage
-                self._store(ep, tma_o, sO, gO, (m_tile, j_blk), ep.rD_out, buf)
+                r_a_out.store(res.to(self.c_dtype))
+                items = [
+                    (ep.rD_out, ep.tma_c, sH, gH, (m_tile, g_blk)),
+                    (r_up_out, ep.tma_c, sH, gH, (m_tile, u_blk)),
+                    (r_a_out, tma_o, sO, gO, (m_tile, j_blk)),
+                ]
+                self._store(ep, items, count)
                 count = count + 3
         return count - count0
 
@@ -267,7 +270,8 @@ class GluGemmKernel(GroupedGemmKernel):
         """Per 32-column subtile of dA: dgate, dup and a stores; d(probs) partial sums in r_s.
 
         The subtile's gate and up columns of h arrive by TMA in two smem buffers (one mbarrier,
-        one phase per subtile: 8 per tile, so the parity of subtile e is e % 2 on every tile);
+        one phase per subtile: 4, 6 or 8 per tile, an even count, so the parity of subtile e is
+        e % 2 on every tile);
         the next subtile's load is issued once every thread has read the current one."""
         size_rD = cute.size(ep.rD)
         r_g = cute.make_rmem_tensor(ep.rD.shape, Float32)
@@ -281,7 +285,8 @@ class GluGemmKernel(GroupedGemmKernel):
         self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, 0)
         g_buf, u_buf = self.epi_stage, self.epi_stage + 1
         count = count0
-        for e in cutlass.range_constexpr(8):
+        num_sub = self.tile_mnk[1] // 32
+        for e in cutlass.range_constexpr(num_sub):
             j0, g_col, u_col = self._h_cols(n_tile, f_dim, e)
             col_ok = j0 < f_dim
             cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
@@ -291,18 +296,18 @@ class GluGemmKernel(GroupedGemmKernel):
                 r_g[v] = cutlass.select_(col_ok, ep.sC[r, cc, g_buf].to(Float32), Float32(0.0))
                 r_u[v] = cutlass.select_(col_ok, ep.sC[r, cc, u_buf].to(Float32), Float32(0.0))
             self.epi_barrier.arrive_and_wait()  # the h buffers are free again
-            if const_expr(e + 1 < 8):
+            if const_expr(e + 1 < num_sub):
                 self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, e + 1)
             self._dglu(ep.rD, r_g, r_u, r_p, r_s, ep.rD_out, r_du_out, r_a_out)
             g_blk, u_blk, j_blk = self._drop_unless(
                 col_ok, f_dim, g_col // 32, u_col // 32, j0 // 32
             )
-            buf = count % self.epi_stage
-            self._store(ep, ep.tma_c, sH, gH, (m_tile, g_blk), ep.rD_out, buf)
-            buf = (count + 1) % self.epi_stage
-            self._store(ep, ep.tma_c, sH, gH, (m_tile, u_blk), r_du_out, buf)
-            buf = (count + 2) % self.epi_stage
-            self._store(ep, tma_o, sO, gO, (m_tile, j_blk), r_a_out, buf)
+            items = [
+                (ep.rD_out, ep.tma_c, sH, gH, (m_tile, g_blk)),
+                (r_du_out, ep.tma_c, sH, gH, (m_tile, u_blk)),
+                (r_a_out, tma_o, sO, gO, (m_tile, j_blk)),
+            ]
+            self._store(ep, items, count)
             count = count + 3
         return count - count0
 
@@ -327,7 +332,7 @@ class GluGemmKernel(GroupedGemmKernel):
     @cute.jit
     def _h_cols(self, n_tile, f_dim, e: int):
         """(j0, gate column, up column) of dgrad subtile ``e``: dA columns [j0, j0 + 32)."""
-        j0 = n_tile * 256 + 32 * e
+        j0 = n_tile * self.tile_mnk[1] + 32 * e
         if const_expr(self.interleave is None):
             g_col = j0
             u_col = f_dim + j0
