@@ -119,8 +119,7 @@ def _poison(*shapes_dtypes) -> None:
 
 
 # (name, split sizes, extra rows past offs[-1], H, F). dgrad's tile width follows F
-# (``tile_n_for``): 128 for F = 256 and 128, 192 for F = 384, 256 for F = 512. Sizes such as
-# 300, 129 or 257 leave at most 64 rows in an expert's last tile (one warpgroup skips its MMA).
+# (``tile_n_for``): 128 for F = 256 and 128, 192 for F = 384, 256 for F = 512.
 _CASES = [
     ("one_expert", [300], 0, 256, 256),
     ("empty_experts_rows_past_end", [0, 77, 0, 0, 300, 5, 0], 40, 128, 384),

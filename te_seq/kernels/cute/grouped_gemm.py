@@ -25,9 +25,9 @@ group, so partial tiles need no predication and no smem masking.
 
 Roles: warp 0 (of the first warpgroup) issues TMA loads into an ``ab_stage``-deep smem ring; two
 MMA warpgroups run WGMMA on a 128 × tile_n tile (64 rows each), then the epilogue converts the fp32
-accumulators, stages them in smem and TMA-stores them. In the last m-tile of a varlen-M group,
-a warpgroup whose 64 rows all lie past the group skips its MMA (it only releases the stages), so
-a tile with at most 64 rows left costs about half of a full one.
+accumulators, stages them in smem and TMA-stores them. (Letting a warpgroup whose 64 rows all lie
+past its group skip its MMA was tried: it made random-size experts 5-13% slower on one H200,
+2026-11-22, for reasons not established.)
 """
 
 from __future__ import annotations
@@ -568,18 +568,6 @@ class GroupedGemmKernel:
         return read, release
 
     @cute.jit
-    def _skip_stages(self, acc, ab_pipe, read, release, k_tiles):
-        """The mainloop of a warpgroup whose rows all lie past its group: no MMA (the other
-        warpgroup then has the tensor cores alone), acc = 0, the ``k_tiles`` stages released."""
-        acc.fill(0.0)
-        for _ in range(k_tiles):
-            ab_pipe.consumer_wait(read)
-            read.advance()
-            ab_pipe.consumer_release(release)
-            release.advance()
-        return read, release
-
-    @cute.jit
     def _consumer(
         self,
         tma_c,
@@ -603,8 +591,7 @@ class GroupedGemmKernel:
         tm, tn, tk = self.tile_mnk
         mma_tidx = tidx - self.threads_per_warpgroup
         wg_layout = cute.make_layout(self.num_mma_warpgroups, stride=self.threads_per_warpgroup)
-        wg_idx = cute.arch.make_warp_uniform(mma_tidx // self.threads_per_warpgroup)
-        thr_mma = tiled_mma.get_slice(wg_layout(wg_idx))
+        thr_mma = tiled_mma.get_slice(wg_layout(mma_tidx // self.threads_per_warpgroup))
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tm, tn)), self.acc_dtype)
@@ -642,16 +629,9 @@ class GroupedGemmKernel:
             m_tile = m_unit * self.cluster_m + cluster_coord[0]
             n_tile = n_unit * self.cluster_n + cluster_coord[1]
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
-            if const_expr(self.varlen == "k"):  # every row of a wgrad tile has work
-                read, release = self._mainloop(
-                    tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles
-                )
-            elif rows - m_tile * tm - wg_idx * 64 > 0:
-                read, release = self._mainloop(
-                    tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles
-                )
-            else:  # this warpgroup's 64 rows all lie past the group
-                read, release = self._skip_stages(acc, ab_pipe, read, release, k_tiles)
+            read, release = self._mainloop(
+                tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles
+            )
             ep = _EpilogueState(
                 tma_c,
                 mC,
