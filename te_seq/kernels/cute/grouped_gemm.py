@@ -77,7 +77,6 @@ class _EpilogueState(NamedTuple):
 
     tma_c: object
     mC: object
-    c_raw: object
     sC: object
     tiled_r2s: object
     tRS_acc: object
@@ -128,6 +127,8 @@ class GroupedGemmKernel:
         self.accumulate = accumulate and varlen == "k"
         if store_stages is not None:
             self.epi_store_stages = store_stages
+        if self.accumulate:  # one smem block that TMA fills with the old C subtile, 1 mbarrier
+            self.epi_extra_buffers, self.extra_barriers = 1, 1
         self.cluster_m, self.cluster_n = cluster_mn
         self.cluster_size = self.cluster_m * self.cluster_n
         self.tile_mnk = (tile_mn[0], tile_mn[1], 64)
@@ -197,8 +198,16 @@ class GroupedGemmKernel:
     # the scheduler, producer and mainloop are shared.
 
     def _make_epi(self, c: cute.Tensor, epi_inputs: tuple) -> tuple:
-        """Host-side (jit) epilogue state passed to the kernel: extra TMA atoms, tensors."""
-        return ()
+        """Host-side (jit) epilogue state passed to the kernel: extra TMA atoms, tensors. Here:
+        with ``accumulate``, the TMA load atom (and coordinates) of the old C."""
+        if not self.accumulate:
+            return ()
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            c,
+            cute.slice_(self.c_smem, (None, None, 0)),
+            self.epi_tile,
+        )
 
     @cute.jit
     def _launch(self, a, b, c, offs, num_clusters, stream, b_tma_view, epi_inputs):
@@ -244,7 +253,6 @@ class GroupedGemmKernel:
             mB,
             tma_c,
             mC,
-            c,
             offs,
             a.shape[0],
             a.shape[1],
@@ -344,7 +352,6 @@ class GroupedGemmKernel:
         mB: cute.Tensor,
         tma_c: cute.CopyAtom,
         mC: cute.Tensor,
-        c_raw: cute.Tensor,
         offs: cute.Tensor,
         num_rows: Int32,
         k_dim: Int32,
@@ -426,7 +433,6 @@ class GroupedGemmKernel:
             self._consumer(
                 tma_c,
                 mC,
-                c_raw,
                 sA,
                 sB,
                 sC,
@@ -572,7 +578,6 @@ class GroupedGemmKernel:
         self,
         tma_c,
         mC,
-        c_raw,
         sA,
         sB,
         sC,
@@ -635,7 +640,6 @@ class GroupedGemmKernel:
             ep = _EpilogueState(
                 tma_c,
                 mC,
-                c_raw,
                 sC,
                 tiled_r2s,
                 tRS_acc,
@@ -658,54 +662,100 @@ class GroupedGemmKernel:
 
     @cute.jit
     def _store_tile(self, ep, acc, group, m_tile, n_tile, row0, rows, epi_count):
-        """Epilogue hook: write one tile's accumulators; returns the number of smem stores used."""
+        """Epilogue hook: write one tile's accumulators (added to the old C with ``accumulate``);
+        returns the number of smem stores used."""
         tm, tn, _ = self.tile_mnk
-        if const_expr(self.accumulate):
-            self._add_existing(
-                acc, ep.tiled_mma.get_slice(ep.mma_tidx), ep.c_raw, group, m_tile, n_tile
-            )
         if const_expr(self.varlen == "m"):
             mC_g = _ragged_group(ep.mC, 0, row0, rows)
         else:
             mC_g = ep.mC[None, None, group]
         gC = cute.local_tile(mC_g, (tm, tn), (m_tile, n_tile))
-        return self._epilogue(
-            ep.tma_c,
-            gC,
-            ep.sC,
-            ep.tiled_r2s,
-            ep.tRS_acc,
-            ep.tRS_sC,
-            ep.rD,
-            ep.rD_out,
-            epi_count,
-            ep.warp,
-        )
+        old = None
+        if const_expr(self.accumulate):
+            tma_old, m_old = ep.epi
+            old = (tma_old, cute.local_tile(m_old[None, None, group], (tm, tn), (m_tile, n_tile)))
+        return self._epilogue(ep, gC, epi_count, old)
 
     @cute.jit
-    def _epilogue(self, tma_c, gC, sC, tiled_r2s, tRS_acc, tRS_sC, rD, rD_out, epi_count, warp):
-        """Store the accumulators of one tile: per (tm x 32) subtile, convert to the output type,
-        copy to a ring of smem buffers and TMA-store, ``epi_batch`` subtiles per pair of
-        barriers; returns the number of subtiles."""
+    def _epilogue(self, ep, gC, epi_count, old):
+        """Store the accumulators of one tile: per (tm x 32) subtile, (add the old C subtile,
+        which TMA loads into the extra smem block,) convert to the output type, copy to a ring of
+        smem buffers and TMA-store, ``epi_batch`` subtiles per pair of barriers; returns the
+        number of subtiles."""
         gC_epi = cute.zipped_divide(gC, self.epi_tile)
         bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+            ep.tma_c, 0, cute.make_layout(1), cute.group_modes(ep.sC, 0, 2), gC_epi
         )
         num_epi = cute.size(gC_epi, mode=[1])
         epi_layout = cute.make_layout(gC_epi.shape[1], stride=(gC_epi.shape[1][1], 1))
-        size_rD = cute.size(rD)
+        size_rD = cute.size(ep.rD)
+        loads = None
         batch = self._batch(num_epi)
-        outs = [rD_out] + [cute.make_rmem_tensor(rD.shape, self.c_dtype) for _ in range(batch - 1)]
+        if const_expr(old is not None):
+            loads = self._old_c_loads(ep, old, epi_layout)
+            self._load_old_c(ep, loads, 0)
+            batch = 1
+        outs = [ep.rD_out]
+        outs += [cute.make_rmem_tensor(ep.rD.shape, self.c_dtype) for _ in range(batch - 1)]
         for b in cutlass.range_constexpr(num_epi // batch):
             items = []
             for i in cutlass.range_constexpr(batch):
                 e = b * batch + i
                 for v in cutlass.range_constexpr(size_rD):
-                    rD[v] = tRS_acc[e * size_rD + v]
-                outs[i].store(rD.load().to(self.c_dtype))
-                items.append((outs[i], tma_c, bSG_sC, bSG_gC, epi_layout.get_hier_coord(e)))
-            self._store_group(tiled_r2s, tRS_sC, warp, items, epi_count + b * batch)
+                    ep.rD[v] = ep.tRS_acc[e * size_rD + v]
+                if const_expr(old is not None):
+                    self._add_old_c(ep, loads, e, num_epi)
+                outs[i].store(ep.rD.load().to(self.c_dtype))
+                items.append((outs[i], ep.tma_c, bSG_sC, bSG_gC, epi_layout.get_hier_coord(e)))
+            self._store_group(ep.tiled_r2s, ep.tRS_sC, ep.warp, items, epi_count + b * batch)
         return num_epi
+
+    @cute.jit
+    def _old_c_loads(self, ep, old, epi_layout):
+        """TMA partitions of the old C tile per (tm x 32) subtile, and the tile coordinates of
+        this thread's accumulator values (in ``tRS_acc``'s order)."""
+        tma_old, g_old = old
+        s_l, g_l = cute.nvgpu.cpasync.tma_partition(
+            tma_old,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(ep.sC, 0, 2),
+            cute.zipped_divide(g_old, self.epi_tile),
+        )
+        c_tile = cute.make_identity_tensor(self.tile_mnk[:2])
+        coords = ep.tiled_r2s.retile(ep.tiled_mma.get_slice(ep.mma_tidx).partition_C(c_tile))
+        return tma_old, s_l, g_l, coords, epi_layout
+
+    @cute.jit
+    def _load_old_c(self, ep, loads, e: int):
+        """Start the TMA load of subtile ``e`` of the old C into the extra smem block (one
+        mbarrier phase per subtile; tiles have an even number of subtiles, so subtile e always
+        waits for parity e % 2). Values past C's bounds are zero-filled."""
+        tma_old, s_l, g_l, _, epi_layout = loads
+        if ep.warp == self.epi_store_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    ep.extra_bar, self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
+                )
+            cute.copy(
+                tma_old,
+                g_l[(None, epi_layout.get_hier_coord(e))],
+                s_l[(None, self.epi_stage)],
+                tma_bar_ptr=ep.extra_bar,
+            )
+
+    @cute.jit
+    def _add_old_c(self, ep, loads, e: int, num_epi: int):
+        """rD += subtile ``e`` of the old C; then the block is free and the next load starts."""
+        coords = loads[3]
+        size_rD = cute.size(ep.rD)
+        cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
+        for v in cutlass.range_constexpr(size_rD):
+            r, cc = coords[e * size_rD + v]
+            ep.rD[v] = ep.rD[v] + ep.sC[r, cc - 32 * e, self.epi_stage].to(Float32)
+        self.epi_barrier.arrive_and_wait()
+        if const_expr(e + 1 < num_epi):
+            self._load_old_c(ep, loads, e + 1)
 
     def _batch(self, count: int) -> int:
         """Subtiles staged per pair of barriers (trace time): ``epi_batch`` if set, else all but
@@ -752,18 +802,3 @@ class GroupedGemmKernel:
                 tma, s_part, g_part, slot, coord = stores[i]
                 cute.copy(tma, s_part[(None, slot)], g_part[(None, coord)])
                 cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
-    def _add_existing(self, acc, thr_mma, c_raw, group, m_tile, n_tile):
-        """acc += C (wgrad accumulation into an existing buffer), predicated on the bounds.
-
-        ``thr_mma`` is this thread's slice (not the warpgroup's, which only serves smem operands).
-        """
-        tm, tn, _ = self.tile_mnk
-        gC = cute.local_tile(c_raw[None, None, group], (tm, tn), (m_tile, n_tile))
-        cC = cute.local_tile(cute.make_identity_tensor(c_raw.shape[:2]), (tm, tn), (m_tile, n_tile))
-        tCgC = thr_mma.partition_C(gC)
-        tCcC = thr_mma.partition_C(cC)
-        for i in cutlass.range(cute.size(acc), unroll_full=True):
-            if cute.elem_less(tCcC[i], c_raw.shape[:2]):
-                acc[i] = acc[i] + tCgC[i].to(Float32)
