@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,3 +26,21 @@ def test_bench_grouped_mlp_dry_run(tmp_path):
             for variant in ("grouped_mm", "loop", "te_seq:torch", "kernels:torch"):
                 assert (shape, mode, variant) in timed, (shape, mode, variant, results)
     assert all(r["max_rel_err"] is None or r["max_rel_err"] < 1e-4 for r in results)
+    # steady state (bursts) and single-call latency are both recorded for every timed variant
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["burst"] == 10
+    for r in results:
+        if r["status"] == "ok":
+            assert r["ms"] > 0 and r["latency_ms"] > 0 and len(r["latency_runs"]) == len(r["runs"])
+    assert "vs" in result.stdout and "latency" in result.stdout
+
+
+def test_each_timed_run_is_one_burst_of_calls():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _common import time_interleaved
+
+    calls = []
+    runs = time_interleaved(
+        {"f": lambda: calls.append(1)}, iters=3, warmup=2, device=torch.device("cpu"), burst=4
+    )
+    assert len(runs["f"]) == 3 and len(calls) == 2 + 3 * 4
