@@ -24,6 +24,8 @@ ring of (128 x 32) smem buffers and TMA, clipped to the expert by the ragged vie
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -58,6 +60,19 @@ def _act_and_grad(x, act: str, need_grad: bool):
     return cute.where(pos, x, 0.0), (
         cute.where(pos, cute.full_like(x, 1.0), 0.0) if need_grad else None
     )
+
+
+class _GluTile(NamedTuple):
+    """One tile's GLU epilogue context (trace-time bundle)."""
+
+    m_tile: object
+    n_tile: object
+    f_dim: object  # F
+    row_base: object  # first row of the tile in M
+    coords: object  # (row, col) in the tile of each accumulator value, in tRS_acc's order
+    r_p: object  # router probs of this thread's rows (1.0 without probs)
+    h_out: tuple  # (smem, gmem) TMA partitions of h's (fc1) or dh's (dgrad) stores
+    a_out: tuple  # (TMA atom, smem, gmem) of a's stores
 
 
 class GluGemmKernel(GroupedGemmKernel):
@@ -138,9 +153,16 @@ class GluGemmKernel(GroupedGemmKernel):
     # ---------------------------------------------------------------- device side
 
     @cute.jit
-    def _store(self, ep, items: list, count):
-        """Stage and TMA-store (128 x 32) subtiles from ring slot ``count`` on: ``items`` =
-        (registers, TMA atom, smem partition, gmem partition, gmem coordinate)."""
+    def _store_glu(self, ep, t, outs, blocks, count):
+        """TMA-store the (128 x 32) subtiles ``outs`` = (gate-side h, up-side h, a) registers at
+        column blocks ``blocks`` = (gate block of h, up block of h, block of a), from ring slot
+        ``count`` on."""
+        (s_h, g_h), (tma_a, s_a, g_a) = t.h_out, t.a_out
+        items = [
+            (outs[0], ep.tma_c, s_h, g_h, (t.m_tile, blocks[0])),
+            (outs[1], ep.tma_c, s_h, g_h, (t.m_tile, blocks[1])),
+            (outs[2], tma_a, s_a, g_a, (t.m_tile, blocks[2])),
+        ]
         self._store_group(ep.tiled_r2s, ep.tRS_sC, ep.warp, items, count)
 
     @cute.jit
@@ -170,39 +192,21 @@ class GluGemmKernel(GroupedGemmKernel):
             r_s[v] = Float32(0.0)
             if const_expr(self.has_probs):  # unpredicated (clamped) loads; rows past the tile
                 r_p[v] = probs[cutlass.min(row_base + tRS_c[v][0], last_row)].to(Float32)
-        sH, gH = self._partition(ep.tma_c, ep.mC, ep.sC, row0, rows)
-        sO, gO = self._partition(tma_o, m_o, ep.sC, row0, rows)
+        h_out = self._partition(ep.tma_c, ep.mC, ep.sC, row0, rows)
+        a_out = (tma_o, *self._partition(tma_o, m_o, ep.sC, row0, rows))
+        t = _GluTile(m_tile, n_tile, f_dim, row_base, tRS_c, r_p, h_out, a_out)
         if const_expr(self.mode == "fc1"):
-            count = self._fc1_epilogue(
-                ep, acc, m_tile, n_tile, f_dim, r_p, sH, gH, sO, gO, tma_o, epi_count
-            )
+            count = self._fc1_epilogue(ep, t, epi_count)
         else:
-            count = self._dgrad_epilogue(
-                ep,
-                m_tile,
-                n_tile,
-                f_dim,
-                r_p,
-                r_s,
-                tRS_c,
-                rows_here,
-                row_base,
-                tma_h,
-                m_h,
-                sH,
-                gH,
-                sO,
-                gO,
-                tma_o,
-                epi_count,
-            )
+            count = self._dgrad_epilogue(ep, t, r_s, tma_h, m_h, epi_count)
             if const_expr(self.has_probs):
                 self._add_dprobs(r_s, tRS_c, rows_here, row_base, dprobs)
         return count
 
     @cute.jit
-    def _fc1_epilogue(self, ep, acc, m_tile, n_tile, f_dim, r_p, sH, gH, sO, gO, tma_o, count0):
+    def _fc1_epilogue(self, ep, t, count0):
         """h subtiles (gate and up of each pair) and the activation subtile; returns #stores."""
+        n_tile, f_dim, r_p = t.n_tile, t.f_dim, t.r_p
         size_rD = cute.size(ep.rD)
         ts = 128 if const_expr(self.interleave is None) else self.interleave
         q = ts // 32  # subtiles per gate (or up) block of the tile
@@ -237,48 +241,25 @@ class GluGemmKernel(GroupedGemmKernel):
                 if const_expr(self.has_probs):
                     res = res * r_p.load()
                 r_a_out.store(res.to(self.c_dtype))
-                items = [
-                    (ep.rD_out, ep.tma_c, sH, gH, (m_tile, g_blk)),
-                    (r_up_out, ep.tma_c, sH, gH, (m_tile, u_blk)),
-                    (r_a_out, tma_o, sO, gO, (m_tile, j_blk)),
-                ]
-                self._store(ep, items, count)
+                self._store_glu(ep, t, (ep.rD_out, r_up_out, r_a_out), (g_blk, u_blk, j_blk), count)
                 count = count + 3
         return count - count0
 
     @cute.jit
-    def _dgrad_epilogue(
-        self,
-        ep,
-        m_tile,
-        n_tile,
-        f_dim,
-        r_p,
-        r_s,
-        tRS_c,
-        rows_here,
-        row_base,
-        tma_h,
-        m_h,
-        sH,
-        gH,
-        sO,
-        gO,
-        tma_o,
-        count0,
-    ):
+    def _dgrad_epilogue(self, ep, t, r_s, tma_h, m_h, count0):
         """Per 32-column subtile of dA: dgate, dup and a stores; d(probs) partial sums in r_s.
 
         The subtile's gate and up columns of h arrive by TMA in two smem buffers (one mbarrier,
         one phase per subtile: 4, 6 or 8 per tile, an even count, so the parity of subtile e is
         e % 2 on every tile);
         the next subtile's load is issued once every thread has read the current one."""
+        n_tile, f_dim = t.n_tile, t.f_dim
         size_rD = cute.size(ep.rD)
         r_g = cute.make_rmem_tensor(ep.rD.shape, Float32)
         r_u = cute.make_rmem_tensor(ep.rD.shape, Float32)
         r_du_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
-        g_h = cute.zipped_divide(cute.domain_offset((row_base, 0), m_h), self.epi_tile)
+        g_h = cute.zipped_divide(cute.domain_offset((t.row_base, 0), m_h), self.epi_tile)
         s_l, g_l = cute.nvgpu.cpasync.tma_partition(
             tma_h, 0, cute.make_layout(1), cute.group_modes(ep.sC, 0, 2), g_h
         )
@@ -292,22 +273,17 @@ class GluGemmKernel(GroupedGemmKernel):
             cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
             for v in cutlass.range_constexpr(size_rD):
                 ep.rD[v] = ep.tRS_acc[e * size_rD + v]
-                r, cc = tRS_c[v]
+                r, cc = t.coords[v]
                 r_g[v] = cutlass.select_(col_ok, ep.sC[r, cc, g_buf].to(Float32), Float32(0.0))
                 r_u[v] = cutlass.select_(col_ok, ep.sC[r, cc, u_buf].to(Float32), Float32(0.0))
             self.epi_barrier.arrive_and_wait()  # the h buffers are free again
             if const_expr(e + 1 < num_sub):
                 self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, e + 1)
-            self._dglu(ep.rD, r_g, r_u, r_p, r_s, ep.rD_out, r_du_out, r_a_out)
+            self._dglu(ep.rD, r_g, r_u, t.r_p, r_s, ep.rD_out, r_du_out, r_a_out)
             g_blk, u_blk, j_blk = self._drop_unless(
                 col_ok, f_dim, g_col // 32, u_col // 32, j0 // 32
             )
-            items = [
-                (ep.rD_out, ep.tma_c, sH, gH, (m_tile, g_blk)),
-                (r_du_out, ep.tma_c, sH, gH, (m_tile, u_blk)),
-                (r_a_out, tma_o, sO, gO, (m_tile, j_blk)),
-            ]
-            self._store(ep, items, count)
+            self._store_glu(ep, t, (ep.rD_out, r_du_out, r_a_out), (g_blk, u_blk, j_blk), count)
             count = count + 3
         return count - count0
 

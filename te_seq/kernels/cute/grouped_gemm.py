@@ -72,6 +72,17 @@ def _ragged_group(t: cute.Tensor, mode: int, start: Int32, length: Int32) -> cut
     return cute.domain_offset(tuple(off), sel)
 
 
+class _Schedule(NamedTuple):
+    """What the producer and the consumers need to walk the same work units (trace-time)."""
+
+    offs: object  # int32 [E] cumulative group ends (device)
+    num_rows: object  # M
+    k_dim: object  # K (varlen M)
+    n_tiles: object  # cluster n-units per group
+    m_units_k: object  # cluster m-units per group (varlen K)
+    cluster_coord: object  # this CTA's (m, n, 1) coordinate in its cluster
+
+
 class _EpilogueState(NamedTuple):
     """Loop-invariant epilogue pieces of a consumer warpgroup (trace-time bundle)."""
 
@@ -408,45 +419,16 @@ class GroupedGemmKernel:
             m_units_k = (mA.shape[0] + tm * self.cluster_m - 1) // (tm * self.cluster_m)
         n_tiles = (n_dim + tn * self.cluster_n - 1) // (tn * self.cluster_n)  # cluster n-units
 
+        sched = _Schedule(offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord)
         pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
         wg = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.load_registers)
             if warp == self.load_warp:
-                self._producer(
-                    tma_a,
-                    mA,
-                    tma_b,
-                    mB,
-                    sA,
-                    sB,
-                    ab_pipe,
-                    offs,
-                    num_rows,
-                    k_dim,
-                    n_tiles,
-                    m_units_k,
-                    cluster_coord,
-                )
+                self._producer(tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched)
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
-            self._consumer(
-                tma_c,
-                mC,
-                sA,
-                sB,
-                sC,
-                ab_pipe,
-                offs,
-                num_rows,
-                k_dim,
-                n_tiles,
-                m_units_k,
-                cluster_coord,
-                tidx,
-                tiled_mma,
-                (epi, extra_bar),
-            )
+            self._consumer(tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar)
 
     @cute.jit
     def _tile_tensors(self, mA, mB, group, m_tile, n_tile, row0, rows):
@@ -475,22 +457,8 @@ class GroupedGemmKernel:
         return k_tiles
 
     @cute.jit
-    def _producer(
-        self,
-        tma_a,
-        mA,
-        tma_b,
-        mB,
-        sA,
-        sB,
-        ab_pipe,
-        offs,
-        num_rows,
-        k_dim,
-        n_tiles,
-        m_units_k,
-        cluster_coord,
-    ):
+    def _producer(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched):
+        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
         a_mask, b_mask = None, None
         cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
         if const_expr(self.cluster_n > 1):  # CTAs of one m-tile share A
@@ -574,25 +542,8 @@ class GroupedGemmKernel:
         return read, release
 
     @cute.jit
-    def _consumer(
-        self,
-        tma_c,
-        mC,
-        sA,
-        sB,
-        sC,
-        ab_pipe,
-        offs,
-        num_rows,
-        k_dim,
-        n_tiles,
-        m_units_k,
-        cluster_coord,
-        tidx,
-        tiled_mma,
-        epi_and_bar,
-    ):
-        epi, extra_bar = epi_and_bar
+    def _consumer(self, tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar):
+        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
         tm, tn, tk = self.tile_mnk
         mma_tidx = tidx - self.threads_per_warpgroup
         wg_layout = cute.make_layout(self.num_mma_warpgroups, stride=self.threads_per_warpgroup)
