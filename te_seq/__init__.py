@@ -5,7 +5,7 @@ Importing te_seq compiles nothing and does not import the CUTLASS DSL.
 
 from te_seq import ops
 from te_seq.config import backend, current_backend, set_backend
-from te_seq.core.sequential import Sequential
+from te_seq.run.sequential import Sequential
 from te_seq.fusion import (
     FusionPattern,
     FusionPlan,

@@ -2,7 +2,7 @@
 
 A *basic op* (`BasicOperation`) defines one piece of maths and may own parameters. A *fused op*
 (`FusedOperation`) owns nothing: it runs the maths of a window of adjacent basic ops faster.
-The fuser (core/fuser.py) gives every basic op its own `OperationContext`, also inside a fused op,
+The fuser (run/fuser.py) gives every basic op its own `OperationContext`, also inside a fused op,
 so forward-only and backward-only fusions can mix with unfused partners.
 """
 
@@ -110,7 +110,7 @@ class BasicOperation(FusibleOperation):
     def forward(self, input_: Tensor, *extra_inputs: Any) -> Tensor | tuple[Tensor, ...]:
         """Run this op alone (outside a Sequential): `op(x, *extra_inputs)`, same results and
         gradient contract as inside a `te_seq.Sequential(op)`."""
-        from te_seq.core.sequential import Sequential
+        from te_seq.run.sequential import Sequential
 
         chain = self.__dict__.get("_standalone")
         if chain is None:  # a plain attribute: the op must not become its own submodule

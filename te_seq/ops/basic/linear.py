@@ -34,7 +34,7 @@ class Linear(CompositeOperation):
         return list(self._basic_ops)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        from te_seq.core.sequential import Sequential
+        from te_seq.run.sequential import Sequential
 
         if self._chain is None:  # built lazily: core.sequential imports the ops package
             object.__setattr__(self, "_chain", Sequential(*self._basic_ops))

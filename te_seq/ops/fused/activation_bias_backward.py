@@ -16,7 +16,7 @@ from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.kernels import reference
 from te_seq.ops.basic.bias import Bias
 from te_seq.ops.fused.grouped_mlp import ACTIVATION_OPS
-from te_seq.ops.fused.linear_forward import check_activation
+from te_seq.ops.fused._linear_common import check_activation
 
 
 def _upcast(t: Tensor | None) -> Tensor | None:

@@ -15,7 +15,7 @@ from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
 from te_seq.ops.fused.grouped_mlp import ACTIVATION_OPS
-from te_seq.ops.fused.linear_forward import check_activation, check_linear_bias, save_linear_ctx
+from te_seq.ops.fused._linear_common import check_activation, check_linear_bias, save_linear_ctx
 
 
 class LinearBiasActivation(FusedOperation):

@@ -16,7 +16,7 @@ from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.ops.basic.add_extra_input import AddExtraInput, can_write_into
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
-from te_seq.ops.fused.linear_forward import check_linear_bias, save_linear_ctx, shape_proxy
+from te_seq.ops.fused._linear_common import check_linear_bias, save_linear_ctx, shape_proxy
 
 
 class LinearBiasAdd(FusedOperation):

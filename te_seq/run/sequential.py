@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from te_seq.core.fuser import Fuser
+from te_seq.run.fuser import Fuser
 from te_seq.core.operation import BasicOperation, CompositeOperation
 from te_seq.fusion.plan import FusionPlan
 
