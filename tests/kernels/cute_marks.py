@@ -10,6 +10,15 @@ import pytest
 import torch
 
 HAS_DSL = importlib.util.find_spec("cutlass") is not None
+HAS_TVM_FFI = importlib.util.find_spec("tvm_ffi") is not None
+_INSTALL = "pip install 'te_seq[cute]'"
+# Tests that need an optional package skip with a reason naming it (and run where it is present).
+needs_dsl = pytest.mark.skipif(
+    not HAS_DSL, reason=f"nvidia-cutlass-dsl is not installed ({_INSTALL})"
+)
+needs_tvm_ffi = pytest.mark.skipif(
+    not HAS_TVM_FFI, reason=f"apache-tvm-ffi is not installed ({_INSTALL})"
+)
 
 
 def _cute_ready() -> tuple[bool, str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cute_marks import HAS_DSL, compile_for_sm90a, gpu, needs_cute
+from cute_marks import compile_for_sm90a, gpu, needs_cute, needs_dsl, needs_tvm_ffi
 
 from te_seq.kernels.cute import disk_cache
 
@@ -264,7 +264,6 @@ _SCRIPT = textwrap.dedent(
 
 # Each run is a fresh process importing the DSL with one compile (~5-8 s): marked slow like the
 # other compile-only tests (CI runs them, `-m "not slow"` quick runs skip them).
-needs_dsl = pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
 
 
 def _run(cache: Path, report: Path, script: str = _SCRIPT, **env: str) -> dict:
@@ -295,6 +294,7 @@ def _copy(first: tuple[Path, dict], tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.mark.slow
 @needs_dsl
+@needs_tvm_ffi
 def test_first_process_compiles_and_writes_one_file(first_run):
     cache, report = first_run
     assert report["source"] == "compiled", report
@@ -307,6 +307,7 @@ def test_first_process_compiles_and_writes_one_file(first_run):
 
 @pytest.mark.slow
 @needs_dsl
+@needs_tvm_ffi
 def test_next_process_loads_from_disk(first_run, tmp_path):
     cache, path = _copy(first_run, tmp_path)
     stored = path.read_bytes()
@@ -319,6 +320,7 @@ def test_next_process_loads_from_disk(first_run, tmp_path):
 
 @pytest.mark.slow
 @needs_dsl
+@needs_tvm_ffi
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
 def test_broken_file_warns_recompiles_and_is_replaced(first_run, tmp_path, damage):
     cache, path = _copy(first_run, tmp_path)
@@ -336,12 +338,44 @@ def test_broken_file_warns_recompiles_and_is_replaced(first_run, tmp_path, damag
 
 @pytest.mark.slow
 @needs_dsl
+@needs_tvm_ffi
 def test_disabled_process_writes_nothing(tmp_path):
     cache = tmp_path / "cache"
     report = _run(cache, tmp_path / "report.json", TE_SEQ_DISK_CACHE="0")
     assert (report["source"], report["again"]) == ("compiled", "compiled"), report
     assert report["warnings"] == []
     assert not cache.exists()
+
+
+# Without apache-tvm-ffi (hidden from the process: a None entry in sys.modules makes its import
+# fail): kernels still compile, one warning per process says the disk cache is off and names the
+# package, nothing is written, and the cute backend reports itself unavailable naming the package.
+_NO_TVM_FFI_SCRIPT = "import sys\nsys.modules['tvm_ffi'] = None\n" + _SCRIPT + textwrap.dedent(
+    """
+    from te_seq.kernels import cute
+    cute.available.cache_clear()
+    import torch.cuda
+    torch.cuda.is_available = lambda: True
+    torch.cuda.get_device_capability = lambda *a: (9, 0)
+    report["available"] = list(cute.available())
+    with open(os.environ["TE_SEQ_TEST_REPORT"], "w") as f:
+        json.dump(report, f)
+    """
+)
+
+
+@pytest.mark.slow
+@needs_dsl
+def test_without_tvm_ffi_compiles_uncached_and_warns_once(tmp_path):
+    cache = tmp_path / "cache"
+    report = _run(cache, tmp_path / "report.json", _NO_TVM_FFI_SCRIPT)
+    assert (report["source"], report["again"]) == ("compiled", "compiled"), report
+    assert len(report["warnings"]) == 1, report
+    assert "apache-tvm-ffi is not installed" in report["warnings"][0]
+    assert "not cached on disk" in report["warnings"][0]
+    assert not cache.exists()
+    ok, why = report["available"]
+    assert not ok and "apache-tvm-ffi" in why and "te_seq[cute]" in why, report
 
 
 # ------------------------------------------------------------------ GPU: loaded kernels run

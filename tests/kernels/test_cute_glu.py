@@ -11,8 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from cute_marks import HAS_DSL as _HAS_DSL
-from cute_marks import compile_for_sm90a, gpu, needs_cute
+from cute_marks import compile_for_sm90a, gpu, needs_cute, needs_dsl
 
 from te_seq.kernels import reference
 
@@ -37,7 +36,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow  # ~10 s of DSL compiles; CI runs it, `-m "not slow"` quick runs skip it
-@pytest.mark.skipif(not _HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
+@needs_dsl
 def test_glu_kernels_compile_for_sm90a():
     compile_for_sm90a(_COMPILE_SCRIPT, timeout=600)
 

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from cute_marks import HAS_DSL as _HAS_DSL
+from cute_marks import needs_dsl
 from cute_marks import ROOT, compile_for_sm90a, gpu, needs_cute
 
 from te_seq.kernels import reference
@@ -51,7 +51,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow  # ~20 s of DSL compiles; CI runs it, `-m "not slow"` quick runs skip it
-@pytest.mark.skipif(not _HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
+@needs_dsl
 def test_compile_all_configs_for_sm90a():
     compile_for_sm90a(_COMPILE_SCRIPT, timeout=900)
 

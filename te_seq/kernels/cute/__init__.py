@@ -13,6 +13,7 @@ defines the maths.
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -74,11 +75,11 @@ def available() -> tuple[bool, str]:
     major, minor = torch.cuda.get_device_capability()
     if major < 9:
         return False, f"needs compute capability >= 9.0, found {major}.{minor}"
-    try:
-        import cutlass.cute  # noqa: F401
-        import tvm_ffi  # noqa: F401
-    except ImportError as exc:
-        return False, f"CuTe DSL not importable: {exc}"
+    for module, package in (("cutlass.cute", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi")):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            return False, f"{package} is not importable ({exc}); pip install 'te_seq[cute]'"
     return True, ""
 
 

@@ -9,13 +9,15 @@ kernel is exported as an object file to ``$TE_SEQ_CACHE_DIR``, else
 the nvidia-cutlass-dsl and apache-tvm-ffi versions, ``CUTE_DSL_ARCH``, the kernel sources and a
 format version. A later process loads it (under 0.3 s) instead of compiling (2-8 s per config,
 measured on CPU and on an H200). ``TE_SEQ_DISK_CACHE=0`` turns the disk cache off; a broken or
-unwritable cache only warns and compiles. Without apache-tvm-ffi kernels compile uncached.
+unwritable cache only warns and compiles. Without apache-tvm-ffi kernels compile uncached (one
+warning per process).
 """
 
 from __future__ import annotations
 
 import functools
 import time
+import warnings
 from dataclasses import dataclass
 
 import cutlass
@@ -95,10 +97,25 @@ def tvm_ffi_available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1)
+def _warn_uncached() -> None:
+    """Say once per process that kernels compile without the disk cache, and why."""
+    if disk_cache.enabled():
+        warnings.warn(
+            "te_seq disk cache: apache-tvm-ffi is not installed, so CuTe DSL kernels compile "
+            "in every process and are not cached on disk (pip install 'te_seq[cute]')",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def _compile(name: str, cfg: object, kernel: object, fake_args: tuple) -> CompiledGemm:
     """Compile ``kernel`` for ``cfg`` through the disk cache (with TVM-FFI only: the path whose
-    exported files were verified to load and run)."""
+    exported files were verified to load and run). Without apache-tvm-ffi it compiles uncached
+    and warns once; the cute backend itself then reports itself unavailable (it launches
+    through TVM-FFI), so this path serves compile-only checks."""
     if not tvm_ffi_available():
+        _warn_uncached()
         start = time.perf_counter()
         fn = cute.compile(kernel, *fake_args)
         return CompiledGemm(fn, time.perf_counter() - start)
