@@ -24,7 +24,10 @@ __version__ = "0.1.0"
 
 
 def make_graphed_callables(*args, **kwargs):
-    """Capture te_seq modules in CUDA graphs (API.md §5); see te_seq.graphs."""
+    """Capture te_seq modules in CUDA graphs; see te_seq.graphs and docs/cuda_graphs.md.
+
+    te_seq.graphs is imported on the first call, so importing te_seq does not import it.
+    """
     from te_seq.graphs import make_graphed_callables as impl
 
     return impl(*args, **kwargs)
