@@ -5,7 +5,6 @@ Importing te_seq compiles nothing and does not import the CUTLASS DSL.
 
 from te_seq import ops
 from te_seq.config import backend, current_backend, set_backend
-from te_seq.run.sequential import Sequential
 from te_seq.fusion import (
     FusionPattern,
     FusionPlan,
@@ -19,12 +18,16 @@ from te_seq.fusion import (
     register_fusion,
 )
 from te_seq.fusion.registry import unregister_fusion
+from te_seq.run.sequential import Sequential
 
 __version__ = "0.1.0"
 
 
 def make_graphed_callables(*args, **kwargs):
-    """Capture te_seq modules in CUDA graphs (API.md §5); see te_seq.graphs."""
+    """Capture te_seq modules in CUDA graphs; see te_seq.graphs and docs/cuda_graphs.md.
+
+    te_seq.graphs is imported on the first call, so importing te_seq does not import it.
+    """
     from te_seq.graphs import make_graphed_callables as impl
 
     return impl(*args, **kwargs)

@@ -7,19 +7,25 @@ The real captures need a GPU: tests/test_cuda_graphs.py.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from te_seq import graphs
 from te_seq.graphs import (
+    GraphedCallable,
     ScheduleStep,
     StepKind,
+    capture,
     default_order,
+    grad_state,
     make_graphed_callables,
     module_delays_wgrad,
+    schedule,
     validate_schedule,
 )
 
@@ -258,8 +264,8 @@ def test_module_delays_wgrad_looks_at_submodules() -> None:
 def test_wgrad_targets_are_outermost_owners_of_backward_dw() -> None:
     inner = _Delayed()
     outer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(inner))
-    assert graphs._wgrad_targets(outer) == [inner]
-    assert graphs._wgrad_targets(inner) == [inner]
+    assert capture._wgrad_targets(outer) == [inner]
+    assert capture._wgrad_targets(inner) == [inner]
 
 
 def _args() -> tuple[torch.Tensor, ...]:
@@ -332,7 +338,7 @@ def test_non_cuda_sample_args_rejected() -> None:
 
 def test_static_inputs_keep_aliasing_of_shared_split_sizes() -> None:
     x, splits = torch.randn(4, 3, requires_grad=True), torch.tensor([1, 3])
-    static = graphs._StaticInputs.clone_of([x, splits, splits])
+    static = capture._StaticInputs.clone_of([x, splits, splits])
     assert len(static.buffers) == 2 and static.slots == (0, 1, 1)
     per_pos = static.per_position()
     assert per_pos[1] is per_pos[2] and per_pos[0] is not x
@@ -345,7 +351,7 @@ def test_static_inputs_keep_aliasing_of_shared_split_sizes() -> None:
         static.user_tensors(1, [x2, s2, s2.clone()])
     with pytest.raises(ValueError, match=r"argument 0 is torch.float32 \(5, 3\), captured as"):
         static.user_tensors(1, [torch.randn(5, 3), s2, s2])
-    no_grad_sample = graphs._StaticInputs.clone_of([torch.randn(4, 3)])
+    no_grad_sample = capture._StaticInputs.clone_of([torch.randn(4, 3)])
     with pytest.raises(ValueError, match="argument 0 requires grad but its sample did not"):
         no_grad_sample.user_tensors(1, [torch.randn(4, 3, requires_grad=True)])
     s32 = s2.int()
@@ -354,7 +360,7 @@ def test_static_inputs_keep_aliasing_of_shared_split_sizes() -> None:
 
 
 def test_arg_spec_checks_call_shape() -> None:
-    spec = graphs._ArgSpec(chunk=2, num_positional=1, kwarg_names=("scales",))
+    spec = capture._ArgSpec(chunk=2, num_positional=1, kwarg_names=("scales",))
     t = torch.zeros(1)
     assert spec.flatten([t], {"scales": t}) == [t, t]
     with pytest.raises(ValueError, match="graphed chunk 2: called with 2 positional"):
@@ -367,7 +373,7 @@ def test_recording_flags_records_and_restores() -> None:
     a, b, c = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
     a.grad_added_to_main_grad = True
     b.grad_added_to_main_grad = False
-    with graphs._recording_flags([a, b, c]) as raised:
+    with grad_state._recording_flags([a, b, c]) as raised:
         assert a.grad_added_to_main_grad is False  # reset so the body's effect is visible
         b.grad_added_to_main_grad = True
     assert raised == [b]
@@ -380,11 +386,11 @@ def test_grad_state_snapshot_restores_grad_main_grad_and_flag() -> None:
     grad = torch.ones(2)
     p.grad, p.main_grad, p.grad_added_to_main_grad = grad, torch.full((2,), 5.0), False
     main_grad = p.main_grad
-    states = graphs._snapshot_grad_state([p])
+    states = grad_state._snapshot_grad_state([p])
     p.grad = None
     main_grad.add_(3.0)
     p.grad_added_to_main_grad = True
-    graphs._restore_grad_state(states)
+    grad_state._restore_grad_state(states)
     assert p.grad is grad and p.main_grad is main_grad
     assert torch.equal(main_grad, torch.full((2,), 5.0)) and p.grad_added_to_main_grad is False
 
@@ -401,7 +407,7 @@ class _StandInGraph:
         self.body()
 
 
-def _linear_chunk(delayed: bool, flagged: bool = False) -> tuple[graphs.GraphedCallable, dict]:
+def _linear_chunk(delayed: bool, flagged: bool = False) -> tuple[GraphedCallable, dict]:
     """y = x Wᵀ as one microbatch of 'captured' graphs: forward, backward, maybe wgrad."""
     module = torch.nn.Linear(3, 2, bias=False)
     module.delay_wgrad_compute = delayed
@@ -410,12 +416,12 @@ def _linear_chunk(delayed: bool, flagged: bool = False) -> tuple[graphs.GraphedC
     if flagged:
         w.grad_added_to_main_grad = False
     x = torch.randn(4, 3, requires_grad=True)
-    spec = graphs._ArgSpec(1, 1, ())
-    chunk = graphs._GraphedChunk(1, module, spec, [x], delayed)
-    inputs = graphs._StaticInputs.clone_of([x])
+    spec = capture._ArgSpec(1, 1, ())
+    chunk = capture._GraphedChunk(1, module, spec, [x], delayed)
+    inputs = capture._StaticInputs.clone_of([x])
     sx = inputs.buffers[0]
     out, gy, gx, gw = torch.empty(4, 2), torch.empty(4, 2), torch.empty(4, 3), torch.empty(2, 3)
-    mb = graphs._Microbatch(inputs, _StandInGraph(lambda: out.copy_(sx @ w.detach().t())),
+    mb = capture._Microbatch(inputs, _StandInGraph(lambda: out.copy_(sx @ w.detach().t())),
                             (out,), (True,))
     mb.bwd_graph = _StandInGraph(lambda: (gx.copy_(gy @ w.detach()), gw.copy_(gy.t() @ sx)))
     mb.grad_outputs = (gy,)
@@ -426,8 +432,8 @@ def _linear_chunk(delayed: bool, flagged: bool = False) -> tuple[graphs.GraphedC
         mb.wgrad_grads = ((w, gw),)
     chunk.microbatches.append(mb)
     order = [1, -1, -1.5] if delayed else [1, -1]
-    cursor = graphs._ScheduleCursor(validate_schedule(order, 1, [delayed]))
-    return graphs.GraphedCallable(chunk, cursor), {"gw": gw}
+    cursor = schedule._ScheduleCursor(validate_schedule(order, 1, [delayed]))
+    return GraphedCallable(chunk, cursor), {"gw": gw}
 
 
 def _eager_linear_grads(weight: torch.Tensor, xs: list, dys: list) -> tuple[torch.Tensor, list]:
@@ -497,3 +503,36 @@ def test_backward_dw_of_chunk_without_delay_is_a_no_op() -> None:
     graphed, _ = _linear_chunk(delayed=False)
     graphed.backward_dw()
     graphed(torch.randn(4, 3)).sum().backward()
+
+
+# ------------------------------------------------------------------------------------------------
+# import boundaries: graphs is lazy, the schedule checker is pure Python
+# ------------------------------------------------------------------------------------------------
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_python(code: str) -> str:
+    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_importing_te_seq_does_not_import_graphs() -> None:
+    code = "import sys, te_seq; print('te_seq.graphs' in sys.modules)"
+    assert _run_python(code) == "False"
+
+
+def test_schedule_module_needs_neither_torch_nor_te_seq() -> None:
+    # load the file on its own (importing te_seq.graphs.schedule would run the package __init__)
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('schedule', {schedule.__file__!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['schedule'] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "steps = module.validate_schedule([1, -1, -1.5], 1, [True])\n"
+        "print(len(steps), [m for m in sys.modules if m.split('.')[0] in ('torch', 'te_seq')])"
+    )
+    assert _run_python(code) == "3 []"

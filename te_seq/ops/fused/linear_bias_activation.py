@@ -14,8 +14,8 @@ from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
-from te_seq.ops.fused.grouped_mlp import ACTIVATION_OPS
 from te_seq.ops.fused._linear_common import check_activation, check_linear_bias, save_linear_ctx
+from te_seq.ops.fused.grouped_mlp import ACTIVATION_OPS
 
 
 class LinearBiasActivation(FusedOperation):
