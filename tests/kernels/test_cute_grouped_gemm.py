@@ -56,6 +56,23 @@ def test_compile_all_configs_for_sm90a():
     compile_for_sm90a(_COMPILE_SCRIPT, timeout=900)
 
 
+@pytest.mark.slow  # one DSL compile in a subprocess
+@pytest.mark.skipif(not _HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
+def test_dump_ptx_writes_and_compares_ptx(tmp_path):
+    # benchmarks/dump_ptx.py is how a kernel refactor shows its device code is unchanged: it
+    # must write real sm_90a PTX and fail (exit 1) when an earlier dump differs
+    (tmp_path / "before").mkdir()
+    (tmp_path / "before" / "mm128_nmajor.ptx").write_text("// not this kernel\n")
+    cmd = [sys.executable, "benchmarks/dump_ptx.py", "--configs", "mm128_nmajor"]
+    cmd += ["--out", str(tmp_path / "after"), "--compare", str(tmp_path / "before")]
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "mm128_nmajor" in proc.stdout and "DIFFERS" in proc.stdout
+    ptx = (tmp_path / "after" / "mm128_nmajor.ptx").read_text()
+    assert ".target sm_90a" in ptx and "GroupedGemmKernel" in ptx
+
+
 def test_import_does_not_import_cutlass():
     code = "import sys, te_seq.kernels.cute as c; c.supports; print('cutlass' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
