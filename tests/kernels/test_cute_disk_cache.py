@@ -74,6 +74,34 @@ def test_key_changes_when_a_kernel_source_changes(tmp_path, monkeypatch):
     assert _digest() == before
 
 
+def _package_imports(name: str) -> set[str]:
+    """Modules of the cute package that ``name`` imports (relative imports, at any depth)."""
+    import ast
+
+    tree = ast.parse((disk_cache.SOURCE_DIR / name).read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            modules = [node.module] if node.module else [a.name for a in node.names]
+            found.update(f"{m}.py" for m in modules)
+    return found
+
+
+def test_source_files_cover_every_module_a_kernel_is_built_from():
+    # compile.py and what it imports from the package, transitively; disk_cache.py itself is
+    # versioned by FORMAT_VERSION. A new kernel module missing here would let an edit to it
+    # load stale kernels from the disk cache.
+    needed, todo = set(), ["compile.py"]
+    while todo:
+        name = todo.pop()
+        if name not in needed and name != "disk_cache.py":
+            needed.add(name)
+            todo.extend(_package_imports(name))
+    assert needed <= set(disk_cache.SOURCE_FILES), needed - set(disk_cache.SOURCE_FILES)
+    assert {"grouped_gemm.py", "glu_epilogue.py", "tile_scheduler.py"} <= needed
+    assert all((disk_cache.SOURCE_DIR / f).is_file() for f in disk_cache.SOURCE_FILES)
+
+
 def test_key_changes_with_arch_dsl_version_and_format(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     base = _digest()

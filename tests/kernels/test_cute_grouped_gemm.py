@@ -56,6 +56,23 @@ def test_compile_all_configs_for_sm90a():
     compile_for_sm90a(_COMPILE_SCRIPT, timeout=900)
 
 
+@pytest.mark.slow  # one DSL compile in a subprocess
+@pytest.mark.skipif(not _HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
+def test_dump_ptx_writes_and_compares_ptx(tmp_path):
+    # benchmarks/dump_ptx.py is how a kernel refactor shows its device code is unchanged: it
+    # must write real sm_90a PTX and fail (exit 1) when an earlier dump differs
+    (tmp_path / "before").mkdir()
+    (tmp_path / "before" / "mm128_nmajor.ptx").write_text("// not this kernel\n")
+    cmd = [sys.executable, "benchmarks/dump_ptx.py", "--configs", "mm128_nmajor"]
+    cmd += ["--out", str(tmp_path / "after"), "--compare", str(tmp_path / "before")]
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "mm128_nmajor" in proc.stdout and "DIFFERS" in proc.stdout
+    ptx = (tmp_path / "after" / "mm128_nmajor.ptx").read_text()
+    assert ".target sm_90a" in ptx and "GroupedGemmKernel" in ptx
+
+
 def test_import_does_not_import_cutlass():
     code = "import sys, te_seq.kernels.cute as c; c.supports; print('cutlass' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -84,6 +101,72 @@ def test_supports_rejects_unaligned_rows():
     assert not ok and "K=12" in why
     with pytest.raises(ValueError, match="K=12 and N=16 must be multiples of 8"):
         cute.grouped_mm(a, b, torch.tensor([8, 16], dtype=torch.int32))
+
+
+_BF16, _FP32 = torch.bfloat16, torch.float32
+
+
+# One case per check of grouped_mm's and grouped_wgrad's shared ``supports`` body, in its order:
+# dtype (one 16-bit dtype for both operands), shapes, 16-byte rows, device (CPU tensors here).
+@pytest.mark.parametrize(
+    ("fn", "shapes", "dtypes", "match"),
+    [
+        ("supports", [(16, 32), (2, 32, 64)], (_FP32, _FP32), "got torch.float32 and"),
+        ("supports", [(16, 32), (2, 32, 64)], (_BF16, torch.float16), "of one dtype"),
+        ("supports", [(16, 32), (2, 24, 64)], (_BF16, _BF16), r"a \[M, K\] and b \[E, K, N\]"),
+        ("supports", [(16, 32), (2, 32, 60)], (_BF16, _BF16), "K=32 and N=60 must be"),
+        ("supports", [(16, 32), (2, 32, 64)], (_BF16, _BF16), "needs CUDA tensors"),
+        ("supports_wgrad", [(16, 64), (16, 32)], (_FP32, _BF16), "got torch.float32 and"),
+        ("supports_wgrad", [(16, 64), (8, 32)], (_BF16, _BF16), r"grad_out \[M, N\] and x"),
+        ("supports_wgrad", [(16, 64), (16, 36)], (_BF16, _BF16), "K=36 and N=64 must be"),
+        ("supports_wgrad", [(16, 64), (16, 32)], (_BF16, _BF16), "needs CUDA tensors"),
+    ],
+)
+def test_supports_says_why(fn, shapes, dtypes, match):
+    import re
+
+    from te_seq.kernels import cute
+
+    first, second = (torch.zeros(s, dtype=d) for s, d in zip(shapes, dtypes))
+    ok, why = getattr(cute, fn)(first, second)
+    assert not ok and re.search(match, why), why
+
+
+def _units_walked(sizes: list[int], rows: int, n: int, tile_n: int, cluster_mn) -> int:
+    """Cluster units the varlen-M kernel walks: ⌈rows of g / block_m⌉ per n-unit for every group,
+    and for the virtual group of the rows past offs[-1]."""
+    block_m, n_units = 128 * cluster_mn[0], -(-n // (tile_n * cluster_mn[1]))
+    groups = [*sizes, rows - sum(sizes)]
+    return sum(-(-g // block_m) for g in groups) * n_units
+
+
+@pytest.mark.parametrize("cluster_mn", [(1, 2), (2, 1), (1, 1)])
+@pytest.mark.parametrize("seed", range(4))
+def test_varlen_m_grid_covers_every_unit(seed, cluster_mn):
+    from te_seq.kernels.cute.launch import varlen_m_clusters
+
+    gen = torch.Generator().manual_seed(seed)
+    groups = int(torch.randint(1, 40, (1,), generator=gen))
+    sizes = torch.randint(0, 700, (groups,), generator=gen).tolist()
+    rows = sum(sizes) + int(torch.randint(0, 300, (1,), generator=gen))  # rows past offs[-1]
+    n = 8 * int(torch.randint(1, 600, (1,), generator=gen))
+    walked = _units_walked(sizes, rows, n, 192, cluster_mn)
+    # with SMs to spare there is one cluster per unit the kernel can possibly walk (M, E bound)
+    assert varlen_m_clusters(rows, groups, n, 192, cluster_mn, sms=10**9) >= max(walked, 1)
+    cap = 132 // (cluster_mn[0] * cluster_mn[1])  # a full H100: persistent, one cluster per slot
+    assert varlen_m_clusters(rows, groups, n, 192, cluster_mn, sms=132) == min(
+        varlen_m_clusters(rows, groups, n, 192, cluster_mn, sms=10**9), cap
+    )
+
+
+def test_varlen_k_grid_counts_units():
+    from te_seq.kernels.cute.launch import varlen_k_clusters
+
+    # 3 groups of [N=300, K=1000]: ⌈300 / 128⌉ m-units · ⌈1000 / 512⌉ n-units each
+    assert varlen_k_clusters(3, 300, 1000, 256, (1, 2), sms=10**9) == 3 * 3 * 2
+    assert varlen_k_clusters(3, 300, 1000, 256, (2, 1), sms=10**9) == 3 * 2 * 4
+    assert varlen_k_clusters(3, 300, 1000, 256, (1, 2), sms=8) == 4
+    assert varlen_k_clusters(0, 300, 1000, 256, (1, 2), sms=8) == 1  # never an empty grid
 
 
 # ------------------------------------------------------------------ GPU correctness

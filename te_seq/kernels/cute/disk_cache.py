@@ -32,9 +32,19 @@ from pathlib import Path
 
 # Bump when the file layout, the key or the export/load calls change.
 FORMAT_VERSION = 1
-# The sources a compiled kernel depends on (in this package): an edit gives new cache keys.
+# The sources a compiled kernel depends on (in this package): ``compile.py`` and every module it
+# imports from here, directly or not, but this one (``FORMAT_VERSION`` covers it); an edit gives
+# new cache keys.
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCE_FILES = ("grouped_gemm.py", "glu_epilogue.py", "compile.py")
+SOURCE_FILES = (
+    "compile.py",
+    "grouped_gemm.py",
+    "tile_scheduler.py",
+    "mainloop.py",
+    "store_epilogue.py",
+    "ragged.py",
+    "glu_epilogue.py",
+)
 _VERSIONED_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 

@@ -13,10 +13,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-_AB_DTYPES = (torch.bfloat16, torch.float16)
+from .launch import (
+    _AB_DTYPES,
+    _b_view,
+    _check_offs,
+    _num_sms,
+    _row_major,
+    available,
+    tile_n_for,
+    varlen_m_clusters,
+)
+
 _PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACTS = ("silu", "gelu", "relu")
-_TILE_M, _FC1_TILE_N, _CLUSTER = 128, 256, (1, 2)
+_FC1_TILE_N, _CLUSTER = 256, (1, 2)
 _DUMMY: dict = {}
 
 
@@ -24,8 +34,6 @@ def _supports(
     x: Tensor, w: Tensor, act: str, interleave: int | None, fc1: bool
 ) -> tuple[bool, str]:
     """Shared checks; ``w`` is w1t [E, H, 2F] (fc1) or w2 [E, H, F] (dgrad)."""
-    from . import available
-
     if act not in _ACTS:
         return False, f"act {act!r} has no fused epilogue (only {_ACTS})"
     if x.dtype not in _AB_DTYPES or w.dtype != x.dtype:
@@ -43,12 +51,6 @@ def _supports(
     if not (x.is_cuda and w.is_cuda):
         return False, "needs CUDA tensors"
     return available()
-
-
-def _b_view(b: Tensor) -> tuple[Tensor, str]:
-    from . import _b_view as view
-
-    return view(b)
 
 
 def _dummy(device: torch.device) -> tuple[Tensor, Tensor]:
@@ -76,23 +78,20 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
 
 
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave) -> None:
-    from . import _check_offs, _num_sms, _row_major, tile_n_for
     from .compile import GluConfig, compile_glu
 
     rows, groups = x.shape[0], b.shape[0]
     offs = _check_offs(offs, groups, x.device)
     b_view, b_major = _b_view(b)
     p_dtype = None if probs is None else probs.dtype
-    cm, cn = _CLUSTER
     n = b.shape[2]
     # FC1's tiles pair 128 gate with 128 up columns; dgrad's width is free (N = F)
-    tile_n = _FC1_TILE_N if mode == "fc1" else tile_n_for(n, cn)
+    tile_n = _FC1_TILE_N if mode == "fc1" else tile_n_for(n, _CLUSTER[1])
     cfg = GluConfig(mode, x.dtype, b_major, act, interleave, p_dtype, _CLUSTER, tile_n=tile_n)
     kernel = compile_glu(cfg).fn
     fp32_dummy, mat_dummy = _dummy(x.device)
-    block_m = _TILE_M * cm
-    units = (rows + (groups + 1) * (block_m - 1)) // block_m * -(-n // (tile_n * cn))
-    clusters = max(1, min(units, _num_sms(x.device.index or 0) // (cm * cn)))
+    sms = _num_sms(x.device.index or 0)
+    clusters = varlen_m_clusters(rows, groups, n, tile_n, _CLUSTER, sms)
     kernel(
         _row_major(x),
         b_view,

@@ -19,7 +19,8 @@ with the epilogue hook ``_store_tile`` replaced:
   caller) with atomics.
 
 All maths in fp32 on the accumulator, one rounding per output. Stores go through the parent's
-ring of (128 x 32) smem buffers and TMA, clipped to the expert by the ragged views.
+ring of (128 x 32) smem buffers and TMA (``store_epilogue``), clipped to the expert by the ragged
+views (``ragged``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .grouped_gemm import GroupedGemmKernel, _ragged_group, _ragged_view
+from .grouped_gemm import GroupedGemmKernel
+from .ragged import _ragged_group, _ragged_view
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_C = 0.044715

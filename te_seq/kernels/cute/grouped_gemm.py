@@ -19,20 +19,23 @@ sizes. The CTAs of a 1×2 cluster take neighbouring n-tiles of one m-tile and sh
 multicast (2×1: neighbouring m-tiles share B). 1×2 keeps 128-row granularity on small groups:
 on one H200 (2026-11-22) it beat 2×1 by 5–20% on the varlen-M shapes of DESIGN.md.
 
-Bounds are enforced by TMA itself through "ragged" views (see ``_ragged_view``): the store of a
-varlen-M tile drops rows past its group, and the loads of a varlen-K tile zero-fill rows past its
-group, so partial tiles need no predication and no smem masking.
+Bounds are enforced by TMA itself through "ragged" views (``ragged._ragged_view``): the store of
+a varlen-M tile drops rows past its group, and the loads of a varlen-K tile zero-fill rows past
+its group, so partial tiles need no predication and no smem masking.
 
 Roles: warp 0 (of the first warpgroup) issues TMA loads into an ``ab_stage``-deep smem ring; two
 MMA warpgroups run WGMMA on a 128 × tile_n tile (64 rows each), then the epilogue converts the fp32
 accumulators, stages them in smem and TMA-stores them. (Letting a warpgroup whose 64 rows all lie
 past its group skip its MMA was tried: it made random-size experts 5-13% slower on one H200,
 2026-11-22, for reasons not established.)
+
+This module holds the host-side setup, the launch and the ``kernel`` body; the class takes its
+device roles from mixins: ``tile_scheduler`` (which tile a work unit is), ``mainloop`` (the TMA
+producer and the WGMMA consumers) and ``store_epilogue`` (the epilogue hooks ``_make_epi`` /
+``_store_tile``, which ``glu_epilogue.GluGemmKernel`` overrides, and the smem store ring).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -43,65 +46,13 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-# Ragged views (the trick of Triton's ragged TMA): replace the ragged mode of extent L by
-# _BIG_INT and append two modes of extent _MAX_INT with strides (2**34 - s, s). Selecting the
-# coordinates (_BIG_INT, start + len) of the extra modes and offsetting the ragged mode to
-# _BIG_INT - len gives addresses base + (start + r) * s (mod 2**64) for row r, and rows r >= len
-# fall past _BIG_INT, where TMA zero-fills loads and drops stores. The base pointer is never
-# shifted, so it is safe for loads too.
-_BIG_INT = 2**30
-_MAX_INT = 2**31 - 1
-_WRAP = 2**34  # _BIG_INT * _WRAP == 2**64
+from .mainloop import MainloopMixin
+from .ragged import _ragged_view
+from .store_epilogue import StoreEpilogueMixin
+from .tile_scheduler import TileSchedulerMixin, _Schedule
 
 
-def _ragged_view(t: cute.Tensor, mode: int) -> cute.Tensor:
-    """A rank-2 tensor viewed with ``mode`` ragged (rank 4), for TMA atoms."""
-    s = t.stride[mode]
-    shape = list(t.shape)
-    shape[mode] = _BIG_INT
-    stride = list(t.stride)
-    layout = cute.make_layout((*shape, _MAX_INT, _MAX_INT), stride=(*stride, _WRAP - s, s))
-    return cute.make_tensor(t.iterator, layout)
-
-
-def _ragged_group(t: cute.Tensor, mode: int, start: Int32, length: Int32) -> cute.Tensor:
-    """Rows [start, start + length) of a ragged TMA coordinate tensor, as a rank-2 tensor."""
-    sel = t[(None, None, _BIG_INT, start + length)]
-    off = [0, 0]
-    off[mode] = _BIG_INT - length
-    return cute.domain_offset(tuple(off), sel)
-
-
-class _Schedule(NamedTuple):
-    """What the producer and the consumers need to walk the same work units (trace-time)."""
-
-    offs: object  # int32 [E] cumulative group ends (device)
-    num_rows: object  # M
-    k_dim: object  # K (varlen M)
-    n_tiles: object  # cluster n-units per group
-    m_units_k: object  # cluster m-units per group (varlen K)
-    cluster_coord: object  # this CTA's (m, n, 1) coordinate in its cluster
-
-
-class _EpilogueState(NamedTuple):
-    """Loop-invariant epilogue pieces of a consumer warpgroup (trace-time bundle)."""
-
-    tma_c: object
-    mC: object
-    sC: object
-    tiled_r2s: object
-    tRS_acc: object
-    tRS_sC: object
-    rD: object
-    rD_out: object
-    warp: object
-    tiled_mma: object
-    mma_tidx: object
-    epi: tuple
-    extra_bar: object  # pointer to the subclass's extra mbarriers (smem)
-
-
-class GroupedGemmKernel:
+class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
     """CuTe DSL kernel: a persistent grouped GEMM over varlen M (``"m"``) or varlen K (``"k"``)."""
 
     num_mma_warpgroups = 2
@@ -204,22 +155,6 @@ class GroupedGemmKernel:
     ):
         self._launch(a, b, c, offs, num_clusters, stream, b, ())
 
-    # ---------------------------------------------------------------- epilogue hooks
-    # Subclasses (``glu_epilogue.GluGemmKernel``) override these to fuse work into the epilogue;
-    # the scheduler, producer and mainloop are shared.
-
-    def _make_epi(self, c: cute.Tensor, epi_inputs: tuple) -> tuple:
-        """Host-side (jit) epilogue state passed to the kernel: extra TMA atoms, tensors. Here:
-        with ``accumulate``, the TMA load atom (and coordinates) of the old C."""
-        if not self.accumulate:
-            return ()
-        return cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-            c,
-            cute.slice_(self.c_smem, (None, None, 0)),
-            self.epi_tile,
-        )
-
     @cute.jit
     def _launch(self, a, b, c, offs, num_clusters, stream, b_tma_view, epi_inputs):
         """Set up, build the TMA atoms (B through ``b_tma_view``, a view of ``b``) and launch."""
@@ -279,78 +214,6 @@ class GroupedGemmKernel:
             min_blocks_per_mp=1,
             stream=stream,
         )
-
-    # ---------------------------------------------------------------- tile scheduling
-
-    @cute.jit
-    def _scan_groups(self, offs: cute.Tensor, num_rows: Int32, n_tiles: Int32, unit: Int32, st):
-        """Move the cached group forward until it holds ``unit`` (varlen M).
-
-        ``st`` = (group, first unit, end unit, next group to scan, its first unit, row start,
-        row count). Group E (one past the last) is virtual: rows past ``offs[-1]``, written as
-        zeros.
-        Each round loads 32 groups' sizes, one per lane, and finds the first whose units end past
-        ``unit`` by an inclusive warp scan and a ballot.
-        """
-        group, first, end, nxt, nxt_first, row0, rows = st
-        num_groups = cute.size(offs) + 1
-        block_m = self.tile_mnk[0] * self.cluster_m
-        lane = cute.arch.lane_idx()
-        while (unit >= end) & (nxt < num_groups):
-            g = nxt + lane
-            g_begin = Int32(0)
-            g_end = Int32(0)
-            if g < num_groups:
-                if g > 0:
-                    g_begin = offs[g - 1]
-                if g < num_groups - 1:
-                    g_end = offs[g]
-                else:
-                    g_end = num_rows
-            count = (g_end - g_begin + block_m - 1) // block_m * n_tiles
-            incl = count
-            for i in cutlass.range_constexpr(5):
-                up = cute.arch.shuffle_sync_up(incl, 1 << i)
-                if lane >= (1 << i):
-                    incl = incl + up
-            j = cute.arch.popc(cute.arch.vote_ballot_sync(nxt_first + incl <= unit))
-            if j < 32:
-                group = nxt + j
-                end = nxt_first + cute.arch.shuffle_sync(incl, j)
-                first = end - cute.arch.shuffle_sync(count, j)
-                row0 = cute.arch.shuffle_sync(g_begin, j)
-                rows = cute.arch.shuffle_sync(g_end, j) - row0
-                nxt = group + 1
-                nxt_first = end
-            else:
-                nxt = nxt + 32
-                nxt_first = nxt_first + cute.arch.shuffle_sync(incl, 31)
-        return group, first, end, nxt, nxt_first, row0, rows
-
-    @cute.jit
-    def _work(self, offs, num_rows, n_tiles, m_units_k, unit, st):
-        """Decode ``unit``: (valid, group, m-unit, n-unit, row start, rows, new scan state)."""
-        if const_expr(self.varlen == "m"):
-            st = self._scan_groups(offs, num_rows, n_tiles, unit, st)
-            group, first, end, _, _, row0, rows = st
-            valid = unit < end
-            block_m = self.tile_mnk[0] * self.cluster_m
-            m_units = (rows + block_m - 1) // block_m
-            local = unit - first
-            m_units = cutlass.max(m_units, 1)
-            return valid, group, local % m_units, local // m_units, row0, rows, st
-        else:
-            per_group = m_units_k * n_tiles
-            group = unit // per_group
-            local = unit - group * per_group
-            valid = group < cute.size(offs)
-            row0 = Int32(0)
-            row1 = Int32(0)
-            if valid:
-                row1 = offs[group]
-                if group > 0:
-                    row0 = offs[group - 1]
-            return valid, group, local % m_units_k, local // m_units_k, row0, row1 - row0, st
 
     # ---------------------------------------------------------------- device kernel
 
@@ -429,327 +292,3 @@ class GroupedGemmKernel:
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
             self._consumer(tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar)
-
-    @cute.jit
-    def _tile_tensors(self, mA, mB, group, m_tile, n_tile, row0, rows):
-        """The (bM, bK, k) and (bN, bK, k) global tiles of one work unit."""
-        tm, tn, tk = self.tile_mnk
-        if const_expr(self.varlen == "m"):
-            mA_g = cute.domain_offset((row0, 0), mA)
-            mB_g = mB[None, None, group]
-        else:
-            mA_g = _ragged_group(mA, 1, row0, rows)
-            mB_g = _ragged_group(mB, 1, row0, rows)
-        gA = cute.local_tile(mA_g, (tm, tk), (m_tile, None))
-        gB = cute.local_tile(mB_g, (tn, tk), (n_tile, None))
-        return gA, gB
-
-    @cute.jit
-    def _k_tiles(self, group, rows, offs, k_dim):
-        """K-tile count of a unit. The virtual group past offs[-1] loads nothing (zero rows)."""
-        tk = self.tile_mnk[2]
-        k_tiles = Int32(0)
-        if const_expr(self.varlen == "m"):
-            if (group < cute.size(offs)) & (rows > 0):
-                k_tiles = (k_dim + tk - 1) // tk
-        else:
-            k_tiles = (rows + tk - 1) // tk
-        return k_tiles
-
-    @cute.jit
-    def _producer(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched):
-        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
-        a_mask, b_mask = None, None
-        cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
-        if const_expr(self.cluster_n > 1):  # CTAs of one m-tile share A
-            a_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=1)
-        if const_expr(self.cluster_m > 1):  # CTAs of one n-tile share B
-            b_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-        cluster_id = cute.arch.block_idx()[2]
-        stride = cute.arch.grid_dim()[2]
-        st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
-        unit = cluster_id
-        valid, group, m_unit, n_unit, row0, rows, st = self._work(
-            offs, num_rows, n_tiles, m_units_k, unit, st
-        )
-        while valid:
-            m_tile = m_unit * self.cluster_m + cluster_coord[0]
-            n_tile = n_unit * self.cluster_n + cluster_coord[1]
-            gA, gB = self._tile_tensors(mA, mB, group, m_tile, n_tile, row0, rows)
-            k_tiles = self._k_tiles(group, rows, offs, k_dim)
-            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_a,
-                cluster_coord[1],
-                cute.make_layout(self.cluster_n),
-                cute.group_modes(sA, 0, 2),
-                cute.group_modes(gA, 0, 2),
-            )
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_b,
-                cluster_coord[0],
-                cute.make_layout(self.cluster_m),
-                cute.group_modes(sB, 0, 2),
-                cute.group_modes(gB, 0, 2),
-            )
-            for k in range(k_tiles):
-                ab_pipe.producer_acquire(state)
-                bar = ab_pipe.producer_get_barrier(state)
-                cute.copy(
-                    tma_a,
-                    tAgA[(None, k)],
-                    tAsA[(None, state.index)],
-                    tma_bar_ptr=bar,
-                    mcast_mask=a_mask,
-                )
-                cute.copy(
-                    tma_b,
-                    tBgB[(None, k)],
-                    tBsB[(None, state.index)],
-                    tma_bar_ptr=bar,
-                    mcast_mask=b_mask,
-                )
-                ab_pipe.producer_commit(state)
-                state.advance()
-            unit = unit + stride
-            valid, group, m_unit, n_unit, row0, rows, st = self._work(
-                offs, num_rows, n_tiles, m_units_k, unit, st
-            )
-        ab_pipe.producer_tail(state)
-
-    @cute.jit
-    def _mainloop(self, tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles):
-        """acc = Σ_k A_k B_kᵀ over ``k_tiles`` stages; one WGMMA batch kept in flight
-        (``tiled_mma`` accumulates: acc is zeroed first)."""
-        acc.fill(0.0)
-        num_k_blocks = cute.size(tCrA, mode=[2])
-        for k in range(k_tiles):
-            ab_pipe.consumer_wait(read)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                coord = (None, None, kb, read.index)
-                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-            cute.nvgpu.warpgroup.commit_group()
-            read.advance()
-            if k > 0:
-                cute.nvgpu.warpgroup.wait_group(1)
-                ab_pipe.consumer_release(release)
-                release.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
-        if k_tiles > 0:
-            ab_pipe.consumer_release(release)
-            release.advance()
-        return read, release
-
-    @cute.jit
-    def _consumer(self, tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar):
-        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
-        tm, tn, tk = self.tile_mnk
-        mma_tidx = tidx - self.threads_per_warpgroup
-        wg_layout = cute.make_layout(self.num_mma_warpgroups, stride=self.threads_per_warpgroup)
-        thr_mma = tiled_mma.get_slice(wg_layout(mma_tidx // self.threads_per_warpgroup))
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tm, tn)), self.acc_dtype)
-        # once, outside the tile loop: the epilogue partitions with ``tiled_mma`` too, and a value
-        # set inside a (dynamic) branch of the loop would not be visible there
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-
-        # Epilogue: registers -> smem (stmatrix for 16-bit) -> TMA store, per (tm x 32) subtile.
-        r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype)
-        stm_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
-        )
-        tiled_r2s = cute.make_tiled_copy_S(
-            r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma)
-        )
-        thr_r2s = tiled_r2s.get_slice(mma_tidx)
-        tRS_sC = thr_r2s.partition_D(sC)
-        tRS_acc = tiled_r2s.retile(acc)
-        rD_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
-        rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
-        rD_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        cluster_id = cute.arch.block_idx()[2]
-        stride = cute.arch.grid_dim()[2]
-        st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
-        unit = cluster_id
-        epi_count = Int32(0)
-        valid, group, m_unit, n_unit, row0, rows, st = self._work(
-            offs, num_rows, n_tiles, m_units_k, unit, st
-        )
-        while valid:
-            m_tile = m_unit * self.cluster_m + cluster_coord[0]
-            n_tile = n_unit * self.cluster_n + cluster_coord[1]
-            k_tiles = self._k_tiles(group, rows, offs, k_dim)
-            read, release = self._mainloop(
-                tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles
-            )
-            ep = _EpilogueState(
-                tma_c,
-                mC,
-                sC,
-                tiled_r2s,
-                tRS_acc,
-                tRS_sC,
-                rD,
-                rD_out,
-                warp,
-                tiled_mma,
-                mma_tidx,
-                epi,
-                extra_bar,
-            )
-            num_epi = self._store_tile(ep, acc, group, m_tile, n_tile, row0, rows, epi_count)
-            epi_count = epi_count + num_epi
-            unit = unit + stride
-            valid, group, m_unit, n_unit, row0, rows, st = self._work(
-                offs, num_rows, n_tiles, m_units_k, unit, st
-            )
-        cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem stays valid until TMA read it
-
-    @cute.jit
-    def _store_tile(self, ep, acc, group, m_tile, n_tile, row0, rows, epi_count):
-        """Epilogue hook: write one tile's accumulators (added to the old C with ``accumulate``);
-        returns the number of smem stores used."""
-        tm, tn, _ = self.tile_mnk
-        if const_expr(self.varlen == "m"):
-            mC_g = _ragged_group(ep.mC, 0, row0, rows)
-        else:
-            mC_g = ep.mC[None, None, group]
-        gC = cute.local_tile(mC_g, (tm, tn), (m_tile, n_tile))
-        old = None
-        if const_expr(self.accumulate):
-            tma_old, m_old = ep.epi
-            old = (tma_old, cute.local_tile(m_old[None, None, group], (tm, tn), (m_tile, n_tile)))
-        return self._epilogue(ep, gC, epi_count, old)
-
-    @cute.jit
-    def _epilogue(self, ep, gC, epi_count, old):
-        """Store the accumulators of one tile: per (tm x 32) subtile, (add the old C subtile,
-        which TMA loads into the extra smem block,) convert to the output type, copy to a ring of
-        smem buffers and TMA-store, ``epi_batch`` subtiles per pair of barriers; returns the
-        number of subtiles."""
-        gC_epi = cute.zipped_divide(gC, self.epi_tile)
-        bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-            ep.tma_c, 0, cute.make_layout(1), cute.group_modes(ep.sC, 0, 2), gC_epi
-        )
-        num_epi = cute.size(gC_epi, mode=[1])
-        epi_layout = cute.make_layout(gC_epi.shape[1], stride=(gC_epi.shape[1][1], 1))
-        size_rD = cute.size(ep.rD)
-        loads = None
-        batch = self._batch(num_epi)
-        if const_expr(old is not None):
-            loads = self._old_c_loads(ep, old, epi_layout)
-            self._load_old_c(ep, loads, 0)
-            batch = 1
-        outs = [ep.rD_out]
-        outs += [cute.make_rmem_tensor(ep.rD.shape, self.c_dtype) for _ in range(batch - 1)]
-        for b in cutlass.range_constexpr(num_epi // batch):
-            items = []
-            for i in cutlass.range_constexpr(batch):
-                e = b * batch + i
-                for v in cutlass.range_constexpr(size_rD):
-                    ep.rD[v] = ep.tRS_acc[e * size_rD + v]
-                if const_expr(old is not None):
-                    self._add_old_c(ep, loads, e, num_epi)
-                outs[i].store(ep.rD.load().to(self.c_dtype))
-                items.append((outs[i], ep.tma_c, bSG_sC, bSG_gC, epi_layout.get_hier_coord(e)))
-            self._store_group(ep.tiled_r2s, ep.tRS_sC, ep.warp, items, epi_count + b * batch)
-        return num_epi
-
-    @cute.jit
-    def _old_c_loads(self, ep, old, epi_layout):
-        """TMA partitions of the old C tile per (tm x 32) subtile, and the tile coordinates of
-        this thread's accumulator values (in ``tRS_acc``'s order)."""
-        tma_old, g_old = old
-        s_l, g_l = cute.nvgpu.cpasync.tma_partition(
-            tma_old,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(ep.sC, 0, 2),
-            cute.zipped_divide(g_old, self.epi_tile),
-        )
-        c_tile = cute.make_identity_tensor(self.tile_mnk[:2])
-        coords = ep.tiled_r2s.retile(ep.tiled_mma.get_slice(ep.mma_tidx).partition_C(c_tile))
-        return tma_old, s_l, g_l, coords, epi_layout
-
-    @cute.jit
-    def _load_old_c(self, ep, loads, e: int):
-        """Start the TMA load of subtile ``e`` of the old C into the extra smem block (one
-        mbarrier phase per subtile; tiles have an even number of subtiles, so subtile e always
-        waits for parity e % 2). Values past C's bounds are zero-filled."""
-        tma_old, s_l, g_l, _, epi_layout = loads
-        if ep.warp == self.epi_store_warp:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(
-                    ep.extra_bar, self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
-                )
-            cute.copy(
-                tma_old,
-                g_l[(None, epi_layout.get_hier_coord(e))],
-                s_l[(None, self.epi_stage)],
-                tma_bar_ptr=ep.extra_bar,
-            )
-
-    @cute.jit
-    def _add_old_c(self, ep, loads, e: int, num_epi: int):
-        """rD += subtile ``e`` of the old C; then the block is free and the next load starts."""
-        coords = loads[3]
-        size_rD = cute.size(ep.rD)
-        cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
-        for v in cutlass.range_constexpr(size_rD):
-            r, cc = coords[e * size_rD + v]
-            ep.rD[v] = ep.rD[v] + ep.sC[r, cc - 32 * e, self.epi_stage].to(Float32)
-        self.epi_barrier.arrive_and_wait()
-        if const_expr(e + 1 < num_epi):
-            self._load_old_c(ep, loads, e + 1)
-
-    def _batch(self, count: int) -> int:
-        """Subtiles staged per pair of barriers (trace time): ``epi_batch`` if set, else all but
-        one slot of the ring (the TMA store of the last may still be reading it); divides
-        ``count``."""
-        batch = min(self.epi_batch or max(1, self.epi_stage - 1), self.epi_stage)
-        while count % batch:
-            batch -= 1
-        return batch
-
-    @cute.jit
-    def _store_group(self, tiled_r2s, tRS_sC, warp, items: list, count):
-        """Stage and TMA-store subtiles in ring slots ``count``, ``count + 1``, ..., ``_batch``
-        of them per pair of barriers. ``items``: (registers in the output type, TMA atom, smem
-        partition, gmem partition, gmem coordinate)."""
-        batch = self._batch(len(items))
-        for b in cutlass.range_constexpr(len(items) // batch):
-            self._ring_reserve(warp, batch)
-            stores = []
-            for i in cutlass.range_constexpr(batch):
-                r_out, tma, s_part, g_part, coord = items[b * batch + i]
-                slot = (count + b * batch + i) % self.epi_stage
-                cute.copy(tiled_r2s, r_out, tRS_sC[(None, None, None, slot)])
-                stores.append((tma, s_part, g_part, slot, coord))
-            self._ring_flush(warp, stores)
-
-    @cute.jit
-    def _ring_reserve(self, warp, n: int):
-        """Before staging ``n`` subtiles in the next ring slots: wait until the TMA stores that
-        last used those slots have read them (at most ``epi_stage - n`` stores still reading),
-        then sync the epilogue threads."""
-        if warp == self.epi_store_warp:
-            cute.arch.cp_async_bulk_wait_group(self.epi_stage - n, read=True)
-        self.epi_barrier.arrive_and_wait()
-
-    @cute.jit
-    def _ring_flush(self, warp, stores: list):
-        """Make the staged subtiles visible to TMA and store them, one bulk group each.
-        ``stores``: (TMA atom, smem partition, gmem partition, ring slot, gmem coordinate)."""
-        cute.arch.fence_proxy("async.shared", space="cta")
-        self.epi_barrier.arrive_and_wait()
-        if warp == self.epi_store_warp:
-            for i in cutlass.range_constexpr(len(stores)):
-                tma, s_part, g_part, slot, coord = stores[i]
-                cute.copy(tma, s_part[(None, slot)], g_part[(None, coord)])
-                cute.arch.cp_async_bulk_commit_group()

@@ -1,0 +1,140 @@
+"""The plain grouped GEMMs on the CuTe DSL backend: ``grouped_mm`` (varlen M) and
+``grouped_wgrad`` (varlen K), with their ``supports`` checks. Kernel:
+``grouped_gemm.GroupedGemmKernel``; maths: ``reference.grouped_mm`` / ``reference.grouped_wgrad``.
+
+Shape legend: M routed rows (tokens), E groups (experts), K reduction dim, N output dim.
+Imports no cutlass until a kernel is first compiled; no host reads of ``offs``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .launch import (
+    _AB_DTYPES,
+    MM_TILING,
+    WGRAD_TILING,
+    Tiling,
+    _b_view,
+    _check_offs,
+    _num_sms,
+    _row_major,
+    _row_ok,
+    default_tiling,
+    varlen_k_clusters,
+    varlen_m_clusters,
+)
+
+
+def _supports(
+    operands: tuple[Tensor, Tensor], shapes_ok: bool, expected: str, k: int, n: int
+) -> tuple[bool, str]:
+    """The checks both GEMMs share, in order: one 16-bit dtype, the shapes (``shapes_ok``, else
+    "needs ``expected``"), 16-byte aligned K and N rows, CUDA tensors."""
+    first, second = operands
+    if first.dtype != second.dtype or first.dtype not in _AB_DTYPES:
+        return False, f"needs bf16/fp16 operands of one dtype, got {first.dtype} and {second.dtype}"
+    if not shapes_ok:
+        return False, f"needs {expected}, got {tuple(first.shape)} and {tuple(second.shape)}"
+    if not (_row_ok(k, first.dtype) and _row_ok(n, first.dtype)):
+        return False, f"K={k} and N={n} must be multiples of 8 (TMA rows are 16-byte aligned)"
+    if not (first.is_cuda and second.is_cuda):
+        return False, "needs CUDA tensors"
+    return True, ""
+
+
+def supports(a: Tensor, b: Tensor) -> tuple[bool, str]:
+    """Whether ``grouped_mm(a, b, ...)`` can run on this backend, with the reason if not."""
+    shapes_ok = a.dim() == 2 and b.dim() == 3 and a.shape[1] == b.shape[1]
+    k, n = (b.shape[1], b.shape[2]) if shapes_ok else (0, 0)
+    return _supports((a, b), shapes_ok, "a [M, K] and b [E, K, N]", k, n)
+
+
+def supports_wgrad(grad_out: Tensor, x: Tensor) -> tuple[bool, str]:
+    """Whether ``grouped_wgrad(grad_out, x, ...)`` can run here, with the reason if not."""
+    shapes_ok = grad_out.dim() == 2 and x.dim() == 2 and grad_out.shape[0] == x.shape[0]
+    k, n = (x.shape[1], grad_out.shape[1]) if shapes_ok else (0, 0)
+    return _supports((grad_out, x), shapes_ok, "grad_out [M, N] and x [M, K]", k, n)
+
+
+def grouped_mm(
+    a: Tensor, b: Tensor, offs: Tensor, out: Tensor | None = None, *, tiling: Tiling | None = None
+) -> Tensor:
+    """Varlen-M grouped GEMM: ``out[rows of e] = a[rows of e] @ b[e]`` (fp32 accumulate).
+
+    a: [M, K], b: [E, K, N] (either major: ``W.transpose(1, 2)`` or ``W``), offs: int32 [E]
+    -> out: [M, N] in ``a.dtype``. Rows past ``offs[-1]`` are written as zeros, as in
+    ``reference.grouped_mm``. Raises ValueError when ``supports(a, b)`` is False.
+    """
+    ok, why = supports(a, b)
+    if not ok:
+        raise ValueError(f"cute grouped_mm: a {tuple(a.shape)}, b {tuple(b.shape)}: {why}")
+    from .compile import GemmConfig, compile_gemm
+
+    rows, groups, n = a.shape[0], b.shape[0], b.shape[2]
+    offs = _check_offs(offs, groups, a.device)
+    if out is None:
+        out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    elif out.shape != (rows, n) or out.dtype != a.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous [{rows}, {n}] {a.dtype} tensor, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
+    if rows == 0:
+        return out
+    a = _row_major(a)
+    b_view, b_major = _b_view(b)
+    t = tiling or default_tiling(n, MM_TILING)
+    kernel = compile_gemm(GemmConfig("m", a.dtype, a.dtype, b_major, t.tile_n, t.cluster_mn)).fn
+    sms = _num_sms(a.device.index or 0)
+    kernel(a, b_view, out, offs, varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms))
+    return out
+
+
+def grouped_wgrad(
+    grad_out: Tensor,
+    x: Tensor,
+    offs: Tensor,
+    out: Tensor | None = None,
+    accumulate: bool = False,
+    *,
+    tiling: Tiling | None = None,
+) -> Tensor:
+    """Varlen-K grouped GEMM: ``out[e] = grad_out[rows of e]ᵀ @ x[rows of e]`` -> [E, N, K].
+
+    A new tensor in ``x.dtype``, or written into (``accumulate=True``: added to) ``out``, a
+    contiguous [E, N, K] buffer in float32 (``main_grad``) or the operands' dtype.
+    """
+    ok, why = supports_wgrad(grad_out, x)
+    if not ok:
+        raise ValueError(
+            f"cute grouped_wgrad: grad_out {tuple(grad_out.shape)}, x {tuple(x.shape)}: {why}"
+        )
+    from .compile import GemmConfig, compile_gemm
+
+    rows, n, k = x.shape[0], grad_out.shape[1], x.shape[1]
+    groups = offs.shape[0]
+    offs = _check_offs(offs, groups, x.device)
+    if out is None:
+        out, accumulate = torch.empty(groups, n, k, dtype=x.dtype, device=x.device), False
+    if out.shape != (groups, n, k) or out.dtype not in (torch.float32, x.dtype):
+        raise ValueError(
+            f"out must be [{groups}, {n}, {k}] in float32 or {x.dtype}, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
+    if not out.is_contiguous():
+        tmp = torch.empty_like(out, memory_format=torch.contiguous_format)
+        result = grouped_wgrad(grad_out, x, offs, tmp, tiling=tiling)
+        return out.add_(result) if accumulate else out.copy_(result)
+    if rows == 0:
+        return out if accumulate else out.zero_()
+    grad_out, x = _row_major(grad_out), _row_major(x)
+    t = tiling or default_tiling(k, WGRAD_TILING)
+    kernel = compile_gemm(
+        GemmConfig("k", x.dtype, out.dtype, "n", t.tile_n, t.cluster_mn, accumulate)
+    ).fn
+    sms = _num_sms(x.device.index or 0)
+    clusters = varlen_k_clusters(groups, n, k, t.tile_n, t.cluster_mn, sms)
+    kernel(grad_out.t(), x.t(), out.permute(1, 2, 0), offs, clusters)
+    return out

@@ -1,0 +1,136 @@
+"""Host helpers shared by every CuTe DSL functional: tiling, capability, operand views, the grid.
+
+Shape legend: M routed rows (tokens), E groups (experts), K reduction dim, N output dim.
+``offs`` is int32 [E] of cumulative row ends on the device. Imports no cutlass (``available``
+imports it only to probe) and never reads ``offs`` on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_AB_DTYPES = (torch.bfloat16, torch.float16)
+_TILE_M = 128  # every kernel's CTA tile is 128 rows (two 64-row WGMMA warpgroups)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """CTA tile width (the tile is 128 x tile_n x 64) and cluster shape (cluster_m, cluster_n).
+
+    cluster (2, 1): two m-tiles of one group share B by multicast; (1, 2): two n-tiles share A.
+    """
+
+    tile_n: int = 256
+    cluster_mn: tuple[int, int] = (1, 2)
+
+
+# Measured on one H200 (2026-11-22, benchmarks/bench_grouped_gemm.py, shapes A/B/Q/Z of DESIGN.md):
+# 128x256 with a 1x2 cluster was best or within 2% of best for every GEMM; 2x1 lost 5-20% on
+# varlen M (256-row cluster units waste rows of small experts), 128x128 lost up to 35% on A.
+# The tile width is then narrowed where 256 would leave columns idle (``tile_n_for``).
+MM_TILING = Tiling(256, (1, 2))
+WGRAD_TILING = Tiling(256, (1, 2))
+TILE_WIDTHS = (256, 192, 128)
+
+
+def tile_n_for(n: int, cluster_n: int = 2) -> int:
+    """The widest tile in ``TILE_WIDTHS`` whose cluster units cover ``n`` columns with the least
+    padding: N = 768 takes 192 (two 384-column units) where 256 would compute 1024 columns."""
+    return min(TILE_WIDTHS, key=lambda t: (-(-n // (t * cluster_n)) * t * cluster_n, -t))
+
+
+def default_tiling(n: int, base: Tiling) -> Tiling:
+    """``base`` with its tile width fitted to ``n`` columns (``tile_n_for``)."""
+    return Tiling(tile_n_for(n, base.cluster_mn[1]), base.cluster_mn)
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> tuple[bool, str]:
+    """(True, "") when a CUDA device of capability >= 9.0 and the CuTe DSL (with TVM-FFI) import."""
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return False, f"needs compute capability >= 9.0, found {major}.{minor}"
+    for module, package in (("cutlass.cute", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi")):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            return False, f"{package} is not importable ({exc}); pip install 'te_seq[cute]'"
+    return True, ""
+
+
+def _row_ok(n: int, dtype: torch.dtype) -> bool:
+    """TMA needs every non-unit stride 16-byte aligned."""
+    return (n * dtype.itemsize) % 16 == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _row_major(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 and t.stride(0) == t.shape[1] else t.contiguous()
+
+
+def _b_view(b: Tensor) -> tuple[Tensor, str]:
+    """b [E, K, N] as the kernel's (N, K, E) view and its major ("k": K contiguous, else "n")."""
+    el = 8  # 16 bytes of bf16/fp16
+    if b.stride(1) == 1 and b.stride(2) % el == 0 and b.stride(0) % el == 0:
+        return b.permute(2, 1, 0), "k"
+    if b.stride(2) != 1 or b.stride(1) % el or b.stride(0) % el:
+        b = b.contiguous()
+    return b.permute(2, 1, 0), "n"
+
+
+def _check_offs(offs: Tensor, groups: int, device: torch.device) -> Tensor:
+    if offs.dim() != 1 or offs.shape[0] != groups:
+        raise ValueError(f"offs must be 1-D of length {groups}, got shape {tuple(offs.shape)}")
+    if offs.device != device:
+        raise ValueError(f"offs must be on {device}, got {offs.device}")
+    return (
+        offs
+        if offs.dtype == torch.int32 and offs.is_contiguous()
+        else offs.to(torch.int32).contiguous()
+    )
+
+
+# ---------------------------------------------------------------- the persistent grid
+
+
+def _persistent(units: int, cluster_mn: tuple[int, int], sms: int) -> int:
+    """Clusters to launch: one per work unit, at most as many as fit on ``sms`` SMs at once."""
+    cm, cn = cluster_mn
+    return max(1, min(units, sms // (cm * cn)))
+
+
+def varlen_m_clusters(
+    rows: int, groups: int, n: int, tile_n: int, cluster_mn: tuple[int, int], sms: int
+) -> int:
+    """Clusters for a varlen-M launch (``grouped_mm``, the GLU steps) of M = ``rows`` rows in
+    E = ``groups`` groups and ``n`` output columns.
+
+    The grid comes from M and E only: no group (nor the virtual one past ``offs[-1]``) has more
+    m-units than its rows allow, so there are at most (M + (E + 1)(block_m - 1)) / block_m
+    m-units per n-unit, block_m = 128 · cluster_m; an n-unit is tile_n · cluster_n columns.
+    """
+    cm, cn = cluster_mn
+    block_m = _TILE_M * cm
+    units = (rows + (groups + 1) * (block_m - 1)) // block_m * -(-n // (tile_n * cn))
+    return _persistent(units, cluster_mn, sms)
+
+
+def varlen_k_clusters(
+    groups: int, n: int, k: int, tile_n: int, cluster_mn: tuple[int, int], sms: int
+) -> int:
+    """Clusters for a varlen-K launch (``grouped_wgrad``): E = ``groups`` output blocks of
+    [n, k], each ⌈n / (128 · cluster_m)⌉ · ⌈k / (tile_n · cluster_n)⌉ cluster units."""
+    cm, cn = cluster_mn
+    units = groups * -(-n // (_TILE_M * cm)) * -(-k // (tile_n * cn))
+    return _persistent(units, cluster_mn, sms)

@@ -1,0 +1,206 @@
+"""The producer and consumer roles of the grouped GEMM's warp-specialized kernel.
+
+The producer warp TMA-loads A and B tiles into the ``ab_stage``-deep smem ring (multicast across
+the cluster); each consumer warpgroup waits for a stage, runs WGMMA on its 64 rows of the
+128 × tile_n tile and releases the stage, then hands the fp32 accumulators to the epilogue hook
+``_store_tile`` (``store_epilogue``, or a subclass's).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32, const_expr
+
+from .ragged import _ragged_group
+from .store_epilogue import _EpilogueState
+
+
+class MainloopMixin:
+    """``_producer`` and ``_consumer`` (with ``_mainloop``) of ``GroupedGemmKernel``: both walk
+    the units of ``TileSchedulerMixin._work``. Uses the kernel's tile, cluster and warpgroup
+    attributes and what ``_setup`` derives (``ab_stage``, ``c_layout``, dtypes).
+    """
+
+    @cute.jit
+    def _tile_tensors(self, mA, mB, group, m_tile, n_tile, row0, rows):
+        """The (bM, bK, k) and (bN, bK, k) global tiles of one work unit."""
+        tm, tn, tk = self.tile_mnk
+        if const_expr(self.varlen == "m"):
+            mA_g = cute.domain_offset((row0, 0), mA)
+            mB_g = mB[None, None, group]
+        else:
+            mA_g = _ragged_group(mA, 1, row0, rows)
+            mB_g = _ragged_group(mB, 1, row0, rows)
+        gA = cute.local_tile(mA_g, (tm, tk), (m_tile, None))
+        gB = cute.local_tile(mB_g, (tn, tk), (n_tile, None))
+        return gA, gB
+
+    @cute.jit
+    def _k_tiles(self, group, rows, offs, k_dim):
+        """K-tile count of a unit. The virtual group past offs[-1] loads nothing (zero rows)."""
+        tk = self.tile_mnk[2]
+        k_tiles = Int32(0)
+        if const_expr(self.varlen == "m"):
+            if (group < cute.size(offs)) & (rows > 0):
+                k_tiles = (k_dim + tk - 1) // tk
+        else:
+            k_tiles = (rows + tk - 1) // tk
+        return k_tiles
+
+    @cute.jit
+    def _producer(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched):
+        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
+        a_mask, b_mask = None, None
+        cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
+        if const_expr(self.cluster_n > 1):  # CTAs of one m-tile share A
+            a_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=1)
+        if const_expr(self.cluster_m > 1):  # CTAs of one n-tile share B
+            b_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+        cluster_id = cute.arch.block_idx()[2]
+        stride = cute.arch.grid_dim()[2]
+        st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
+        unit = cluster_id
+        valid, group, m_unit, n_unit, row0, rows, st = self._work(
+            offs, num_rows, n_tiles, m_units_k, unit, st
+        )
+        while valid:
+            m_tile = m_unit * self.cluster_m + cluster_coord[0]
+            n_tile = n_unit * self.cluster_n + cluster_coord[1]
+            gA, gB = self._tile_tensors(mA, mB, group, m_tile, n_tile, row0, rows)
+            k_tiles = self._k_tiles(group, rows, offs, k_dim)
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_a,
+                cluster_coord[1],
+                cute.make_layout(self.cluster_n),
+                cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2),
+            )
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_b,
+                cluster_coord[0],
+                cute.make_layout(self.cluster_m),
+                cute.group_modes(sB, 0, 2),
+                cute.group_modes(gB, 0, 2),
+            )
+            for k in range(k_tiles):
+                ab_pipe.producer_acquire(state)
+                bar = ab_pipe.producer_get_barrier(state)
+                cute.copy(
+                    tma_a,
+                    tAgA[(None, k)],
+                    tAsA[(None, state.index)],
+                    tma_bar_ptr=bar,
+                    mcast_mask=a_mask,
+                )
+                cute.copy(
+                    tma_b,
+                    tBgB[(None, k)],
+                    tBsB[(None, state.index)],
+                    tma_bar_ptr=bar,
+                    mcast_mask=b_mask,
+                )
+                ab_pipe.producer_commit(state)
+                state.advance()
+            unit = unit + stride
+            valid, group, m_unit, n_unit, row0, rows, st = self._work(
+                offs, num_rows, n_tiles, m_units_k, unit, st
+            )
+        ab_pipe.producer_tail(state)
+
+    @cute.jit
+    def _mainloop(self, tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles):
+        """acc = Σ_k A_k B_kᵀ over ``k_tiles`` stages; one WGMMA batch kept in flight
+        (``tiled_mma`` accumulates: acc is zeroed first)."""
+        acc.fill(0.0)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        for k in range(k_tiles):
+            ab_pipe.consumer_wait(read)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                coord = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            read.advance()
+            if k > 0:
+                cute.nvgpu.warpgroup.wait_group(1)
+                ab_pipe.consumer_release(release)
+                release.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        if k_tiles > 0:
+            ab_pipe.consumer_release(release)
+            release.advance()
+        return read, release
+
+    @cute.jit
+    def _consumer(self, tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar):
+        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
+        tm, tn, tk = self.tile_mnk
+        mma_tidx = tidx - self.threads_per_warpgroup
+        wg_layout = cute.make_layout(self.num_mma_warpgroups, stride=self.threads_per_warpgroup)
+        thr_mma = tiled_mma.get_slice(wg_layout(mma_tidx // self.threads_per_warpgroup))
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tm, tn)), self.acc_dtype)
+        # once, outside the tile loop: the epilogue partitions with ``tiled_mma`` too, and a value
+        # set inside a (dynamic) branch of the loop would not be visible there
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+
+        # Epilogue: registers -> smem (stmatrix for 16-bit) -> TMA store, per (tm x 32) subtile.
+        r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype)
+        stm_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+        )
+        tiled_r2s = cute.make_tiled_copy_S(
+            r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma)
+        )
+        thr_r2s = tiled_r2s.get_slice(mma_tidx)
+        tRS_sC = thr_r2s.partition_D(sC)
+        tRS_acc = tiled_r2s.retile(acc)
+        rD_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+        rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+        rD_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        cluster_id = cute.arch.block_idx()[2]
+        stride = cute.arch.grid_dim()[2]
+        st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
+        unit = cluster_id
+        epi_count = Int32(0)
+        valid, group, m_unit, n_unit, row0, rows, st = self._work(
+            offs, num_rows, n_tiles, m_units_k, unit, st
+        )
+        while valid:
+            m_tile = m_unit * self.cluster_m + cluster_coord[0]
+            n_tile = n_unit * self.cluster_n + cluster_coord[1]
+            k_tiles = self._k_tiles(group, rows, offs, k_dim)
+            read, release = self._mainloop(
+                tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles
+            )
+            ep = _EpilogueState(
+                tma_c,
+                mC,
+                sC,
+                tiled_r2s,
+                tRS_acc,
+                tRS_sC,
+                rD,
+                rD_out,
+                warp,
+                tiled_mma,
+                mma_tidx,
+                epi,
+                extra_bar,
+            )
+            num_epi = self._store_tile(ep, acc, group, m_tile, n_tile, row0, rows, epi_count)
+            epi_count = epi_count + num_epi
+            unit = unit + stride
+            valid, group, m_unit, n_unit, row0, rows, st = self._work(
+                offs, num_rows, n_tiles, m_units_k, unit, st
+            )
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem stays valid until TMA read it

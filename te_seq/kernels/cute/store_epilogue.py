@@ -1,0 +1,198 @@
+"""The store epilogue of the grouped GEMM: accumulators -> smem ring -> TMA store.
+
+Per (tm x 32) subtile the consumer warpgroups convert the fp32 accumulators to the output type,
+stage them in a ring of smem buffers and one warp TMA-stores them; with ``accumulate`` (varlen K
+into an existing C) the old C subtile is TMA-loaded into an extra smem block and added first.
+The ring helpers (``_store_group``, ``_ring_reserve``, ``_ring_flush``) are shared with the GLU
+epilogues (``glu_epilogue``), which override the hooks ``_make_epi`` and ``_store_tile``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from .ragged import _ragged_group
+
+
+class _EpilogueState(NamedTuple):
+    """Loop-invariant epilogue pieces of a consumer warpgroup (trace-time bundle)."""
+
+    tma_c: object
+    mC: object
+    sC: object
+    tiled_r2s: object
+    tRS_acc: object
+    tRS_sC: object
+    rD: object
+    rD_out: object
+    warp: object
+    tiled_mma: object
+    mma_tidx: object
+    epi: tuple
+    extra_bar: object  # pointer to the subclass's extra mbarriers (smem)
+
+
+class StoreEpilogueMixin:
+    """The epilogue hooks of ``GroupedGemmKernel`` and the store ring. Uses the kernel's
+    ``epi_tile``, ``epi_stage``, ``epi_batch``, ``epi_store_warp``, ``epi_barrier``,
+    ``c_smem``, ``c_dtype``, ``tile_mnk``, ``varlen`` and ``accumulate``.
+    """
+
+    def _make_epi(self, c: cute.Tensor, epi_inputs: tuple) -> tuple:
+        """Host-side (jit) epilogue state passed to the kernel: extra TMA atoms, tensors. Here:
+        with ``accumulate``, the TMA load atom (and coordinates) of the old C."""
+        if not self.accumulate:
+            return ()
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            c,
+            cute.slice_(self.c_smem, (None, None, 0)),
+            self.epi_tile,
+        )
+
+    @cute.jit
+    def _store_tile(self, ep, acc, group, m_tile, n_tile, row0, rows, epi_count):
+        """Epilogue hook: write one tile's accumulators (added to the old C with ``accumulate``);
+        returns the number of smem stores used."""
+        tm, tn, _ = self.tile_mnk
+        if const_expr(self.varlen == "m"):
+            mC_g = _ragged_group(ep.mC, 0, row0, rows)
+        else:
+            mC_g = ep.mC[None, None, group]
+        gC = cute.local_tile(mC_g, (tm, tn), (m_tile, n_tile))
+        old = None
+        if const_expr(self.accumulate):
+            tma_old, m_old = ep.epi
+            old = (tma_old, cute.local_tile(m_old[None, None, group], (tm, tn), (m_tile, n_tile)))
+        return self._epilogue(ep, gC, epi_count, old)
+
+    @cute.jit
+    def _epilogue(self, ep, gC, epi_count, old):
+        """Store the accumulators of one tile: per (tm x 32) subtile, (add the old C subtile,
+        which TMA loads into the extra smem block,) convert to the output type, copy to a ring of
+        smem buffers and TMA-store, ``epi_batch`` subtiles per pair of barriers; returns the
+        number of subtiles."""
+        gC_epi = cute.zipped_divide(gC, self.epi_tile)
+        bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+            ep.tma_c, 0, cute.make_layout(1), cute.group_modes(ep.sC, 0, 2), gC_epi
+        )
+        num_epi = cute.size(gC_epi, mode=[1])
+        epi_layout = cute.make_layout(gC_epi.shape[1], stride=(gC_epi.shape[1][1], 1))
+        size_rD = cute.size(ep.rD)
+        loads = None
+        batch = self._batch(num_epi)
+        if const_expr(old is not None):
+            loads = self._old_c_loads(ep, old, epi_layout)
+            self._load_old_c(ep, loads, 0)
+            batch = 1
+        outs = [ep.rD_out]
+        outs += [cute.make_rmem_tensor(ep.rD.shape, self.c_dtype) for _ in range(batch - 1)]
+        for b in cutlass.range_constexpr(num_epi // batch):
+            items = []
+            for i in cutlass.range_constexpr(batch):
+                e = b * batch + i
+                for v in cutlass.range_constexpr(size_rD):
+                    ep.rD[v] = ep.tRS_acc[e * size_rD + v]
+                if const_expr(old is not None):
+                    self._add_old_c(ep, loads, e, num_epi)
+                outs[i].store(ep.rD.load().to(self.c_dtype))
+                items.append((outs[i], ep.tma_c, bSG_sC, bSG_gC, epi_layout.get_hier_coord(e)))
+            self._store_group(ep.tiled_r2s, ep.tRS_sC, ep.warp, items, epi_count + b * batch)
+        return num_epi
+
+    @cute.jit
+    def _old_c_loads(self, ep, old, epi_layout):
+        """TMA partitions of the old C tile per (tm x 32) subtile, and the tile coordinates of
+        this thread's accumulator values (in ``tRS_acc``'s order)."""
+        tma_old, g_old = old
+        s_l, g_l = cute.nvgpu.cpasync.tma_partition(
+            tma_old,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(ep.sC, 0, 2),
+            cute.zipped_divide(g_old, self.epi_tile),
+        )
+        c_tile = cute.make_identity_tensor(self.tile_mnk[:2])
+        coords = ep.tiled_r2s.retile(ep.tiled_mma.get_slice(ep.mma_tidx).partition_C(c_tile))
+        return tma_old, s_l, g_l, coords, epi_layout
+
+    @cute.jit
+    def _load_old_c(self, ep, loads, e: int):
+        """Start the TMA load of subtile ``e`` of the old C into the extra smem block (one
+        mbarrier phase per subtile; tiles have an even number of subtiles, so subtile e always
+        waits for parity e % 2). Values past C's bounds are zero-filled."""
+        tma_old, s_l, g_l, _, epi_layout = loads
+        if ep.warp == self.epi_store_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    ep.extra_bar, self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
+                )
+            cute.copy(
+                tma_old,
+                g_l[(None, epi_layout.get_hier_coord(e))],
+                s_l[(None, self.epi_stage)],
+                tma_bar_ptr=ep.extra_bar,
+            )
+
+    @cute.jit
+    def _add_old_c(self, ep, loads, e: int, num_epi: int):
+        """rD += subtile ``e`` of the old C; then the block is free and the next load starts."""
+        coords = loads[3]
+        size_rD = cute.size(ep.rD)
+        cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
+        for v in cutlass.range_constexpr(size_rD):
+            r, cc = coords[e * size_rD + v]
+            ep.rD[v] = ep.rD[v] + ep.sC[r, cc - 32 * e, self.epi_stage].to(Float32)
+        self.epi_barrier.arrive_and_wait()
+        if const_expr(e + 1 < num_epi):
+            self._load_old_c(ep, loads, e + 1)
+
+    def _batch(self, count: int) -> int:
+        """Subtiles staged per pair of barriers (trace time): ``epi_batch`` if set, else all but
+        one slot of the ring (the TMA store of the last may still be reading it); divides
+        ``count``."""
+        batch = min(self.epi_batch or max(1, self.epi_stage - 1), self.epi_stage)
+        while count % batch:
+            batch -= 1
+        return batch
+
+    @cute.jit
+    def _store_group(self, tiled_r2s, tRS_sC, warp, items: list, count):
+        """Stage and TMA-store subtiles in ring slots ``count``, ``count + 1``, ..., ``_batch``
+        of them per pair of barriers. ``items``: (registers in the output type, TMA atom, smem
+        partition, gmem partition, gmem coordinate)."""
+        batch = self._batch(len(items))
+        for b in cutlass.range_constexpr(len(items) // batch):
+            self._ring_reserve(warp, batch)
+            stores = []
+            for i in cutlass.range_constexpr(batch):
+                r_out, tma, s_part, g_part, coord = items[b * batch + i]
+                slot = (count + b * batch + i) % self.epi_stage
+                cute.copy(tiled_r2s, r_out, tRS_sC[(None, None, None, slot)])
+                stores.append((tma, s_part, g_part, slot, coord))
+            self._ring_flush(warp, stores)
+
+    @cute.jit
+    def _ring_reserve(self, warp, n: int):
+        """Before staging ``n`` subtiles in the next ring slots: wait until the TMA stores that
+        last used those slots have read them (at most ``epi_stage - n`` stores still reading),
+        then sync the epilogue threads."""
+        if warp == self.epi_store_warp:
+            cute.arch.cp_async_bulk_wait_group(self.epi_stage - n, read=True)
+        self.epi_barrier.arrive_and_wait()
+
+    @cute.jit
+    def _ring_flush(self, warp, stores: list):
+        """Make the staged subtiles visible to TMA and store them, one bulk group each.
+        ``stores``: (TMA atom, smem partition, gmem partition, ring slot, gmem coordinate)."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.epi_barrier.arrive_and_wait()
+        if warp == self.epi_store_warp:
+            for i in cutlass.range_constexpr(len(stores)):
+                tma, s_part, g_part, slot, coord = stores[i]
+                cute.copy(tma, s_part[(None, slot)], g_part[(None, coord)])
+                cute.arch.cp_async_bulk_commit_group()
