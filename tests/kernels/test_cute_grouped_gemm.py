@@ -13,8 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from cute_marks import needs_dsl
-from cute_marks import ROOT, compile_for_sm90a, gpu, needs_cute
+from cute_marks import ROOT, compile_for_sm90a, gpu, needs_cute, needs_dsl
 
 from te_seq.kernels import reference
 
@@ -57,7 +56,7 @@ def test_compile_all_configs_for_sm90a():
 
 
 @pytest.mark.slow  # one DSL compile in a subprocess
-@pytest.mark.skipif(not _HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
+@needs_dsl
 def test_dump_ptx_writes_and_compares_ptx(tmp_path):
     # benchmarks/dump_ptx.py is how a kernel refactor shows its device code is unchanged: it
     # must write real sm_90a PTX and fail (exit 1) when an earlier dump differs
