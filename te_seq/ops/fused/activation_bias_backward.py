@@ -15,8 +15,8 @@ from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.kernels import reference
 from te_seq.ops.basic.bias import Bias
-from te_seq.ops.fused.grouped_mlp import ACTIVATION_OPS
 from te_seq.ops.fused._linear_common import check_activation
+from te_seq.ops.fused.grouped_mlp import ACTIVATION_OPS
 
 
 def _upcast(t: Tensor | None) -> Tensor | None:
