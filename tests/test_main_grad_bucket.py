@@ -48,11 +48,11 @@ def test_bucketed_main_grad_gets_every_group(overwrite):
 
 
 def test_bucket_block_detection():
-    from te_seq.ops.basic.grouped_linear import _block_of
+    from te_seq.ops.basic._grouped_params import block_of
 
     bucket = torch.zeros(40)
     back_to_back = [bucket[2 + 6 * i : 8 + 6 * i].view(2, 3) for i in range(3)]
-    assert _block_of(back_to_back).data_ptr() == back_to_back[0].data_ptr()
+    assert block_of(back_to_back).data_ptr() == back_to_back[0].data_ptr()
     gapped = [bucket[2 + 7 * i : 8 + 7 * i].view(2, 3) for i in range(3)]
-    assert _block_of(gapped) is None
-    assert _block_of([torch.zeros(2, 3), torch.zeros(2, 3)]) is None
+    assert block_of(gapped) is None
+    assert block_of([torch.zeros(2, 3), torch.zeros(2, 3)]) is None

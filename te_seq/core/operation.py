@@ -2,8 +2,12 @@
 
 A *basic op* (`BasicOperation`) defines one piece of maths and may own parameters. A *fused op*
 (`FusedOperation`) owns nothing: it runs the maths of a window of adjacent basic ops faster.
-The fuser (run/fuser.py) gives every basic op its own `OperationContext`, also inside a fused op,
-so forward-only and backward-only fusions can mix with unfused partners.
+The fuser (run/fuser.py) gives every basic op its own `OperationContext` (core/context.py), also
+inside a fused op, so forward-only and backward-only fusions can mix with unfused partners.
+
+Layering: core/ imports nothing above it (fusion/, run/, ops/) at module level. The one
+deliberate upward import is function-level, in `BasicOperation.forward`: the standalone call
+`op(x)` runs the op through a one-op `te_seq.run.sequential.Sequential`.
 """
 
 from __future__ import annotations
@@ -14,30 +18,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from te_seq.core.context import OperationContext
+
+__all__ = [
+    "BasicOperation",
+    "CompositeOperation",
+    "FusedOperation",
+    "FusibleOperation",
+    "OperationContext",
+    "ParamGrads",
+]
+
 ParamGrads = Sequence[Tensor | None]
-
-
-class OperationContext:
-    """Per-basic-op, per-call state shared by an op's forward and backward.
-
-    Its contents are private to the op that owns it. Tensors saved with `save_for_backward` go
-    through `torch.autograd`'s saved-tensor hooks (the fuser hands them to the autograd context).
-    """
-
-    def __init__(self) -> None:
-        self.to_save: tuple[Tensor | None, ...] = ()
-        self.saved_tensors: tuple[Tensor | None, ...] = ()
-        # True when this op's backward will run (autograd is recording and something upstream,
-        # its own parameters or its extra inputs need a gradient).
-        self.requires_grad: bool = False
-        # True when the op's input needs a gradient (so dgrad must be computed).
-        self.input_requires_grad: bool = False
-        # True when any parameter of the op needs a gradient (so wgrad must be computed).
-        self.weight_requires_grad: bool = False
-        self.backend: str = "reference"
-
-    def save_for_backward(self, *tensors: Tensor | None) -> None:
-        self.to_save = tensors
 
 
 class FusibleOperation(torch.nn.Module):
@@ -110,6 +102,8 @@ class BasicOperation(FusibleOperation):
     def forward(self, input_: Tensor, *extra_inputs: Any) -> Tensor | tuple[Tensor, ...]:
         """Run this op alone (outside a Sequential): `op(x, *extra_inputs)`, same results and
         gradient contract as inside a `te_seq.Sequential(op)`."""
+        # The one deliberate upward import of core/ (function-level, so importing core/ never
+        # loads run/): the standalone call reuses the runtime rather than a second code path.
         from te_seq.run.sequential import Sequential
 
         chain = self.__dict__.get("_standalone")
@@ -151,7 +145,7 @@ class FusedOperation(FusibleOperation):
 
     def __setattr__(self, name: str, value: Any) -> None:
         # `self.fc1 = basic_ops[0]` in a subclass must not register a submodule: the fused op
-        # would then own its basic ops' parameters (API.md: fused ops own no parameters).
+        # would then own its basic ops' parameters (fused ops own no parameters).
         if isinstance(value, torch.nn.Module):
             object.__setattr__(self, name, value)
         else:

@@ -1,11 +1,11 @@
 """te_seq.ops: the basic ops users chain in a Sequential, the base classes, and fused ops."""
 
+from te_seq.core.context import OperationContext
 from te_seq.core.operation import (
     BasicOperation,
     CompositeOperation,
     FusedOperation,
     FusibleOperation,
-    OperationContext,
 )
 from te_seq.ops import fused
 from te_seq.ops.basic import *  # noqa: F403

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from te_seq import config
-from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.core.context import OperationContext
+from te_seq.core.operation import BasicOperation
 from te_seq.fusion.matcher import Segment, fill_unfused, match_phase, same_extra_input
 from te_seq.fusion.plan import FusionPlan, PlanMiss, PlanStep
 from te_seq.fusion.registry import registry_version
@@ -124,7 +125,7 @@ class Fuser:
 
     # --- running ----------------------------------------------------------------------------
     def __call__(self, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
-        ctxs = self._contexts(input_, extra)
+        ctxs = new_contexts(self.ops, input_, extra)
         with_backward = any(ctx.requires_grad for ctx in ctxs)
         plan = self.plan(input_, extra, with_backward)
         self.last_plan = plan.public
@@ -143,24 +144,35 @@ class Fuser:
         outputs = _FuserFunction.apply(input_, call, *flat_extra, *params)
         return outputs[0], _unflatten(outputs[1:], [op.num_extra_outputs for op in self.ops])
 
-    def _contexts(self, input_: Tensor, extra: list[tuple]) -> list[OperationContext]:
-        """One context per basic op, with which gradients its backward must produce."""
-        grad_on = torch.is_grad_enabled()
-        running = grad_on and input_.requires_grad
-        ctxs = []
-        for op, op_extra in zip(self.ops, extra):
-            ctx = OperationContext()
-            ctx.input_requires_grad = running
-            ctx.weight_requires_grad = grad_on and any(
-                p.requires_grad for p in op.fuser_parameters()
-            )
-            extra_grad = grad_on and any(
-                isinstance(t, Tensor) and t.requires_grad for t in op_extra
-            )
-            ctx.requires_grad = running or ctx.weight_requires_grad or extra_grad
-            running = ctx.requires_grad
-            ctxs.append(ctx)
-        return ctxs
+def new_contexts(
+    ops: Sequence[BasicOperation], input_: Tensor, extra: list[tuple]
+) -> list[OperationContext]:
+    """One context per basic op for this call, with which gradients its backward must produce.
+
+    The one place contexts are made and their per-call fields filled (except `backend`, which
+    depends on the plan step running the op in each phase: see `_step_contexts`). `recipe` and
+    `process_group` stay None until FP8 and distributed ops fill them here.
+    """
+    grad_on = torch.is_grad_enabled()
+    running = grad_on and input_.requires_grad  # the gradient flows from the input onward
+    ctxs = []
+    for op, op_extra in zip(ops, extra):
+        weight_grad = grad_on and any(p.requires_grad for p in op.fuser_parameters())
+        extra_grad = grad_on and any(isinstance(t, Tensor) and t.requires_grad for t in op_extra)
+        requires_grad = running or weight_grad or extra_grad
+        ctxs.append(OperationContext(requires_grad=requires_grad, input_requires_grad=running,
+                                     weight_requires_grad=weight_grad))
+        running = requires_grad
+    return ctxs
+
+
+def _step_contexts(call: _Call, seg: Segment) -> list[OperationContext]:
+    """The contexts of one plan step's basic ops, with the step's backend set."""
+    backend = call.plan.backends[id(seg.op)]
+    ctxs = [call.ctxs[p] for p in seg.positions]
+    for ctx in ctxs:
+        ctx.backend = backend
+    return ctxs
 
 
 def _unflatten(flat: Sequence[Any], counts: Sequence[int]) -> list[tuple]:
@@ -176,9 +188,7 @@ def _run_forward(call: _Call, input_: Tensor, extra: list[tuple]) -> tuple[Tenso
     x = input_
     extra_out: list[tuple] = [()] * len(call.ctxs)
     for seg in call.plan.forward:
-        ctxs = [call.ctxs[p] for p in seg.positions]
-        for ctx in ctxs:
-            ctx.backend = call.plan.backends[id(seg.op)]
+        ctxs = _step_contexts(call, seg)
         # The first op of a segment is checked here; a fused op checks its inner ops' inputs.
         call.ops[seg.positions[0]].pre_forward_checks(x, extra[seg.positions[0]])
         x, outs = seg.op.fuser_forward(
@@ -199,14 +209,12 @@ def _run_backward(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple])
     extra_grads: list[Sequence] = [()] * n
     dy = grad_output
     for seg in call.plan.backward:
-        ctxs = [call.ctxs[p] for p in seg.positions]
-        if not any(ctx.requires_grad for ctx in ctxs):
+        if not any(call.ctxs[p].requires_grad for p in seg.positions):
             # requires_grad only grows in forward order: no earlier op needs a backward either
             # (their contexts saved nothing), and the run's input needs no gradient.
             dy = None
             break
-        for ctx in ctxs:
-            ctx.backend = call.plan.backends[id(seg.op)]
+        ctxs = _step_contexts(call, seg)
         dy, pgrads, egrads = seg.op.fuser_backward(
             ctxs, dy, basic_op_grad_extra_outputs=[grad_extra_out[p] for p in seg.positions]
         )

@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from te_seq.core import checks
-from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.core.context import OperationContext
+from te_seq.core.operation import BasicOperation
 from te_seq.kernels import reference
 
 

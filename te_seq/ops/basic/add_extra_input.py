@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from te_seq.core import checks
-from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.core.context import OperationContext
+from te_seq.core.operation import BasicOperation
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ class AddExtraInput(BasicOperation):
     def save(ctx: OperationContext, input_: Tensor, extra: Tensor) -> None:
         """Fill this op's context (fused ops that run this op's forward call it too; `input_` may
         then be a stand-in with the input's shape, dtype and device)."""
-        ctx.add_saved = AddSaved(input_.shape, input_.dtype, extra.shape, extra.dtype,
-                                 extra.requires_grad)
+        ctx.saved = AddSaved(input_.shape, input_.dtype, extra.shape, extra.dtype,
+                             extra.requires_grad)
 
     def add(self, input_: Tensor, extra: Tensor) -> Tensor:
         if self.in_place and can_write_into(extra, input_):
@@ -100,7 +101,7 @@ class AddExtraInput(BasicOperation):
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]
-        saved: AddSaved = ctx.add_saved
+        saved = ctx.saved_as(AddSaved)
         dx = sum_to_shape(grad_output, saved.input_shape, saved.input_dtype)
         dextra = None
         if saved.extra_requires_grad:

@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from te_seq.core import checks
+from te_seq.core.context import OperationContext
 from te_seq.core.grad_policy import (
     ForwardWeights,
     GradContractMixin,
     WeightGradPolicy,
     WgradRequest,
 )
-from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.core.operation import BasicOperation
+
+
+@dataclass(frozen=True)
+class LinearSaved:
+    """What BasicLinear's backward reads besides its saved tensors (x [T, in] and W)."""
+
+    input_shape: torch.Size  # dX is reshaped back to it
+    weights: ForwardWeights  # the forward's weight, weakly held, for the gradient contract
 
 
 def init_linear_weight_(weight: Tensor) -> None:
@@ -58,8 +68,13 @@ class BasicLinear(GradContractMixin, BasicOperation):
         self.weight = torch.nn.Parameter(
             torch.empty(out_features, in_features, device=device, dtype=dtype)
         )
-        init_linear_weight_(self.weight.data)
         self.grad_policy = WeightGradPolicy(accumulate_into_main_grad, delay_wgrad_compute)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise W in place like `torch.nn.Linear` (Kaiming-uniform, a = sqrt(5))."""
+        with torch.no_grad():
+            init_linear_weight_(self.weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -71,29 +86,43 @@ class BasicLinear(GradContractMixin, BasicOperation):
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
         x = input_.reshape(-1, self.in_features)  # [T, in]
         y = x @ self.weight.t()  # [T, out]
-        if ctx.requires_grad:
-            ctx.save_for_backward(
-                x if ctx.weight_requires_grad else None,
-                self.weight if ctx.input_requires_grad else None,
-            )
-            ctx.input_shape = input_.shape
-            # The contract targets the Parameter this forward used (weakly held).
-            ctx.weights = ForwardWeights.take("BasicLinear", [("weight", self.weight)])
+        self.save(ctx, x, input_.shape)
         return y.reshape(*input_.shape[:-1], self.out_features)
+
+    def save(self, ctx: OperationContext, x: Tensor, input_shape: torch.Size) -> None:
+        """Fill this op's context for backward from x [T, in] (the input as rows): the one
+        definition of what BasicLinear's forward saves, which forward fusions call too.
+
+        Saves x for wgrad and W for dgrad (each only when that gradient is needed), and a
+        `LinearSaved` with the input shape and the forward's weight (the gradient contract targets
+        the Parameter this forward used, weakly held).
+        """
+        if not ctx.requires_grad:
+            return
+        ctx.save_for_backward(
+            x if ctx.weight_requires_grad else None,
+            self.weight if ctx.input_requires_grad else None,
+        )
+        ctx.saved = LinearSaved(
+            input_shape, ForwardWeights.take("BasicLinear", [("weight", self.weight)])
+        )
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
         x, weight = ctx.saved_tensors
         dy = grad_output.reshape(-1, self.out_features)  # [T, out]
         dx = None
         if ctx.input_requires_grad:
-            dx = (dy @ weight).reshape(ctx.input_shape)  # dX = dY W
+            dx = (dy @ weight).reshape(ctx.saved_as(LinearSaved).input_shape)  # dX = dY W
         return dx, self.weight_grads(ctx, x, dy)
 
     def weight_grads(self, ctx: OperationContext, x: Tensor, dy: Tensor) -> list[Tensor | None]:
         """What autograd gets for `weight` (fusions call this too): the contract decides."""
-        if not (ctx.weight_requires_grad and ctx.weights.any_needs_grad):
+        if not ctx.weight_requires_grad:
             return [None]
-        return self.grad_policy.backward(self.wgrad_request(ctx.weights, x, dy))
+        weights = ctx.saved_as(LinearSaved).weights
+        if not weights.any_needs_grad:
+            return [None]
+        return self.grad_policy.backward(self.wgrad_request(weights, x, dy))
 
     def wgrad_request(self, weights: ForwardWeights, x: Tensor, dy: Tensor) -> WgradRequest:
         """dW = dYᵀ X, computed now or in backward_dw() per the gradient contract."""

@@ -6,7 +6,8 @@ import torch
 from torch import Tensor
 
 from te_seq.core import checks
-from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.core.context import OperationContext
+from te_seq.core.operation import BasicOperation
 
 
 def reduce_to_last_dim(grad: Tensor) -> Tensor:
@@ -23,7 +24,13 @@ class Bias(BasicOperation):
         if size <= 0:
             raise ValueError(f"Bias: size must be positive, got {size}")
         self.size = size
-        self.bias = torch.nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.empty(size, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """b = 0, in place."""
+        with torch.no_grad():
+            self.bias.zero_()
 
     def extra_repr(self) -> str:
         return f"size={self.size}"

@@ -6,7 +6,8 @@ import numbers
 
 from torch import Tensor
 
-from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.core.context import OperationContext
+from te_seq.core.operation import BasicOperation
 
 
 class ConstantScale(BasicOperation):

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from te_seq.core import checks
-from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.core.context import OperationContext
+from te_seq.core.operation import BasicOperation
+
+
+@dataclass(frozen=True)
+class DropoutSaved:
+    """Whether this call dropped anything (training and p > 0); if so, the mask is saved."""
+
+    active: bool
 
 
 class Dropout(BasicOperation):
@@ -31,8 +40,9 @@ class Dropout(BasicOperation):
         checks.check_floating(self, input_)
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
-        ctx.active = self.training and self.p > 0
-        if not ctx.active:
+        active = self.training and self.p > 0
+        ctx.saved = DropoutSaved(active)
+        if not active:
             return input_
         keep = torch.rand_like(input_, dtype=torch.float32) >= self.p  # [..] bool
         if ctx.requires_grad:
@@ -40,7 +50,7 @@ class Dropout(BasicOperation):
         return self._apply_mask(input_, keep)
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
-        if not ctx.active:
+        if not ctx.saved_as(DropoutSaved).active:
             return grad_output, []
         (keep,) = ctx.saved_tensors
         return self._apply_mask(grad_output, keep), []

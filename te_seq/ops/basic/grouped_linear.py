@@ -3,23 +3,35 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from te_seq import config, kernels
 from te_seq.core import checks
+from te_seq.core.context import OperationContext
 from te_seq.core.grad_policy import (
     ForwardWeights,
     GradContractMixin,
     WeightGradPolicy,
     WgradRequest,
 )
-from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.core.operation import BasicOperation
+from te_seq.ops.basic._grouped_params import ParamBlock, block_of
 from te_seq.ops.basic.basic_linear import init_linear_weight_
 
 # Shape legend: T tokens (routed rows), G groups, K = in_features, N = out_features.
+
+
+@dataclass(frozen=True)
+class GroupedLinearSaved:
+    """What GroupedLinear's backward reads besides its saved tensors (the fused GroupedMLP fills
+    one per linear too, through `GroupedLinear.saved_record`)."""
+
+    input_shape: torch.Size  # dX is reshaped back to it
+    weights: ForwardWeights  # the forward's weights, weakly held, for the gradient contract
 
 
 def group_index(offs: Tensor, rows: int) -> Tensor:
@@ -109,33 +121,55 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         self.grad_policy = WeightGradPolicy(accumulate_into_main_grad, delay_wgrad_compute)
         self.num_extra_inputs = 2 if (scale_bias and bias) else 1
         self.extra_input_names = ("split_sizes", "scales")[: self.num_extra_inputs]
+        self.reset_parameters()
 
     def _make_params(self, device, dtype) -> None:
+        """Allocate the parameters (uninitialised; `reset_parameters` fills them). Per-group
+        weights and biases are views of one block each (see _grouped_params.py)."""
         G, N, K = self.num_groups, self.out_features, self.in_features
+        self._weight_params = self._bias_params = None
         if self.single_grouped_weight:
             self.weight = torch.nn.Parameter(torch.empty(G, N, K, device=device, dtype=dtype))
-            for g in range(G):
-                init_linear_weight_(self.weight.data[g])
         else:
-            # Per-group Parameters are views of one [G, N, K] block, so the grouped GEMM reads
-            # them without a per-forward stack (a copy of every weight; see stacked_weight).
-            block = torch.empty(G, N, K, device=device, dtype=dtype)
-            for g in range(G):
-                w = torch.nn.Parameter(block[g])
-                init_linear_weight_(w.data)
-                self.register_parameter(f"weight{g}", w)
-            # Plain attributes (not parameters or buffers): the block and where each weight sat.
-            self.__dict__["_weight_block"] = block
-            self.__dict__["_block_ptrs"] = [block[g].data_ptr() for g in range(G)]
+            self._weight_params = self._register_block("weight", (N, K), device, dtype)
         if not self.has_bias:
             return
         if self.single_grouped_bias:
-            self.bias = torch.nn.Parameter(torch.zeros(G, N, device=device, dtype=dtype))
+            self.bias = torch.nn.Parameter(torch.empty(G, N, device=device, dtype=dtype))
         else:
-            for g in range(G):
-                self.register_parameter(
-                    f"bias{g}", torch.nn.Parameter(torch.zeros(N, device=device, dtype=dtype))
-                )
+            self._bias_params = self._register_block("bias", (N,), device, dtype)
+
+    def _register_block(self, prefix: str, shape: tuple[int, ...], device, dtype) -> ParamBlock:
+        block, params = ParamBlock.allocate(prefix, self.num_groups, shape, device, dtype)
+        for name, param in zip(block.names, params):
+            self.register_parameter(name, param)
+        return block
+
+    def reset_parameters(self) -> None:
+        """Initialise in place: each group's weight like `torch.nn.Linear` (Kaiming-uniform,
+        a = sqrt(5), fan-in K), groups in order; biases to zero. Per-group blocks are kept."""
+        with torch.no_grad():
+            for _, weight in self.named_weights():
+                for w in weight.unbind(0) if self.single_grouped_weight else (weight,):
+                    init_linear_weight_(w)
+            for _, bias in self.named_biases():
+                bias.zero_()
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True):
+        """Module conversions (`.to`, `.cuda`, `.half`, `to_empty`, ...): each block of per-group
+        Parameters is converted once and every Parameter gets its view of the result, so the
+        grouped GEMM keeps reading them without a copy."""
+        blocks = [b for b in (self._weight_params, self._bias_params) if b is not None]
+        views: dict[int, Tensor] = {}
+        befores = []
+        for block in blocks:
+            block_views, before = block.convert(self._parameters, fn)
+            views.update(block_views)
+            befores.append(before)
+        super()._apply(lambda t: views[id(t)] if id(t) in views else fn(t), recurse)
+        for block, before in zip(blocks, befores):
+            block.settle(self._parameters, before)
+        return self
 
     # --- parameters -------------------------------------------------------------------------
     def named_weights(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -153,24 +187,20 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         return [(name, params[name]) for name in _names("bias", self.num_groups)]
 
     def stacked_weight(self) -> Tensor:
-        """[G, N, K]: the single grouped weight, the block the per-group weights still view,
-        or (after something replaced their storage, e.g. `.to()`) the weights stacked (a copy)."""
+        """[G, N, K]: the single grouped weight, or the block the per-group weights view (no
+        copy), or, when something gave them their own storage outside a module conversion
+        (`param.data = ...`, FSDP2), the weights stacked (a copy; see _grouped_params.py)."""
         if self.single_grouped_weight:
             return self.weight
-        weights = [w for _, w in self.named_weights()]
-        block = self.__dict__.get("_weight_block")
-        # Storage is only ever replaced, never moved: equal addresses mean the views still hold.
-        if block is not None and [w.data_ptr() for w in weights] == self._block_ptrs:
-            return block
-        self.__dict__["_weight_block"] = None  # stale: don't keep old storage alive
-        return torch.stack(weights)
+        return self._weight_params.stacked(self._parameters)
 
     def stacked_bias(self) -> Tensor | None:
+        """[G, N]: like `stacked_weight`, for the biases (None without bias)."""
         if not self.has_bias:
             return None
         if self.single_grouped_bias:
             return self.bias
-        return torch.stack([b for _, b in self.named_biases()])
+        return self._bias_params.stacked(self._parameters)
 
     def extra_repr(self) -> str:
         return (
@@ -181,7 +211,8 @@ class GroupedLinear(GradContractMixin, BasicOperation):
     # --- checks and planning ----------------------------------------------------------------
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
         checks.check_last_dim(self, input_, self.in_features, "in_features")
-        checks.check_matches_param(self, input_, self.named_weights()[0][1])
+        first = self.weight if self.single_grouped_weight else self._parameters["weight0"]
+        checks.check_matches_param(self, input_, first)
         check_split_sizes(self, extra_inputs[0], self.num_groups, input_)
         if self.num_extra_inputs == 2:
             checks.check_tensor(self, "scales", extra_inputs[1])
@@ -227,13 +258,22 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         self, ctx: OperationContext, x: Tensor, dy: Tensor, offs: Tensor
     ) -> list[Tensor | None]:
         """What autograd gets for the weights (the fused GroupedMLP calls this too)."""
-        if not (ctx.weight_requires_grad and ctx.weights.any_needs_grad):
-            return [None] * len(self.named_weights())
-        return self.grad_policy.backward(self.wgrad_request(ctx.weights, x, dy, offs, ctx.backend))
+        count = 1 if self.single_grouped_weight else self.num_groups
+        if not ctx.weight_requires_grad:
+            return [None] * count
+        weights = ctx.saved_as(GroupedLinearSaved).weights
+        if not weights.any_needs_grad:
+            return [None] * count
+        return self.grad_policy.backward(self.wgrad_request(weights, x, dy, offs, ctx.backend))
 
     def forward_weights(self) -> ForwardWeights:
         """The weights of this forward call, weakly held, for the gradient contract."""
         return ForwardWeights.take("GroupedLinear", self.named_weights())
+
+    def saved_record(self, input_shape: torch.Size) -> GroupedLinearSaved:
+        """The one definition of the record this op's forward leaves in `ctx.saved` (its
+        tensors are x [T, K], the [G, N, K] weight, the offsets and the scales)."""
+        return GroupedLinearSaved(input_shape, self.forward_weights())
 
     def wgrad_request(
         self, weights: ForwardWeights, x: Tensor, dy: Tensor, offs: Tensor, backend: str
@@ -245,7 +285,7 @@ class GroupedLinear(GradContractMixin, BasicOperation):
             return [grads] if self.single_grouped_weight else list(grads.unbind(0))
 
         def compute_into(outs: Sequence[Tensor], accumulate: bool) -> None:
-            block = outs[0] if self.single_grouped_weight else _block_of(outs)
+            block = outs[0] if self.single_grouped_weight else block_of(outs)
             if block is not None:  # one [G, N, K] buffer (Megatron's main_grad buckets are)
                 kernels.grouped_wgrad(dy, x, offs, backend, out=block, accumulate=accumulate)
                 return
@@ -271,8 +311,7 @@ class GroupedLinear(GradContractMixin, BasicOperation):
             y = y + bias
         if ctx.requires_grad:
             ctx.save_for_backward(x, weight, offs, scales)
-            ctx.input_shape = input_.shape
-            ctx.weights = self.forward_weights()
+            ctx.saved = self.saved_record(input_.shape)
         return y.reshape(*input_.shape[:-1], self.out_features), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
@@ -282,7 +321,7 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         dx = None
         if ctx.input_requires_grad:
             dx = kernels.grouped_mm(dy, weight, offs, ctx.backend)  # dX_g = dY_g W_g
-            dx = dx.reshape(ctx.input_shape)
+            dx = dx.reshape(ctx.saved_as(GroupedLinearSaved).input_shape)
         bias_grads, dscales = self.bias_grads(dy, offs, scales)
         weight_grads = self.weight_grads(ctx, x, dy, offs)
         extra_grads = (None, dscales) if self.num_extra_inputs == 2 else (None,)
@@ -292,30 +331,6 @@ class GroupedLinear(GradContractMixin, BasicOperation):
 @functools.lru_cache(maxsize=64)
 def _names(prefix: str, count: int) -> tuple[str, ...]:
     return tuple(f"{prefix}{g}" for g in range(count))
-
-
-def _block_of(tensors: Sequence[Tensor]) -> Tensor | None:
-    """A [G, *shape] view over tensors that lie back to back in one storage, else None."""
-    first = tensors[0]
-    needed = (first.storage_offset() + len(tensors) * first.numel()) * first.element_size()
-    if not first.is_contiguous() or first.untyped_storage().nbytes() < needed:
-        return None
-    block = torch.as_strided(first, (len(tensors), *first.shape), (first.numel(), *first.stride()))
-    return block if _views_block(list(tensors), block) else None
-
-
-def _views_block(weights: list[Tensor], block: Tensor) -> bool:
-    """Whether weight g is exactly block[g] for every g (same storage, place, shape, dtype)."""
-    if block.dtype != weights[0].dtype or block.device != weights[0].device:
-        return False
-    step = block.stride(0) * block.element_size()
-    base = block.data_ptr()
-    return all(
-        w.data_ptr() == base + g * step
-        and w.shape == block.shape[1:]
-        and w.stride() == block.stride()[1:]
-        for g, w in enumerate(weights)
-    )
 
 
 def _check_config(num_groups, in_features, out_features, bias, single_grouped_bias) -> None:

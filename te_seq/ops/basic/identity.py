@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.core.context import OperationContext
+from te_seq.core.operation import BasicOperation
 
 
 class Identity(BasicOperation):

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from te_seq.core.operation import OperationContext
+from te_seq.core.context import OperationContext
 from te_seq.ops.basic.normalization import (
     Normalization,
     effective_gamma,
@@ -34,7 +34,14 @@ class LayerNorm(Normalization):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(normalized_shape, eps, zero_centered_gamma, device, dtype)
         self.bias = torch.nn.Parameter(
-            torch.zeros(self.normalized_shape, device=device, dtype=dtype))
+            torch.empty(self.normalized_shape, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """γ = 1 (weight = 0 with zero_centered_gamma) and β = 0, in place."""
+        super().reset_parameters()
+        with torch.no_grad():
+            self.bias.zero_()
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
         x = upcast(input_)  # [..., N]

@@ -33,6 +33,20 @@ class Linear(CompositeOperation):
     def basic_ops(self) -> list[BasicOperation]:
         return list(self._basic_ops)
 
+    def reset_parameters(self) -> None:
+        """W like `torch.nn.Linear` (Kaiming-uniform, a = sqrt(5)), b = 0; in place."""
+        for op in self._basic_ops:
+            op.reset_parameters()
+
+    def _apply(self, fn, recurse: bool = True):
+        """Module conversions may put new Parameter objects into this module's table (e.g.
+        `to_empty` from the meta device): hand them to the basic ops, which share them."""
+        super()._apply(fn, recurse)
+        self._basic_ops[0].weight = self.weight
+        if self.bias is not None:
+            self._basic_ops[1].bias = self.bias
+        return self
+
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         from te_seq.run.sequential import Sequential
 

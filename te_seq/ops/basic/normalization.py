@@ -61,8 +61,14 @@ class Normalization(BasicOperation):
         self.normalized_shape = parse_normalized_shape(name, normalized_shape)
         self.eps = check_eps(name, eps)
         self.zero_centered_gamma = zero_centered_gamma
-        init = torch.zeros if zero_centered_gamma else torch.ones
-        self.weight = torch.nn.Parameter(init(self.normalized_shape, device=device, dtype=dtype))
+        self.weight = torch.nn.Parameter(
+            torch.empty(self.normalized_shape, device=device, dtype=dtype))
+        # Subclasses allocate their other parameters, then call reset_parameters().
+
+    def reset_parameters(self) -> None:
+        """γ = 1 in place (weight = 0 with zero_centered_gamma, meaning γ = 1 + weight = 1)."""
+        with torch.no_grad():
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, "

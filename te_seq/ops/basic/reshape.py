@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.core.context import OperationContext
+from te_seq.core.operation import BasicOperation
+
+
+@dataclass(frozen=True)
+class ReshapeSaved:
+    """The input's shape, which dx takes back."""
+
+    input_shape: torch.Size
 
 
 def _parse_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -46,8 +56,8 @@ class Reshape(BasicOperation):
             )
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
-        ctx.input_shape = input_.shape
+        ctx.saved = ReshapeSaved(input_.shape)
         return input_.reshape(self.shape)
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
-        return grad_output.reshape(ctx.input_shape), []
+        return grad_output.reshape(ctx.saved_as(ReshapeSaved).input_shape), []

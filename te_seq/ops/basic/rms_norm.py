@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from te_seq.core.operation import OperationContext
+from te_seq.core.context import OperationContext
 from te_seq.ops.basic.normalization import (
     Normalization,
     effective_gamma,
@@ -33,6 +33,7 @@ class RMSNorm(Normalization):
                  zero_centered_gamma: bool = False, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(normalized_shape, eps, zero_centered_gamma, device, dtype)
+        self.reset_parameters()
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
         x = upcast(input_)  # [..., N]

@@ -1,8 +1,8 @@
 """Helpers shared by the forward fusions that start with BasicLinear → Bias.
 
 A forward-only fusion must leave each basic op's context exactly as that op's own forward would,
-so the unfused backward (or a backward fusion) can run from it: `save_linear_ctx` mirrors
-`BasicLinear.op_forward`, and `Bias.op_forward` saves nothing.
+so the unfused backward (or a backward fusion) can run from it: the fusions call
+`BasicLinear.save` (the one definition of what BasicLinear saves); `Bias.op_forward` saves nothing.
 """
 
 from __future__ import annotations
@@ -10,27 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_seq.core.grad_policy import ForwardWeights
-from te_seq.core.operation import BasicOperation, OperationContext
+from te_seq.core.operation import BasicOperation
 from te_seq.fusion.registry import NoMatch
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
 from te_seq.ops.fused.grouped_mlp import ACTIVATION_OPS
 
 _MATHS_METHODS = ("op_forward", "op_backward", "fuser_forward", "fuser_backward")
-
-
-def save_linear_ctx(linear: BasicLinear, ctx: OperationContext, x: Tensor, input_shape) -> None:
-    """What `BasicLinear.op_forward` saves: x [T, in] for wgrad, W for dgrad, the input shape and
-    the forward's weights for the gradient contract. (tests/test_ops_details.py runs the unfused
-    backward from these contexts, so a change to BasicLinear's context shows up there.)"""
-    if ctx.requires_grad:
-        ctx.save_for_backward(
-            x if ctx.weight_requires_grad else None,
-            linear.weight if ctx.input_requires_grad else None,
-        )
-        ctx.input_shape = input_shape
-        ctx.weights = ForwardWeights.take("BasicLinear", [("weight", linear.weight)])
 
 
 def shape_proxy(shape: tuple[int, ...], like: Tensor) -> Tensor:

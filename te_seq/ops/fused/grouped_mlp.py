@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from te_seq import config, kernels
-from te_seq.core.operation import BasicOperation, FusedOperation, OperationContext
+from te_seq.core.context import OperationContext
+from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.matcher import same_extra_input
 from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.ops.basic import (
@@ -28,7 +29,7 @@ from te_seq.ops.basic import (
     SiLU,
     SwiGLU,
 )
-from te_seq.ops.basic.grouped_linear import GroupedLinear
+from te_seq.ops.basic.grouped_linear import GroupedLinear, GroupedLinearSaved
 
 ACTIVATION_OPS = (SwiGLU, ScaledSwiGLU, GEGLU, ReGLU, GELU, ReLU, SiLU)
 
@@ -130,9 +131,9 @@ class GroupedMLP(FusedOperation):
             ctx.save_for_backward(
                 x, h, w1, w2, offs, extras.probs, extras.fc1_scales, extras.fc2_scales
             )
-            ctx.input_shape = input_.shape
-            ctx.weights = self.fc1.forward_weights()
-            basic_op_ctxs[2].weights = self.fc2.forward_weights()
+            ctx.saved = self.fc1.saved_record(input_.shape)
+            fc2_input_shape = torch.Size((*input_.shape[:-1], self.fc2.in_features))
+            basic_op_ctxs[2].saved = self.fc2.saved_record(fc2_input_shape)
         return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
 
     # --- backward -----------------------------------------------------------------------------
@@ -146,9 +147,8 @@ class GroupedMLP(FusedOperation):
         fc1_grads, ds1 = self._param_grads(self.fc1, ctx1, x, dh, offs, s1)
         dx = None
         if ctx1.input_requires_grad:
-            dx = kernels.grouped_mm(dh, w1, offs, ctx1.backend).reshape(
-                ctx1.input_shape
-            )  # dX = dH W1
+            dx = kernels.grouped_mm(dh, w1, offs, ctx1.backend)  # dX = dH W1   [T, H]
+            dx = dx.reshape(ctx1.saved_as(GroupedLinearSaved).input_shape)
         act_extra = () if probs_in is None else (dprobs.reshape(probs_in.shape),)
         extra = [_extra_grads(self.fc1, ds1), act_extra, _extra_grads(self.fc2, ds2)]
         return dx, [fc1_grads, [], fc2_grads], extra

@@ -14,7 +14,7 @@ from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
-from te_seq.ops.fused._linear_common import check_activation, check_linear_bias, save_linear_ctx
+from te_seq.ops.fused._linear_common import check_activation, check_linear_bias
 from te_seq.ops.fused.grouped_mlp import ACTIVATION_OPS
 
 
@@ -37,7 +37,7 @@ class LinearBiasActivation(FusedOperation):
         act_extra = basic_op_extra_inputs[2]
         x = input_.reshape(-1, self.linear.in_features)  # [T, K]
         h = torch.addmm(self.bias.bias, x, self.linear.weight.t())  # h = b + X Wᵀ   [T, N]
-        save_linear_ctx(self.linear, linear_ctx, x, input_.shape)
+        self.linear.save(linear_ctx, x, input_.shape)
         h = h.reshape(*input_.shape[:-1], self.linear.out_features)  # [..., N]
         self.activation.pre_forward_checks(h, act_extra)
         y, _ = self.activation.fuser_forward(

@@ -16,7 +16,7 @@ from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.ops.basic.add_extra_input import AddExtraInput, can_write_into
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
-from te_seq.ops.fused._linear_common import check_linear_bias, save_linear_ctx, shape_proxy
+from te_seq.ops.fused._linear_common import check_linear_bias, shape_proxy
 
 
 class LinearBiasAdd(FusedOperation):
@@ -42,7 +42,7 @@ class LinearBiasAdd(FusedOperation):
         proxy = shape_proxy(out_shape, input_)  # stands for x Wᵀ + b, which is never materialised
         self.add.pre_forward_checks(proxy, (extra,))
         x = input_.reshape(-1, self.linear.in_features)  # [T, K]
-        save_linear_ctx(self.linear, linear_ctx, x, input_.shape)
+        self.linear.save(linear_ctx, x, input_.shape)
         AddExtraInput.save(add_ctx, proxy, extra)
         return self._residual_gemm(x, extra, proxy), [(), (), ()]
 

@@ -13,7 +13,7 @@ import torch
 
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import register_fusion
-from te_seq.ops.basic.basic_linear import BasicLinear
+from te_seq.ops.basic.basic_linear import BasicLinear, LinearSaved
 from te_seq.ops.basic.make_extra_output import MakeExtraOutput
 
 
@@ -44,7 +44,7 @@ class MakeExtraOutputLinearBackward(FusedOperation):
             else:
                 d_r = d_residual.reshape(-1, linear.in_features)  # [T, K]
                 dx = torch.addmm(d_r, dy, weight)  # dX = dR + dY W   [T, K]
-            dx = dx.reshape(linear_ctx.input_shape)
+            dx = dx.reshape(linear_ctx.saved_as(LinearSaved).input_shape)
         wgrads = linear.weight_grads(linear_ctx, x, dy)  # dW = dYᵀ X, per the gradient contract
         return dx, [[], wgrads], [(), ()]
 
