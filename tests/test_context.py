@@ -1,6 +1,7 @@
-"""OperationContext: a fixed set of typed fields (a typo raises), the ops' per-call state as one
-frozen record in `ctx.saved`, and forward fusions leaving the same records as the ops' own
-forwards (BasicLinear.save and GroupedLinear.saved_record are the one definition of each).
+"""OperationContext: typed fields the fuser fills (te_seq's own ops set no others), the ops'
+per-call state as one frozen record in `ctx.saved`, and forward fusions leaving the same records
+as the ops' own forwards (BasicLinear.save and GroupedLinear.saved_record are the one
+definition of each).
 """
 
 from __future__ import annotations
@@ -53,27 +54,47 @@ def test_context_fields_and_defaults() -> None:
     assert len(ctx.to_save) == 2
 
 
-@pytest.mark.parametrize("name", ["input_shape", "weights", "active", "add_saved", "requires_gard"])
-def test_context_rejects_unknown_attributes(name: str) -> None:
-    ctx = ops.OperationContext()
-    with pytest.raises(AttributeError, match=name):
-        setattr(ctx, name, 1)
+class _StrictContext(te_seq.core.context.OperationContext):
+    """A context that accepts only the declared fields: what te_seq's own ops must keep to."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in _FIELDS:
+            raise AttributeError(f"ad-hoc context attribute {name!r}: use ctx.saved")
+        super().__setattr__(name, value)
+
+
+_FIELDS = {f.name for f in dataclasses.fields(te_seq.core.context.OperationContext)}
+
+
+@pytest.fixture
+def strict_contexts(monkeypatch) -> None:
+    monkeypatch.setattr(te_seq.run.fuser, "OperationContext", _StrictContext)
+
+
+def test_the_strict_context_rejects_unknown_attributes() -> None:
+    ctx = _StrictContext()
+    ctx.saved = 1
+    with pytest.raises(AttributeError, match="input_shape"):
+        ctx.input_shape = (1,)
 
 
 class _AdHoc(ops.BasicOperation):
-    """A user op still storing state as an attribute of its context."""
+    """A user op storing state as an attribute of its context (allowed, as in TE)."""
 
     def op_forward(self, ctx, input_):
         ctx.scale = 2.0
-        return input_ * 2
+        return input_ * ctx.scale
 
     def op_backward(self, ctx, grad_output):
-        return grad_output * 2, []
+        return grad_output * ctx.scale, []
 
 
-def test_an_op_setting_an_unknown_context_attribute_fails_loudly() -> None:
-    with pytest.raises(AttributeError, match="scale"):
-        te_seq.Sequential(_AdHoc())(torch.randn(2, 3))
+def test_a_user_op_may_keep_its_own_context_attributes() -> None:
+    x = torch.randn(2, 3, dtype=D, requires_grad=True)
+    y = te_seq.Sequential(_AdHoc())(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, 2 * x)
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
 
 
 def test_saved_as_names_the_missing_record() -> None:
@@ -104,7 +125,9 @@ def _is_frozen_record(obj: object) -> bool:
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
-def test_every_op_keeps_its_per_call_state_in_a_frozen_record(spec: OpSpec, recorded) -> None:
+def test_every_op_keeps_its_per_call_state_in_a_frozen_record(
+    spec: OpSpec, recorded, strict_contexts
+) -> None:
     x = torch.randn(5, spec.in_width, dtype=D, requires_grad=True)
     case = build_case(spec, D, x)
     out = case.seq(x, *case.extras)
@@ -122,7 +145,9 @@ def _linear_chain(last: torch.nn.Module) -> te_seq.Sequential:
     (ops.GELU(), ()),
     (ops.AddExtraInput(), (torch.randn(3, 6, dtype=D),)),
 ], ids=["linear_bias_activation", "linear_bias_add"])
-def test_forward_fusions_leave_the_records_of_the_unfused_forward(last, extra, recorded) -> None:
+def test_forward_fusions_leave_the_records_of_the_unfused_forward(
+    last, extra, recorded, strict_contexts
+) -> None:
     seq = _linear_chain(last)
     x = torch.randn(3, 4, dtype=D, requires_grad=True)
     seq(x, *extra)
@@ -138,7 +163,9 @@ def test_forward_fusions_leave_the_records_of_the_unfused_forward(last, extra, r
     assert linear_record.weights.params() == [seq[0].weight]
 
 
-def test_grouped_mlp_fills_each_linear_record_through_grouped_linear(recorded) -> None:
+def test_grouped_mlp_fills_each_linear_record_through_grouped_linear(
+    recorded, strict_contexts
+) -> None:
     skip_if_missing("GroupedLinear")
     fc1, fc2 = ops.GroupedLinear(2, 4, 6, dtype=D), ops.GroupedLinear(2, 3, 4, dtype=D)
     seq = te_seq.Sequential(fc1, ops.SwiGLU(), fc2)
