@@ -102,14 +102,7 @@ class BasicOperation(FusibleOperation):
     def forward(self, input_: Tensor, *extra_inputs: Any) -> Tensor | tuple[Tensor, ...]:
         """Run this op alone (outside a Sequential): `op(x, *extra_inputs)`, same results and
         gradient contract as inside a `te_seq.Sequential(op)`."""
-        # The one deliberate upward import of core/ (function-level, so importing core/ never
-        # loads run/): the standalone call reuses the runtime rather than a second code path.
-        from te_seq.run.sequential import Sequential
-
-        chain = self.__dict__.get("_standalone")
-        if chain is None:  # a plain attribute: the op must not become its own submodule
-            chain = self.__dict__["_standalone"] = Sequential(self)
-        return chain(input_, *extra_inputs)
+        return run_standalone(self, input_, *extra_inputs)
 
     def fuser_parameters(self) -> list[torch.nn.Parameter]:
         """This op's parameters in `parameters()` order, read straight from the module's own
@@ -155,6 +148,19 @@ class FusedOperation(FusibleOperation):
         return "reference"
 
 
+def run_standalone(module: torch.nn.Module, input_: Tensor, *extra_inputs: Any) -> Any:
+    """Run a basic or composite op on its own through a one-op `te_seq.Sequential` (built once
+    and kept as a plain attribute, so the op does not become its own submodule)."""
+    # The one deliberate upward import of core/ (function-level, so importing core/ never
+    # loads run/): the standalone call reuses the runtime rather than a second code path.
+    from te_seq.run.sequential import Sequential
+
+    chain = module.__dict__.get("_standalone")
+    if chain is None:
+        chain = module.__dict__["_standalone"] = Sequential(module)
+    return chain(input_, *extra_inputs)
+
+
 class CompositeOperation(torch.nn.Module):
     """A module that is a fixed chain of basic ops (e.g. `Linear` = BasicLinear then Bias).
 
@@ -164,3 +170,7 @@ class CompositeOperation(torch.nn.Module):
 
     def basic_ops(self) -> list[BasicOperation]:
         raise NotImplementedError
+
+    def forward(self, input_: Tensor, *extra_inputs: Any) -> Any:
+        """Run the chain alone, as a `te_seq.Sequential` of its basic ops would."""
+        return run_standalone(self, input_, *extra_inputs)

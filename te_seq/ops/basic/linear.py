@@ -28,7 +28,6 @@ class Linear(CompositeOperation):
             self.register_parameter("bias", None)
         # Plain attribute, not submodules: the parameters belong to this module's state_dict.
         object.__setattr__(self, "_basic_ops", ops)
-        object.__setattr__(self, "_chain", None)
 
     def basic_ops(self) -> list[BasicOperation]:
         return list(self._basic_ops)
@@ -46,13 +45,6 @@ class Linear(CompositeOperation):
         if self.bias is not None:
             self._basic_ops[1].bias = self.bias
         return self
-
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        from te_seq.run.sequential import Sequential
-
-        if self._chain is None:  # built lazily: core.sequential imports the ops package
-            object.__setattr__(self, "_chain", Sequential(*self._basic_ops))
-        return self._chain(input_)
 
     def need_backward_dw(self) -> bool:
         return self._basic_ops[0].need_backward_dw()
