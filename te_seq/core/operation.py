@@ -14,6 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from te_seq.kernels.backend import Backend, BackendChoice, KernelNeed, choose_backend
+from te_seq.kernels.reference import REFERENCE
+
 ParamGrads = Sequence[Tensor | None]
 
 
@@ -34,7 +37,8 @@ class OperationContext:
         self.input_requires_grad: bool = False
         # True when any parameter of the op needs a gradient (so wgrad must be computed).
         self.weight_requires_grad: bool = False
-        self.backend: str = "reference"
+        # The backend the plan chose for this op's step (the fuser sets it before each step).
+        self.backend: Backend = REFERENCE
 
     def save_for_backward(self, *tensors: Tensor | None) -> None:
         self.to_save = tensors
@@ -47,7 +51,19 @@ class FusibleOperation(torch.nn.Module):
     def is_fused_op(self) -> bool:
         raise NotImplementedError
 
-    def plan_note(self, backend: str, dtype: torch.dtype, device: torch.device) -> str:
+    def kernel_needs(self) -> list[KernelNeed]:
+        """The backend kernels this op calls, with their static facts (K/N sizes, activation...);
+        empty for an op whose maths is plain PyTorch (it runs on the reference backend)."""
+        return []
+
+    def plan_backend(
+        self, requested: str, dtype: torch.dtype, device: torch.device
+    ) -> BackendChoice:
+        """The backend this op runs on under the `requested` one ("auto" or a name) for `dtype`
+        data on `device`, and why: one that supports every kernel in `kernel_needs()`."""
+        return choose_backend(requested, dtype, device, self.kernel_needs())
+
+    def plan_note(self, backend: Backend, dtype: torch.dtype, device: torch.device) -> str:
         """A line for `fusion_plan()` on how this op runs (e.g. which kernels fuse); "" if none."""
         return ""
 
@@ -126,9 +142,10 @@ class BasicOperation(FusibleOperation):
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple[Tensor, ...]) -> None:
         """Validate the call's input before anything runs; raise ValueError naming the op."""
 
-    def plan_backend(self, requested: str, device: torch.device) -> str:
-        """The kernel backend this op runs under the requested one (see te_seq.config)."""
-        return "reference"
+    def plan_facts(self) -> tuple:
+        """Settings besides parameters that the plan depends on (part of the plan cache key),
+        e.g. an activation's name and column layout."""
+        return ()
 
     def need_backward_dw(self) -> bool:
         return False
@@ -156,9 +173,6 @@ class FusedOperation(FusibleOperation):
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
-
-    def plan_backend(self, requested: str, device: torch.device) -> str:
-        return "reference"
 
 
 class CompositeOperation(torch.nn.Module):

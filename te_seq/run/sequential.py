@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from te_seq.run.fuser import Fuser
 from te_seq.core.operation import BasicOperation, CompositeOperation
 from te_seq.fusion.plan import FusionPlan
+from te_seq.run.fuser import Fuser
 
 Run = Fuser | torch.nn.Module
 

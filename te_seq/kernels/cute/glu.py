@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from te_seq.kernels.activations import epilogue_activations
+
 _AB_DTYPES = (torch.bfloat16, torch.float16)
 _PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_ACTS = ("silu", "gelu", "relu")
+_ACTS = epilogue_activations()  # the table entries with glu_epilogue=True
 _TILE_M, _FC1_TILE_N, _CLUSTER = 128, 256, (1, 2)
 _DUMMY: dict = {}
 
