@@ -203,7 +203,7 @@ def launch_overhead_us(calls: int = 2000) -> dict[str, float]:
 
 def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
     """(label, flops, {variant: fn}, check) for the FC1 forward and FC2 dgrad GLU steps."""
-    from te_seq.kernels import cute, elementwise, reference
+    from te_seq.kernels import GluSpec, cute, get_backend, reference
 
     sizes = split_sizes(name, e, m, gen)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32).cuda()
@@ -217,18 +217,19 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
     tg = torch._grouped_mm
 
     # eager reference maths, or the same compiled by torch.compile into one pass (te_seq's
-    # unfused GPU path: te_seq.kernels.elementwise)
-    eager = (reference.glu_forward, reference.glu_backward)
-    compiled = tuple(elementwise(n, "cute", x.device) for n in ("glu_forward", "glu_backward"))
+    # unfused GPU path: the cute backend's elementwise kernels)
+    glu = GluSpec("silu")
+    eager = (reference.REFERENCE.glu_forward, reference.REFERENCE.glu_backward)
+    compiled = (get_backend("cute").glu_forward, get_backend("cute").glu_backward)
 
     def fc1(mm, ew=eager):
         hh = mm(x, w1t)
-        return hh, ew[0](hh, "silu", None, probs)
+        return hh, ew[0](hh, glu, probs)
 
     def dgrad(mm, ew=eager):
         da = mm(dy, w2)
-        dh, dp = ew[1](hpre, da, "silu", None, probs)
-        return dh, ew[0](hpre, "silu", None, probs), dp
+        dh, dp = ew[1](hpre, da, glu, probs)
+        return dh, ew[0](hpre, glu, probs), dp
 
     def cmm(a, b):
         return cute.grouped_mm(a, b, offs)

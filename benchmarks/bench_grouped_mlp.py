@@ -249,16 +249,14 @@ class GroupedMMVariant(Variant):
 
 
 class KernelsVariant(Variant):
-    """A backend's raw GEMM functionals (grouped_mm / grouped_wgrad) with te_seq's SwiGLU maths
-    (te_seq.kernels.elementwise: the reference, compiled on CUDA), not fused into the GEMMs."""
+    """A backend's raw GEMM kernels (grouped_mm / grouped_wgrad) with its SwiGLU maths (on the
+    GPU backends: the reference, compiled on CUDA), not fused into the GEMMs."""
 
-    def __init__(self, case: Case, backend: str, module: object, elementwise) -> None:
+    def __init__(self, case: Case, backend: str, impl: object, glu: object) -> None:
         self.name = f"kernels:{backend}"
-        self.case, self.k = case, module
-        glu_fwd = elementwise("glu_forward", backend, case.x.device)
-        glu_bwd = elementwise("glu_backward", backend, case.x.device)
-        self.swiglu = lambda h: glu_fwd(h, "silu", None, None)
-        self.swiglu_bwd = lambda da, h: glu_bwd(h, da, "silu", None, None)[0]
+        self.case, self.k = case, impl  # impl: a te_seq.kernels.Backend
+        self.swiglu = lambda h: impl.glu_forward(h, glu)
+        self.swiglu_bwd = lambda da, h: impl.glu_backward(h, da, glu)[0]
         self.result: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
     def _fc1(self) -> tuple[Tensor, Tensor]:
@@ -409,23 +407,19 @@ def _te_seq_unavailable(backend: str) -> str:
 
 
 def _kernels_variant(case: Case, backend: str) -> Variant:
-    """Raises (with the reason) when the backend's functionals are not importable or usable."""
+    """Raises (with the reason) when the backend is not registered, not available or lacks a
+    grouped GEMM kernel."""
     import importlib
 
-    if backend == "reference":
-        module = importlib.import_module("te_seq.kernels.reference")
-    else:
-        module = importlib.import_module(
-            f"te_seq.kernels.{'torch_backend' if backend == 'torch' else backend}"
-        )
-    elementwise = importlib.import_module("te_seq.kernels").elementwise
-    ok, reason = getattr(module, "available", lambda: (True, ""))()
+    kernels = importlib.import_module("te_seq.kernels")
+    impl = kernels.get_backend(backend)
+    ok, reason = impl.available()
     if not ok:
         raise RuntimeError(reason)
-    missing = [f for f in ("grouped_mm", "grouped_wgrad") if not hasattr(module, f)]
+    missing = [f for f in ("grouped_mm", "grouped_wgrad") if not impl.implements(f)]
     if missing:
-        raise RuntimeError(f"{module.__name__} has no {', '.join(missing)}")
-    return KernelsVariant(case, backend, module, elementwise)
+        raise RuntimeError(f"backend {backend!r} has no {', '.join(missing)}")
+    return KernelsVariant(case, backend, impl, kernels.GluSpec("silu"))
 
 
 # --------------------------------------------------------------------------- checking

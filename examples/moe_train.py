@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default: bfloat16 on CUDA, float32 elsewhere")
-    p.add_argument("--backend", default="auto", choices=["auto", "reference", "torch", "cute"])
+    p.add_argument("--backend", default="auto", choices=te_seq.kernels.backend_names())
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)

@@ -4,7 +4,6 @@ Importing te_seq compiles nothing and does not import the CUTLASS DSL.
 """
 
 from te_seq import ops
-from te_seq.config import backend, current_backend, set_backend
 from te_seq.fusion import (
     FusionPattern,
     FusionPlan,
@@ -18,6 +17,7 @@ from te_seq.fusion import (
     register_fusion,
 )
 from te_seq.fusion.registry import unregister_fusion
+from te_seq.kernels.backend import backend, current_backend, set_backend
 from te_seq.run.sequential import Sequential
 
 __version__ = "0.1.0"

@@ -55,6 +55,20 @@ def op(name: str) -> Any:
     return getattr(te_seq.ops, name)
 
 
+def exported_subclasses(base: type) -> list[type]:
+    """The op classes te_seq.ops exports that derive from `base` (the base itself too, if
+    exported), in `__all__` order: e.g. every activation op, from the Activation base."""
+    classes = [getattr(te_seq.ops, name) for name in te_seq.ops.__all__]
+    return [c for c in classes if isinstance(c, type) and issubclass(c, base)]
+
+
+def activation_ops() -> list[type]:
+    """Every activation op class te_seq.ops exports (they all derive from Activation)."""
+    from te_seq.ops.basic.activation import Activation
+
+    return exported_subclasses(Activation)
+
+
 # --- extra-input factories --------------------------------------------------------------------
 
 def rows_of(shape: torch.Size) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from op_specs import missing_op, randomize_params
+from op_specs import activation_ops, exported_subclasses, missing_op, randomize_params
 
 import te_seq
 from te_seq import ops
@@ -98,9 +98,19 @@ def _factory_for(cls: type) -> Callable | None:
     return None
 
 
+def _concrete(element: type | tuple) -> tuple[type, ...]:
+    """The op classes a pattern element matches: each class with a factory as it is, a base
+    class without one (e.g. Activation) as every op te_seq.ops exports that derives from it."""
+    classes = element if isinstance(element, tuple) else (element,)
+    out: list[type] = []
+    for cls in classes:
+        out += [cls] if _factory_for(cls) else exported_subclasses(cls)
+    return tuple(dict.fromkeys(out))
+
+
 def _alternatives(pattern: tuple) -> list[tuple[type, ...]]:
     """Concrete class choices covering every alternative of every element at least once."""
-    elements = [e if isinstance(e, tuple) else (e,) for e in pattern]
+    elements = [_concrete(e) for e in pattern]
     width = max(len(e) for e in elements)
     return [tuple(e[k % len(e)] for e in elements) for k in range(width)]
 
@@ -191,7 +201,9 @@ def test_every_builtin_fusion_has_factories() -> None:
         if not record.builtin:
             continue
         for element in record.pattern:
-            for cls in element if isinstance(element, tuple) else (element,):
+            classes = _concrete(element)
+            assert classes, f"built-in fusion {record.name}: no op class matches {element}"
+            for cls in classes:
                 assert _factory_for(cls), f"built-in fusion {record.name}: no factory for {cls}"
 
 
@@ -417,8 +429,9 @@ def test_list_fusions_records() -> None:
     mlp = records["grouped_mlp"]
     assert mlp.phase == "joint" and mlp.enabled
     assert mlp.pattern[0] is ops.GroupedLinear and mlp.pattern[2] is ops.GroupedLinear
-    assert set(mlp.pattern[1]) == {ops.SwiGLU, ops.ScaledSwiGLU, ops.GEGLU, ops.ReGLU, ops.GELU,
-                                   ops.ReLU, ops.SiLU}
+    assert set(_concrete(mlp.pattern[1])) == {ops.SwiGLU, ops.ScaledSwiGLU, ops.GEGLU, ops.ReGLU,
+                                              ops.GELU, ops.ReLU, ops.SiLU}
+    assert set(_concrete(mlp.pattern[1])) == set(activation_ops())
 
 
 def test_disable_enable_and_context_manager() -> None:
@@ -481,7 +494,7 @@ def test_plan_is_reused_when_nothing_changes() -> None:
 
 
 @pytest.mark.parametrize("change", ["disable_fusion", "dtype", "requires_grad", "eval", "backend",
-                                    "different_splits"])
+                                    "glu_layout", "different_splits"])
 def test_plan_is_rebuilt_when_its_key_changes(change: str) -> None:
     seq, x, splits = _cached_mlp()
     first = seq.fusion_plan()
@@ -498,11 +511,14 @@ def test_plan_is_rebuilt_when_its_key_changes(change: str) -> None:
         seq.eval()
         seq(x, splits, splits)
     elif change == "backend":
-        if not te_seq.config.backend_available("torch")[0]:
+        if not te_seq.kernels.backend_available("torch")[0]:
             pytest.skip("torch backend unavailable")
         with te_seq.backend("torch"):
             seq(x, splits, splits)
         assert {s.backend for s in seq.fusion_plan().forward} == {"torch"}
+    elif change == "glu_layout":  # an op setting the plan reads (fusion checks, kernel support)
+        seq[1].glu_interleave_size = 3
+        seq(x, splits, splits)
     else:
         seq(x, splits, torch.tensor([1, 5, 1]))
         assert _names(seq.fusion_plan().forward) == ["GroupedLinear", "SwiGLU", "GroupedLinear"]

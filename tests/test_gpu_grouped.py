@@ -15,16 +15,18 @@ import textwrap
 
 import pytest
 import torch
+from op_specs import activation_ops
 
 import te_seq
 from te_seq import ops
+from te_seq.kernels.activations import ACTIVATIONS
 
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-GPU_BACKENDS = [b for b in ("torch", "cute") if te_seq.config.backend_available(b)[0]]
+GPU_BACKENDS = [b for b in ("torch", "cute") if te_seq.kernels.backend_available(b)[0]]
 
 # (name, split sizes): each shape of the split that a grouped kernel can get wrong.
 SPLIT_CASES = [
@@ -87,9 +89,7 @@ def _compare(model, x, extras, backend, dtype):
 
 def _mlp(num_groups, hidden, ffn, act, bias, dtype):
     act_op = act()
-    width = (
-        2 * ffn if act_op.__class__ in (ops.SwiGLU, ops.ScaledSwiGLU, ops.GEGLU, ops.ReGLU) else ffn
-    )
+    width = 2 * ffn if act_op.gated else ffn
     model = te_seq.Sequential(
         ops.GroupedLinear(num_groups, hidden, width, bias=bias, device="cuda", dtype=dtype),
         act_op,
@@ -122,7 +122,7 @@ def test_grouped_linear_non_contiguous_input(backend):
     _compare(model, x, [torch.tensor(sizes, device="cuda")], backend, dtype)
 
 
-ACTS = [ops.SwiGLU, ops.ScaledSwiGLU, ops.GEGLU, ops.ReGLU, ops.GELU, ops.ReLU, ops.SiLU]
+ACTS = activation_ops()  # every activation op te_seq.ops exports
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -184,7 +184,8 @@ def test_bad_device_split_sizes_fail_a_device_check():
     )
 
 
-GATED = [ops.SwiGLU, ops.ScaledSwiGLU, ops.GEGLU, ops.ReGLU]
+# gated ops whose activation the cute GLU epilogue computes (from the activation table)
+GATED = [a for a in ACTS if a.gated and ACTIVATIONS[a.act].glu_epilogue]
 
 
 @pytest.mark.skipif("cute" not in GPU_BACKENDS, reason="needs the cute backend (sm_90 + DSL)")

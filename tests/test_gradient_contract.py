@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from megatron_like import MegatronLikeDDP
 
 import te_seq
-from te_seq import config, ops
+from te_seq import kernels, ops
 
 SIZES = [5, 0, 11]  # includes an empty group: its wgrad must be exactly zero, not skipped
 G, T = len(SIZES), sum(SIZES)
@@ -35,7 +35,7 @@ KINDS = ("basic", "grouped", "grouped_single", "grouped_mlp", "grouped_mlp_unfus
 
 
 def _cuda_param(backend: str):
-    ok = torch.cuda.is_available() and config.backend_available(backend)[0]
+    ok = torch.cuda.is_available() and kernels.backend_available(backend)[0]
     return pytest.param(
         ("cuda", backend), id=f"cuda-{backend}",
         marks=[pytest.mark.gpu, pytest.mark.skipif(not ok, reason=f"needs CUDA + {backend}")],

@@ -1,12 +1,15 @@
 """The fused grouped MLP says in fusion_plan() whether its activation runs in the GEMM
 epilogues (cute) or after the GEMMs, and why — checked through GroupedMLP.plan_note directly,
-since the cute backend itself needs a Hopper GPU."""
+since the cute backend itself needs a Hopper GPU (its `supports` answers on any machine)."""
 
 import torch
 
 import te_seq
 from te_seq import ops
+from te_seq.kernels import get_backend
 from te_seq.ops.fused import GroupedMLP
+
+CUTE = get_backend("cute")
 
 
 def _mlp(act, bias=False, dtype=torch.bfloat16, ffn=128):
@@ -15,21 +18,25 @@ def _mlp(act, bias=False, dtype=torch.bfloat16, ffn=128):
                        ops.GroupedLinear(4, ffn, 64, bias=False, dtype=dtype)])
 
 
-def test_note_is_empty_off_the_cute_backend():
-    assert _mlp(ops.SwiGLU).plan_note("torch", torch.bfloat16, torch.device("cpu")) == ""
+def test_backends_without_epilogues_say_so():
+    cpu = torch.device("cpu")
+    for name in ("torch", "reference"):
+        assert _mlp(ops.SwiGLU).plan_note(get_backend(name), torch.bfloat16, cpu) == (
+            f"activation after the GEMMs (the {name} backend has no fused activation epilogue)"
+        )
 
 
 def test_note_names_what_has_no_fused_epilogue():
     cpu = torch.device("cpu")
-    assert "non-gated GELU" in _mlp(ops.GELU).plan_note("cute", torch.bfloat16, cpu)
-    assert "an FC1 bias" in _mlp(ops.SwiGLU, bias=True).plan_note("cute", torch.bfloat16, cpu)
+    assert "non-gated GELU" in _mlp(ops.GELU).plan_note(CUTE, torch.bfloat16, cpu)
+    assert "an FC1 bias" in _mlp(ops.SwiGLU, bias=True).plan_note(CUTE, torch.bfloat16, cpu)
 
 
 def test_note_gives_the_kernel_reason():
     cpu = torch.device("cpu")
-    note = _mlp(ops.SwiGLU, dtype=torch.float32).plan_note("cute", torch.float32, cpu)
+    note = _mlp(ops.SwiGLU, dtype=torch.float32).plan_note(CUTE, torch.float32, cpu)
     assert note.startswith("activation after the GEMMs (FC1: needs bf16/fp16"), note
-    note = _mlp(ops.SwiGLU, ffn=96).plan_note("cute", torch.bfloat16, cpu)
+    note = _mlp(ops.SwiGLU, ffn=96).plan_note(CUTE, torch.bfloat16, cpu)
     assert "F=96 must be a multiple of 128" in note, note
 
 
@@ -39,5 +46,8 @@ def test_plan_shows_the_backend_reason():
     mlp(torch.randn(5, 8), splits, splits)
     (step,) = mlp.fusion_plan().forward
     assert step.backend == "reference"
-    assert step.backend_reason == "data on cpu: auto runs the reference there"
+    assert step.backend_reason == (
+        "data on cpu: auto runs the reference there; "
+        "activation after the GEMMs (the reference backend has no fused activation epilogue)"
+    )
     assert "(data on cpu" in str(mlp.fusion_plan())

@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from op_specs import activation_ops
 
 import te_seq
 from te_seq import ops
@@ -297,7 +298,7 @@ def test_make_extra_output_in_place_never_writes_autograd_grads() -> None:
 
 # --- fusions -------------------------------------------------------------------------------
 
-ACTIVATIONS = [ops.GELU, ops.ReLU, ops.SiLU, ops.SwiGLU, ops.GEGLU, ops.ReGLU, ops.ScaledSwiGLU]
+ACTIVATIONS = activation_ops()  # every activation op te_seq.ops exports
 
 
 def _run(seq: te_seq.Sequential, leaves: list[torch.Tensor], inputs: tuple, fused: bool):

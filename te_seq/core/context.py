@@ -17,9 +17,12 @@ contexts allow: the fields below are the ones the fuser fills and reads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from torch import Tensor
+
+from te_seq.kernels.backend import Backend
+from te_seq.kernels.reference import REFERENCE
 
 Record = TypeVar("Record")
 
@@ -45,7 +48,7 @@ class OperationContext:
     requires_grad: bool = False
     input_requires_grad: bool = False
     weight_requires_grad: bool = False
-    backend: Any = "reference"
+    backend: Backend = REFERENCE
     recipe: object | None = None
     process_group: object | None = None
     saved: object | None = None

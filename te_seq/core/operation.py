@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from te_seq.core.context import OperationContext
+from te_seq.kernels.backend import Backend, BackendChoice, KernelNeed, choose_backend
 
 __all__ = [
     "BasicOperation",
@@ -39,7 +40,19 @@ class FusibleOperation(torch.nn.Module):
     def is_fused_op(self) -> bool:
         raise NotImplementedError
 
-    def plan_note(self, backend: str, dtype: torch.dtype, device: torch.device) -> str:
+    def kernel_needs(self) -> list[KernelNeed]:
+        """The backend kernels this op calls, with their static facts (K/N sizes, activation...);
+        empty for an op whose maths is plain PyTorch (it runs on the reference backend)."""
+        return []
+
+    def plan_backend(
+        self, requested: str, dtype: torch.dtype, device: torch.device
+    ) -> BackendChoice:
+        """The backend this op runs on under the `requested` one ("auto" or a name) for `dtype`
+        data on `device`, and why: one that supports every kernel in `kernel_needs()`."""
+        return choose_backend(requested, dtype, device, self.kernel_needs())
+
+    def plan_note(self, backend: Backend, dtype: torch.dtype, device: torch.device) -> str:
         """A line for `fusion_plan()` on how this op runs (e.g. which kernels fuse); "" if none."""
         return ""
 
@@ -113,9 +126,10 @@ class BasicOperation(FusibleOperation):
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple[Tensor, ...]) -> None:
         """Validate the call's input before anything runs; raise ValueError naming the op."""
 
-    def plan_backend(self, requested: str, device: torch.device) -> str:
-        """The kernel backend this op runs under the requested one (see te_seq.config)."""
-        return "reference"
+    def plan_facts(self) -> tuple:
+        """Settings besides parameters that the plan depends on (part of the plan cache key),
+        e.g. an activation's name and column layout."""
+        return ()
 
     def need_backward_dw(self) -> bool:
         return False
@@ -143,9 +157,6 @@ class FusedOperation(FusibleOperation):
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
-
-    def plan_backend(self, requested: str, device: torch.device) -> str:
-        return "reference"
 
 
 def run_standalone(module: torch.nn.Module, input_: Tensor, *extra_inputs: Any) -> Any:

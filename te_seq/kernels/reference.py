@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from te_seq.kernels.activations import GluSpec, activation
+from te_seq.kernels.backend import Backend, register_backend
+
 
 def group_bounds(offs: Tensor) -> list[tuple[int, int]]:
     """(start, end) row range of every group, read on the host."""
@@ -63,57 +66,8 @@ def grouped_wgrad(
     return out
 
 
-# --- activations --------------------------------------------------------------------------
-# Each activation is (f, f') on the pre-activation; gated ones apply f to the gate half.
-
-_SQRT_2_OVER_PI = 0.7978845608028654
-_GELU_C = 0.044715
-
-
-def gelu_tanh(x: Tensor) -> Tensor:
-    return torch.nn.functional.gelu(x, approximate="tanh")
-
-
-def gelu_tanh_grad(x: Tensor) -> Tensor:
-    inner = _SQRT_2_OVER_PI * (x + _GELU_C * x**3)
-    t = torch.tanh(inner)
-    d_inner = _SQRT_2_OVER_PI * (1 + 3 * _GELU_C * x**2)
-    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * d_inner
-
-
-def gelu_erf(x: Tensor) -> Tensor:
-    return torch.nn.functional.gelu(x)
-
-
-def gelu_erf_grad(x: Tensor) -> Tensor:
-    cdf = 0.5 * (1 + torch.erf(x * 0.7071067811865476))
-    pdf = torch.exp(-0.5 * x * x) * 0.3989422804014327
-    return cdf + x * pdf
-
-
-def silu(x: Tensor) -> Tensor:
-    return torch.nn.functional.silu(x)
-
-
-def silu_grad(x: Tensor) -> Tensor:
-    s = torch.sigmoid(x)
-    return s * (1 + x * (1 - s))
-
-
-def relu(x: Tensor) -> Tensor:
-    return torch.relu(x)
-
-
-def relu_grad(x: Tensor) -> Tensor:
-    return (x > 0).to(x.dtype)
-
-
-ACTIVATIONS = {
-    "gelu": (gelu_tanh, gelu_tanh_grad),
-    "gelu_erf": (gelu_erf, gelu_erf_grad),
-    "silu": (silu, silu_grad),
-    "relu": (relu, relu_grad),
-}
+# --- activations ----------------------------------------------------------------------------
+# f and f' come from the one table, te_seq.kernels.activations; gated ones apply f to the gate.
 
 
 def split_glu(x: Tensor, interleave: int | None = None) -> tuple[Tensor, Tensor]:
@@ -140,7 +94,7 @@ def glu_forward(
     x: Tensor, act: str, interleave: int | None = None, scales: Tensor | None = None
 ) -> Tensor:
     """act(gate) · up (· scales per row); computed in fp32 for low-precision inputs."""
-    f, _ = ACTIVATIONS[act]
+    f = activation(act).f
     gate, up = split_glu(_upcast(x), interleave)
     y = f(gate) * up
     if scales is not None:
@@ -152,7 +106,8 @@ def glu_backward(
     x: Tensor, dy: Tensor, act: str, interleave: int | None = None, scales: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """(d x, d scales) of `glu_forward`."""
-    f, df = ACTIVATIONS[act]
+    spec = activation(act)
+    f, df = spec.f, spec.df
     gate, up = split_glu(_upcast(x), interleave)
     dy32 = _upcast(dy)
     dscales = None
@@ -165,12 +120,46 @@ def glu_backward(
 
 
 def act_forward(x: Tensor, act: str) -> Tensor:
-    return ACTIVATIONS[act][0](_upcast(x)).to(x.dtype)
+    """f(x), computed in fp32 for low-precision inputs."""
+    return activation(act).f(_upcast(x)).to(x.dtype)
 
 
 def act_backward(x: Tensor, dy: Tensor, act: str) -> Tensor:
-    return (_upcast(dy) * ACTIVATIONS[act][1](_upcast(x))).to(x.dtype)
+    """dy · f'(x), computed in fp32 for low-precision inputs."""
+    return (_upcast(dy) * activation(act).df(_upcast(x))).to(x.dtype)
 
 
 def _upcast(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float64 else t.float()
+
+
+class ReferenceBackend(Backend):
+    """The "reference" backend: the functions above, on any device and dtype (the oracle).
+
+    Grouped GEMMs read ``offs`` on the host (a sync): use a GPU backend inside CUDA graphs.
+    """
+
+    name = "reference"
+    auto_device_types = None
+    fallback = True
+
+    def grouped_mm(self, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+        return grouped_mm(a, b, offs)
+
+    def grouped_wgrad(self, grad_out, x, offs, out=None, accumulate=False) -> Tensor:
+        return grouped_wgrad(grad_out, x, offs, out=out, accumulate=accumulate)
+
+    def act_forward(self, x: Tensor, act: str) -> Tensor:
+        return act_forward(x, act)
+
+    def act_backward(self, x: Tensor, dy: Tensor, act: str) -> Tensor:
+        return act_backward(x, dy, act)
+
+    def glu_forward(self, x: Tensor, glu: GluSpec, scales: Tensor | None = None) -> Tensor:
+        return glu_forward(x, glu.act, glu.glu_interleave_size, scales)
+
+    def glu_backward(self, x, dy, glu: GluSpec, scales=None) -> tuple[Tensor, Tensor | None]:
+        return glu_backward(x, dy, glu.act, glu.glu_interleave_size, scales)
+
+
+REFERENCE = register_backend(ReferenceBackend())

@@ -1,6 +1,6 @@
 """The "torch" backend: te_seq's grouped GEMMs on ``torch._grouped_mm``.
 
-Activations use the reference maths, compiled on CUDA (``te_seq.kernels.elementwise``).
+Activations use the reference maths, compiled on CUDA (``te_seq.kernels.gpu_backend``).
 
 Same signatures and maths as ``te_seq.kernels.reference`` (read its docstrings first). Shape legend:
 M rows (tokens), E groups (experts), K reduction dim, N output dim, A row alignment of a padded
@@ -48,6 +48,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from te_seq.kernels.backend import register_backend
+from te_seq.kernels.gpu_backend import GpuBackend
 
 _TILE = 64  # rows per tile of the tiled path
 _CHUNK_BYTES = 256 << 20  # gathered weights per bmm of the tiled path
@@ -243,3 +246,23 @@ def _tiled_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor) -> Tensor:
         partial = torch.bmm(dy[c].transpose(1, 2), xs[c])  # [tiles, N, K]; dW_t = dY_tᵀ X_t
         result.index_add_(0, groups[c], partial)
     return result
+
+
+class TorchBackend(GpuBackend):
+    """The "torch" backend: the grouped GEMMs above (any dtype, CUDA or CPU data; "auto" picks it
+    for CUDA data only) and the compiled elementwise maths of `GpuBackend`."""
+
+    name = "torch"
+    auto_priority = 10
+
+    def available(self) -> tuple[bool, str]:
+        return available()
+
+    def grouped_mm(self, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+        return grouped_mm(a, b, offs)
+
+    def grouped_wgrad(self, grad_out, x, offs, out=None, accumulate=False) -> Tensor:
+        return grouped_wgrad(grad_out, x, offs, out=out, accumulate=accumulate)
+
+
+TORCH = register_backend(TorchBackend())

@@ -14,12 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from te_seq import config
 from te_seq.core.context import OperationContext
 from te_seq.core.operation import BasicOperation
 from te_seq.fusion.matcher import Segment, fill_unfused, match_phase, same_extra_input
 from te_seq.fusion.plan import FusionPlan, PlanMiss, PlanStep
 from te_seq.fusion.registry import registry_version
+from te_seq.kernels import backend as kernel_backends
+from te_seq.kernels.backend import Backend, BackendChoice
 
 
 @dataclass
@@ -28,7 +29,7 @@ class RunPlan:
 
     forward: list[Segment]
     backward: list[Segment]
-    backends: dict[int, str]  # id(segment op) -> backend
+    backends: dict[int, Backend]  # id(segment op) -> the backend its steps run on
     public: FusionPlan
 
 
@@ -70,11 +71,15 @@ class Fuser:
     # --- planning ---------------------------------------------------------------------------
     def _key(self, input_: Tensor, flat_extra: Sequence[Any], with_backward: bool) -> tuple:
         params = tuple(
-            (p.dtype, p.device, p.requires_grad) for op in self.ops for p in op.fuser_parameters()
+            (p.dtype, p.device, p.requires_grad, p.shape)
+            for op in self.ops
+            for p in op.fuser_parameters()
         )
         return (
             registry_version(),
-            config.current_backend(),
+            kernel_backends.registry_version(),
+            kernel_backends.current_backend(),
+            tuple(op.plan_facts() for op in self.ops),
             input_.dtype,
             input_.device,
             with_backward,
@@ -105,21 +110,24 @@ class Fuser:
             bwd, bwd_misses = match_phase(self.ops, list(taken), "backward", extra, self.offset)
             backward = list(reversed(fill_unfused(self.ops, joint + bwd)))
             misses += bwd_misses
-        requested = config.current_backend()
-        backends = {id(s.op): s.op.plan_backend(requested, device) for s in forward + backward}
-        public = self._public(forward, backward, misses, backends, requested, input_)
+        requested = kernel_backends.current_backend()
+        choices: dict[int, BackendChoice] = {}
+        for seg in forward + backward:  # a joint fused op has a forward and a backward segment
+            if id(seg.op) not in choices:
+                choices[id(seg.op)] = seg.op.plan_backend(requested, input_.dtype, device)
+        public = self._public(forward, backward, misses, choices, input_)
+        backends = {key: choice.backend for key, choice in choices.items()}
         return RunPlan(forward, backward, backends, public)
 
     def _public(
-        self, forward, backward, misses: list[PlanMiss], backends, requested: str, input_: Tensor
+        self, forward, backward, misses: list[PlanMiss], choices, input_: Tensor
     ) -> FusionPlan:
         def step(seg: Segment) -> PlanStep:
             indices = tuple(p + self.offset for p in seg.positions)
-            chosen = backends[id(seg.op)]
-            why = config.backend_reason(requested, chosen, input_.device)
+            chosen, why = choices[id(seg.op)]
             note = seg.op.plan_note(chosen, input_.dtype, input_.device)
             why = f"{why}; {note}" if note else why
-            return PlanStep(type(seg.op).__name__, indices, chosen, seg.op, why)
+            return PlanStep(type(seg.op).__name__, indices, chosen.name, seg.op, why)
 
         return FusionPlan([step(s) for s in forward], [step(s) for s in backward], misses)
 

@@ -14,6 +14,7 @@ import torch
 from cute_marks import compile_for_sm90a, gpu, needs_cute, needs_dsl
 
 from te_seq.kernels import reference
+from te_seq.kernels.activations import epilogue_activations
 
 # ------------------------------------------------------------------ CPU: compile-only, errors
 
@@ -125,14 +126,12 @@ _CASES = [
     ("unaligned", [1, 3, 129, 255, 257, 7, 513], 0, 192, 128),
     ("wide_f", [200, 0, 321], 3, 64, 512),
 ]
-# (act, interleave, probs dtype): each config compiles once per kernel, so cover, don't multiply
-_CONFIGS = [
-    ("silu", None, torch.float32),
+# (act, interleave, probs dtype): each config compiles once per kernel, so cover, don't multiply:
+# every activation the table gives the epilogue once, then layouts and probs dtypes.
+_CONFIGS = [(act, None, torch.float32) for act in epilogue_activations()] + [
     ("silu", None, None),
     ("silu", 32, torch.float32),
     ("gelu", 64, torch.bfloat16),
-    ("relu", None, torch.float32),
-    ("gelu", None, None),
 ]
 
 
@@ -199,17 +198,21 @@ def test_fc2_dgrad_matches_reference(case, config):
 @gpu
 @needs_cute
 def test_fp16_and_functional_dispatch():
-    """fp16 operands; te_seq.kernels' functionals pick the fused kernel and agree with reference."""
+    """fp16 operands; te_seq.kernels' functionals on the cute backend run the fused kernels and
+    agree with the reference backend's GEMM followed by its GLU maths."""
     from te_seq import kernels
 
-    case = _CASES[2]
-    x, w1, w2, probs, offs = _data(case, torch.float32, dtype=torch.float16)
-    h, a = kernels.glu_fc1_forward(x, w1.transpose(1, 2), offs, "silu", None, probs, "cute")
-    h2, a2 = kernels.glu_fc1_forward(x, w1.transpose(1, 2), offs, "silu", None, probs, "reference")
+    cute, ref = kernels.get_backend("cute"), kernels.get_backend("reference")
+    glu = kernels.GluSpec("silu")
+    x, w1, w2, probs, offs = _data(_CASES[2], torch.float32, dtype=torch.float16)
+    h, a = kernels.glu_fc1_forward(x, w1.transpose(1, 2), offs, glu, probs, cute)
+    h2 = kernels.grouped_mm(x, w1.transpose(1, 2), offs, ref)
+    a2 = ref.glu_forward(h2, glu, probs)
     assert _rel_err(h, h2) < 2e-3 and _rel_err(a, a2) < 2e-3
     dy = torch.randn_like(x)
-    dh, a, dp = kernels.glu_fc2_dgrad(dy, w2, offs, h, "silu", None, probs, "cute")
-    dh2, a2, dp2 = kernels.glu_fc2_dgrad(dy, w2, offs, h, "silu", None, probs, "reference")
+    dh, a, dp = kernels.glu_fc2_dgrad(dy, w2, offs, h, glu, probs, cute)
+    dh2, dp2 = ref.glu_backward(h, kernels.grouped_mm(dy, w2, offs, ref), glu, probs)
+    a2 = ref.glu_forward(h, glu, probs)
     assert _rel_err(dh, dh2) < 5e-3 and _rel_err(a, a2) < 2e-3 and _rel_err(dp, dp2) < 5e-3
 
 

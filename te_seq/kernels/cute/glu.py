@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from te_seq.kernels.activations import epilogue_activations
+
 from .launch import (
     _AB_DTYPES,
     _b_view,
@@ -25,7 +27,7 @@ from .launch import (
 )
 
 _PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_ACTS = ("silu", "gelu", "relu")
+_ACTS = epilogue_activations()  # the table entries with glu_epilogue=True
 _FC1_TILE_N, _CLUSTER = 256, (1, 2)
 _DUMMY: dict = {}
 

@@ -31,16 +31,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from te_seq.kernels.activations import epilogue_activations
+
 from .grouped_gemm import GroupedGemmKernel
 from .ragged import _ragged_group, _ragged_view
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_C = 0.044715
-ACTS = ("silu", "gelu", "relu")
+ACTS = epilogue_activations()  # each has a branch in _act_and_grad
 
 
 def _act_and_grad(x, act: str, need_grad: bool):
-    """(f(x), f'(x) or None) on an fp32 TensorSSA; the formulas of ``reference.ACTIVATIONS``.
+    """(f(x), f'(x) or None) on an fp32 TensorSSA; the formulas of ``te_seq.kernels.activations``.
 
     The sigmoid uses the approximate exp and reciprocal (MUFU, ~1e-6 relative; outputs are
     16-bit): an IEEE division per element made the dgrad epilogue's maths cost 0.075 of its

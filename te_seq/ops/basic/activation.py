@@ -1,4 +1,9 @@
-"""Shared machinery of the activation ops (elementwise and gated). Maths: kernels/reference.py."""
+"""Shared machinery of the activation ops (elementwise and gated).
+
+The maths is named, not written, here: `act` is a key of the activation table
+(te_seq/kernels/activations.py), and the step's backend (`ctx.backend`) runs it. The fusions
+match these two base classes, so a new activation op is a subclass with a new `act`.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +12,41 @@ from torch import Tensor
 from te_seq.core import checks
 from te_seq.core.context import OperationContext
 from te_seq.core.operation import BasicOperation
-from te_seq.kernels import reference
+from te_seq.kernels.activations import ACTIVATIONS, GluSpec
+from te_seq.kernels.backend import KernelNeed
 
 
 class Activation(BasicOperation):
-    """y = f(x) elementwise, f named by `act` (a key of reference.ACTIVATIONS)."""
+    """y = f(x) elementwise, f named by `act` (a key of te_seq.kernels.activations.ACTIVATIONS).
+
+    `row_scales`: the op takes one extra input, a scale per row that multiplies y (a gated
+    activation's router probabilities); the fusions know that contract and no other extra input.
+    """
 
     act: str = ""
     gated: bool = False
+    row_scales: bool = False
 
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
         checks.check_floating(self, input_)
 
+    def kernel_needs(self) -> list[KernelNeed]:
+        if self.act not in ACTIVATIONS:  # a user op with its own maths: nothing to choose
+            return []
+        facts = {"act": self.act}
+        return [KernelNeed("act_forward", facts), KernelNeed("act_backward", facts)]
+
+    def plan_facts(self) -> tuple:
+        return (self.act,)
+
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
         if ctx.requires_grad:
             ctx.save_for_backward(input_)
-        return reference.act_forward(input_, self.act)
+        return ctx.backend.act_forward(input_, self.act)
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
         (x,) = ctx.saved_tensors
-        return reference.act_backward(x, grad_output, self.act), []
+        return ctx.backend.act_backward(x, grad_output, self.act), []
 
 
 class GatedActivation(Activation):
@@ -44,9 +64,23 @@ class GatedActivation(Activation):
             )
         self.glu_interleave_size = glu_interleave_size
 
+    @property
+    def glu_spec(self) -> GluSpec:
+        """The activation and column layout, as the GLU kernels take them."""
+        return GluSpec(self.act, self.glu_interleave_size)
+
     def extra_repr(self) -> str:
         s = self.glu_interleave_size
         return "" if s is None else f"glu_interleave_size={s}"
+
+    def kernel_needs(self) -> list[KernelNeed]:
+        if self.act not in ACTIVATIONS:
+            return []
+        facts = {"glu": self.glu_spec}
+        return [KernelNeed("glu_forward", facts), KernelNeed("glu_backward", facts)]
+
+    def plan_facts(self) -> tuple:
+        return (self.act, self.glu_interleave_size)
 
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
         checks.check_floating(self, input_)
@@ -55,9 +89,9 @@ class GatedActivation(Activation):
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
         if ctx.requires_grad:
             ctx.save_for_backward(input_)
-        return reference.glu_forward(input_, self.act, self.glu_interleave_size)
+        return ctx.backend.glu_forward(input_, self.glu_spec)
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
         (x,) = ctx.saved_tensors
-        dx, _ = reference.glu_backward(x, grad_output, self.act, self.glu_interleave_size)
+        dx, _ = ctx.backend.glu_backward(x, grad_output, self.glu_spec)
         return dx, []

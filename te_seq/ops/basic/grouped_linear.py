@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from te_seq import config, kernels
+from te_seq import kernels
 from te_seq.core import checks
 from te_seq.core.context import OperationContext
 from te_seq.core.grad_policy import (
@@ -19,6 +19,7 @@ from te_seq.core.grad_policy import (
     WgradRequest,
 )
 from te_seq.core.operation import BasicOperation
+from te_seq.kernels.backend import Backend, KernelNeed
 from te_seq.ops.basic._grouped_params import ParamBlock, block_of
 from te_seq.ops.basic.basic_linear import init_linear_weight_
 
@@ -218,8 +219,14 @@ class GroupedLinear(GradContractMixin, BasicOperation):
             checks.check_tensor(self, "scales", extra_inputs[1])
             checks.check_per_row(self, "scales", extra_inputs[1], input_)
 
-    def plan_backend(self, requested: str, device: torch.device) -> str:
-        return config.grouped_backend(requested, device)
+    def kernel_needs(self) -> list[KernelNeed]:
+        """y = x Wᵀ (K=in, N=out), dX = dY W (K=out, N=in) and dW = dYᵀ X [N=out, K=in]."""
+        k, n = self.in_features, self.out_features
+        return [
+            KernelNeed("grouped_mm", {"k": k, "n": n}),
+            KernelNeed("grouped_mm", {"k": n, "n": k}),
+            KernelNeed("grouped_wgrad", {"k": k, "n": n}),
+        ]
 
     # --- maths pieces (the fused GroupedMLP reuses them) -------------------------------------
     def offsets(self, splits: Tensor, input_: Tensor) -> Tensor:
@@ -276,22 +283,22 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         return GroupedLinearSaved(input_shape, self.forward_weights())
 
     def wgrad_request(
-        self, weights: ForwardWeights, x: Tensor, dy: Tensor, offs: Tensor, backend: str
+        self, weights: ForwardWeights, x: Tensor, dy: Tensor, offs: Tensor, backend: Backend
     ) -> WgradRequest:
         """dW_g = dY_gᵀ X_g (varlen-K grouped GEMM), routed by the gradient contract."""
 
         def compute() -> Sequence[Tensor]:
-            grads = kernels.grouped_wgrad(dy, x, offs, backend)  # [G, N, K]
+            grads = backend.grouped_wgrad(dy, x, offs)  # [G, N, K]
             return [grads] if self.single_grouped_weight else list(grads.unbind(0))
 
         def compute_into(outs: Sequence[Tensor], accumulate: bool) -> None:
             block = outs[0] if self.single_grouped_weight else block_of(outs)
             if block is not None:  # one [G, N, K] buffer (Megatron's main_grad buckets are)
-                kernels.grouped_wgrad(dy, x, offs, backend, out=block, accumulate=accumulate)
+                backend.grouped_wgrad(dy, x, offs, out=block, accumulate=accumulate)
                 return
             G, N, K = self.num_groups, self.out_features, self.in_features
             tmp = torch.empty(G, N, K, device=x.device, dtype=outs[0].dtype)
-            kernels.grouped_wgrad(dy, x, offs, backend, out=tmp, accumulate=False)
+            backend.grouped_wgrad(dy, x, offs, out=tmp, accumulate=False)
             for out, grad in zip(outs, tmp.unbind(0)):
                 out.add_(grad) if accumulate else out.copy_(grad)
 
@@ -305,7 +312,7 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         x = input_.reshape(-1, self.in_features)  # [T, K]
         offs = self.offsets(splits, input_)
         weight = self.stacked_weight()  # [G, N, K]
-        y = kernels.grouped_mm(x, weight.transpose(1, 2), offs, ctx.backend)  # y_g = x_g W_gᵀ
+        y = ctx.backend.grouped_mm(x, weight.transpose(1, 2), offs)  # y_g = x_g W_gᵀ
         bias = self.bias_rows(offs, x.shape[0], scales)
         if bias is not None:
             y = y + bias
@@ -320,7 +327,7 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         dy = grad_output.reshape(-1, self.out_features)  # [T, N]
         dx = None
         if ctx.input_requires_grad:
-            dx = kernels.grouped_mm(dy, weight, offs, ctx.backend)  # dX_g = dY_g W_g
+            dx = ctx.backend.grouped_mm(dy, weight, offs)  # dX_g = dY_g W_g
             dx = dx.reshape(ctx.saved_as(GroupedLinearSaved).input_shape)
         bias_grads, dscales = self.bias_grads(dy, offs, scales)
         weight_grads = self.weight_grads(ctx, x, dy, offs)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from te_seq.core import checks
-from te_seq.kernels import reference
 from te_seq.ops.basic.swiglu import SwiGLU
 
 
@@ -15,6 +14,7 @@ class ScaledSwiGLU(SwiGLU):
 
     num_extra_inputs = 1
     extra_input_names = ("scales",)
+    row_scales = True
 
     def pre_forward_checks(self, input_, extra_inputs) -> None:
         super().pre_forward_checks(input_, extra_inputs)
@@ -27,12 +27,11 @@ class ScaledSwiGLU(SwiGLU):
         rows = scales.reshape(input_.shape[:-1])
         if ctx.requires_grad:
             ctx.save_for_backward(input_, scales)
-        return reference.glu_forward(input_, self.act, self.glu_interleave_size, rows), [()]
+        return ctx.backend.glu_forward(input_, self.glu_spec, rows), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
-        x, scales = basic_op_ctxs[0].saved_tensors
+        ctx = basic_op_ctxs[0]
+        x, scales = ctx.saved_tensors
         rows = scales.reshape(x.shape[:-1])
-        dx, dscales = reference.glu_backward(
-            x, grad_output, self.act, self.glu_interleave_size, rows
-        )
+        dx, dscales = ctx.backend.glu_backward(x, grad_output, self.glu_spec, rows)
         return dx, [[]], [(dscales.reshape(scales.shape),)]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_seq.core.operation import BasicOperation
 from te_seq.fusion.registry import NoMatch
+from te_seq.kernels.activations import ACTIVATIONS
+from te_seq.ops.basic.activation import Activation
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
-from te_seq.ops.fused.grouped_mlp import ACTIVATION_OPS
 
 _MATHS_METHODS = ("op_forward", "op_backward", "fuser_forward", "fuser_backward")
 
@@ -40,22 +40,35 @@ def check_linear_bias(linear: BasicLinear, bias: Bias) -> NoMatch | None:
     return None
 
 
-def check_activation(act: BasicOperation, width: int) -> NoMatch | None:
+def check_activation(act: Activation, width: int) -> NoMatch | None:
     """Why an activation op cannot be run by a fused op over input width `width` (None if it can).
 
-    A user subclass that overrides the maths of a built-in activation is declined: the fused op
-    only knows the built-in maths.
+    A fused op knows the table's maths (te_seq.kernels.activations) and the built-in classes'
+    contract: no extra input, or one per-row scale for a gated activation (`row_scales`). It
+    declines an `act` not in the table, other extra inputs, and a user subclass that overrides
+    the maths of a built-in activation class.
     """
-    base = next(c for c in type(act).__mro__ if c in ACTIVATION_OPS)
+    name = type(act).__name__
+    if act.act not in ACTIVATIONS:
+        known = tuple(ACTIVATIONS)
+        return NoMatch(f"{name}: act {act.act!r} is not in the activation table {known}")
+    base = _builtin_base(type(act))
     overridden = [m for m in _MATHS_METHODS if getattr(type(act), m) is not getattr(base, m)]
     if overridden:
+        return NoMatch(f"{name} overrides {', '.join(overridden)} of {base.__name__}")
+    scales = 1 if act.row_scales else 0
+    if act.num_extra_inputs != scales or (act.row_scales and not act.gated):
         return NoMatch(
-            f"{type(act).__name__} overrides {', '.join(overridden)} of {base.__name__}"
+            f"{name} takes {act.num_extra_inputs} extra inputs; fused ops take none, or one "
+            "per-row scale of a gated activation"
         )
     if act.gated:
         multiple = 2 * (act.glu_interleave_size or 1)
         if width % multiple:
-            return NoMatch(
-                f"{type(act).__name__} needs a width that is a multiple of {multiple}, got {width}"
-            )
+            return NoMatch(f"{name} needs a width that is a multiple of {multiple}, got {width}")
     return None
+
+
+def _builtin_base(cls: type) -> type:
+    """The nearest class of te_seq's own in `cls`'s MRO (`cls` itself when it is built in)."""
+    return next(c for c in cls.__mro__ if c.__module__.startswith("te_seq."))

@@ -13,10 +13,10 @@ from torch import Tensor
 
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import NoMatch, register_fusion
-from te_seq.kernels import reference
+from te_seq.kernels.backend import Backend, KernelNeed
+from te_seq.ops.basic.activation import Activation
 from te_seq.ops.basic.bias import Bias
 from te_seq.ops.fused._linear_common import check_activation
-from te_seq.ops.fused.grouped_mlp import ACTIVATION_OPS
 
 
 def _upcast(t: Tensor | None) -> Tensor | None:
@@ -38,27 +38,31 @@ class ActivationBiasBackward(FusedOperation):
         super().__init__(basic_ops)
         self.bias, self.activation = basic_ops
 
+    def kernel_needs(self) -> list[KernelNeed]:
+        return self.activation.kernel_needs()
+
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         bias_ctx, act_ctx = basic_op_ctxs
         h, *scales = act_ctx.saved_tensors  # h [..., N]; scales [T] for ScaledSwiGLU
-        dh32, dscales = self._dact(_upcast(h), _upcast(grad_output), scales)  # [..., N] fp32
+        h32, dy32 = _upcast(h), _upcast(grad_output)
+        dh32, dscales = self._dact(act_ctx.backend, h32, dy32, scales)  # [..., N] fp32
         dbias = None
         if bias_ctx.weight_requires_grad:
             dbias = dh32.reshape(-1, self.bias.size).sum(0).to(self.bias.bias.dtype)  # db = Σ dh
         act_extra = () if not scales else (dscales.reshape(scales[0].shape).to(scales[0].dtype),)
         return dh32.to(h.dtype), [[dbias], []], [(), act_extra]
 
-    def _dact(self, h32: Tensor, dy32: Tensor, scales: list[Tensor]):
-        """(dh, d scales) in the compute precision."""
+    def _dact(self, backend: Backend, h32: Tensor, dy32: Tensor, scales: list[Tensor]):
+        """(dh, d scales) in the compute precision, on the step's backend."""
         op = self.activation
         if not op.gated:
-            return reference.act_backward(h32, dy32, op.act), None
+            return backend.act_backward(h32, dy32, op.act), None
         rows = _upcast(scales[0]).reshape(h32.shape[:-1]) if scales else None
-        return reference.glu_backward(h32, dy32, op.act, op.glu_interleave_size, rows)
+        return backend.glu_backward(h32, dy32, op.glu_spec, rows)
 
 
 @register_fusion(name="activation_bias_backward", phase="backward",
-                 pattern=(Bias, ACTIVATION_OPS), builtin=True)
+                 pattern=(Bias, Activation), builtin=True)
 def _build_activation_bias_backward(window) -> ActivationBiasBackward | NoMatch:
     bias, act = window
     return check_activation(act, bias.size) or ActivationBiasBackward(window)

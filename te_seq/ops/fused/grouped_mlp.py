@@ -15,23 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from te_seq import config, kernels
 from te_seq.core.context import OperationContext
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.matcher import same_extra_input
 from te_seq.fusion.registry import NoMatch, register_fusion
-from te_seq.ops.basic import (
-    GEGLU,
-    GELU,
-    ReGLU,
-    ReLU,
-    ScaledSwiGLU,
-    SiLU,
-    SwiGLU,
-)
+from te_seq.kernels.backend import Backend, KernelNeed
+from te_seq.ops.basic.activation import Activation
 from te_seq.ops.basic.grouped_linear import GroupedLinear, GroupedLinearSaved
-
-ACTIVATION_OPS = (SwiGLU, ScaledSwiGLU, GEGLU, ReGLU, GELU, ReLU, SiLU)
+from te_seq.ops.fused._linear_common import check_activation
 
 
 @dataclass
@@ -51,59 +42,74 @@ class GroupedMLP(FusedOperation):
         super().__init__(basic_ops)
         self.fc1, self.activation, self.fc2 = basic_ops
 
-    def plan_backend(self, requested: str, device: torch.device) -> str:
-        return config.grouped_backend(requested, device)
+    def kernel_needs(self) -> list[KernelNeed]:
+        """Every GEMM of forward and backward (the activation maths runs on every backend)."""
+        h, f1 = self.fc1.in_features, self.fc1.out_features  # FC1: H -> 2F (F)
+        f, h2 = self.fc2.in_features, self.fc2.out_features  # FC2: F -> H
+        gemms = [(h, f1), (f, h2), (h2, f), (f1, h)]  # (K, N): FC1, FC2, FC2 dgrad, FC1 dgrad
+        needs = [KernelNeed("grouped_mm", {"k": k, "n": n}) for k, n in gemms]
+        wgrads = [(f, h2), (h, f1)]  # (K, N) of dW2 [N=H, K=F] and dW1 [N=2F, K=H]
+        return needs + [KernelNeed("grouped_wgrad", {"k": k, "n": n}) for k, n in wgrads]
 
-    def plan_note(self, backend: str, dtype: torch.dtype, device: torch.device) -> str:
-        """Whether the activation runs inside the GEMMs' epilogues (cute) or after them."""
+    def epilogue_status(
+        self, backend: Backend, dtype: torch.dtype, device: torch.device
+    ) -> tuple[bool, str]:
+        """Whether the activation runs inside the GEMM epilogues on `backend`, and if not why.
+
+        Decided when the plan is built (static facts only) and remembered, so each call reads
+        the plan's decision instead of re-deciding."""
+        key = (backend, dtype, device, self.activation.plan_facts())
+        memo = self.__dict__.setdefault("_epilogue_memo", {})
+        if key not in memo:
+            memo[key] = self._epilogue_decision(backend, dtype, device)
+        return memo[key]
+
+    def _epilogue_decision(self, backend: Backend, dtype, device) -> tuple[bool, str]:
         op = self.activation
-        if backend != "cute":
-            return ""
+        if not backend.implements("glu_fc1_forward"):
+            return False, f"the {backend.name} backend has no fused activation epilogue"
         if not op.gated or self.fc1.has_bias:
             what = "an FC1 bias" if self.fc1.has_bias else f"non-gated {type(op).__name__}"
-            return f"activation after the GEMMs ({what} has no fused epilogue)"
-        x_like = torch.empty(0, self.fc1.in_features, dtype=dtype, device=device)
-        w1t = self.fc1.stacked_weight().transpose(1, 2)
-        ok, why = kernels.glu_epilogue_status(
-            x_like, w1t, self.fc2.stacked_weight(), op.act, op.glu_interleave_size, backend
-        )
-        return (
-            "activation fused into the FC1 and FC2-dgrad epilogues"
-            if ok
-            else f"activation after the GEMMs ({why})"
-        )
+            return False, f"{what} has no fused epilogue"
+        facts = dict(hidden=self.fc1.in_features, ffn=self.fc2.in_features, glu=op.glu_spec)
+        for label, kernel in (("FC1", "glu_fc1_forward"), ("FC2 dgrad", "glu_fc2_dgrad")):
+            ok, why = backend.supports(kernel, dtype=dtype, device=device, **facts)
+            if not ok:
+                return False, f"{label}: {why}"
+        return True, ""
+
+    def plan_note(self, backend: Backend, dtype: torch.dtype, device: torch.device) -> str:
+        """Whether the activation runs inside the GEMMs' epilogues or after them."""
+        fused, why = self.epilogue_status(backend, dtype, device)
+        if fused:
+            return "activation fused into the FC1 and FC2-dgrad epilogues"
+        return f"activation after the GEMMs ({why})"
 
     # --- activation ---------------------------------------------------------------------------
-    def _fc1_act(self, x: Tensor, w1: Tensor, offs: Tensor, extras: _Extras, probs, backend: str):
+    def _fc1_act(self, x: Tensor, w1: Tensor, offs: Tensor, extras: _Extras, probs, backend):
         """(h, a): FC1's pre-activation [T, 2F] and the activation [T, F] (· probs).
 
-        Gated activations without an FC1 bias run as one kernel on the cute backend (the
-        activation in the GEMM's epilogue); the rest run the GEMM, then the activation.
-        """
+        One kernel where the plan fused the activation into FC1's epilogue; else the GEMM,
+        then the activation."""
         op = self.activation
-        if op.gated and not self.fc1.has_bias:
-            w1t = w1.transpose(1, 2)  # [G, H, 2F]
-            return kernels.glu_fc1_forward(
-                x, w1t, offs, op.act, op.glu_interleave_size, probs, backend
-            )
+        if self.epilogue_status(backend, x.dtype, x.device)[0]:
+            return backend.glu_fc1_forward(x, w1.transpose(1, 2), offs, op.glu_spec, probs)
         h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, backend)
         if op.gated:
-            glu = kernels.elementwise("glu_forward", backend, h.device)
-            return h, glu(h, op.act, op.glu_interleave_size, probs)
-        return h, kernels.elementwise("act_forward", backend, h.device)(h, op.act)
+            return h, backend.glu_forward(h, op.glu_spec, probs)
+        return h, backend.act_forward(h, op.act)
 
-    def _fc2_dgrad_act(self, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, probs, backend: str):
+    def _fc2_dgrad_act(self, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, probs, backend):
         """(dh, a, dprobs): dA = dY_e W2_e through the activation's gradient, and the activation
-        re-emitted for FC2's wgrad (one kernel on the cute backend for gated activations)."""
+        re-emitted for FC2's wgrad (one kernel where the plan fused the epilogue)."""
         op = self.activation
+        if self.epilogue_status(backend, dy.dtype, dy.device)[0]:
+            return backend.glu_fc2_dgrad(dy, w2, offs, h, op.glu_spec, probs)
+        da = backend.grouped_mm(dy, w2, offs)  # [T, F]
         if op.gated:
-            return kernels.glu_fc2_dgrad(
-                dy, w2, offs, h, op.act, op.glu_interleave_size, probs, backend
-            )
-        da = kernels.grouped_mm(dy, w2, offs, backend)  # [T, F]
-        act_bwd = kernels.elementwise("act_backward", backend, h.device)
-        act_fwd = kernels.elementwise("act_forward", backend, h.device)
-        return act_bwd(h, da, op.act), act_fwd(h, op.act), None
+            dh, dprobs = backend.glu_backward(h, da, op.glu_spec, probs)
+            return dh, backend.glu_forward(h, op.glu_spec, probs), dprobs
+        return backend.act_backward(h, da, op.act), backend.act_forward(h, op.act), None
 
     # --- forward ------------------------------------------------------------------------------
     def _unpack(self, extra_inputs) -> _Extras:
@@ -147,7 +153,7 @@ class GroupedMLP(FusedOperation):
         fc1_grads, ds1 = self._param_grads(self.fc1, ctx1, x, dh, offs, s1)
         dx = None
         if ctx1.input_requires_grad:
-            dx = kernels.grouped_mm(dh, w1, offs, ctx1.backend)  # dX = dH W1   [T, H]
+            dx = ctx1.backend.grouped_mm(dh, w1, offs)  # dX = dH W1   [T, H]
             dx = dx.reshape(ctx1.saved_as(GroupedLinearSaved).input_shape)
         act_extra = () if probs_in is None else (dprobs.reshape(probs_in.shape),)
         extra = [_extra_grads(self.fc1, ds1), act_extra, _extra_grads(self.fc2, ds2)]
@@ -168,9 +174,9 @@ class GroupedMLP(FusedOperation):
         return weight_grads + bias_grads, dscales
 
 
-def _linear(fc: GroupedLinear, x: Tensor, w: Tensor, offs: Tensor, scales, backend: str) -> Tensor:
+def _linear(fc: GroupedLinear, x: Tensor, w: Tensor, offs: Tensor, scales, backend) -> Tensor:
     """x_e W_eᵀ (+ b_e, · s_t with scale_bias) over the experts' row blocks."""
-    y = kernels.grouped_mm(x, w.transpose(1, 2), offs, backend)
+    y = backend.grouped_mm(x, w.transpose(1, 2), offs)
     bias = fc.bias_rows(offs, x.shape[0], scales)
     return y if bias is None else y + bias
 
@@ -182,7 +188,7 @@ def _extra_grads(fc: GroupedLinear, dscales: Tensor | None) -> tuple:
 @register_fusion(
     name="grouped_mlp",
     phase="joint",
-    pattern=(GroupedLinear, ACTIVATION_OPS, GroupedLinear),
+    pattern=(GroupedLinear, Activation, GroupedLinear),
     builtin=True,
 )
 def _build_grouped_mlp(window) -> GroupedMLP | NoMatch:
@@ -195,6 +201,9 @@ def _build_grouped_mlp(window) -> GroupedMLP | NoMatch:
             f"dimensions don't chain: FC1 out_features={fc1.out_features}, {type(act).__name__} "
             f"needs {width} for FC2 in_features={fc2.in_features}"
         )
+    declined = check_activation(act, fc1.out_features)
+    if declined:
+        return declined
     splits1, splits2 = window.extra_inputs[0][0], window.extra_inputs[2][0]
     if not same_extra_input(splits1, splits2):
         return NoMatch(

@@ -12,10 +12,11 @@ import torch
 
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import NoMatch, register_fusion
+from te_seq.kernels.backend import KernelNeed
+from te_seq.ops.basic.activation import Activation
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
 from te_seq.ops.fused._linear_common import check_activation, check_linear_bias
-from te_seq.ops.fused.grouped_mlp import ACTIVATION_OPS
 
 
 class LinearBiasActivation(FusedOperation):
@@ -32,6 +33,9 @@ class LinearBiasActivation(FusedOperation):
         super().__init__(basic_ops)
         self.linear, self.bias, self.activation = basic_ops
 
+    def kernel_needs(self) -> list[KernelNeed]:
+        return self.activation.kernel_needs()  # the GEMM is torch.addmm on every backend
+
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
         linear_ctx, _, act_ctx = basic_op_ctxs
         act_extra = basic_op_extra_inputs[2]
@@ -47,7 +51,7 @@ class LinearBiasActivation(FusedOperation):
 
 
 @register_fusion(name="linear_bias_activation", phase="forward",
-                 pattern=(BasicLinear, Bias, ACTIVATION_OPS), builtin=True)
+                 pattern=(BasicLinear, Bias, Activation), builtin=True)
 def _build_linear_bias_activation(window) -> LinearBiasActivation | NoMatch:
     linear, bias, act = window
     reason = check_linear_bias(linear, bias) or check_activation(act, linear.out_features)

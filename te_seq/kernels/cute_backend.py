@@ -1,0 +1,82 @@
+"""The "cute" backend: te_seq's CuTe DSL Hopper kernels (``te_seq.kernels.cute``) as a `Backend`.
+
+Only the package's public functionals are used (``available``, ``supports``,
+``supports_wgrad``, ``grouped_mm``, ``grouped_wgrad``, ``glu_fc1_forward``, ``glu_fc2_dgrad``).
+Their ``supports`` checks take tensors; at plan time there are none yet, so they get shape
+proxies: tensors of the right dtype, device and trailing sizes with no leading rows (E or M = 0),
+which allocate no device memory.
+
+Shape legend: M rows, E experts, K reduction dim, N output dim, H hidden, F ffn width.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from te_seq.kernels import cute
+from te_seq.kernels.activations import GluSpec
+from te_seq.kernels.backend import register_backend
+from te_seq.kernels.gpu_backend import GpuBackend
+
+
+def _proxy(*sizes: int, dtype: torch.dtype, device: torch.device, **_: Any) -> Tensor:
+    """An empty [0, *sizes] tensor: what a `supports` check reads (dtype, device, the trailing
+    sizes), without data. Facts the check does not read are ignored."""
+    return torch.empty(0, *sizes, dtype=dtype, device=device)
+
+
+class CuteBackend(GpuBackend):
+    """GEMMs and fused GLU epilogues from ``te_seq.kernels.cute`` (CUDA sm_90+, bf16/fp16,
+    widths that are multiples of 8), the compiled elementwise maths of `GpuBackend`."""
+
+    name = "cute"
+    auto_priority = 20
+
+    def available(self) -> tuple[bool, str]:
+        return cute.available()
+
+    def supports(self, kernel: str, **static: Any) -> tuple[bool, str]:
+        check = {
+            "grouped_mm": self._supports_mm,
+            "grouped_wgrad": self._supports_wgrad,
+            "glu_fc1_forward": self._supports_fc1,
+            "glu_fc2_dgrad": self._supports_dgrad,
+        }.get(kernel)
+        return super().supports(kernel, **static) if check is None else check(**static)
+
+    @staticmethod
+    def _supports_mm(*, k: int, n: int, **where: Any) -> tuple[bool, str]:
+        return cute.supports(_proxy(k, **where), _proxy(k, n, **where))  # a [M, K], b [E, K, N]
+
+    @staticmethod
+    def _supports_wgrad(*, k: int, n: int, **where: Any) -> tuple[bool, str]:
+        return cute.supports_wgrad(_proxy(n, **where), _proxy(k, **where))  # dy [M, N], x [M, K]
+
+    @staticmethod
+    def _supports_fc1(*, hidden: int, ffn: int, glu: GluSpec, **where: Any) -> tuple[bool, str]:
+        x, w1t = _proxy(hidden, **where), _proxy(hidden, 2 * ffn, **where)  # [M, H], [E, H, 2F]
+        return cute.glu_fc1_forward.supports(x, w1t, glu.act, glu.glu_interleave_size)
+
+    @staticmethod
+    def _supports_dgrad(*, hidden: int, ffn: int, glu: GluSpec, **where: Any) -> tuple[bool, str]:
+        dy, w2 = _proxy(hidden, **where), _proxy(hidden, ffn, **where)  # [M, H], [E, H, F]
+        return cute.glu_fc2_dgrad.supports(dy, w2, glu.act, glu.glu_interleave_size)
+
+    # --- kernels ------------------------------------------------------------------------------
+    def grouped_mm(self, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+        return cute.grouped_mm(a, b, offs)
+
+    def grouped_wgrad(self, grad_out, x, offs, out=None, accumulate=False) -> Tensor:
+        return cute.grouped_wgrad(grad_out, x, offs, out=out, accumulate=accumulate)
+
+    def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None) -> tuple[Tensor, Tensor]:
+        return cute.glu_fc1_forward(x, w1t, offs, glu.act, glu.glu_interleave_size, probs)
+
+    def glu_fc2_dgrad(self, dy, w2, offs, h, glu: GluSpec, probs=None):
+        return cute.glu_fc2_dgrad(dy, w2, offs, h, glu.act, glu.glu_interleave_size, probs)
+
+
+CUTE = register_backend(CuteBackend())
