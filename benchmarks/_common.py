@@ -1,6 +1,6 @@
 """Benchmark plumbing shared by te_seq's benchmarks: timing, dense peak, checks, table, JSON, PNG.
 
-Timing protocol (DESIGN.md "Benchmarks"): every variant is warmed up, then timed round by round,
+Timing protocol: every variant is warmed up, then timed round by round,
 the variants interleaved (the order rotates each round), with CUDA events on the GPU and a wall
 clock on the CPU (dry runs only); a variant's time is the median of its runs. A run is either a
 burst of back-to-back calls between one pair of events, divided by the burst length (steady

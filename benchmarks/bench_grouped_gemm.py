@@ -1,4 +1,5 @@
-"""te_seq's CuTe DSL grouped GEMM vs torch._grouped_mm on the grouped-MLP GEMMs of DESIGN.md.
+"""te_seq's CuTe DSL grouped GEMM vs torch._grouped_mm on the grouped-MLP GEMMs
+of shapes A/B/Q/Z (benchmarks/README.md).
 
 For each shape (A, B, Q, Z) and GEMM (FC1/FC2 forward, FC1 dgrad, FC1 wgrad) it checks the CuTe
 result against torch._grouped_mm on random data (output poisoned with NaN first), then times both

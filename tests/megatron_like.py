@@ -1,4 +1,5 @@
-"""A minimal Megatron-style data-parallel wrapper, for testing the gradient contract (API.md §4).
+"""A minimal Megatron-style data-parallel wrapper, for testing the gradient
+contract (docs/gradient_contract.md).
 
 It does what Megatron-LM's `DistributedDataParallel` does to every parameter, minus communication:
 

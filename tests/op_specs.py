@@ -1,4 +1,4 @@
-"""The per-op spec table that drives te_seq's CPU test matrix (STYLE.md §10, DESIGN.md "Testing").
+"""The per-op spec table that drives te_seq's CPU test matrix.
 
 A new op gets the whole matrix (every dtype, shape and gradient mode; gradcheck) by adding one
 `OpSpec` here. Each spec carries a pure-PyTorch reference written independently of te_seq (plain
@@ -47,7 +47,7 @@ def missing_op(op_name: str) -> bool:
 
 def skip_if_missing(op_name: str) -> None:
     if missing_op(op_name):
-        pytest.skip(f"te_seq.ops.{op_name} does not exist yet (being written per API.md)")
+        pytest.skip(f"te_seq.ops.{op_name} does not exist yet (not written yet)")
 
 
 def op(name: str) -> Any:
@@ -294,7 +294,7 @@ SPECS: list[OpSpec] = (
     _linear_specs() + _grouped_specs() + _activation_specs() + _norm_specs() + _shape_specs()
 )
 
-# Every basic op of API.md §2 must have at least one spec (a new op without one fails here).
+# Every basic op in te_seq.ops must have at least one spec (a new op without one fails here).
 API_BASIC_OPS = (
     "BasicLinear", "Bias", "Linear", "GroupedLinear", "SwiGLU", "ScaledSwiGLU", "GELU", "ReLU",
     "SiLU", "GEGLU", "ReGLU", "LayerNorm", "RMSNorm", "Identity", "Reshape", "ConstantScale",

@@ -1,6 +1,6 @@
 """GPU tests of te_seq.make_graphed_callables: captured graphs replayed with new inputs and new
 device split sizes give the outputs and gradients of eager mode, under every gradient-contract
-configuration, and under the interleaved schedule of API.md §5.
+configuration, and under the interleaved schedules of docs/cuda_graphs.md.
 
 Every test runs the same model twice, graphed and eager (same weights, same inputs), and compares.
 Both use the same kernels, so only nondeterministic accumulation order separates them; the

@@ -1,4 +1,5 @@
-"""Every bad input of API.md is an exception whose message names the op and shows the values.
+"""Every bad input of the public API is an exception whose message names the op and shows
+the values.
 
 Input errors run twice: with fusions enabled (a fused op must check its inner ops' inputs as the
 unfused chain does) and under `te_seq.fusions_disabled()`.

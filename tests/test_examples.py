@@ -1,4 +1,4 @@
-"""Every file in examples/ runs as a subprocess (tested documentation, STYLE.md §11).
+"""Every file in examples/ runs as a subprocess (examples are tested documentation).
 
 Each example gets small settings here (fewer steps, the CPU) so the whole file takes seconds on
 a 2-core CI machine; a new example with no entry in ARGS runs with no arguments.

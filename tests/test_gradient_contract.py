@@ -1,4 +1,4 @@
-"""The gradient contract (API.md §4, docs/gradient_contract.md) for every op with weights.
+"""The gradient contract (docs/gradient_contract.md) for every op with weights.
 
 Every case runs three microbatches through te_seq and checks `.grad`, `main_grad`, the
 `grad_added_to_main_grad` flag and dX after every event (backward, backward_dw) against plain
@@ -48,7 +48,7 @@ DEVICES = [pytest.param(("cpu", "reference"), id="cpu"), _cuda_param("torch"), _
 
 @dataclass(frozen=True)
 class Config:
-    """One row of the API.md §4 table (plus the flag attributes the parameter carries)."""
+    """One row of the contract table (plus the flag attributes the parameter carries)."""
 
     accumulate_into_main_grad: bool = False
     delay_wgrad_compute: bool = False
@@ -176,7 +176,7 @@ def run_microbatch(seq, kind: str, data: Data, i: int, backend: str, dtype) -> N
     assert_close(x.grad, data.dxs[i], dtype, f"dX of microbatch {i + 1}")
 
 
-# --- the table of API.md §4, checked after every event ------------------------------------------
+# --- the contract table, checked after every event ------------------------------------------
 @dataclass
 class Tracker:
     """Expected state of every parameter, given how many backwards and wgrads have run."""

@@ -1,5 +1,6 @@
-"""te_seq.Sequential's container API (API.md §1): structure, plain modules, nesting, extra inputs
-and outputs, the plan object, state_dict, dtype/mode changes, saved-tensor hooks."""
+"""te_seq.Sequential's container API (README, "Quickstart"): structure, plain modules,
+nesting, extra inputs and outputs, the plan object, state_dict, dtype/mode changes, saved-tensor
+hooks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The gradient contract (API.md §4): the one place that decides where a weight gradient goes.
+"""The gradient contract (docs/gradient_contract.md): the one place that decides where a
+weight gradient goes.
 
 Every op with weights (BasicLinear, GroupedLinear, the fused GroupedMLP) records its weights at
 forward (`ForwardWeights.take`, weak references to the very Parameter objects the forward used),

@@ -82,7 +82,7 @@ class Sequential(torch.nn.Sequential):
         """The plan of the last forward call (None before any)."""
         return self._last_plan
 
-    # --- delayed weight gradients (API.md §4) -----------------------------------------------
+    # --- delayed weight gradients (docs/gradient_contract.md) ---------------------------------
     def need_backward_dw(self) -> bool:
         return any(op.need_backward_dw() for op in self.basic_ops())
 

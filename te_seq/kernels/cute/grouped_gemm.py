@@ -17,7 +17,8 @@ is found from the device prefix sums by a warp-cooperative scan that only moves 
 caches the group it is in), so the grid depends on M and E alone and the host never reads split
 sizes. The CTAs of a 1×2 cluster take neighbouring n-tiles of one m-tile and share A by TMA
 multicast (2×1: neighbouring m-tiles share B). 1×2 keeps 128-row granularity on small groups:
-on one H200 (2026-11-22) it beat 2×1 by 5–20% on the varlen-M shapes of DESIGN.md.
+on one H200 (2026-11-22) it beat 2×1 by 5–20% on the varlen-M shapes
+# A/B/Q/Z of benchmarks/README.md.
 
 Bounds are enforced by TMA itself through "ragged" views (``ragged._ragged_view``): the store of
 a varlen-M tile drops rows past its group, and the loads of a varlen-K tile zero-fill rows past

@@ -29,7 +29,7 @@ class Tiling:
     cluster_mn: tuple[int, int] = (1, 2)
 
 
-# Measured on one H200 (2026-11-22, benchmarks/bench_grouped_gemm.py, shapes A/B/Q/Z of DESIGN.md):
+# Measured on one H200 (2026-11-22, benchmarks/bench_grouped_gemm.py, shapes A/B/Q/Z):
 # 128x256 with a 1x2 cluster was best or within 2% of best for every GEMM; 2x1 lost 5-20% on
 # varlen M (256-row cluster units waste rows of small experts), 128x128 lost up to 35% on A.
 # The tile width is then narrowed where 256 would leave columns idle (``tile_n_for``).
