@@ -6,10 +6,11 @@ so `torch.compile` sees one opaque op with known output shapes instead of tracin
 reads device data or launches CuTe DSL kernels.
 
 Eager calls skip the dispatcher: the decorated function runs directly unless something is
-tracing (dynamo, export, a fake or proxy tensor mode, a fake tensor argument). Measured on this
-project's CPU machine (2026-11-24, torch 2.13): a custom-op call costs about 25 µs more than the
-plain Python call, against a grouped MLP step whose host time budget is ~60 µs
-(``tests/kernels/test_torch_op.py::test_eager_bypass_skips_the_dispatcher`` re-measures it).
+tracing (dynamo, export, a fake or proxy tensor mode, a fake tensor argument). Measured on the
+CPU dev machine (2026-11-24, torch 2.13, a tiny op): the direct call 7.6 µs, through the bypass
+9.5 µs (the tracing check), through the registered custom op 23.6 µs — about 16 µs of dispatcher
+per kernel call saved, against the fused grouped MLP's host-time budget of ~60 µs per call for a
+handful of kernels (``tests/kernels/test_torch_op.py`` prints the three again with ``-s``).
 """
 
 from __future__ import annotations

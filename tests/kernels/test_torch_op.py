@@ -106,6 +106,8 @@ def test_eager_bypass_skips_the_dispatcher():
     calls = 2000
 
     def per_call(fn) -> float:
+        for _ in range(200):  # warm-up: the first calls of a fresh op pay one-time costs
+            fn(x, None, 1)
         start = time.perf_counter()
         for _ in range(calls):
             fn(x, None, 1)
@@ -117,5 +119,5 @@ def test_eager_bypass_skips_the_dispatcher():
         per_call(scaled_rows.op),
     )
     print(f"\nper call (us): direct {direct:.1f}, bypass {bypass:.1f}, custom op {dispatched:.1f}")
-    assert RUNS["body"] == 3 * calls
+    assert RUNS["body"] == 3 * (calls + 200)
     assert scaled_rows.eager is not scaled_rows.op
