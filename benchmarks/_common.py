@@ -1,4 +1,4 @@
-"""Benchmark plumbing shared by te_seq's benchmarks: timing, dense peak, checks, table, JSON, PNG.
+"""Benchmark plumbing: timing, dense peak, copy bandwidth, relative error, JSON, PNG.
 
 Timing protocol: every variant is warmed up, then timed round by round,
 the variants interleaved (the order rotates each round), with CUDA events on the GPU and a wall
@@ -43,6 +43,15 @@ class Result:
     runs: list[float] = field(default_factory=list)
     latency_ms: float | None = None  # median of single calls, each from an idle GPU
     latency_runs: list[float] = field(default_factory=list)
+    # grouped MLP only: what the variant is, its check, and the figures against peers and bounds
+    is_peer: bool = False  # a baseline, not te_seq
+    precision: str = "bf16"  # "fp8" for a peer that quantizes its GEMM operands
+    check_tol: float | None = None  # the tolerance it was checked with
+    vs_best_peer: float | None = None  # the best bf16 peer's time / this time
+    best_peer: str | None = None
+    bytes_bound_gb: float | None = None  # bytes-moved lower bound of one call
+    bound_ms: float | None = None  # that bound at the measured copy bandwidth
+    pct_bound: float | None = None  # 100 · bound_ms / ms
 
 
 def time_once(fn: Callable[[], object], device: torch.device, burst: int = 1) -> float:
@@ -106,36 +115,28 @@ def dense_peak_tflops(device: torch.device, dtype: torch.dtype, n: int, iters: i
     return 2 * n**3 / (statistics.median(runs) * 1e9)
 
 
-def rel_err(ours: Tensor, ref: Tensor) -> float:
-    """‖ours − ref‖ / ‖ref‖ in float64 (0 for empty tensors); shape mismatch is an error."""
+def copy_bandwidth_gbs(device: torch.device, nbytes: int, iters: int) -> float:
+    """Measured memory bandwidth: median GB/s of copying ``nbytes`` (read + write counted)."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    runs = time_interleaved({"copy": lambda: dst.copy_(src)}, iters, warmup=3, device=device)
+    return 2 * src.numel() * 4 / (statistics.median(runs["copy"]) * 1e6)
+
+
+def rel_err(ours: Tensor, ref: Tensor, chunk: int = 1 << 24) -> float:
+    """‖ours − ref‖ / ‖ref‖, summed in float64 over chunks (0 for empty tensors; no full-size
+    float64 copies of multi-GB weight gradients); shape mismatch is an error."""
     if ours.shape != ref.shape:
         raise ValueError(f"shape {tuple(ours.shape)} != reference shape {tuple(ref.shape)}")
     if ref.numel() == 0:
         return 0.0
-    diff = torch.linalg.vector_norm((ours.double() - ref.double()).flatten())
-    return (diff / torch.linalg.vector_norm(ref.double().flatten()).clamp_min(1e-30)).item()
-
-
-def _cell(value: float | None, fmt: str, width: int) -> str:
-    return format(value, fmt) if value is not None else "-".rjust(width)
-
-
-def print_table(results: Sequence[Result], peak_tflops: float, baseline: str = "") -> None:
-    """One line per result; ``vs`` = the ``baseline`` variant's time / this one's (same case)."""
-    print(f"\ndense peak (measured): {peak_tflops:.1f} TFLOP/s")
-    print(
-        f"{'shape':5} {'mode':8} {'variant':18} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6} "
-        f"{'vs':>5} {'latency':>9}  note"
-    )
-    base = {(r.shape, r.mode): r.ms for r in results if r.variant == baseline and r.ms}
-    for r in results:
-        ref = base.get((r.shape, r.mode))
-        ratio = ref / r.ms if ref and r.ms else None
-        print(
-            f"{r.shape:5} {r.mode:8} {r.variant:18} {_cell(r.ms, '9.3f', 9)} "
-            f"{_cell(r.tflops, '8.1f', 8)} {_cell(r.pct_peak, '6.1f', 6)} "
-            f"{_cell(ratio, '5.2f', 5)} {_cell(r.latency_ms, '9.3f', 9)}  {r.note}"
-        )
+    a, b = ours.reshape(-1), ref.reshape(-1)
+    diff2 = ref2 = 0.0
+    for start in range(0, b.numel(), chunk):
+        a_c, b_c = a[start : start + chunk].double(), b[start : start + chunk].double()
+        diff2 += torch.sum((a_c - b_c) ** 2).item()
+        ref2 += torch.sum(b_c**2).item()
+    return (diff2 / max(ref2, 1e-60)) ** 0.5
 
 
 def write_json(path: str, meta: dict[str, object], results: Sequence[Result]) -> None:

@@ -24,7 +24,11 @@ tomllib = pytest.importorskip("tomllib", reason="tomllib (Python >= 3.11) reads 
 
 ROOT = Path(__file__).resolve().parents[1]
 # Modules of this repository that tests import by name (tests/ and tests/kernels/ are on the path).
-_LOCAL = {"te_seq", "conftest", "op_specs", "megatron_like", "cute_marks", "_common"}
+_LOCAL = {
+    "te_seq", "conftest", "op_specs", "megatron_like", "cute_marks",
+    # benchmarks/ (tests/test_benchmark_dry_run.py puts it on the path)
+    "_common", "grad_modes", "mlp_case", "mlp_measure", "mlp_report", "peers", "peer_quack",
+}
 
 
 def _normalize(name: str) -> str:
@@ -148,8 +152,18 @@ def test_the_walk_finds_te_seqs_optional_imports():
 
 
 def test_every_te_seq_import_is_declared():
-    allowed = set().union(*_declared().values())
+    groups = _declared()
+    # the `bench` extra holds the benchmark peers (QuACK, torchao): te_seq never imports them
+    allowed = set().union(*(names for extra, names in groups.items() if extra != "bench"))
     assert _undeclared("te_seq", allowed) == []
+
+
+def test_te_seq_never_imports_the_benchmark_peers():
+    """The peers are benchmarks/ only: te_seq works (and is measured) without them."""
+    modules = set(_third_party(_imported_modules(ROOT / "te_seq")))
+    assert not modules & {"quack", "torchao"}
+    assert {"quack-kernels", "torchao"} <= _declared()["bench"]
+    assert not _declared()["bench"] & _declared()["test"], "CI installs [test]: no peers there"
 
 
 def test_every_test_import_is_declared():
