@@ -16,7 +16,6 @@ Shape legend: M rows, E groups, K reduction dim, N output dim, F GLU width.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from te_seq.kernels import reference

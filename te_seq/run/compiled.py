@@ -10,9 +10,10 @@ guard), the contexts, the autograd bridge and the ops, whose GEMM kernels are op
   with the real dtypes, ranks and sameness), never data.
 - `run_eagerly`: a run that cannot be traced runs at a graph break, exactly as in eager mode:
   runs with ops from outside te_seq (user ops, te_seq subclasses) unless their class sets
-  `compile_traceable = True`, runs under user-registered fusions, and runs whose gradient
-  contract has effects outside autograd (main_grad, delayed wgrad: the Python that routes them
-  must run when backward runs, not when it is traced).
+  `compile_traceable = True`; `Reshape` and in-place `AddExtraInput` (dynamo's autograd.Function
+  can neither return a view of its input nor write into one); runs under user-registered
+  fusions; and runs whose gradient contract has effects outside autograd (main_grad, delayed
+  wgrad: the Python that routes them must run when backward runs, not when it is traced).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ KEY_DTYPE, KEY_DEVICE, KEY_WITH_BACKWARD, KEY_INPUT_GRAD, KEY_EXTRA = 4, 5, 6, 7
 
 
 def op_traceable(op: FusibleOperation) -> bool:
-    """Whether dynamo may trace `op`: te_seq's own classes, or a class that opts in with
-    `compile_traceable = True`; and no gradient-contract effects outside autograd."""
-    cls = type(op)
-    own = cls.__module__.startswith("te_seq.") or bool(getattr(cls, "compile_traceable", False))
+    """Whether dynamo may trace `op`: its `compile_traceable` attribute where it has one (te_seq
+    ops that return a view of their input or write into it say False), else whether its class
+    is te_seq's own; and no gradient-contract effects outside autograd."""
+    own = getattr(op, "compile_traceable", None)
+    if own is None:
+        own = type(op).__module__.startswith("te_seq.")
     policy = getattr(op, "grad_policy", None)
     side_effects = policy is not None and (
         policy.accumulate_into_main_grad or policy.delay_wgrad_compute

@@ -339,8 +339,14 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         return dx, [weight_grads + bias_grads], [extra_grads]
 
 
-@functools.lru_cache(maxsize=64)
 def _names(prefix: str, count: int) -> tuple[str, ...]:
+    if torch.compiler.is_compiling():  # dynamo would warn about (and skip) the lru_cache
+        return tuple(f"{prefix}{g}" for g in range(count))
+    return _cached_names(prefix, count)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_names(prefix: str, count: int) -> tuple[str, ...]:
     return tuple(f"{prefix}{g}" for g in range(count))
 
 
