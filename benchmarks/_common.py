@@ -43,6 +43,7 @@ class Result:
     runs: list[float] = field(default_factory=list)
     latency_ms: float | None = None  # median of single calls, each from an idle GPU
     latency_runs: list[float] = field(default_factory=list)
+    host_ms: float | None = None  # median host time of one call (until it returns, no sync)
 
 
 def time_once(fn: Callable[[], object], device: torch.device, burst: int = 1) -> float:
@@ -86,6 +87,21 @@ def time_interleaved(
     return runs
 
 
+def time_host(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Median host time (ms) of one call: from an idle device until the call returns, without
+    waiting for its kernels (what the Python side of a training step costs per call)."""
+    runs = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - t0) * 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(runs)
+
+
 def summarize(result: Result, runs: Sequence[float], flops: float, peak_tflops: float) -> None:
     """Fill the timing fields of ``result`` from its runs (ms) and the FLOPs of one call."""
     ordered = sorted(runs)
@@ -125,7 +141,7 @@ def print_table(results: Sequence[Result], peak_tflops: float, baseline: str = "
     print(f"\ndense peak (measured): {peak_tflops:.1f} TFLOP/s")
     print(
         f"{'shape':5} {'mode':8} {'variant':18} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6} "
-        f"{'vs':>5} {'latency':>9}  note"
+        f"{'vs':>5} {'latency':>9} {'host':>8}  note"
     )
     base = {(r.shape, r.mode): r.ms for r in results if r.variant == baseline and r.ms}
     for r in results:
@@ -134,7 +150,8 @@ def print_table(results: Sequence[Result], peak_tflops: float, baseline: str = "
         print(
             f"{r.shape:5} {r.mode:8} {r.variant:18} {_cell(r.ms, '9.3f', 9)} "
             f"{_cell(r.tflops, '8.1f', 8)} {_cell(r.pct_peak, '6.1f', 6)} "
-            f"{_cell(ratio, '5.2f', 5)} {_cell(r.latency_ms, '9.3f', 9)}  {r.note}"
+            f"{_cell(ratio, '5.2f', 5)} {_cell(r.latency_ms, '9.3f', 9)} "
+            f"{_cell(r.host_ms, '8.3f', 8)}  {r.note}"
         )
 
 

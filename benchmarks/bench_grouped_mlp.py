@@ -5,6 +5,8 @@ FLOPs: forward 6·M·H·F, forward+backward 18·M·H·F (padding rows are waste,
 
 Variants, all in this process on the same random data, checked against each other before timing:
   te_seq:<backend>  te_seq.Sequential(GroupedLinear, SwiGLU, GroupedLinear) under te_seq.backend()
+  te_seq:<backend>:compiled[-ro]  the same Sequential through torch.compile(fullgraph=True) (with
+                    --compile default / reduce-overhead); split sizes on the device
   kernels:<backend> the backend's raw functionals (grouped_mm, grouped_wgrad) + torch SwiGLU helpers
   grouped_mm        torch._grouped_mm with a separate SwiGLU, backward by hand, wgrad rows padded
                     to 16-byte group boundaries where the split sizes need it
@@ -12,6 +14,10 @@ Variants, all in this process on the same random data, checked against each othe
 
   python benchmarks/bench_grouped_mlp.py --shapes A,B,Q,Z --json out.json --png out.png
   python benchmarks/bench_grouped_mlp.py --dry-run   # tiny shapes, CPU, float32: checks the script
+  python benchmarks/bench_grouped_mlp.py --shapes A,B,Q,Z --compile default,reduce-overhead
+
+Columns: ms (steady state, bursts), latency (one call from an idle GPU to its end) and host (one
+call's host time until it returns, kernels not waited for: the Python cost per call).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from _common import (  # noqa: E402
     print_table,
     rel_err,
     summarize,
+    time_host,
     time_interleaved,
     write_json,
     write_png,
@@ -322,6 +329,24 @@ class TeSeqVariant(Variant):
         return " ".join(f"{st.name}@{st.backend}" for st in steps)
 
 
+class CompiledTeSeqVariant(TeSeqVariant):
+    """TeSeqVariant through torch.compile(fullgraph=True); `mode` "default" or "reduce-overhead"
+    (CUDA graphs: each call marks a new step, outputs are copied out of the graph's memory)."""
+
+    def __init__(self, case: Case, backend: str, mode: str, compiler: str) -> None:
+        super().__init__(case, backend)
+        self.mode = mode
+        self.name += ":compiled" + ("-ro" if mode == "reduce-overhead" else "")
+        kwargs = {"mode": mode} if mode != "default" else {"backend": compiler}
+        self.compiled = torch.compile(self.mlp, fullgraph=True, **kwargs)
+
+    def forward(self) -> Tensor:
+        if self.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        with te_seq.backend(self.backend):
+            return self.compiled(self.x, self.case.split_sizes, self.case.split_sizes)
+
+
 def _per_group(linear: torch.nn.Module) -> bool:
     return hasattr(linear, "weight0")
 
@@ -349,9 +374,15 @@ def _stacked_grad(linear: torch.nn.Module) -> Tensor:
 
 
 def build_variants(
-    case: Case, backends: list[str], peers: list[str]
+    case: Case,
+    backends: list[str],
+    peers: list[str],
+    compile_modes: tuple[str, ...] = (),
+    compiler: str = "inductor",
 ) -> tuple[list[Variant], list[Result]]:
-    """The variants that can run here, and a skipped Result (with the reason) for the others."""
+    """The variants that can run here, and a skipped Result (with the reason) for the others
+    (`compile_modes`: torch.compile modes of the compiled te_seq variants, `compiler` the
+    torch.compile backend of mode "default")."""
     variants: list[Variant] = []
     skipped: list[Result] = []
 
@@ -386,6 +417,11 @@ def build_variants(
             skipped.append(Result(case.name, "both", f"te_seq:{backend}", note=reason))
         else:
             attempt(f"te_seq:{backend}", lambda b=backend: TeSeqVariant(case, b))
+            for mode in compile_modes:
+                attempt(
+                    f"te_seq:{backend}:compiled" + ("-ro" if mode == "reduce-overhead" else ""),
+                    lambda b=backend, m=mode: CompiledTeSeqVariant(case, b, m, compiler),
+                )
             if backend == "cute":
                 attempt("te_seq:cute:per-group", lambda: TeSeqVariant(case, "cute", True))
         attempt(f"kernels:{backend}", lambda b=backend: _kernels_variant(case, b))
@@ -464,7 +500,7 @@ def check_variants(variants: list[Variant], dtype: torch.dtype) -> dict[str, Che
 def _run_for_check(v: Variant) -> tuple[Tensor, ...]:
     """(y of forward, y, dx, dW1, dW2 of forward+backward), detached copies."""
     with torch.no_grad():
-        y_fwd = v.forward().detach()
+        y_fwd = v.forward().detach().clone()  # a copy: CUDA-graph outputs are reused
     v.forward_backward()
     outs = (y_fwd, *(t.detach() for t in v.outputs()))
     if y_fwd.is_cuda:
@@ -519,6 +555,7 @@ def measure_case(
                 if isinstance(latency.get(v.name), list) and latency[v.name]:
                     r.latency_runs = [round(t, 5) for t in latency[v.name]]
                     r.latency_ms = sorted(latency[v.name])[len(latency[v.name]) // 2]
+                r.host_ms = time_host(fns[v.name], args.iters, args.device)
             elif v.name in runs:
                 r.note = f"timing failed: {runs[v.name]}"
             results.append(r)
@@ -587,7 +624,9 @@ def run_shape(name: str, args: argparse.Namespace, peak: float) -> tuple[list[Re
         f"empty={info['empty_experts']} max={max(case.sizes)}",
         flush=True,
     )
-    variants, skipped = build_variants(case, args.backends, args.peers)
+    variants, skipped = build_variants(
+        case, args.backends, args.peers, args.compile, args.compile_backend
+    )
     for r in skipped:
         _progress(r)
     checks = check_variants(variants, args.dtype)
@@ -612,6 +651,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="back-to-back calls per timed run (steady state); the JSON also holds each "
         "variant's single-call latency (from an idle GPU) when > 1",
     )
+    p.add_argument(
+        "--compile",
+        default="",
+        help="also time te_seq through torch.compile(fullgraph=True), per mode: "
+        "default,reduce-overhead",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of --compile default (aot_eager: fast CPU dry runs)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="benchmarks/results/grouped_mlp.json")
     p.add_argument("--png", default="benchmarks/results/grouped_mlp.png")
@@ -624,11 +674,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         split(args.peers),
         split(args.modes),
     )
-    unknown = [s for s in args.shapes if s not in SHAPES] + [
-        m for m in args.modes if m not in ("fwd", "fwd+bwd")
-    ]
+    args.compile = tuple(split(args.compile))
+    unknown = (
+        [s for s in args.shapes if s not in SHAPES]
+        + [m for m in args.modes if m not in ("fwd", "fwd+bwd")]
+        + [c for c in args.compile if c not in ("default", "reduce-overhead")]
+    )
     if unknown:
-        p.error(f"unknown shapes/modes: {unknown}")
+        p.error(f"unknown shapes/modes/compile modes: {unknown}")
     cuda = torch.cuda.is_available() and not args.dry_run
     args.device = torch.device("cuda" if cuda else "cpu")
     args.dtype = torch.bfloat16 if cuda else torch.float32

@@ -44,3 +44,19 @@ def test_each_timed_run_is_one_burst_of_calls():
         {"f": lambda: calls.append(1)}, iters=3, warmup=2, device=torch.device("cpu"), burst=4
     )
     assert len(runs["f"]) == 3 and len(calls) == 2 + 3 * 4
+
+
+@pytest.mark.slow  # a subprocess that compiles (aot_eager: no C++ build)
+def test_bench_grouped_mlp_compiled_variant_dry_run(tmp_path):
+    """--compile adds te_seq through torch.compile(fullgraph=True), checked against the others
+    and timed, with its latency and host time per call."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "benchmarks/bench_grouped_mlp.py", "--dry-run", "--shapes", "T",
+           "--backends", "torch", "--peers", "loop", "--compile", "default",
+           "--compile-backend", "aot_eager", "--json", str(out), "--png", str(tmp_path / "b.png")]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    compiled = [r for r in results if r["variant"] == "te_seq:torch:compiled"]
+    assert {r["mode"] for r in compiled if r["status"] == "ok"} == {"fwd", "fwd+bwd"}, results
+    assert all(r["latency_ms"] > 0 and r["host_ms"] > 0 for r in compiled)
