@@ -8,7 +8,7 @@ saved tensors go through the autograd context's `save_for_backward`, so saved-te
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,21 +21,38 @@ from te_seq.fusion.plan import FusionPlan, PlanMiss, PlanStep
 from te_seq.fusion.registry import registry_version
 from te_seq.kernels import backend as kernel_backends
 from te_seq.kernels.backend import Backend, BackendChoice
+from te_seq.kernels.reference import REFERENCE
+from te_seq.kernels.traced import traced
+from te_seq.run import compiled
 
 
 @dataclass
 class RunPlan:
-    """A cached plan for one run: segments per phase (backward in backward order) and backends."""
+    """A cached plan for one run: segments per phase (backward in backward order), the backend
+    of each segment, and (under torch.compile) why the run must run eagerly ("" if not)."""
 
     forward: list[Segment]
     backward: list[Segment]
-    backends: dict[int, Backend]  # id(segment op) -> the backend its steps run on
+    forward_backends: list[Backend]
+    backward_backends: list[Backend]
     public: FusionPlan
+    eager_reason: str = ""
+
+    def traced(self) -> RunPlan:
+        """This plan with every backend swapped for its traced kernels (custom ops)."""
+        return replace(
+            self,
+            forward_backends=[traced(b) for b in self.forward_backends],
+            backward_backends=[traced(b) for b in self.backward_backends],
+        )
 
 
 @dataclass
 class _Call:
-    """Everything one forward call hands to its backward (besides the saved tensors)."""
+    """Everything one forward call hands to its backward (besides the saved tensors).
+
+    `traced`: dynamo is tracing the call; backward then makes new contexts instead of writing
+    into the forward's (a traced backward may not mutate objects it did not create)."""
 
     plan: RunPlan
     ops: list[BasicOperation]
@@ -43,6 +60,9 @@ class _Call:
     extra_counts: list[int]
     param_counts: list[int]
     saved_ranges: list[tuple[int, int]] = field(default_factory=list)
+    traced: bool = False
+    positions: list[int] | None = None  # where each of (input, extras, params) is in the
+    # autograd.Function's arguments when those are deduplicated (None: one to one)
 
 
 def _extra_signature(flat: Sequence[Any]) -> tuple:
@@ -67,9 +87,11 @@ class Fuser:
         self._cache_key: tuple | None = None
         self._cache: RunPlan | None = None
         self.last_plan: FusionPlan | None = None
+        self.compiled_plans: list[tuple[tuple, RunPlan]] = []  # (key, plan) found while tracing
 
     # --- planning ---------------------------------------------------------------------------
     def _key(self, input_: Tensor, flat_extra: Sequence[Any], with_backward: bool) -> tuple:
+        """Everything the plan depends on (compiled.KEY_* name the positions it reads back)."""
         params = tuple(
             (p.dtype, p.device, p.requires_grad, p.shape)
             for op in self.ops
@@ -93,12 +115,14 @@ class Fuser:
         flat_extra = [t for group in extra for t in group]
         key = self._key(input_, flat_extra, with_backward)
         if key != self._cache_key:
-            self._cache = self._build_plan(input_, extra, with_backward)
+            self._cache = self.build_plan(input_, input_.device, extra, with_backward)
             self._cache_key = key
         return self._cache
 
-    def _build_plan(self, input_: Tensor, extra: list[tuple], with_backward: bool) -> RunPlan:
-        device = input_.device
+    def build_plan(
+        self, input_: Tensor, device: torch.device, extra: list[tuple], with_backward: bool
+    ) -> RunPlan:
+        """Match the fusions and choose each step's backend for `input_`'s dtype on `device`."""
         taken = [False] * len(self.ops)
         joint, misses = match_phase(self.ops, taken, "joint", extra, self.offset)
         fwd_taken = list(taken)
@@ -115,17 +139,22 @@ class Fuser:
         for seg in forward + backward:  # a joint fused op has a forward and a backward segment
             if id(seg.op) not in choices:
                 choices[id(seg.op)] = seg.op.plan_backend(requested, input_.dtype, device)
-        public = self._public(forward, backward, misses, choices, input_)
-        backends = {key: choice.backend for key, choice in choices.items()}
-        return RunPlan(forward, backward, backends, public)
+        public = self._public(forward, backward, misses, choices, input_.dtype, device)
+        return RunPlan(
+            forward,
+            backward,
+            [choices[id(seg.op)].backend for seg in forward],
+            [choices[id(seg.op)].backend for seg in backward],
+            public,
+        )
 
     def _public(
-        self, forward, backward, misses: list[PlanMiss], choices, input_: Tensor
+        self, forward, backward, misses: list[PlanMiss], choices, dtype, device
     ) -> FusionPlan:
         def step(seg: Segment) -> PlanStep:
             indices = tuple(p + self.offset for p in seg.positions)
             chosen, why = choices[id(seg.op)]
-            note = seg.op.plan_note(chosen, input_.dtype, input_.device)
+            note = seg.op.plan_note(chosen, dtype, device)
             why = f"{why}; {note}" if note else why
             return PlanStep(type(seg.op).__name__, indices, chosen.name, seg.op, why)
 
@@ -133,24 +162,51 @@ class Fuser:
 
     # --- running ----------------------------------------------------------------------------
     def __call__(self, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
+        if torch.compiler.is_compiling():
+            return self._run_traced(input_, extra)
+        return self.run_eager(input_, extra)
+
+    def run_eager(self, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
         ctxs = new_contexts(self.ops, input_, extra)
         with_backward = any(ctx.requires_grad for ctx in ctxs)
         plan = self.plan(input_, extra, with_backward)
         self.last_plan = plan.public
+        return self._run(plan, ctxs, input_, extra, with_backward, traced=False)
+
+    def _run_traced(self, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
+        """Under dynamo: the key is traced (its facts become guards), the plan is built as real
+        Python (`compiled.ensure_plan`), kernels are custom ops; or the eager run at a graph
+        break when the plan says the run cannot be traced."""
+        ctxs = new_contexts(self.ops, input_, extra)
+        with_backward = any(ctx.requires_grad for ctx in ctxs)
+        flat_extra = [t for group in extra for t in group]
+        index = compiled.ensure_plan(self, self._key(input_, flat_extra, with_backward))
+        plan = self.compiled_plans[index][1]
+        if plan.eager_reason:
+            return compiled.run_eagerly(self, input_, extra)
+        self.last_plan = plan.public
+        return self._run(plan, ctxs, input_, extra, with_backward, traced=True)
+
+    def _run(self, plan: RunPlan, ctxs, input_, extra, with_backward: bool, traced: bool):
         call = _Call(
             plan,
             self.ops,
             ctxs,
             [len(e) for e in extra],
             [len(op.fuser_parameters()) for op in self.ops],
+            traced=traced,
         )
         if not with_backward:
             out, extra_out = _run_forward(call, input_, extra)
             return out, extra_out
         params = [p for op in self.ops for p in op.fuser_parameters()]
         flat_extra = [t for group in extra for t in group]
-        outputs = _FuserFunction.apply(input_, call, *flat_extra, *params)
+        inputs = [input_, *flat_extra, *params]
+        if traced:  # dynamo's autograd.Function takes each tensor once
+            inputs, call.positions = _dedupe(inputs)
+        outputs = _FuserFunction.apply(call, *inputs)
         return outputs[0], _unflatten(outputs[1:], [op.num_extra_outputs for op in self.ops])
+
 
 def new_contexts(
     ops: Sequence[BasicOperation], input_: Tensor, extra: list[tuple]
@@ -168,18 +224,31 @@ def new_contexts(
         weight_grad = grad_on and any(p.requires_grad for p in op.fuser_parameters())
         extra_grad = grad_on and any(isinstance(t, Tensor) and t.requires_grad for t in op_extra)
         requires_grad = running or weight_grad or extra_grad
+        # The backend is passed (not the field's default) so dynamo sees a module global.
         ctxs.append(OperationContext(requires_grad=requires_grad, input_requires_grad=running,
-                                     weight_requires_grad=weight_grad))
+                                     weight_requires_grad=weight_grad, backend=REFERENCE))
         running = requires_grad
     return ctxs
 
 
-def _step_contexts(call: _Call, seg: Segment) -> list[OperationContext]:
-    """The contexts of one plan step's basic ops, with the step's backend set."""
-    backend = call.plan.backends[id(seg.op)]
-    ctxs = [call.ctxs[p] for p in seg.positions]
-    for ctx in ctxs:
-        ctx.backend = backend
+def _step_contexts(
+    call: _Call, seg: Segment, backend: Backend, saved: Sequence[Tensor | None] | None = None
+) -> list[OperationContext]:
+    """The contexts of one plan step's basic ops, with the step's backend set (and, in backward,
+    their saved tensors). A traced backward gets new contexts with those fields replaced (dynamo
+    traces backward without side effects; a traced forward may write into its contexts)."""
+    ctxs = []
+    for p in seg.positions:
+        ctx = call.ctxs[p]
+        tensors = ctx.saved_tensors
+        if saved is not None:
+            start, n = call.saved_ranges[p]
+            tensors = tuple(saved[start : start + n])
+        if call.traced and saved is not None:
+            ctx = replace(ctx, backend=backend, saved_tensors=tensors)
+        else:
+            ctx.backend, ctx.saved_tensors = backend, tensors
+        ctxs.append(ctx)
     return ctxs
 
 
@@ -195,8 +264,8 @@ def _run_forward(call: _Call, input_: Tensor, extra: list[tuple]) -> tuple[Tenso
     """Run the plan's forward segments; returns the output and the extra outputs per basic op."""
     x = input_
     extra_out: list[tuple] = [()] * len(call.ctxs)
-    for seg in call.plan.forward:
-        ctxs = _step_contexts(call, seg)
+    for seg, backend in zip(call.plan.forward, call.plan.forward_backends):
+        ctxs = _step_contexts(call, seg, backend)
         # The first op of a segment is checked here; a fused op checks its inner ops' inputs.
         call.ops[seg.positions[0]].pre_forward_checks(x, extra[seg.positions[0]])
         x, outs = seg.op.fuser_forward(
@@ -210,19 +279,21 @@ def _run_forward(call: _Call, input_: Tensor, extra: list[tuple]) -> tuple[Tenso
     return x, extra_out
 
 
-def _run_backward(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple]):
+def _run_backward(
+    call: _Call, grad_output: Tensor, grad_extra_out: list[tuple], saved: Sequence[Tensor | None]
+):
     """Run the plan's backward segments; returns (dx, param grads per op, extra grads per op)."""
     n = len(call.ctxs)
     param_grads: list[Sequence] = [()] * n
     extra_grads: list[Sequence] = [()] * n
     dy = grad_output
-    for seg in call.plan.backward:
+    for seg, backend in zip(call.plan.backward, call.plan.backward_backends):
         if not any(call.ctxs[p].requires_grad for p in seg.positions):
             # requires_grad only grows in forward order: no earlier op needs a backward either
             # (their contexts saved nothing), and the run's input needs no gradient.
             dy = None
             break
-        ctxs = _step_contexts(call, seg)
+        ctxs = _step_contexts(call, seg, backend, saved)
         dy, pgrads, egrads = seg.op.fuser_backward(
             ctxs, dy, basic_op_grad_extra_outputs=[grad_extra_out[p] for p in seg.positions]
         )
@@ -243,11 +314,43 @@ def _padded(grads: Sequence, count: int, what: str, op: BasicOperation) -> list:
     return grads
 
 
+def _dedupe(tensors: list) -> tuple[list, list[int]]:
+    """(the distinct tensors in first-seen order, the index of each input among them)."""
+    unique: list = []
+    positions = []
+    for t in tensors:
+        index = next((i for i, u in enumerate(unique) if u is t), None)
+        if index is None:
+            index = len(unique)
+            unique.append(t)
+        positions.append(index)
+    return unique, positions
+
+
+def _summed(grads: list, positions: list[int]) -> list:
+    """Gradients per distinct tensor: the sum over the places it was passed (None-aware)."""
+    out: list = [None] * (max(positions) + 1)
+    for g, i in zip(grads, positions):
+        if g is not None:
+            out[i] = g if out[i] is None else out[i] + g
+    return out
+
+
+def _not_a_view(t: Tensor | None) -> Tensor | None:
+    """A traced forward may not save a view it made of its inputs (dynamo drops intermediates
+    that alias an input from the traced forward's outputs): such a view is saved as a copy.
+    te_seq's grouped ops save their inputs themselves, so they pay no copy."""
+    if isinstance(t, Tensor) and t._base is not None:
+        return t.clone()
+    return t
+
+
 class _FuserFunction(torch.autograd.Function):
     """The single autograd bridge: forward and backward of one run of ops."""
 
     @staticmethod
-    def forward(func_ctx, input_: Tensor, call: _Call, *tensors: Any):
+    def forward(func_ctx, call: _Call, *args: Any):
+        input_, *tensors = args if call.positions is None else [args[i] for i in call.positions]
         num_extra = sum(call.extra_counts)
         extra = _unflatten(tensors[:num_extra], call.extra_counts)
         output, extra_out = _run_forward(call, input_, extra)
@@ -256,6 +359,8 @@ class _FuserFunction(torch.autograd.Function):
             call.saved_ranges.append((len(to_save), len(ctx.to_save)))
             to_save.extend(ctx.to_save)
             ctx.to_save = ()
+        if call.traced:
+            to_save = [_not_a_view(t) for t in to_save]
         func_ctx.save_for_backward(*to_save)
         func_ctx.call = call
         flat_out = [t for op_out in extra_out for t in op_out]
@@ -264,14 +369,13 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def backward(func_ctx, grad_output: Tensor, *grad_extra_flat: Tensor):
         call: _Call = func_ctx.call
-        saved = func_ctx.saved_tensors
-        for ctx, (start, n) in zip(call.ctxs, call.saved_ranges):
-            ctx.saved_tensors = saved[start : start + n]
         basic_ops = call.ops
         grad_extra = _unflatten(grad_extra_flat, [op.num_extra_outputs for op in basic_ops])
-        dx, param_grads, extra_grads = _run_backward(call, grad_output, grad_extra)
-        for ctx in call.ctxs:
-            ctx.saved_tensors = ()
+        saved = func_ctx.saved_tensors
+        dx, param_grads, extra_grads = _run_backward(call, grad_output, grad_extra, saved)
+        if not call.traced:
+            for ctx in call.ctxs:
+                ctx.saved_tensors = ()
         flat_extra = [
             g
             for op, n, eg in zip(basic_ops, call.extra_counts, extra_grads)
@@ -282,6 +386,8 @@ class _FuserFunction(torch.autograd.Function):
             for op, n, pg in zip(basic_ops, call.param_counts, param_grads)
             for g in _padded(pg, n, "parameter", op)
         ]
+        grads = [dx, *flat_extra, *flat_params]
+        if call.positions is not None:
+            grads = _summed(grads, call.positions)
         needs = func_ctx.needs_input_grad
-        grads = [dx, None, *flat_extra, *flat_params]
-        return tuple(g if need else None for g, need in zip(grads, needs))
+        return tuple(g if need else None for g, need in zip([None, *grads], needs))

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from te_seq.core.operation import BasicOperation, CompositeOperation
 from te_seq.fusion.plan import FusionPlan
+from te_seq.run import compiled
 from te_seq.run.fuser import Fuser
 
 Run = Fuser | torch.nn.Module
@@ -45,11 +46,18 @@ class Sequential(torch.nn.Sequential):
         """The flat list of basic ops, in forward order (what plan indices count)."""
         return [m for m in self._flat_modules() if isinstance(m, BasicOperation)]
 
-    def _current_runs(self) -> list[Run]:
+    def prepare_runs(self) -> None:
+        """Split the flat modules into runs (Fusers and plain modules) if they changed."""
         flat = list(self._flat_modules())
         key = tuple(id(m) for m in flat)
         if key != self._runs_key:
             self._runs, self._runs_key = _split_runs(flat), key
+
+    def _current_runs(self) -> list[Run]:
+        if torch.compiler.is_compiling():
+            compiled.prepare(self)  # real Python at trace time: the Fusers are real objects
+        else:
+            self.prepare_runs()
         return self._runs
 
     # --- running ----------------------------------------------------------------------------

@@ -65,7 +65,12 @@ class ParamBlock:
         return self.block
 
     def stacked(self, table: dict) -> Tensor:
-        """[G, *shape]: the block, or (when the Parameters no longer view one) a stacked copy."""
+        """[G, *shape]: the block, or (when the Parameters no longer view one) a stacked copy.
+
+        Under torch.compile always the stacked copy: traced tensors have no addresses, and the
+        gradient must reach each Parameter through the graph."""
+        if torch.compiler.is_compiling():
+            return torch.stack([table[name] for name in self.names])
         block = self.current(table)
         return block if block is not None else torch.stack(self.params(table))
 

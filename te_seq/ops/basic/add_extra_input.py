@@ -68,6 +68,12 @@ class AddExtraInput(BasicOperation):
     def extra_repr(self) -> str:
         return f"in_place={self.in_place}"
 
+    @property
+    def compile_traceable(self) -> bool:
+        """Under torch.compile an in-place add runs eagerly (dynamo's autograd.Function cannot
+        write into its input)."""
+        return not self.in_place
+
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
         extra = checks.check_tensor(self, "extra", extra_inputs[0])
         if extra.device != input_.device:

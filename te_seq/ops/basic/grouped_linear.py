@@ -42,7 +42,10 @@ def group_index(offs: Tensor, rows: int) -> Tensor:
 
 
 def check_split_sizes(op: object, splits: object, num_groups: int, input_: Tensor) -> None:
-    """Host split sizes are checked here (ValueError); device ones by a device-side assert."""
+    """Host split sizes are checked here (ValueError); device ones by a device-side assert.
+
+    Under torch.compile the values are never read here (that would make a data-dependent guard):
+    every split is checked by the assert in `device_offsets` when the compiled graph runs."""
     name = checks.op_name(op)
     checks.check_tensor(op, "split_sizes", splits)
     if splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool:
@@ -54,7 +57,7 @@ def check_split_sizes(op: object, splits: object, num_groups: int, input_: Tenso
         )
     if splits.device.type != "cpu" and splits.device != input_.device:
         raise ValueError(f"{name}: split_sizes is on {splits.device}, input on {input_.device}")
-    if splits.device.type == "cpu":
+    if splits.device.type == "cpu" and not torch.compiler.is_compiling():
         _check_host_split_values(name, splits, rows_of(input_))
 
 
@@ -75,10 +78,11 @@ def rows_of(input_: Tensor) -> int:
 
 
 def device_offsets(splits: Tensor, rows: int, device: torch.device) -> Tensor:
-    """Cumulative ends on the data's device; for device split sizes a device-side check that
-    they are non-negative and sum to `rows` (no host sync; a bad split fails the assert)."""
+    """Cumulative ends on the data's device; for device split sizes (and for every split under
+    torch.compile) a run-time check that they are non-negative and sum to `rows` without a host
+    sync: a device-side assert on CUDA, a RuntimeError on CPU."""
     offs = kernels.split_offsets(splits, device)
-    if splits.device.type == "cuda":
+    if splits.device.type == "cuda" or torch.compiler.is_compiling():
         ok = (splits >= 0).all() & (offs[-1] == rows)
         torch._assert_async(ok, "split_sizes must be non-negative and sum to the rows")
     return offs
@@ -335,8 +339,14 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         return dx, [weight_grads + bias_grads], [extra_grads]
 
 
-@functools.lru_cache(maxsize=64)
 def _names(prefix: str, count: int) -> tuple[str, ...]:
+    if torch.compiler.is_compiling():  # dynamo would warn about (and skip) the lru_cache
+        return tuple(f"{prefix}{g}" for g in range(count))
+    return _cached_names(prefix, count)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_names(prefix: str, count: int) -> tuple[str, ...]:
     return tuple(f"{prefix}{g}" for g in range(count))
 
 

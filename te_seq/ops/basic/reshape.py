@@ -35,6 +35,10 @@ class Reshape(BasicOperation):
     """y = x.reshape(shape) over the whole tensor (leading dims included), like `torch.reshape`;
     `shape` may hold one -1. Backward: dx = dy.reshape(x.shape). y may be a view of x."""
 
+    # Under torch.compile the run holding it runs eagerly (its output may be a view of the run's
+    # input, which dynamo's autograd.Function cannot return).
+    compile_traceable = False
+
     def __init__(self, shape: int | Sequence[int]) -> None:
         super().__init__()
         self.shape = _parse_shape(shape)

@@ -58,7 +58,9 @@ class GroupedMLP(FusedOperation):
 
         Decided when the plan is built (static facts only) and remembered, so each call reads
         the plan's decision instead of re-deciding."""
-        key = (backend, dtype, device, self.activation.plan_facts())
+        # Keyed by name: under torch.compile the same backend comes wrapped (kernels.traced),
+        # and the traced call must find the plan's decision without adding to the memo.
+        key = (backend.name, dtype, device, self.activation.plan_facts())
         memo = self.__dict__.setdefault("_epilogue_memo", {})
         if key not in memo:
             memo[key] = self._epilogue_decision(backend, dtype, device)

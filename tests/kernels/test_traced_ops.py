@@ -1,0 +1,57 @@
+"""te_seq's kernels as custom ops (te_seq/kernels/traced.py): schemas, fake implementations and
+results checked with `torch.library.opcheck`, on CPU for the reference and torch backends (the
+GPU file test_compile_gpu.py runs the same ops on CUDA, cute included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_seq.kernels import reference, traced
+
+E, M, K, N = 3, 10, 8, 16
+SPLITS = [4, 0, 6]
+
+
+def _operands(dtype=torch.float32):
+    torch.manual_seed(0)
+    offs = torch.cumsum(torch.tensor(SPLITS), 0, dtype=torch.int32)
+    a = torch.randn(M, K, dtype=dtype)
+    b = torch.randn(E, K, N, dtype=dtype)
+    dy = torch.randn(M, N, dtype=dtype)
+    return a, b, dy, offs
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_grouped_ops_pass_opcheck(backend):
+    a, b, dy, offs = _operands()
+    torch.library.opcheck(traced.grouped_mm_op.op, (a, b, offs, backend))
+    torch.library.opcheck(traced.grouped_wgrad_op.op, (dy, a, offs, backend))
+    out = torch.randn(E, N, K)
+    torch.library.opcheck(traced.grouped_wgrad_into_op.op, (dy, a, offs, out, True, backend))
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_traced_backend_matches_the_backend(backend):
+    a, b, dy, offs = _operands(torch.float64)
+    inner = traced.get_backend(backend)
+    wrapped = traced.traced(inner)
+    assert traced.traced(inner) is wrapped and wrapped.name == backend
+    assert torch.equal(wrapped.grouped_mm(a, b, offs), inner.grouped_mm(a, b, offs))
+    assert torch.equal(wrapped.grouped_wgrad(dy, a, offs), inner.grouped_wgrad(dy, a, offs))
+    for accumulate in (False, True):
+        out1, out2 = (torch.ones(E, N, K, dtype=torch.float64) for _ in range(2))
+        wrapped.grouped_wgrad(dy, a, offs, out=out1, accumulate=accumulate)
+        inner.grouped_wgrad(dy, a, offs, out=out2, accumulate=accumulate)
+        assert torch.equal(out1, out2)
+    torch.testing.assert_close(wrapped.grouped_mm(a, b, offs), reference.grouped_mm(a, b, offs))
+
+
+def test_glu_ops_reach_the_backend_with_spec_fields():
+    """The GLU-epilogue ops take the GluSpec's fields as scalars and rebuild it (no CPU backend
+    has these kernels: a backend without them raises the backend's own error)."""
+    a, b, _, offs = _operands()
+    with pytest.raises(NotImplementedError, match="glu_fc1_forward"):
+        traced.glu_fc1_forward_op(a, b, offs, "silu", None, None, "reference")
+    with pytest.raises(NotImplementedError, match="glu_fc2_dgrad"):
+        traced.glu_fc2_dgrad_op(a, b, offs, a, "silu", 32, None, "torch")
