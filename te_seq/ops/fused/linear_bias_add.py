@@ -49,8 +49,10 @@ class LinearBiasAdd(FusedOperation):
     def _residual_gemm(self, add_ctx, x: Tensor, extra: Tensor, proxy: Tensor) -> Tensor:
         """r + X Wᵀ + b  [..., N], in r's memory when allowed."""
         w_t, b, n = self.linear.weight.t(), self.bias.bias, self.linear.out_features
+        # addmm_ needs r in X's dtype (a wider r, e.g. fp64 beside fp32, promotes as the unfused
+        # in-place add does, but out of place here) and must not read what it writes.
         if self.add.writes_in_place(add_ctx, proxy, extra) and extra.is_contiguous() \
-                and not _same_storage(extra, x):  # addmm_ must not read what it writes
+                and extra.dtype == x.dtype and not _same_storage(extra, x):
             extra.view(-1, n).addmm_(x, w_t).add_(b)  # R += X Wᵀ; R += b   [T, N]
             return extra
         if extra.shape == proxy.shape and extra.dtype == proxy.dtype:
