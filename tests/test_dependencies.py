@@ -25,7 +25,7 @@ tomllib = pytest.importorskip("tomllib", reason="tomllib (Python >= 3.11) reads 
 ROOT = Path(__file__).resolve().parents[1]
 # Modules of this repository that tests import by name (tests/ and tests/kernels/ are on the path).
 _LOCAL = {"te_seq", "conftest", "op_specs", "megatron_like", "cute_marks", "_common",
-          "fuzz_chains"}
+          "fuzz_chains", "fuzz_runner"}
 
 
 def _normalize(name: str) -> str:

@@ -29,18 +29,17 @@ import traceback
 
 import pytest
 import torch
-from fuzz_chains import (
-    Chain,
+from fuzz_chains import DEFAULT_WIDTHS, Chain, chains, overrides_maths
+from fuzz_runner import (
     build_model,
-    chains,
     compare,
     contract_violations,
     operate,
-    overrides_maths,
     run_reference,
     run_te_seq,
 )
 from hypothesis import HealthCheck, assume, event, given, note, settings
+from op_specs import SPECS
 
 import te_seq
 import te_seq.kernels.backend
@@ -66,10 +65,10 @@ FUZZ_GPU = FUZZ if PROFILE != "ci" else settings(FUZZ, max_examples=25)
 
 def known_subclass_issue(model: te_seq.Sequential, plan) -> bool:
     """A fused step covers a user subclass that overrides the maths it replaces: the matcher's
-    subclass rule (tests/test_fuzz_regressions.py::test_fusion_keeps_an_overriding_subclass's
-    maths, xfail until it lands) makes such windows run unfused; until then the fused result
-    is the parent's maths. Without a plan (the fused forward raised) any window that matches a
-    pattern by isinstance counts."""
+    subclass rule (another change; tests/test_fuzz_regressions.py::
+    test_fused_window_keeps_an_overriding_subclass_maths is a strict xfail until it lands) makes
+    such windows run unfused; until then the fused result is the parent's maths. Without a
+    plan (the fused forward raised) any window that matches a pattern by isinstance counts."""
     basic = model.basic_ops()
     if plan is not None:
         steps = [*plan.forward, *plan.backward]
@@ -159,6 +158,19 @@ def _check_errors(chain: Chain, model, fused, unfused) -> None:
 @given(chain=chains())
 def test_fused_equals_unfused_equals_reference(chain: Chain) -> None:
     check_chain(chain)
+
+
+def test_the_fuzz_can_draw_every_op() -> None:
+    """Every basic or composite op te_seq.ops exports is reachable through the spec table
+    (op_specs.SPECS, which must cover every op) at a width the fuzz draws."""
+    exported = {name for name in te_seq.ops.__all__
+                if isinstance(getattr(te_seq.ops, name), type)
+                and issubclass(getattr(te_seq.ops, name),
+                               (te_seq.ops.BasicOperation, te_seq.ops.CompositeOperation))
+                and getattr(te_seq.ops, name) not in (te_seq.ops.BasicOperation,
+                                                      te_seq.ops.CompositeOperation)}
+    drawable = {s.op_name for s in SPECS if s.in_width in DEFAULT_WIDTHS and s.train}
+    assert exported <= drawable, f"not drawn by the fuzz: {sorted(exported - drawable)}"
 
 
 @pytest.fixture(params=["torch", "cute"])
