@@ -114,7 +114,7 @@ class OperationContext:
     def save_for_backward(self, *tensors: Tensor | None) -> None:
         self.to_save = tensors
         if not torch.compiler.is_compiling():  # a traced graph has no version counters to read
-            self.saved_versions = tuple(-1 if t is None else t._version for t in tensors)
+            self.saved_versions = tuple([-1 if t is None else t._version for t in tensors])
 
     def modified_saved_tensor(self) -> int | None:
         """The index of the first saved tensor written in place since it was saved, else None."""
