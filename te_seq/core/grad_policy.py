@@ -200,6 +200,30 @@ class WeightGradPolicy:
         """Drop every pending wgrad (and the activations it holds) without computing it."""
         self._pending.clear()
 
+    # --- copies and pickling ------------------------------------------------------------------
+    # A pending wgrad belongs to the forward that queued it: it targets that forward's Parameter
+    # objects (weakly held) and holds its activations. A copy of the op has other Parameters, so
+    # it must not inherit the queue (its backward_dw() would write into the original's weights):
+    # copies start with none, and the original still runs its own. Pickling cannot carry the
+    # queue at all (weak references, closures), so it refuses rather than drop it silently.
+    def __deepcopy__(self, memo: dict) -> WeightGradPolicy:
+        """The same configuration with no pending wgrads (they stay with the original)."""
+        return WeightGradPolicy(self.accumulate_into_main_grad, self.delay_wgrad_compute)
+
+    def __getstate__(self) -> dict:
+        if self._pending:
+            name = self._pending[0].weights.op_name
+            raise RuntimeError(
+                f"{name}: cannot pickle an op with {len(self._pending)} delayed weight "
+                "gradient(s) pending (delay_wgrad_compute=True): run backward_dw() first (a "
+                "pending wgrad refers to this process's Parameters and activations)"
+            )
+        return {"accumulate_into_main_grad": self.accumulate_into_main_grad,
+                "delay_wgrad_compute": self.delay_wgrad_compute}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["accumulate_into_main_grad"], state["delay_wgrad_compute"])
+
 
 class GradContractMixin:
     """The gradient-contract surface of an op with weights (BasicLinear, GroupedLinear): its

@@ -107,6 +107,8 @@ def prepare(module: Any) -> int:
 
 
 @torch.compiler.disable
-def run_eagerly(fuser: Fuser, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
+def run_eagerly(
+    fuser: Fuser, input_: Tensor, extra: list[tuple], call_inputs: object = None
+) -> tuple[Tensor, list[tuple]]:
     """The eager run, at a graph break."""
-    return fuser.run_eager(input_, extra)
+    return fuser.run_eager(input_, extra, call_inputs)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from te_seq.core.context import OperationContext
+from te_seq.core.context import CallInputs, OperationContext
 from te_seq.core.operation import BasicOperation
 from te_seq.fusion.matcher import Segment, fill_unfused, match_phase, same_extra_input
 from te_seq.fusion.plan import FusionPlan, PlanMiss, PlanStep
@@ -161,29 +161,35 @@ class Fuser:
         return FusionPlan([step(s) for s in forward], [step(s) for s in backward], misses)
 
     # --- running ----------------------------------------------------------------------------
-    def __call__(self, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
+    def __call__(
+        self, input_: Tensor, extra: list[tuple], call_inputs: CallInputs | None = None
+    ) -> tuple[Tensor, list[tuple]]:
         if torch.compiler.is_compiling():
-            return self._run_traced(input_, extra)
-        return self.run_eager(input_, extra)
+            return self._run_traced(input_, extra, call_inputs)
+        return self.run_eager(input_, extra, call_inputs)
 
-    def run_eager(self, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
-        ctxs = new_contexts(self.ops, input_, extra)
+    def run_eager(
+        self, input_: Tensor, extra: list[tuple], call_inputs: CallInputs | None = None
+    ) -> tuple[Tensor, list[tuple]]:
+        ctxs = new_contexts(self.ops, input_, extra, call_inputs)
         with_backward = any(ctx.requires_grad for ctx in ctxs)
         plan = self.plan(input_, extra, with_backward)
         self.last_plan = plan.public
         return self._run(plan, ctxs, input_, extra, with_backward, traced=False)
 
-    def _run_traced(self, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
+    def _run_traced(
+        self, input_: Tensor, extra: list[tuple], call_inputs: CallInputs | None = None
+    ) -> tuple[Tensor, list[tuple]]:
         """Under dynamo: the key is traced (its facts become guards), the plan is built as real
         Python (`compiled.ensure_plan`), kernels are custom ops; or the eager run at a graph
         break when the plan says the run cannot be traced."""
-        ctxs = new_contexts(self.ops, input_, extra)
+        ctxs = new_contexts(self.ops, input_, extra, call_inputs)
         with_backward = any(ctx.requires_grad for ctx in ctxs)
         flat_extra = [t for group in extra for t in group]
         index = compiled.ensure_plan(self, self._key(input_, flat_extra, with_backward))
         plan = self.compiled_plans[index][1]
         if plan.eager_reason:
-            return compiled.run_eagerly(self, input_, extra)
+            return compiled.run_eagerly(self, input_, extra, call_inputs)
         self.last_plan = plan.public
         return self._run(plan, ctxs, input_, extra, with_backward, traced=True)
 
@@ -209,7 +215,10 @@ class Fuser:
 
 
 def new_contexts(
-    ops: Sequence[BasicOperation], input_: Tensor, extra: list[tuple]
+    ops: Sequence[BasicOperation],
+    input_: Tensor,
+    extra: list[tuple],
+    call_inputs: CallInputs | None = None,
 ) -> list[OperationContext]:
     """One context per basic op for this call, with which gradients its backward must produce.
 
@@ -226,7 +235,8 @@ def new_contexts(
         requires_grad = running or weight_grad or extra_grad
         # The backend is passed (not the field's default) so dynamo sees a module global.
         ctxs.append(OperationContext(requires_grad=requires_grad, input_requires_grad=running,
-                                     weight_requires_grad=weight_grad, backend=REFERENCE))
+                                     weight_requires_grad=weight_grad, backend=REFERENCE,
+                                     call_inputs=call_inputs))
         running = requires_grad
     return ctxs
 
@@ -302,6 +312,27 @@ def _run_backward(
     return dy, param_grads, extra_grads
 
 
+def _check_saved_unmodified(call: _Call) -> None:
+    """RuntimeError if a tensor an op saved was written in place later in this forward.
+
+    autograd records a saved tensor's version when it receives it, which is after this whole
+    forward, so such a write would otherwise pass unseen and corrupt the op's gradient (te_seq's
+    own in-place ops avoid memory the call shares; this catches anyone else's)."""
+    if torch.compiler.is_compiling():
+        return
+    for index, (op, ctx) in enumerate(zip(call.ops, call.ctxs)):
+        slot = ctx.modified_saved_tensor()
+        if slot is not None:
+            t = ctx.to_save[slot]
+            raise RuntimeError(
+                f"{type(op).__name__} (op {index} of its run): tensor {slot} it saved for "
+                f"backward (shape {tuple(t.shape)}) was written in place later in the same "
+                "forward, so its gradients would be wrong: an in-place op was given memory "
+                "that this tensor shares (e.g. the Sequential's input as an in-place residual); "
+                "give that op a tensor of its own or run it out of place"
+            )
+
+
 def _padded(grads: Sequence, count: int, what: str, op: BasicOperation) -> list:
     grads = list(grads)
     if not grads:
@@ -354,6 +385,7 @@ class _FuserFunction(torch.autograd.Function):
         num_extra = sum(call.extra_counts)
         extra = _unflatten(tensors[:num_extra], call.extra_counts)
         output, extra_out = _run_forward(call, input_, extra)
+        _check_saved_unmodified(call)
         to_save: list[Tensor | None] = []
         for ctx in call.ctxs:
             call.saved_ranges.append((len(to_save), len(ctx.to_save)))

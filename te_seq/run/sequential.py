@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from te_seq.core.context import CallInputs
 from te_seq.core.operation import BasicOperation, CompositeOperation
 from te_seq.fusion.plan import FusionPlan
 from te_seq.run import compiled
@@ -64,12 +65,13 @@ class Sequential(torch.nn.Sequential):
     def forward(self, input_: Tensor, *extra_inputs: Any) -> Tensor | tuple[Tensor, ...]:
         runs = self._current_runs()
         per_op = _distribute_extra_inputs(self.basic_ops(), extra_inputs)
+        call_inputs = CallInputs(input_, extra_inputs, self.parameters)
         x, extra_outputs, plans, used = input_, [], [], 0
         for run in runs:
             if isinstance(run, Fuser):
                 op_extra = per_op[used : used + len(run.ops)]
                 used += len(run.ops)
-                x, outs = run(x, op_extra)
+                x, outs = run(x, op_extra, call_inputs)
                 extra_outputs.extend(t for op_out in outs for t in op_out)
                 plans.append(run.last_plan)
             else:

@@ -11,12 +11,15 @@ What keeps the block:
 - module conversions (`.to`, `.cuda`, `.half`, `.double`, `to_empty`, meta init) go through
   `GroupedLinear._apply`, which converts the block once (`convert`) and hands each Parameter its
   view of the result (`settle`);
-- Parameters that were given their own storage some other way (`param.data = t`,
-  `copy.deepcopy`, which clones each Parameter on its own) are re-found by address when they lie
-  back to back (e.g. after `load_state_dict(..., assign=True)` of a te_seq checkpoint), and
-  re-homed into a fresh block (one copy) by the next conversion that moves them. Until then (and
-  for tensor subclasses such as FSDP2's DTensors, never touched here) each forward stacks. They
-  are not re-homed behind the user's back: a `param.data = t` may alias `t` on purpose.
+- `copy.deepcopy` of the module copies the block once and makes the copy's Parameters views of
+  it (`seed_deepcopy`; Parameter's own deepcopy would clone each on its own); `torch.save` /
+  `torch.load` keep the views, plain `pickle` does not and is re-homed once (`unpickled`);
+- Parameters that were given their own storage some other way (`param.data = t`) are
+  re-found by address when they lie back to back (e.g. after `load_state_dict(...,
+  assign=True)` of a te_seq checkpoint), and re-homed into a fresh block (one copy) by the next
+  conversion that moves them. Until then (and for tensor subclasses such as FSDP2's DTensors,
+  never touched here) each forward stacks. They are not re-homed behind the user's back: a
+  `param.data = t` may alias `t` on purpose.
 """
 
 from __future__ import annotations
@@ -74,6 +77,19 @@ class ParamBlock:
         block = self.current(table)
         return block if block is not None else torch.stack(self.params(table))
 
+    def seed_deepcopy(self, table: dict, memo: dict) -> None:
+        """Before `copy.deepcopy` of the owning module: put into `memo` one copy of the block and,
+        for every Parameter viewing it, a Parameter viewing that copy. Nothing if the Parameters
+        view no block or one of them was copied already (tied to something copied earlier)."""
+        params = self.params(table)
+        block = self.current(table)
+        if block is None or id(block) in memo or any(id(p) in memo for p in params):
+            return
+        copied = block.clone()
+        memo[id(block)] = copied
+        for g, p in enumerate(params):  # as Parameter.__deepcopy__ does, but a view of the copy
+            memo[id(p)] = type(p)(copied[g], p.requires_grad)
+
     # --- module conversions (GroupedLinear._apply) ------------------------------------------
     def convert(self, table: dict, fn: Callable[[Tensor], Tensor]) -> tuple[dict, list[int]]:
         """Before `Module._apply(fn)`: converts the block once. Returns the replacement for
@@ -96,6 +112,17 @@ class ParamBlock:
             return
         if list(map(_data_ptr, params)) == before:
             return  # the conversion left them where they were (e.g. aliased on purpose)
+        self._rehome(params)
+
+    def unpickled(self, table: dict) -> None:
+        """After unpickling the owning module: plain `pickle` gives every Parameter storage of
+        its own (torch.save keeps the sharing); nothing else can hold those fresh tensors yet,
+        so they are copied into a fresh block (once)."""
+        params = self.params(table)
+        if self.current(table) is None and _plain(params):
+            self._rehome(params)
+
+    def _rehome(self, params: Sequence[torch.nn.Parameter]) -> None:
         first = params[0]
         block = torch.empty(len(params), *first.shape, dtype=first.dtype, device=first.device)
         with torch.no_grad():

@@ -54,8 +54,11 @@ class AddExtraInput(BasicOperation):
 
     Backward: dx = dy; d extra = dy summed over the dims `extra` was broadcast along.
     `in_place=True` writes the sum into `extra` (same values, one tensor less) when `extra` does
-    not require grad and has y's shape and dtype (see `can_write_into`); otherwise it runs out of
-    place. As with any in-place op, `extra`'s old value is gone afterwards.
+    not require grad, has y's shape and dtype (see `can_write_into`) and shares no memory with
+    the rest of the Sequential call: its input, its other extra inputs (or this one given twice)
+    and the parameters (`CallInputs.aliased`; an earlier op may have saved that memory for its
+    backward). Otherwise it runs out of place. As with any in-place op, `extra`'s old value is
+    gone afterwards.
     """
 
     num_extra_inputs = 1
@@ -95,15 +98,21 @@ class AddExtraInput(BasicOperation):
         ctx.saved = AddSaved(input_.shape, input_.dtype, extra.shape, extra.dtype,
                              extra.requires_grad)
 
-    def add(self, input_: Tensor, extra: Tensor) -> Tensor:
-        if self.in_place and can_write_into(extra, input_):
+    def writes_in_place(self, ctx: OperationContext, input_: Tensor, extra: Tensor) -> bool:
+        """Whether y = x + extra goes into `extra`'s memory in this call (fusions ask too)."""
+        if not (self.in_place and can_write_into(extra, input_)):
+            return False
+        return ctx.call_inputs is None or not ctx.call_inputs.aliased(extra)
+
+    def add(self, ctx: OperationContext, input_: Tensor, extra: Tensor) -> Tensor:
+        if self.writes_in_place(ctx, input_, extra):
             return extra.add_(input_)
         return input_ + extra
 
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
         (extra,) = basic_op_extra_inputs[0]
         self.save(basic_op_ctxs[0], input_, extra)
-        return self.add(input_, extra), [()]
+        return self.add(basic_op_ctxs[0], input_, extra), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]

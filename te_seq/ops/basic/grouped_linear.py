@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -175,6 +176,26 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         for block, before in zip(blocks, befores):
             block.settle(self._parameters, before)
         return self
+
+    def __deepcopy__(self, memo: dict) -> GroupedLinear:
+        """An independent copy with the same layout: each block of per-group Parameters is
+        copied once and the copy's Parameters view it (so the copy's GEMMs read its own block,
+        without a stack per forward). Pending delayed wgrads are not copied (WeightGradPolicy)."""
+        for block in (self._weight_params, self._bias_params):
+            if block is not None:
+                block.seed_deepcopy(self._parameters, memo)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling (and deepcopy): per-group Parameters that arrive with storage of their own
+        are put back into one block each."""
+        super().__setstate__(state)
+        for block in (self._weight_params, self._bias_params):
+            if block is not None:
+                block.unpickled(self._parameters)
 
     # --- parameters -------------------------------------------------------------------------
     def named_weights(self) -> list[tuple[str, torch.nn.Parameter]]:

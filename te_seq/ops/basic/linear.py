@@ -11,7 +11,16 @@ from te_seq.ops.basic.bias import Bias
 
 class Linear(CompositeOperation):
     """y = x Wᵀ + b, like `torch.nn.Linear`; inside a Sequential it is BasicLinear then Bias
-    (so linear+bias fusions apply). Keyword options are BasicLinear's (gradient contract)."""
+    (so linear+bias fusions apply). Keyword options are BasicLinear's (gradient contract).
+
+    This module owns `weight` and `bias`; its basic ops are handed whatever Parameters its table
+    holds each time they run, so weight surgery works as on `torch.nn.Linear`: reassigning
+    (`lin.weight = p`, tying `lin2.weight = lin1.weight`), `load_state_dict(..., assign=True)`,
+    meta init then `to_empty()`, and `lin.bias = None` (the chain is then BasicLinear alone; a
+    Parameter assigned to `bias` later brings Bias back). A weight of another shape than
+    [out_features, in_features] (or a bias other than [out_features]) is a ValueError at the
+    next forward.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  device=None, dtype: torch.dtype | None = None, **linear_kwargs) -> None:
@@ -19,42 +28,60 @@ class Linear(CompositeOperation):
         linear = BasicLinear(in_features, out_features, device=device, dtype=dtype, **linear_kwargs)
         self.in_features, self.out_features = in_features, out_features
         self.weight = linear.weight
-        ops: list[BasicOperation] = [linear]
+        bias_op = None
         if bias:
             bias_op = Bias(out_features, device=device, dtype=dtype)
             self.bias = bias_op.bias
-            ops.append(bias_op)
         else:
             self.register_parameter("bias", None)
-        # Plain attribute, not submodules: the parameters belong to this module's state_dict.
-        object.__setattr__(self, "_basic_ops", ops)
+        # Plain attributes, not submodules: the parameters belong to this module's state_dict.
+        object.__setattr__(self, "_linear", linear)
+        object.__setattr__(self, "_bias_op", bias_op)
 
     def basic_ops(self) -> list[BasicOperation]:
-        return list(self._basic_ops)
+        """BasicLinear (then Bias while `bias` is not None), holding this module's Parameters
+        as they are now (a Parameter put into the table since the last call is handed over)."""
+        linear = self._linear
+        weight = self._parameters["weight"]
+        if linear._parameters["weight"] is not weight:
+            self._check_param("weight", weight, (self.out_features, self.in_features))
+            linear.weight = weight
+        bias = self._parameters["bias"]
+        if bias is None:
+            return [linear]
+        bias_op = self._bias_op
+        if bias_op is None or bias_op._parameters["bias"] is not bias:
+            self._check_param("bias", bias, (self.out_features,))
+            if bias_op is None:  # built with bias=False, given a bias since
+                bias_op = Bias(self.out_features, device="meta", dtype=bias.dtype)
+                object.__setattr__(self, "_bias_op", bias_op)
+            bias_op.bias = bias
+        return [linear, bias_op]
+
+    def _check_param(self, name: str, param: torch.nn.Parameter | None, shape: tuple) -> None:
+        if param is None:
+            raise ValueError(f"Linear: {name} is None; a Linear needs a weight (only bias may be "
+                             "None)")
+        if tuple(param.shape) != shape:
+            raise ValueError(
+                f"Linear: {name} has shape {tuple(param.shape)}, expected {shape} "
+                f"(in_features={self.in_features}, out_features={self.out_features})"
+            )
 
     def reset_parameters(self) -> None:
         """W like `torch.nn.Linear` (Kaiming-uniform, a = sqrt(5)), b = 0; in place."""
-        for op in self._basic_ops:
+        for op in self.basic_ops():
             op.reset_parameters()
 
-    def _apply(self, fn, recurse: bool = True):
-        """Module conversions may put new Parameter objects into this module's table (e.g.
-        `to_empty` from the meta device): hand them to the basic ops, which share them."""
-        super()._apply(fn, recurse)
-        self._basic_ops[0].weight = self.weight
-        if self.bias is not None:
-            self._basic_ops[1].bias = self.bias
-        return self
-
     def need_backward_dw(self) -> bool:
-        return self._basic_ops[0].need_backward_dw()
+        return self._linear.need_backward_dw()
 
     def backward_dw(self) -> None:
-        self._basic_ops[0].backward_dw()
+        self._linear.backward_dw()
 
     @property
     def delay_wgrad_compute(self) -> bool:
-        return self._basic_ops[0].delay_wgrad_compute
+        return self._linear.delay_wgrad_compute
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import NoMatch, register_fusion
-from te_seq.ops.basic.add_extra_input import AddExtraInput, can_write_into
+from te_seq.ops.basic.add_extra_input import AddExtraInput
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
 from te_seq.ops.fused._linear_common import check_linear_bias, shape_proxy
@@ -44,19 +44,21 @@ class LinearBiasAdd(FusedOperation):
         x = input_.reshape(-1, self.linear.in_features)  # [T, K]
         self.linear.save(linear_ctx, x, input_.shape)
         AddExtraInput.save(add_ctx, proxy, extra)
-        return self._residual_gemm(x, extra, proxy), [(), (), ()]
+        return self._residual_gemm(add_ctx, x, extra, proxy), [(), (), ()]
 
-    def _residual_gemm(self, x: Tensor, extra: Tensor, proxy: Tensor) -> Tensor:
+    def _residual_gemm(self, add_ctx, x: Tensor, extra: Tensor, proxy: Tensor) -> Tensor:
         """r + X Wᵀ + b  [..., N], in r's memory when allowed."""
         w_t, b, n = self.linear.weight.t(), self.bias.bias, self.linear.out_features
-        if self.add.in_place and can_write_into(extra, proxy) and extra.is_contiguous() \
-                and not _same_storage(extra, x):  # addmm_ must not read what it writes
+        # addmm_ needs r in X's dtype (a wider r, e.g. fp64 beside fp32, promotes as the unfused
+        # in-place add does, but out of place here) and must not read what it writes.
+        if self.add.writes_in_place(add_ctx, proxy, extra) and extra.is_contiguous() \
+                and extra.dtype == x.dtype and not _same_storage(extra, x):
             extra.view(-1, n).addmm_(x, w_t).add_(b)  # R += X Wᵀ; R += b   [T, N]
             return extra
         if extra.shape == proxy.shape and extra.dtype == proxy.dtype:
             y = torch.addmm(extra.reshape(-1, n), x, w_t).add_(b)  # Y = R + X Wᵀ + b   [T, N]
             return y.reshape(proxy.shape)
-        return self.add.add(torch.addmm(b, x, w_t).reshape(proxy.shape), extra)
+        return self.add.add(add_ctx, torch.addmm(b, x, w_t).reshape(proxy.shape), extra)
 
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:
