@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from torch import Tensor
 
+from te_seq.core.amp import AutocastState
 from te_seq.kernels.backend import Backend
 from te_seq.kernels.reference import REFERENCE
 
@@ -40,6 +41,8 @@ class OperationContext:
             backward; the fuser sets it before each step).
         recipe: the FP8 recipe of the call (None: no quantization; reserved, always None now).
         process_group: the process group of distributed ops (reserved, always None now).
+        autocast: torch.autocast's state at the forward call (None outside autocast); the op
+            applies autocast's policy itself (te_seq/core/amp.py), in forward and backward.
         saved: the op's typed record of what backward needs besides tensors (None if nothing).
         to_save: the tensors of `save_for_backward`, until the fuser hands them to autograd.
         saved_tensors: those tensors again, during backward.
@@ -51,6 +54,7 @@ class OperationContext:
     backend: Backend = REFERENCE
     recipe: object | None = None
     process_group: object | None = None
+    autocast: AutocastState | None = None
     saved: object | None = None
     to_save: tuple[Tensor | None, ...] = ()
     saved_tensors: tuple[Tensor | None, ...] = ()

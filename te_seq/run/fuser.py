@@ -14,13 +14,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from te_seq.core import amp
+from te_seq.core.amp import AutocastState
 from te_seq.core.context import OperationContext
-from te_seq.core.operation import BasicOperation
+from te_seq.core.operation import BasicOperation, is_te_seq_class
 from te_seq.fusion.matcher import Segment, fill_unfused, match_phase, same_extra_input
 from te_seq.fusion.plan import FusionPlan, PlanMiss, PlanStep
 from te_seq.fusion.registry import registry_version
 from te_seq.kernels import backend as kernel_backends
 from te_seq.kernels.backend import Backend, BackendChoice
+from te_seq.run.step_checks import checked_backward, checked_forward
 
 
 @dataclass
@@ -42,7 +45,12 @@ class _Call:
     ctxs: list[OperationContext]
     extra_counts: list[int]
     param_counts: list[int]
+    offset: int = 0  # basic-op index of the run's first op in the Sequential
+    autocast: AutocastState | None = None  # torch.autocast at the forward call (core/amp.py)
     saved_ranges: list[tuple[int, int]] = field(default_factory=list)
+    # The input shape of each forward step's first op (position -> shape): backward steps that
+    # start there must return a grad input of that shape.
+    input_shapes: dict[int, torch.Size] = field(default_factory=dict)
 
 
 def _extra_signature(flat: Sequence[Any]) -> tuple:
@@ -69,7 +77,9 @@ class Fuser:
         self.last_plan: FusionPlan | None = None
 
     # --- planning ---------------------------------------------------------------------------
-    def _key(self, input_: Tensor, flat_extra: Sequence[Any], with_backward: bool) -> tuple:
+    def _key(
+        self, input_: Tensor, flat_extra: Sequence[Any], with_backward: bool, autocast
+    ) -> tuple:
         params = tuple(
             (p.dtype, p.device, p.requires_grad, p.shape)
             for op in self.ops
@@ -87,18 +97,26 @@ class Fuser:
             params,
             tuple(op.training for op in self.ops),
             _extra_signature(flat_extra),
+            autocast,
         )
 
-    def plan(self, input_: Tensor, extra: list[tuple], with_backward: bool) -> RunPlan:
+    def plan(
+        self, input_: Tensor, extra: list[tuple], with_backward: bool,
+        autocast: AutocastState | None = None,
+    ) -> RunPlan:
         flat_extra = [t for group in extra for t in group]
-        key = self._key(input_, flat_extra, with_backward)
+        key = self._key(input_, flat_extra, with_backward, autocast)
         if key != self._cache_key:
-            self._cache = self._build_plan(input_, extra, with_backward)
+            self._cache = self._build_plan(input_, extra, with_backward, autocast)
             self._cache_key = key
         return self._cache
 
-    def _build_plan(self, input_: Tensor, extra: list[tuple], with_backward: bool) -> RunPlan:
+    def _build_plan(
+        self, input_: Tensor, extra: list[tuple], with_backward: bool, autocast
+    ) -> RunPlan:
         device = input_.device
+        # Under torch.autocast the GEMMs run in the autocast dtype: backends are chosen for it.
+        dtype = amp.gemm_dtype(autocast, input_) or input_.dtype
         taken = [False] * len(self.ops)
         joint, misses = match_phase(self.ops, taken, "joint", extra, self.offset)
         fwd_taken = list(taken)
@@ -114,18 +132,18 @@ class Fuser:
         choices: dict[int, BackendChoice] = {}
         for seg in forward + backward:  # a joint fused op has a forward and a backward segment
             if id(seg.op) not in choices:
-                choices[id(seg.op)] = seg.op.plan_backend(requested, input_.dtype, device)
-        public = self._public(forward, backward, misses, choices, input_)
+                choices[id(seg.op)] = seg.op.plan_backend(requested, dtype, device)
+        public = self._public(forward, backward, misses, choices, dtype, device)
         backends = {key: choice.backend for key, choice in choices.items()}
         return RunPlan(forward, backward, backends, public)
 
     def _public(
-        self, forward, backward, misses: list[PlanMiss], choices, input_: Tensor
+        self, forward, backward, misses: list[PlanMiss], choices, dtype, device
     ) -> FusionPlan:
         def step(seg: Segment) -> PlanStep:
             indices = tuple(p + self.offset for p in seg.positions)
             chosen, why = choices[id(seg.op)]
-            note = seg.op.plan_note(chosen, input_.dtype, input_.device)
+            note = seg.op.plan_note(chosen, dtype, device)
             why = f"{why}; {note}" if note else why
             return PlanStep(type(seg.op).__name__, indices, chosen.name, seg.op, why)
 
@@ -133,9 +151,16 @@ class Fuser:
 
     # --- running ----------------------------------------------------------------------------
     def __call__(self, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
-        ctxs = new_contexts(self.ops, input_, extra)
+        if not isinstance(input_, Tensor):
+            first = self.ops[0]
+            raise TypeError(
+                f"{type(first).__name__} (basic op {self.offset}): input must be a torch.Tensor, "
+                f"got {type(input_).__name__}"
+            )
+        autocast = AutocastState.current(input_.device)
+        ctxs = new_contexts(self.ops, input_, extra, autocast)
         with_backward = any(ctx.requires_grad for ctx in ctxs)
-        plan = self.plan(input_, extra, with_backward)
+        plan = self.plan(input_, extra, with_backward, autocast)
         self.last_plan = plan.public
         call = _Call(
             plan,
@@ -143,6 +168,8 @@ class Fuser:
             ctxs,
             [len(e) for e in extra],
             [len(op.fuser_parameters()) for op in self.ops],
+            self.offset,
+            autocast,
         )
         if not with_backward:
             out, extra_out = _run_forward(call, input_, extra)
@@ -153,7 +180,8 @@ class Fuser:
         return outputs[0], _unflatten(outputs[1:], [op.num_extra_outputs for op in self.ops])
 
 def new_contexts(
-    ops: Sequence[BasicOperation], input_: Tensor, extra: list[tuple]
+    ops: Sequence[BasicOperation], input_: Tensor, extra: list[tuple],
+    autocast: AutocastState | None = None,
 ) -> list[OperationContext]:
     """One context per basic op for this call, with which gradients its backward must produce.
 
@@ -169,7 +197,7 @@ def new_contexts(
         extra_grad = grad_on and any(isinstance(t, Tensor) and t.requires_grad for t in op_extra)
         requires_grad = running or weight_grad or extra_grad
         ctxs.append(OperationContext(requires_grad=requires_grad, input_requires_grad=running,
-                                     weight_requires_grad=weight_grad))
+                                     weight_requires_grad=weight_grad, autocast=autocast))
         running = requires_grad
     return ctxs
 
@@ -193,25 +221,58 @@ def _unflatten(flat: Sequence[Any], counts: Sequence[int]) -> list[tuple]:
 
 def _run_forward(call: _Call, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
     """Run the plan's forward segments; returns the output and the extra outputs per basic op."""
+    if call.autocast is None:
+        return _forward_steps(call, input_, extra)
+    with amp.running(call.autocast):  # te_seq's ops apply autocast's policy themselves
+        return _forward_steps(call, input_, extra)
+
+
+def _forward_steps(call: _Call, input_: Tensor, extra: list[tuple]):
     x = input_
     extra_out: list[tuple] = [()] * len(call.ctxs)
     for seg in call.plan.forward:
-        ctxs = _step_contexts(call, seg)
-        # The first op of a segment is checked here; a fused op checks its inner ops' inputs.
-        call.ops[seg.positions[0]].pre_forward_checks(x, extra[seg.positions[0]])
-        x, outs = seg.op.fuser_forward(
-            ctxs,
-            x,
-            basic_op_extra_inputs=[extra[p] for p in seg.positions],
-            basic_op_kwargs=[{} for _ in seg.positions],
-        )
+        if call.autocast is None:
+            x, outs = _forward_step(call, seg, x, extra)
+        else:
+            with amp.step_scope(call.autocast, is_te_seq_class(type(seg.op))):
+                x, outs = _forward_step(call, seg, x, extra)
         for p, op_out in zip(seg.positions, outs):
-            extra_out[p] = tuple(op_out)
+            extra_out[p] = op_out
     return x, extra_out
 
 
-def _run_backward(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple]):
+def _forward_step(call: _Call, seg: Segment, x: Tensor, extra: list[tuple]):
+    ctxs = _step_contexts(call, seg)
+    # The first op of a segment is checked here; a fused op checks its inner ops' inputs.
+    first = seg.positions[0]
+    call.ops[first].pre_forward_checks(x, extra[first])
+    call.input_shapes[first] = x.shape
+    result = seg.op.fuser_forward(
+        ctxs,
+        x,
+        basic_op_extra_inputs=[extra[p] for p in seg.positions],
+        basic_op_kwargs=[{} for _ in seg.positions],
+    )
+    return checked_forward(seg.op, [call.ops[p] for p in seg.positions], _indices(call, seg),
+                           result)
+
+
+def _indices(call: _Call, seg: Segment) -> tuple[int, ...]:
+    """The segment's basic-op indices in the whole Sequential (as the plan shows them)."""
+    return tuple(p + call.offset for p in seg.positions)
+
+
+def _run_backward(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple],
+                  extra_needs_grad: list[bool]):
     """Run the plan's backward segments; returns (dx, param grads per op, extra grads per op)."""
+    if call.autocast is None:
+        return _backward_steps(call, grad_output, grad_extra_out, extra_needs_grad)
+    with amp.running(call.autocast):  # computed in the dtypes the forward chose
+        return _backward_steps(call, grad_output, grad_extra_out, extra_needs_grad)
+
+
+def _backward_steps(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple],
+                    extra_needs_grad: list[bool]):
     n = len(call.ctxs)
     param_grads: list[Sequence] = [()] * n
     extra_grads: list[Sequence] = [()] * n
@@ -222,25 +283,33 @@ def _run_backward(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple])
             # (their contexts saved nothing), and the run's input needs no gradient.
             dy = None
             break
-        ctxs = _step_contexts(call, seg)
-        dy, pgrads, egrads = seg.op.fuser_backward(
-            ctxs, dy, basic_op_grad_extra_outputs=[grad_extra_out[p] for p in seg.positions]
-        )
+        step = (call, seg, dy, grad_extra_out, extra_needs_grad)
+        if call.autocast is None:
+            dy, pgrads, egrads = _backward_step(*step)
+        else:
+            with amp.step_scope(call.autocast, is_te_seq_class(type(seg.op))):
+                dy, pgrads, egrads = _backward_step(*step)
         for p, pg, eg in zip(seg.positions, pgrads, egrads):
             param_grads[p], extra_grads[p] = tuple(pg), tuple(eg)
     return dy, param_grads, extra_grads
 
 
-def _padded(grads: Sequence, count: int, what: str, op: BasicOperation) -> list:
-    grads = list(grads)
-    if not grads:
-        return [None] * count
-    if len(grads) != count:
-        raise RuntimeError(
-            f"{type(op).__name__}: backward returned {len(grads)} {what} gradients, "
-            f"expected {count}"
-        )
-    return grads
+def _backward_step(call: _Call, seg: Segment, dy, grad_extra_out, extra_needs_grad):
+    ctxs = _step_contexts(call, seg)
+    result = seg.op.fuser_backward(
+        ctxs, dy, basic_op_grad_extra_outputs=[grad_extra_out[p] for p in seg.positions]
+    )
+    counts = ([call.param_counts[p] for p in seg.positions],
+              [call.extra_counts[p] for p in seg.positions])
+    return checked_backward(
+        seg.op, ctxs, _indices(call, seg), result, counts,
+        [extra_needs_grad[p] for p in seg.positions], call.input_shapes.get(seg.positions[0]),
+    )
+
+
+def _padded(grads: Sequence, count: int) -> list:
+    """One op's gradient slots; an empty list (checked: none was needed) as Nones."""
+    return list(grads) if grads else [None] * count
 
 
 class _FuserFunction(torch.autograd.Function):
@@ -269,19 +338,19 @@ class _FuserFunction(torch.autograd.Function):
             ctx.saved_tensors = saved[start : start + n]
         basic_ops = call.ops
         grad_extra = _unflatten(grad_extra_flat, [op.num_extra_outputs for op in basic_ops])
-        dx, param_grads, extra_grads = _run_backward(call, grad_output, grad_extra)
+        needs = func_ctx.needs_input_grad
+        extra_needs = [any(group) for group in _unflatten(needs[2:], call.extra_counts)]
+        for op, ctx in zip(basic_ops, call.ctxs):  # before any gradient is written anywhere
+            if ctx.requires_grad:
+                op.pre_backward_checks(ctx)
+        dx, param_grads, extra_grads = _run_backward(call, grad_output, grad_extra, extra_needs)
         for ctx in call.ctxs:
             ctx.saved_tensors = ()
         flat_extra = [
-            g
-            for op, n, eg in zip(basic_ops, call.extra_counts, extra_grads)
-            for g in _padded(eg, n, "extra-input", op)
+            g for n, eg in zip(call.extra_counts, extra_grads) for g in _padded(eg, n)
         ]
         flat_params = [
-            g
-            for op, n, pg in zip(basic_ops, call.param_counts, param_grads)
-            for g in _padded(pg, n, "parameter", op)
+            g for n, pg in zip(call.param_counts, param_grads) for g in _padded(pg, n)
         ]
-        needs = func_ctx.needs_input_grad
         grads = [dx, None, *flat_extra, *flat_params]
         return tuple(g if need else None for g, need in zip(grads, needs))

@@ -38,18 +38,20 @@ class LinearBiasAdd(FusedOperation):
         linear_ctx, _, add_ctx = basic_op_ctxs
         (extra,) = basic_op_extra_inputs[2]
         n = self.linear.out_features
+        x, w = self.linear.operands(linear_ctx, input_.reshape(-1, self.linear.in_features))
         out_shape = (*input_.shape[:-1], n)
-        proxy = shape_proxy(out_shape, input_)  # stands for x Wᵀ + b, which is never materialised
+        proxy = shape_proxy(out_shape, x)  # stands for x Wᵀ + b, which is never materialised
         self.add.pre_forward_checks(proxy, (extra,))
-        x = input_.reshape(-1, self.linear.in_features)  # [T, K]
-        self.linear.save(linear_ctx, x, input_.shape)
+        self.linear.save(linear_ctx, x, input_.shape, w, input_.dtype)
         AddExtraInput.save(add_ctx, proxy, extra)
-        return self._residual_gemm(x, extra, proxy), [(), (), ()]
+        return self._residual_gemm(x, w, extra, proxy), [(), (), ()]
 
-    def _residual_gemm(self, x: Tensor, extra: Tensor, proxy: Tensor) -> Tensor:
-        """r + X Wᵀ + b  [..., N], in r's memory when allowed."""
-        w_t, b, n = self.linear.weight.t(), self.bias.bias, self.linear.out_features
+    def _residual_gemm(self, x: Tensor, w: Tensor, extra: Tensor, proxy: Tensor) -> Tensor:
+        """r + X Wᵀ + b  [..., N] (x [T, K], W [N, K] in the compute dtype), in r's memory when
+        allowed."""
+        w_t, b, n = w.t(), self.bias.bias.to(x.dtype), self.linear.out_features
         if self.add.in_place and can_write_into(extra, proxy) and extra.is_contiguous() \
+                and extra.dtype == x.dtype \
                 and not _same_storage(extra, x):  # addmm_ must not read what it writes
             extra.view(-1, n).addmm_(x, w_t).add_(b)  # R += X Wᵀ; R += b   [T, N]
             return extra
