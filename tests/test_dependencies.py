@@ -24,7 +24,8 @@ tomllib = pytest.importorskip("tomllib", reason="tomllib (Python >= 3.11) reads 
 
 ROOT = Path(__file__).resolve().parents[1]
 # Modules of this repository that tests import by name (tests/ and tests/kernels/ are on the path).
-_LOCAL = {"te_seq", "conftest", "op_specs", "megatron_like", "cute_marks", "_common"}
+_LOCAL = {"te_seq", "conftest", "op_specs", "megatron_like", "cute_marks", "_common",
+          "test_fusions"}  # its window factories and user fused op serve other tests too
 
 
 def _normalize(name: str) -> str:

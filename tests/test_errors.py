@@ -282,3 +282,19 @@ def test_grouped_mlp_checks_like_the_unfused_chain() -> None:
     seq = te_seq.Sequential(*mlp())
     seq(x_of(), S, S)
     assert [s.name for s in seq.fusion_plan().forward] == ["GroupedMLP"]
+
+
+@pytest.mark.parametrize("make, exc", [
+    (lambda: ops.GroupedLinear(2.5, 4, 4), TypeError),
+    (lambda: ops.GroupedLinear(2, 4, 4, dtype=torch.int8), ValueError),
+    (lambda: ops.BasicLinear(4, 4, device="nowhere"), ValueError),
+    (lambda: ops.LayerNorm(4, eps=-1.0), ValueError),
+    (lambda: ops.Linear(4, 4, bias=None), TypeError),
+])
+def test_constructor_checks_come_before_any_allocation(make, exc, monkeypatch) -> None:
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated before the arguments were checked")
+
+    monkeypatch.setattr(torch, "empty", no_allocation)
+    with pytest.raises(exc):
+        make()

@@ -130,20 +130,24 @@ def check_main_grad(label: str, param: torch.nn.Parameter) -> Tensor:
     return buffer
 
 
-def _main_grads(request: WgradRequest, params: Sequence[torch.nn.Parameter]) -> list[Tensor | None]:
+def _main_grads(
+    request: WgradRequest, params: Sequence[torch.nn.Parameter], checked: bool
+) -> list[Tensor | None]:
     """The main_grad buffer of every weight that needs a gradient (None for the others), all
-    checked before any is written."""
+    checked before any is written (unless `checked`: the fuser did it moments before)."""
     weights = request.weights
+    if checked:
+        return [p.main_grad if n else None for p, n in zip(params, weights.needs_grad)]
     return [
         check_main_grad(f"{weights.op_name}.{name}", param) if needed else None
         for name, param, needed in zip(weights.names, params, weights.needs_grad)
     ]
 
 
-def _write_main_grad(request: WgradRequest) -> None:
+def _write_main_grad(request: WgradRequest, checked: bool = False) -> None:
     """main_grad += wgrad, or = wgrad where the parameter says overwrite_main_grad (read now)."""
     params = request.params()
-    buffers = _main_grads(request, params)
+    buffers = _main_grads(request, params, checked)
     overwrite = [bool(getattr(p, "overwrite_main_grad", False)) for p in params]
     uniform = len(set(overwrite)) <= 1 and all(b is not None for b in buffers)
     if request.compute_into is not None and uniform:
@@ -187,6 +191,15 @@ class WeightGradPolicy:
         self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         self._pending: deque[WgradRequest] = deque()
+        # The weights whose main_grad buffers `precheck` checked for the backward running now
+        # (each buffer is then checked once per backward: ~0.5 us per Parameter, measured on
+        # CPU, 2026, adds up over 2 x 128 expert weights).
+        self._checked: ForwardWeights | None = None
+
+    def precheck(self, weights: ForwardWeights) -> None:
+        """Check the main_grad buffers the coming non-delayed wgrad of `weights` will write."""
+        weights.check_main_grads()
+        self._checked = weights
 
     def backward(self, request: WgradRequest) -> list[Tensor | None]:
         """Route one wgrad at backward time; returns what autograd gets for each weight."""
@@ -194,8 +207,9 @@ class WeightGradPolicy:
         if self.delay_wgrad_compute:
             self._pending.append(request)
         elif self.accumulate_into_main_grad:
+            checked, self._checked = request.weights is self._checked, None
             with torch.no_grad():
-                _write_main_grad(request)
+                _write_main_grad(request, checked)
         else:
             return [g if n else None for g, n in zip(request.compute(), needs)]
         if not self.accumulate_into_main_grad:
@@ -256,4 +270,4 @@ class GradContractMixin:
             return
         weights = getattr(ctx.saved, "weights", None)
         if ctx.weight_requires_grad and isinstance(weights, ForwardWeights):
-            weights.check_main_grads()
+            policy.precheck(weights)

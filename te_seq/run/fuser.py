@@ -89,6 +89,7 @@ class Fuser:
             registry_version(),
             kernel_backends.registry_version(),
             kernel_backends.current_backend(),
+            tuple(map(type, self.ops)),  # the matcher's subclass rule reads the classes
             tuple(op.plan_facts() for op in self.ops),
             input_.dtype,
             input_.device,
