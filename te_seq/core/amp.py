@@ -46,7 +46,10 @@ class AutocastState:
     def current(device: torch.device) -> AutocastState | None:
         """The autocast state for `device`'s type now (None when autocast is off there)."""
         kind = device.type
-        if not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind):
+        try:
+            if not torch.is_autocast_enabled(kind):
+                return None
+        except RuntimeError:  # a device type autocast does not know (meta, lazy, ...)
             return None
         return AutocastState(torch.get_autocast_dtype(kind), kind)
 

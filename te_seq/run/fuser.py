@@ -34,6 +34,10 @@ class RunPlan:
     backward: list[Segment]
     backends: dict[int, Backend]  # id(segment op) -> the backend its steps run on
     public: FusionPlan
+    # id(segment op) -> whether it is one of te_seq's own classes: they are run with torch's
+    # autocast off (they apply its policy) and their results are trusted (tested); a user's op
+    # has what it returns checked against its window (run/step_checks.py).
+    builtin: dict[int, bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -136,7 +140,8 @@ class Fuser:
                 choices[id(seg.op)] = seg.op.plan_backend(requested, dtype, device)
         public = self._public(forward, backward, misses, choices, dtype, device)
         backends = {key: choice.backend for key, choice in choices.items()}
-        return RunPlan(forward, backward, backends, public)
+        builtin = {id(seg.op): is_te_seq_class(type(seg.op)) for seg in forward + backward}
+        return RunPlan(forward, backward, backends, public, builtin)
 
     def _public(
         self, forward, backward, misses: list[PlanMiss], choices, dtype, device
@@ -232,17 +237,18 @@ def _forward_steps(call: _Call, input_: Tensor, extra: list[tuple]):
     x = input_
     extra_out: list[tuple] = [()] * len(call.ctxs)
     for seg in call.plan.forward:
+        builtin = call.plan.builtin[id(seg.op)]
         if call.autocast is None:
-            x, outs = _forward_step(call, seg, x, extra)
+            x, outs = _forward_step(call, seg, x, extra, builtin)
         else:
-            with amp.step_scope(call.autocast, is_te_seq_class(type(seg.op))):
-                x, outs = _forward_step(call, seg, x, extra)
+            with amp.step_scope(call.autocast, builtin):
+                x, outs = _forward_step(call, seg, x, extra, builtin)
         for p, op_out in zip(seg.positions, outs):
-            extra_out[p] = op_out
+            extra_out[p] = tuple(op_out)
     return x, extra_out
 
 
-def _forward_step(call: _Call, seg: Segment, x: Tensor, extra: list[tuple]):
+def _forward_step(call: _Call, seg: Segment, x: Tensor, extra: list[tuple], builtin: bool):
     ctxs = _step_contexts(call, seg)
     # The first op of a segment is checked here; a fused op checks its inner ops' inputs.
     first = seg.positions[0]
@@ -254,6 +260,8 @@ def _forward_step(call: _Call, seg: Segment, x: Tensor, extra: list[tuple]):
         basic_op_extra_inputs=[extra[p] for p in seg.positions],
         basic_op_kwargs=[{} for _ in seg.positions],
     )
+    if builtin:
+        return result
     return checked_forward(seg.op, [call.ops[p] for p in seg.positions], _indices(call, seg),
                            result)
 
@@ -284,22 +292,25 @@ def _backward_steps(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple
             # (their contexts saved nothing), and the run's input needs no gradient.
             dy = None
             break
-        step = (call, seg, dy, grad_extra_out, extra_needs_grad)
+        builtin = call.plan.builtin[id(seg.op)]
+        step = (call, seg, dy, grad_extra_out, extra_needs_grad, builtin)
         if call.autocast is None:
             dy, pgrads, egrads = _backward_step(*step)
         else:
-            with amp.step_scope(call.autocast, is_te_seq_class(type(seg.op))):
+            with amp.step_scope(call.autocast, builtin):
                 dy, pgrads, egrads = _backward_step(*step)
         for p, pg, eg in zip(seg.positions, pgrads, egrads):
             param_grads[p], extra_grads[p] = tuple(pg), tuple(eg)
     return dy, param_grads, extra_grads
 
 
-def _backward_step(call: _Call, seg: Segment, dy, grad_extra_out, extra_needs_grad):
+def _backward_step(call: _Call, seg: Segment, dy, grad_extra_out, extra_needs_grad, builtin):
     ctxs = _step_contexts(call, seg)
     result = seg.op.fuser_backward(
         ctxs, dy, basic_op_grad_extra_outputs=[grad_extra_out[p] for p in seg.positions]
     )
+    if builtin:
+        return result
     counts = ([call.param_counts[p] for p in seg.positions],
               [call.extra_counts[p] for p in seg.positions])
     return checked_backward(

@@ -89,6 +89,8 @@ class BasicLinear(GradContractMixin, BasicOperation):
     def operands(self, ctx: OperationContext, x: Tensor) -> tuple[Tensor, Tensor]:
         """(x, W) in the GEMM's compute dtype: the autocast dtype under torch.autocast (as
         `torch.nn.functional.linear` there), else as they are (fusions call this too)."""
+        if ctx.autocast is None:
+            return x, self.weight
         dtype = amp.gemm_dtype(ctx.autocast, x, self.weight)
         return amp.cast(x, dtype), amp.cast(self.weight, dtype)
 
@@ -127,12 +129,14 @@ class BasicLinear(GradContractMixin, BasicOperation):
         dx = None
         if ctx.input_requires_grad:
             saved = ctx.saved_as(LinearSaved)
-            dx = (dy @ weight).reshape(saved.input_shape).to(saved.input_dtype)  # dX = dY W
+            dx = amp.cast((dy @ weight).reshape(saved.input_shape), saved.input_dtype)  # dX = dY W
         return dx, self.weight_grads(ctx, x, dy)
 
     def grad_rows(self, ctx: OperationContext, grad_output: Tensor) -> Tensor:
         """dY as rows [T, out] in the forward GEMM's compute dtype (fusions call this too)."""
         dy = grad_output.reshape(-1, self.out_features)
+        if ctx.autocast is None:
+            return dy
         return amp.cast(dy, ctx.saved_as(LinearSaved).compute_dtype)
 
     def weight_grads(self, ctx: OperationContext, x: Tensor, dy: Tensor) -> list[Tensor | None]:

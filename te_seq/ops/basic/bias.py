@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_seq.core import checks
+from te_seq.core import amp, checks
 from te_seq.core.context import OperationContext
 from te_seq.core.operation import BasicOperation
 
@@ -42,10 +42,10 @@ class Bias(BasicOperation):
         checks.check_matches_param(self, input_, self.bias)
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
-        return input_ + self.bias.to(input_.dtype)  # a no-op cast outside torch.autocast
+        return input_ + amp.cast(self.bias, input_.dtype)  # no cast outside torch.autocast
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
         dbias = None
         if ctx.weight_requires_grad:
-            dbias = reduce_to_last_dim(grad_output).to(self.bias.dtype)
+            dbias = amp.cast(reduce_to_last_dim(grad_output), self.bias.dtype)
         return grad_output, [dbias]

@@ -242,6 +242,8 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         """(x [T, K], W [G, N, K]) in the GEMMs' compute dtype: the autocast dtype under
         torch.autocast (as `torch.nn.functional.linear` there), else as they are."""
         weight = self.stacked_weight()
+        if ctx.autocast is None:
+            return x, weight
         dtype = amp.gemm_dtype(ctx.autocast, x, weight)
         return amp.cast(x, dtype), amp.cast(weight, dtype)
 
@@ -309,12 +311,14 @@ class GroupedLinear(GradContractMixin, BasicOperation):
     def grad_rows(self, ctx: OperationContext, grad_output: Tensor) -> Tensor:
         """dY as rows [T, N] in the forward GEMM's compute dtype (the fused GroupedMLP too)."""
         dy = grad_output.reshape(-1, self.out_features)
+        if ctx.autocast is None:
+            return dy
         return amp.cast(dy, ctx.saved_as(GroupedLinearSaved).compute_dtype)
 
     def input_grad(self, ctx: OperationContext, dx: Tensor) -> Tensor:
         """dX [T, K] back in the input's shape and dtype."""
         saved = ctx.saved_as(GroupedLinearSaved)
-        return dx.reshape(saved.input_shape).to(saved.input_dtype)
+        return amp.cast(dx.reshape(saved.input_shape), saved.input_dtype)
 
     def wgrad_request(
         self, weights: ForwardWeights, x: Tensor, dy: Tensor, offs: Tensor, backend: Backend

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from te_seq.core import amp
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.kernels.backend import KernelNeed
@@ -41,7 +42,7 @@ class LinearBiasActivation(FusedOperation):
         act_extra = basic_op_extra_inputs[2]
         x = input_.reshape(-1, self.linear.in_features)  # [T, K]
         x, w = self.linear.operands(linear_ctx, x)  # in the compute dtype (core/amp.py)
-        h = torch.addmm(self.bias.bias.to(x.dtype), x, w.t())  # h = b + X Wᵀ   [T, N]
+        h = torch.addmm(amp.cast(self.bias.bias, x.dtype), x, w.t())  # h = b + X Wᵀ   [T, N]
         self.linear.save(linear_ctx, x, input_.shape, w, input_.dtype)
         h = h.reshape(*input_.shape[:-1], self.linear.out_features)  # [..., N]
         self.activation.pre_forward_checks(h, act_extra)

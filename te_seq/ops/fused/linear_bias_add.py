@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from te_seq.core import amp
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.ops.basic.add_extra_input import AddExtraInput, can_write_into
@@ -49,7 +50,7 @@ class LinearBiasAdd(FusedOperation):
     def _residual_gemm(self, x: Tensor, w: Tensor, extra: Tensor, proxy: Tensor) -> Tensor:
         """r + X Wᵀ + b  [..., N] (x [T, K], W [N, K] in the compute dtype), in r's memory when
         allowed."""
-        w_t, b, n = w.t(), self.bias.bias.to(x.dtype), self.linear.out_features
+        w_t, b, n = w.t(), amp.cast(self.bias.bias, x.dtype), self.linear.out_features
         if self.add.in_place and can_write_into(extra, proxy) and extra.is_contiguous() \
                 and extra.dtype == x.dtype \
                 and not _same_storage(extra, x):  # addmm_ must not read what it writes

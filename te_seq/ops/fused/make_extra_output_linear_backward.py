@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from te_seq.core import amp
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import register_fusion
 from te_seq.ops.basic.basic_linear import BasicLinear, LinearSaved
@@ -42,7 +43,7 @@ class MakeExtraOutputLinearBackward(FusedOperation):
             saved = linear_ctx.saved_as(LinearSaved)
             d_r = None if d_residual is None else d_residual.reshape(-1, linear.in_features)
             if d_r is None:
-                dx = (dy @ weight).to(saved.input_dtype)  # dX = dY W   [T, K]
+                dx = amp.cast(dy @ weight, saved.input_dtype)  # dX = dY W   [T, K]
             elif d_r.dtype == weight.dtype:
                 dx = torch.addmm(d_r, dy, weight)  # dX = dR + dY W   [T, K]
             else:  # under torch.autocast: the GEMM in its dtype, the sum in the input's
