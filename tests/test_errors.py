@@ -155,6 +155,9 @@ BAD_INPUTS = [
         r"GroupedLinear: scales has 4 entries \(shape \(4,\)\), expected one per row of the "
         r"input: 7"),
     # --- GLU widths ------------------------------------------------------------------------
+    Bad("glu_scalar_input", (), lambda: [ops.ScaledSwiGLU()],
+        lambda: (torch.tensor(1.0, dtype=f64), torch.ones(1, dtype=f64)), ValueError,
+        r"ScaledSwiGLU: input is a scalar; expected \[..., 2F\] \(gate and up\)"),
     Bad("glu_odd_width", (), lambda: [ops.SwiGLU()], lambda: (x_of(7),), ValueError,
         r"SwiGLU: input's last dimension 7 must be a multiple of 2 to hold gate and up"),
     Bad("glu_interleave_width", (), lambda: [ops.GEGLU(glu_interleave_size=4)],

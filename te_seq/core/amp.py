@@ -24,8 +24,6 @@ torch's autocast on, as any PyTorch code in the autocast region would.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -77,14 +75,16 @@ def norm_dtype(state: AutocastState | None, input_: Tensor) -> torch.dtype:
     return input_.dtype
 
 
-_running: contextvars.ContextVar[AutocastState | None] = contextvars.ContextVar(
-    "te_seq_autocast", default=None
-)
+# The autocast state of the te_seq call whose steps run now. A plain module global, not a
+# ContextVar: torch.compile(fullgraph=True) traces a global's store but not ContextVar.set. It
+# only relaxes an input check, so another thread's call seeing it could at worst get torch's own
+# dtype error instead of te_seq's.
+_RUNNING: AutocastState | None = None
 
 
 def running_state() -> AutocastState | None:
     """The autocast state of the te_seq call whose ops run now (for input checks)."""
-    return _running.get()
+    return _RUNNING
 
 
 def mixes_allowed(input_: Tensor, param: Tensor) -> bool:
@@ -93,14 +93,21 @@ def mixes_allowed(input_: Tensor, param: Tensor) -> bool:
     return running_state() is not None and input_.dtype in _ELIGIBLE and param.dtype in _ELIGIBLE
 
 
-@contextlib.contextmanager
-def running(state: AutocastState) -> Iterator[None]:
-    """The steps of a call made under `state` run inside: `state` is visible to input checks."""
-    token = _running.set(state)
-    try:
-        yield
-    finally:
-        _running.reset(token)
+class running:  # noqa: N801 (used like a function: `with amp.running(state):`)
+    """The steps of a call made under `state` run inside: `state` is visible to input checks
+    (nested calls restore the outer state)."""
+
+    def __init__(self, state: AutocastState) -> None:
+        self.state = state
+        self.outer: AutocastState | None = None
+
+    def __enter__(self) -> None:
+        global _RUNNING
+        self.outer, _RUNNING = _RUNNING, self.state
+
+    def __exit__(self, *exc: object) -> None:
+        global _RUNNING
+        _RUNNING = self.outer
 
 
 def step_scope(

@@ -171,7 +171,9 @@ def check_floating(op: object, input_: Tensor) -> None:
 
 def check_even_last_dim(op: object, input_: Tensor, interleave: int | None) -> None:
     """GLU inputs hold gate and up: an even width, a multiple of 2·interleave when given."""
-    width = input_.shape[-1] if input_.dim() else 0
+    if input_.dim() == 0:
+        raise ValueError(f"{op_name(op)}: input is a scalar; expected [..., 2F] (gate and up)")
+    width = input_.shape[-1]
     multiple = 2 * interleave if interleave else 2
     if width % multiple:
         extra = f" (glu_interleave_size={interleave})" if interleave else ""
