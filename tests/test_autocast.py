@@ -271,3 +271,32 @@ def test_cuda_autocast_trains_like_torch(chain: Chain, fused: bool, dtype, backe
         pytest.skip(f"{backend} backend unavailable")
     with te_seq.backend(backend):
         _compare(chain, "cuda", dtype, fused)
+
+
+def test_autocast_bookkeeping_traces_without_graph_breaks() -> None:
+    """The fuser's autocast bookkeeping (reading the state, `running`, `step_scope`) must not
+    break `torch.compile(fullgraph=True)` (a ContextVar would)."""
+    from te_seq.core import amp
+
+    def step(x):
+        state = amp.AutocastState.current(x.device)
+        with amp.running(state), amp.step_scope(state, True):
+            return x @ x.t(), amp.running_state() is state
+
+    compiled = torch.compile(step, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, seen = compiled(torch.randn(3, 3))
+    assert y.dtype == torch.float32 and seen  # autocast off inside, the state visible to checks
+    assert amp.running_state() is None
+
+
+def test_compiled_sequential_under_autocast_matches_eager() -> None:
+    chain = next(c for c in CHAINS if c.id == "linear_gelu_linear")
+    seq, _, x, _ = _setup(chain, "cpu")
+    compiled = torch.compile(seq)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_eager = compiled(x), seq(x)
+    assert y.dtype == y_eager.dtype == torch.bfloat16
+    # inductor may keep intermediates in fp32 where eager rounds them: bf16 rounding apart
+    scale = y_eager.abs().max().item()
+    torch.testing.assert_close(y, y_eager, rtol=2e-2, atol=2e-2 * scale)

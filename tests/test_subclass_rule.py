@@ -307,3 +307,18 @@ def test_user_fusion_declines_a_subclass_that_overrides(second: type, element: s
     assert miss.reason.startswith("Cube overrides op_forward, op_backward of Square")
     (dx,) = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(dx, 6 * x**5)
+
+
+class ForwardDoubled(ops.BasicLinear):
+    """Overrides forward, as a torch.nn user would: a Sequential never calls it."""
+
+    def forward(self, x, *extra):
+        return 2 * super().forward(x, *extra)
+
+
+def test_overriding_forward_is_an_error_not_a_silent_change() -> None:
+    seq = te_seq.Sequential(ops.GELU(), ForwardDoubled(4, 4, dtype=D))
+    with pytest.raises(TypeError, match=r"ForwardDoubled \(basic op 1\) overrides forward\(\), "
+                                        r"which a te_seq.Sequential never calls: put an op's "
+                                        r"maths in op_forward / op_backward"):
+        seq(torch.randn(3, 4, dtype=D))
