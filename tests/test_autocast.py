@@ -300,3 +300,20 @@ def test_compiled_sequential_under_autocast_matches_eager() -> None:
     # inductor may keep intermediates in fp32 where eager rounds them: bf16 rounding apart
     scale = y_eager.abs().max().item()
     torch.testing.assert_close(y, y_eager, rtol=2e-2, atol=2e-2 * scale)
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["per_group", "single_weight"])
+def test_delayed_wgrad_under_autocast_lands_in_the_weights_dtype(single: bool) -> None:
+    fc = ops.GroupedLinear(G, H, N, bias=False, delay_wgrad_compute=True,
+                           single_grouped_weight=single)
+    x = torch.randn(T, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = te_seq.Sequential(fc)(x, torch.tensor(SIZES))
+    y.float().sum().backward()
+    assert all(p.grad is None for p in fc.parameters())
+    fc.backward_dw()
+    grads = [p.grad for p in fc.parameters()]
+    assert all(g.dtype == torch.float32 for g in grads)
+    stacked = grads[0] if single else torch.stack(grads)
+    expected = torch.stack([torch.ones(n, N).t() @ p for n, p in zip(SIZES, x.split(SIZES))])
+    torch.testing.assert_close(stacked, expected, rtol=2e-2, atol=5e-2)
