@@ -155,6 +155,9 @@ BAD_INPUTS = [
         r"GroupedLinear: scales has 4 entries \(shape \(4,\)\), expected one per row of the "
         r"input: 7"),
     # --- GLU widths ------------------------------------------------------------------------
+    Bad("glu_scalar_input", (), lambda: [ops.ScaledSwiGLU()],
+        lambda: (torch.tensor(1.0, dtype=f64), torch.ones(1, dtype=f64)), ValueError,
+        r"ScaledSwiGLU: input is a scalar; expected \[..., 2F\] \(gate and up\)"),
     Bad("glu_odd_width", (), lambda: [ops.SwiGLU()], lambda: (x_of(7),), ValueError,
         r"SwiGLU: input's last dimension 7 must be a multiple of 2 to hold gate and up"),
     Bad("glu_interleave_width", (), lambda: [ops.GEGLU(glu_interleave_size=4)],
@@ -178,31 +181,94 @@ def test_bad_input(bad: Bad, fusion: str) -> None:
 
 
 BAD_CONSTRUCTORS = [
+    # --- sizes: positive ints, raised before anything is allocated --------------------------
     ("BasicLinear", lambda: ops.BasicLinear(0, 4), ValueError,
-     r"BasicLinear: in_features and out_features must be positive, got 0 and 4"),
+     r"BasicLinear: in_features must be a positive int, got 0"),
+    ("BasicLinear", lambda: ops.BasicLinear(4, 2.5), TypeError,
+     r"BasicLinear: out_features must be a positive int, got 2.5"),
+    ("BasicLinear", lambda: ops.BasicLinear(True, 4), TypeError,
+     r"BasicLinear: in_features must be a positive int, got True"),
     ("Linear", lambda: ops.Linear(4, -2), ValueError,
-     r"BasicLinear: in_features and out_features must be positive, got 4 and -2"),
-    ("Bias", lambda: ops.Bias(0), ValueError, r"Bias: size must be positive, got 0"),
+     r"Linear: out_features must be a positive int, got -2"),
+    ("Linear", lambda: ops.Linear("4", 2), TypeError,
+     r"Linear: in_features must be a positive int, got '4'"),
+    ("Bias", lambda: ops.Bias(0), ValueError, r"Bias: size must be a positive int, got 0"),
+    ("Bias", lambda: ops.Bias(None), TypeError, r"Bias: size must be a positive int, got None"),
     ("GroupedLinear", lambda: ops.GroupedLinear(0, 8, 8), ValueError,
-     r"GroupedLinear: num_groups, in_features and out_features must be positive, got 0, 8, 8"),
+     r"GroupedLinear: num_groups must be a positive int, got 0"),
+    ("GroupedLinear", lambda: ops.GroupedLinear(2.5, 4, 4), TypeError,
+     r"GroupedLinear: num_groups must be a positive int, got 2.5"),
+    ("GroupedLinear", lambda: ops.GroupedLinear(2, 4, torch.tensor(4)), TypeError,
+     r"GroupedLinear: out_features must be a positive int, got tensor\(4\)"),
     ("GroupedLinear", lambda: ops.GroupedLinear(3, 8, 8, bias=False, single_grouped_bias=True),
      ValueError, r"GroupedLinear: single_grouped_bias=True needs bias=True"),
-    ("SwiGLU", lambda: ops.SwiGLU(glu_interleave_size=0), ValueError,
-     r"SwiGLU: glu_interleave_size must be positive, got 0"),
-    ("ScaledSwiGLU", lambda: ops.ScaledSwiGLU(glu_interleave_size=-2), ValueError,
-     r"ScaledSwiGLU: glu_interleave_size must be positive, got -2"),
-    ("GELU", lambda: ops.GELU(approximate="fast"), ValueError,
-     r"GELU: approximate must be one of \['none', 'tanh'\], got 'fast'"),
     ("LayerNorm", lambda: ops.LayerNorm(0), ValueError,
      r"LayerNorm: normalized_shape must be positive, got 0"),
+    ("LayerNorm", lambda: ops.LayerNorm(8.0), TypeError,
+     r"LayerNorm: normalized_shape must be an int or a 1-tuple \(the last dimension\), got 8.0"),
+    ("RMSNorm", lambda: ops.RMSNorm([8, 2]), ValueError,
+     r"RMSNorm: normalized_shape must be an int or a 1-tuple .*got \[8, 2\]"),
+    ("SwiGLU", lambda: ops.SwiGLU(glu_interleave_size=0), ValueError,
+     r"SwiGLU: glu_interleave_size must be a positive int, got 0"),
+    ("ScaledSwiGLU", lambda: ops.ScaledSwiGLU(glu_interleave_size=-2), ValueError,
+     r"ScaledSwiGLU: glu_interleave_size must be a positive int, got -2"),
+    ("GEGLU", lambda: ops.GEGLU(glu_interleave_size=1.5), TypeError,
+     r"GEGLU: glu_interleave_size must be a positive int, got 1.5"),
+    # --- flags: bools, not truthy values -----------------------------------------------------
+    ("BasicLinear", lambda: ops.BasicLinear(4, 4, delay_wgrad_compute="yes"), TypeError,
+     r"BasicLinear: delay_wgrad_compute must be a bool, got 'yes'"),
+    ("GroupedLinear", lambda: ops.GroupedLinear(2, 4, 4, bias=1), TypeError,
+     r"GroupedLinear: bias must be a bool, got 1"),
+    ("GroupedLinear", lambda: ops.GroupedLinear(2, 4, 4, accumulate_into_main_grad=None),
+     TypeError, r"GroupedLinear: accumulate_into_main_grad must be a bool, got None"),
+    ("GroupedLinear", lambda: ops.GroupedLinear(2, 4, 4, single_grouped_weight=0), TypeError,
+     r"GroupedLinear: single_grouped_weight must be a bool, got 0"),
+    ("GroupedLinear", lambda: ops.GroupedLinear(2, 4, 4, scale_bias="no"), TypeError,
+     r"GroupedLinear: scale_bias must be a bool, got 'no'"),
+    ("Linear", lambda: ops.Linear(4, 4, bias="False"), TypeError,
+     r"Linear: bias must be a bool, got 'False'"),
+    ("LayerNorm", lambda: ops.LayerNorm(8, zero_centered_gamma=1), TypeError,
+     r"LayerNorm: zero_centered_gamma must be a bool, got 1"),
+    ("AddExtraInput", lambda: ops.AddExtraInput(in_place="no"), TypeError,
+     r"AddExtraInput: in_place must be a bool, got 'no'"),
+    ("MakeExtraOutput", lambda: ops.MakeExtraOutput(in_place=None), TypeError,
+     r"MakeExtraOutput: in_place must be a bool, got None"),
+    # --- numbers -----------------------------------------------------------------------------
+    ("GELU", lambda: ops.GELU(approximate="fast"), ValueError,
+     r"GELU: approximate must be one of \['none', 'tanh'\], got 'fast'"),
     ("RMSNorm", lambda: ops.RMSNorm(8, eps=0.0), ValueError,
      r"RMSNorm: eps must be positive, got 0"),
+    ("LayerNorm", lambda: ops.LayerNorm(8, eps="1e-5"), TypeError,
+     r"LayerNorm: eps must be positive, got '1e-5'"),
+    ("LayerNorm", lambda: ops.LayerNorm(8, eps=float("nan")), ValueError,
+     r"LayerNorm: eps must be finite, got nan"),
     ("Dropout", lambda: ops.Dropout(1.5), ValueError,
      r"Dropout: p must be a number in \[0, 1\), got 1.5"),
     ("Dropout", lambda: ops.Dropout(-0.1), ValueError, r"Dropout: p must be .*got -0.1"),
+    ("Dropout", lambda: ops.Dropout("0.1"), TypeError,
+     r"Dropout: p must be a number in \[0, 1\), got '0.1'"),
     ("Reshape", lambda: ops.Reshape((-1, -1)), ValueError, re.escape("Reshape: shape (-1, -1)")),
+    ("Reshape", lambda: ops.Reshape((2, True)), TypeError,
+     r"Reshape: shape must be a sequence of ints, got \(2, True\)"),
+    ("Reshape", lambda: ops.Reshape("2x3"), TypeError,
+     r"Reshape: shape must be a sequence of ints, got '2x3'"),
     ("ConstantScale", lambda: ops.ConstantScale("a"), TypeError,
      r"ConstantScale: scale must be a real number, got 'a'"),
+    ("ConstantScale", lambda: ops.ConstantScale(float("inf")), ValueError,
+     r"ConstantScale: scale must be finite, got inf"),
+    # --- dtype and device ---------------------------------------------------------------------
+    ("BasicLinear", lambda: ops.BasicLinear(4, 4, dtype=torch.int64), ValueError,
+     r"BasicLinear: dtype must be a floating-point dtype, got torch.int64"),
+    ("GroupedLinear", lambda: ops.GroupedLinear(2, 4, 4, dtype="float32"), TypeError,
+     r"GroupedLinear: dtype must be a torch.dtype or None, got str 'float32'"),
+    ("Bias", lambda: ops.Bias(4, dtype=torch.bool), ValueError,
+     r"Bias: dtype must be a floating-point dtype, got torch.bool"),
+    ("LayerNorm", lambda: ops.LayerNorm(4, device="gpu"), ValueError,
+     r"LayerNorm: device 'gpu' is not a torch device"),
+    ("RMSNorm", lambda: ops.RMSNorm(4, device=1.0), TypeError,
+     r"RMSNorm: device must be a torch.device, str, int or None, got float 1.0"),
+    ("Linear", lambda: ops.Linear(4, 4, dtype=torch.int32), ValueError,
+     r"Linear: dtype must be a floating-point dtype, got torch.int32"),
 ]
 
 
@@ -219,3 +285,19 @@ def test_grouped_mlp_checks_like_the_unfused_chain() -> None:
     seq = te_seq.Sequential(*mlp())
     seq(x_of(), S, S)
     assert [s.name for s in seq.fusion_plan().forward] == ["GroupedMLP"]
+
+
+@pytest.mark.parametrize("make, exc", [
+    (lambda: ops.GroupedLinear(2.5, 4, 4), TypeError),
+    (lambda: ops.GroupedLinear(2, 4, 4, dtype=torch.int8), ValueError),
+    (lambda: ops.BasicLinear(4, 4, device="nowhere"), ValueError),
+    (lambda: ops.LayerNorm(4, eps=-1.0), ValueError),
+    (lambda: ops.Linear(4, 4, bias=None), TypeError),
+])
+def test_constructor_checks_come_before_any_allocation(make, exc, monkeypatch) -> None:
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated before the arguments were checked")
+
+    monkeypatch.setattr(torch, "empty", no_allocation)
+    with pytest.raises(exc):
+        make()

@@ -29,7 +29,7 @@ import traceback
 
 import pytest
 import torch
-from fuzz_chains import DEFAULT_WIDTHS, Chain, chains, overrides_maths
+from fuzz_chains import DEFAULT_WIDTHS, Chain, chains
 from fuzz_runner import (
     build_model,
     compare,
@@ -38,7 +38,7 @@ from fuzz_runner import (
     run_reference,
     run_te_seq,
 )
-from hypothesis import HealthCheck, assume, event, given, note, settings
+from hypothesis import HealthCheck, event, given, note, settings
 from op_specs import SPECS
 
 import te_seq
@@ -61,43 +61,6 @@ FUZZ = settings(settings.get_profile(PROFILE))
 # On a GPU machine the whole suite runs the GPU test under "ci" too: a few examples there (each
 # new width may compile a cute kernel), the full count only when asked for with "gpu".
 FUZZ_GPU = FUZZ if PROFILE != "ci" else settings(FUZZ, max_examples=25)
-
-
-def known_subclass_issue(model: te_seq.Sequential, plan) -> bool:
-    """A fused step covers a user subclass that overrides the maths it replaces: the matcher's
-    subclass rule (another change; tests/test_fuzz_regressions.py::
-    test_fused_window_keeps_an_overriding_subclass_maths is a strict xfail until it lands) makes
-    such windows run unfused; until then the fused result is the parent's maths. Without a
-    plan (the fused forward raised) any window that matches a pattern by isinstance counts."""
-    basic = model.basic_ops()
-    if plan is not None:
-        steps = [*plan.forward, *plan.backward]
-        return any(len(s.basic_op_indices) > 1
-                   and any(overrides_maths(type(basic[i])) for i in s.basic_op_indices)
-                   for s in steps)
-    for record in te_seq.list_fusions():
-        size = len(record.pattern)
-        for start in range(len(basic) - size + 1):
-            window = basic[start:start + size]
-            if all(isinstance(op, cls) for op, cls in zip(window, record.pattern)) and any(
-                    overrides_maths(type(op)) for op in window):
-                return True
-    return False
-
-
-def known_frozen_grouped_mlp_issue(fused) -> bool:
-    """The fused grouped MLP's backward crashes when FC1 is frozen and its input needs no grad
-    (or only the router scales need one): tests/test_fuzz_regressions.py::
-    test_grouped_mlp_with_frozen_fc1_and_an_input_without_grad (xfail until it is fixed)."""
-    error = fused.error
-    return (isinstance(error, ValueError) and "not enough values to unpack" in str(error)
-            and fused.plan is not None
-            and any(s.name == "GroupedMLP" for s in fused.plan.backward))
-
-
-def known_issue(model: te_seq.Sequential, fused) -> bool:
-    """Failure classes another change fixes; each has a strict-xfail regression test."""
-    return known_subclass_issue(model, fused.plan) or known_frozen_grouped_mlp_issue(fused)
 
 
 def _names_an_op(error: BaseException) -> bool:
@@ -132,14 +95,10 @@ def check_chain(chain: Chain) -> None:
     problems += compare(fused, unfused, chain.dtype, "fused vs unfused", True)
     problems += compare(fused, reference, chain.dtype, "fused vs reference")
     problems += compare(unfused, reference, chain.dtype, "unfused vs reference")
-    if problems and known_issue(model, fused):
-        assume(False)
     assert not problems, "\n".join([repr(chain), str(fused.plan), *problems])
 
 
 def _check_errors(chain: Chain, model, fused, unfused) -> None:
-    if known_issue(model, fused):
-        assume(False)
     for side, outcome in (("fused", fused), ("unfused", unfused)):
         if outcome.error is None:
             other = fused.error or unfused.error

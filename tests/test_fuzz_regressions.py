@@ -1,9 +1,7 @@
 """Regular tests for what the differential fuzz campaign (tests/test_fuzz.py) found.
 
 Each test is the smallest chain that showed the failure, checked against the unfused chain and
-plain PyTorch in float64. Failures whose fix belongs to another change are strict xfails (the
-fuzz skips their class with `assume`, naming the test here); they start passing, and must then
-lose their mark, when that change lands.
+plain PyTorch in float64.
 
 Found and fixed here:
 - LinearBiasAdd with `in_place=True` and a residual wider than the input (fp64 beside fp32):
@@ -121,14 +119,7 @@ def _overriding_subclass_chains():
     }
 
 
-_SUBCLASS_RULE = pytest.mark.xfail(
-    strict=True, reason="the matcher's subclass rule (issue 20, item 1) is another change: a "
-    "fusion matched by isinstance runs the parent's maths")
-_DECLINED_TODAY = {"activation_bias_backward-LeakyReLU", "grouped_mlp-DoubledSwiGLU"}
-_SUBCLASS_CASES = [
-    pytest.param(name, marks=() if name in _DECLINED_TODAY else _SUBCLASS_RULE, id=name)
-    for name in _overriding_subclass_chains()
-]
+_SUBCLASS_CASES = [pytest.param(name, id=name) for name in _overriding_subclass_chains()]
 
 
 def _run(seq, x, extras, fused: bool):
@@ -155,8 +146,6 @@ def test_fused_window_keeps_an_overriding_subclass_maths(name: str) -> None:
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.xfail(strict=True, reason="the frozen-weights grouped MLP crash (issue 20) is "
-                   "another change: the fused backward unpacks saved tensors that were not saved")
 @pytest.mark.parametrize("frozen", ["fc1", "all"])
 def test_grouped_mlp_with_frozen_fc1_and_an_input_without_grad(frozen: str) -> None:
     fc1 = ops.GroupedLinear(2, 4, 8, bias=False, dtype=D)

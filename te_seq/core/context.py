@@ -23,6 +23,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from te_seq.core.amp import AutocastState
 from te_seq.kernels.backend import Backend
 from te_seq.kernels.reference import REFERENCE
 
@@ -92,6 +93,8 @@ class OperationContext:
         process_group: the process group of distributed ops (reserved, always None now).
         call_inputs: what the Sequential call was given (None outside a Sequential): an op that
             writes into an extra input in place checks `call_inputs.aliased(extra)` first.
+        autocast: torch.autocast's state at the forward call (None outside autocast); the op
+            applies autocast's policy itself (te_seq/core/amp.py), in forward and backward.
         saved: the op's typed record of what backward needs besides tensors (None if nothing).
         to_save: the tensors of `save_for_backward`, until the fuser hands them to autograd.
         saved_versions: their version counters when saved; the fuser checks them before handing
@@ -106,6 +109,7 @@ class OperationContext:
     recipe: object | None = None
     process_group: object | None = None
     call_inputs: CallInputs | None = None
+    autocast: AutocastState | None = None
     saved: object | None = None
     to_save: tuple[Tensor | None, ...] = ()
     saved_versions: tuple[int, ...] = ()

@@ -28,9 +28,15 @@ __all__ = [
     "FusibleOperation",
     "OperationContext",
     "ParamGrads",
+    "is_te_seq_class",
 ]
 
 ParamGrads = Sequence[Tensor | None]
+
+
+def is_te_seq_class(cls: type) -> bool:
+    """Whether `cls` is one of te_seq's own classes (not a user's, nor a user's subclass)."""
+    return cls.__module__ == "te_seq" or cls.__module__.startswith("te_seq.")
 
 
 class FusibleOperation(torch.nn.Module):
@@ -86,10 +92,17 @@ class BasicOperation(FusibleOperation):
 
     Subclasses implement `op_forward`/`op_backward`; ops with extra inputs or outputs override
     `fuser_forward`/`fuser_backward` instead.
+
+    `fusion_safe`: fusions implement the maths of the class their pattern names, so a subclass
+    that overrides any of those four methods is not fused by them (the plan says why), unless
+    it sets `fusion_safe = True` in its own class body, declaring that its overrides keep the
+    parent's maths (e.g. they only log or count). A subclass of it that overrides the maths
+    again must declare it again.
     """
 
     num_extra_inputs: int = 0
     num_extra_outputs: int = 0
+    fusion_safe: bool = False
 
     @property
     def is_fused_op(self) -> bool:
@@ -125,6 +138,10 @@ class BasicOperation(FusibleOperation):
 
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple[Tensor, ...]) -> None:
         """Validate the call's input before anything runs; raise ValueError naming the op."""
+
+    def pre_backward_checks(self, ctx: OperationContext) -> None:
+        """Validate, before any backward step of the call runs, what this op's backward will
+        write (e.g. main_grad buffers); raise naming the op. Called only if its backward runs."""
 
     def plan_facts(self) -> tuple:
         """Settings besides parameters that the plan depends on (part of the plan cache key),

@@ -4,6 +4,11 @@ Joint fusions are matched first over all ops; forward and backward fusions then 
 joint fusion took. Each position tries every enabled pattern in registry order; the first build
 that returns a fused op wins and the scan jumps past its window; a build that declines leaves a
 `PlanMiss` with its reason.
+
+Subclasses: a pattern element matches by `isinstance`, with one guard (`overridden_maths`): a
+fusion implements the maths of the class it was written for, so an op whose class overrides that
+maths (`MATHS_METHODS`) does not match unless the overriding class declares `fusion_safe = True`;
+the window then runs unfused and the plan has a `PlanMiss` naming the class and the methods.
 """
 
 from __future__ import annotations
@@ -14,9 +19,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from te_seq.core.operation import BasicOperation, FusedOperation, FusibleOperation
+from te_seq.core.operation import (
+    BasicOperation,
+    FusedOperation,
+    FusibleOperation,
+    is_te_seq_class,
+)
 from te_seq.fusion.plan import PlanMiss
-from te_seq.fusion.registry import FusionPattern, NoMatch, patterns_for_phase
+from te_seq.fusion.registry import FusionPattern, NoMatch, OpClass, patterns_for_phase
+
+# The methods that define an op's maths. Any of them counts, whatever the fusion's phase: a
+# forward fusion fills the contexts the op's own backward reads, and a backward fusion reads the
+# contexts the op's own forward filled, so an override of either half can break the other.
+MATHS_METHODS = ("op_forward", "op_backward", "fuser_forward", "fuser_backward")
 
 
 class Window(tuple):
@@ -51,6 +66,60 @@ class Segment:
 
     op: FusibleOperation
     positions: tuple[int, ...]
+
+
+def fused_maths_class(cls: type, element: type) -> type:
+    """The class whose maths a fusion written for the pattern class `element` runs for an op of
+    class `cls`: the nearest class in `cls`'s MRO that is `element` itself or one of te_seq's own
+    subclasses of it (te_seq's classes are what the built-in fusions implement, e.g. ScaledSwiGLU
+    for a pattern naming Activation)."""
+    return next(
+        c for c in cls.__mro__ if c is element or (issubclass(c, element) and is_te_seq_class(c))
+    )
+
+
+def _resolve(cls: type, name: str) -> tuple[type, object]:
+    """(the class in `cls`'s MRO that defines `name`, the raw attribute it holds)."""
+    owner = next(c for c in cls.__mro__ if name in c.__dict__)
+    return owner, owner.__dict__[name]
+
+
+def overridden_maths(cls: type, base: type) -> list[str]:
+    """The maths methods that `cls` resolves differently from `base`, except those defined by a
+    class that declares `fusion_safe = True` in its own body (a subclass that overrides the
+    maths again must declare it again)."""
+    out = []
+    for name in MATHS_METHODS:
+        owner, attr = _resolve(cls, name)
+        if attr is not _resolve(base, name)[1] and owner.__dict__.get("fusion_safe") is not True:
+            out.append(name)
+    return out
+
+
+def _unsafe_subclass(op: BasicOperation, element: OpClass) -> str | None:
+    """Why `op` must not match the pattern element (None when it may): every alternative of the
+    element that `op` is an instance of has maths overridden by `op`'s class."""
+    why = None
+    for alt in element if isinstance(element, tuple) else (element,):
+        if not isinstance(op, alt):
+            continue
+        base = fused_maths_class(type(op), alt)
+        overridden = overridden_maths(type(op), base)
+        if not overridden:
+            return None
+        why = why or (
+            f"{type(op).__name__} overrides {', '.join(overridden)} of {base.__name__}: the "
+            f"fusion would run {base.__name__}'s maths (declare `fusion_safe = True` on "
+            f"{type(op).__name__} if the fused maths is still right)"
+        )
+    return why
+
+
+def subclass_miss(pattern: FusionPattern, ops: Sequence[BasicOperation]) -> str | None:
+    """The reason a matched window may not fuse because of op subclasses (None if it may)."""
+    reasons = [_unsafe_subclass(op, el) for op, el in zip(ops, pattern.pattern)]
+    found = [r for r in reasons if r]
+    return "; ".join(found) if found else None
 
 
 def _build(pattern: FusionPattern, window: Window) -> FusedOperation | NoMatch:
@@ -96,6 +165,10 @@ def _match_at(ops, taken, pos, patterns, extra_inputs, offset, misses) -> Segmen
         if not pattern.matches(window_ops):
             continue
         indices = tuple(p + offset for p in positions)
+        unsafe = subclass_miss(pattern, window_ops)
+        if unsafe:
+            misses.append(PlanMiss(pattern.name, indices, unsafe))
+            continue
         window = Window(window_ops, [extra_inputs[p] for p in positions], indices)
         result = _build(pattern, window)
         if isinstance(result, NoMatch):

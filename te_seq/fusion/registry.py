@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from te_seq.core.operation import BasicOperation
+
 PHASES = ("joint", "forward", "backward")
 
 OpClass = type | tuple[type, ...]
@@ -58,24 +60,47 @@ def _bump() -> None:
     _version += 1
 
 
-def _validate(name: str, phase: str, pattern: Sequence[OpClass]) -> tuple[OpClass, ...]:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_fusion: name must be a non-empty string, got {name!r}")
+def _check_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"register_fusion: name must be a str, got {type(name).__name__} {name!r}")
+    if not name:
+        raise ValueError("register_fusion: name must be a non-empty string, got ''")
+    return name
+
+
+def _check_element(name: str, element: object) -> OpClass:
+    """One pattern element: a BasicOperation subclass or a non-empty tuple of them."""
+    classes = element if isinstance(element, tuple) else (element,)
+    if not classes:
+        raise ValueError(f"register_fusion({name!r}): a pattern element is an empty tuple")
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, BasicOperation)):
+            what = cls.__name__ if isinstance(cls, type) else f"{type(cls).__name__} {cls!r}"
+            raise TypeError(
+                f"register_fusion({name!r}): pattern elements must be basic op classes "
+                f"(subclasses of te_seq.ops.BasicOperation) or tuples of them, got {what}"
+            )
+    return element
+
+
+def _check_free(name: str) -> None:
     if name in _patterns:
         raise ValueError(f"register_fusion: a fusion named {name!r} is already registered")
-    if phase not in PHASES:
+
+
+def _validate(name: object, phase: object, pattern: object) -> tuple[OpClass, ...]:
+    """The checked pattern; TypeError / ValueError naming the fusion and the bad value."""
+    name = _check_name(name)
+    if not isinstance(phase, str) or phase not in PHASES:
         raise ValueError(f"register_fusion({name!r}): phase must be one of {PHASES}, got {phase!r}")
-    pattern = tuple(pattern)
+    if isinstance(pattern, type) or not isinstance(pattern, tuple | list):
+        raise TypeError(
+            f"register_fusion({name!r}): pattern must be a tuple of op classes (one per op of "
+            f"the window), got {pattern!r}"
+        )
     if not pattern:
         raise ValueError(f"register_fusion({name!r}): pattern is empty")
-    for element in pattern:
-        classes = element if isinstance(element, tuple) else (element,)
-        if not all(isinstance(cls, type) for cls in classes):
-            raise ValueError(
-                f"register_fusion({name!r}): pattern elements must be op classes or tuples of "
-                f"them, got {element!r}"
-            )
-    return pattern
+    return tuple(_check_element(name, element) for element in pattern)
 
 
 def register_fusion(
@@ -83,13 +108,21 @@ def register_fusion(
 ) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
     """Decorator registering `build(window) -> FusedOperation | NoMatch` under `name`.
 
-    `phase` is "joint" (replaces forward and backward), "forward" or "backward".
+    `phase` is "joint" (replaces forward and backward), "forward" or "backward". The arguments
+    are checked at once (TypeError / ValueError naming the fusion); `build` when decorated.
     """
+    checked = _validate(name, phase, pattern)
+    _check_free(name)
 
     def decorator(build: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        if not callable(build):
+            raise TypeError(
+                f"register_fusion({name!r}): build must be a callable taking the window, got "
+                f"{type(build).__name__} {build!r}"
+            )
         with _lock:
-            checked = _validate(name, phase, pattern)
-            _patterns[name] = FusionPattern(name, phase, checked, build, True, builtin)
+            _check_free(name)
+            _patterns[name] = FusionPattern(name, phase, checked, build, True, bool(builtin))
             _bump()
         return build
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from te_seq.core.amp import AutocastState
 from te_seq.core.operation import FusibleOperation
 from te_seq.fusion.registry import list_fusions
 
@@ -31,6 +32,7 @@ from te_seq.fusion.registry import list_fusions
 Fuser = Any
 
 KEY_DTYPE, KEY_DEVICE, KEY_WITH_BACKWARD, KEY_INPUT_GRAD, KEY_EXTRA = 4, 5, 6, 7, 10
+KEY_AUTOCAST = 12
 
 
 def op_traceable(op: FusibleOperation) -> bool:
@@ -91,7 +93,10 @@ def ensure_plan(fuser: Fuser, key: tuple) -> int:
             return index
     input_ = torch.empty(0, dtype=key[KEY_DTYPE], device="meta")
     extra = _stand_ins(fuser, key[KEY_EXTRA])
-    plan = fuser.build_plan(input_, key[KEY_DEVICE], extra, key[KEY_WITH_BACKWARD]).traced()
+    autocast = None if key[KEY_AUTOCAST] is None else AutocastState(*key[KEY_AUTOCAST])
+    plan = fuser.build_plan(
+        input_, key[KEY_DEVICE], extra, key[KEY_WITH_BACKWARD], autocast
+    ).traced()
     steps = [seg.op for seg in plan.forward + plan.backward]
     plan.eager_reason = untraceable_reason(fuser, steps)
     fuser.compiled_plans.append((key, plan))

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from te_seq.core import amp
+from te_seq.core.amp import AutocastState
 from te_seq.core.context import CallInputs, OperationContext
-from te_seq.core.operation import BasicOperation
+from te_seq.core.operation import BasicOperation, is_te_seq_class
 from te_seq.fusion.matcher import Segment, fill_unfused, match_phase, same_extra_input
 from te_seq.fusion.plan import FusionPlan, PlanMiss, PlanStep
 from te_seq.fusion.registry import registry_version
@@ -24,6 +26,7 @@ from te_seq.kernels.backend import Backend, BackendChoice
 from te_seq.kernels.reference import REFERENCE
 from te_seq.kernels.traced import traced
 from te_seq.run import compiled
+from te_seq.run.step_checks import checked_backward, checked_forward
 
 
 @dataclass
@@ -37,6 +40,10 @@ class RunPlan:
     backward_backends: list[Backend]
     public: FusionPlan
     eager_reason: str = ""
+    # id(segment op) -> whether it is one of te_seq's own classes: they are run with torch's
+    # autocast off (they apply its policy) and their results are trusted (tested); a user's op
+    # has what it returns checked against its window (run/step_checks.py).
+    builtin: dict[int, bool] = field(default_factory=dict)
 
     def traced(self) -> RunPlan:
         """This plan with every backend swapped for its traced kernels (custom ops)."""
@@ -63,6 +70,11 @@ class _Call:
     traced: bool = False
     positions: list[int] | None = None  # where each of (input, extras, params) is in the
     # autograd.Function's arguments when those are deduplicated (None: one to one)
+    offset: int = 0  # basic-op index of the run's first op in the Sequential
+    autocast: AutocastState | None = None  # torch.autocast at the forward call (core/amp.py)
+    # The input shape of each forward step's first op (position -> shape): backward steps that
+    # start there must return a grad input of that shape.
+    input_shapes: dict[int, torch.Size] = field(default_factory=dict)
 
 
 def _extra_signature(flat: Sequence[Any]) -> tuple:
@@ -90,7 +102,10 @@ class Fuser:
         self.compiled_plans: list[tuple[tuple, RunPlan]] = []  # (key, plan) found while tracing
 
     # --- planning ---------------------------------------------------------------------------
-    def _key(self, input_: Tensor, flat_extra: Sequence[Any], with_backward: bool) -> tuple:
+    def _key(
+        self, input_: Tensor, flat_extra: Sequence[Any], with_backward: bool,
+        autocast: AutocastState | None = None,
+    ) -> tuple:
         """Everything the plan depends on (compiled.KEY_* name the positions it reads back)."""
         params = tuple(
             (p.dtype, p.device, p.requires_grad, p.shape)
@@ -109,20 +124,29 @@ class Fuser:
             params,
             tuple(op.training for op in self.ops),
             _extra_signature(flat_extra),
+            tuple(map(type, self.ops)),  # the matcher's subclass rule reads the classes
+            # plain values, not the record: dynamo passes the key to compiled.ensure_plan
+            None if autocast is None else (autocast.dtype, autocast.device_type),
         )
 
-    def plan(self, input_: Tensor, extra: list[tuple], with_backward: bool) -> RunPlan:
+    def plan(
+        self, input_: Tensor, extra: list[tuple], with_backward: bool,
+        autocast: AutocastState | None = None,
+    ) -> RunPlan:
         flat_extra = [t for group in extra for t in group]
-        key = self._key(input_, flat_extra, with_backward)
+        key = self._key(input_, flat_extra, with_backward, autocast)
         if key != self._cache_key:
-            self._cache = self.build_plan(input_, input_.device, extra, with_backward)
+            self._cache = self.build_plan(input_, input_.device, extra, with_backward, autocast)
             self._cache_key = key
         return self._cache
 
     def build_plan(
-        self, input_: Tensor, device: torch.device, extra: list[tuple], with_backward: bool
+        self, input_: Tensor, device: torch.device, extra: list[tuple], with_backward: bool,
+        autocast: AutocastState | None = None,
     ) -> RunPlan:
-        """Match the fusions and choose each step's backend for `input_`'s dtype on `device`."""
+        """Match the fusions and choose each step's backend for `input_`'s dtype on `device`
+        (under torch.autocast the GEMMs run in the autocast dtype: backends are chosen for it)."""
+        dtype = amp.gemm_dtype(autocast, input_) or input_.dtype
         taken = [False] * len(self.ops)
         joint, misses = match_phase(self.ops, taken, "joint", extra, self.offset)
         fwd_taken = list(taken)
@@ -138,14 +162,15 @@ class Fuser:
         choices: dict[int, BackendChoice] = {}
         for seg in forward + backward:  # a joint fused op has a forward and a backward segment
             if id(seg.op) not in choices:
-                choices[id(seg.op)] = seg.op.plan_backend(requested, input_.dtype, device)
-        public = self._public(forward, backward, misses, choices, input_.dtype, device)
+                choices[id(seg.op)] = seg.op.plan_backend(requested, dtype, device)
+        public = self._public(forward, backward, misses, choices, dtype, device)
         return RunPlan(
             forward,
             backward,
             [choices[id(seg.op)].backend for seg in forward],
             [choices[id(seg.op)].backend for seg in backward],
             public,
+            builtin={id(seg.op): is_te_seq_class(type(seg.op)) for seg in forward + backward},
         )
 
     def _public(
@@ -164,6 +189,11 @@ class Fuser:
     def __call__(
         self, input_: Tensor, extra: list[tuple], call_inputs: CallInputs | None = None
     ) -> tuple[Tensor, list[tuple]]:
+        if not isinstance(input_, Tensor):
+            raise TypeError(
+                f"{type(self.ops[0]).__name__} (basic op {self.offset}): input must be a "
+                f"torch.Tensor, got {type(input_).__name__}"
+            )
         if torch.compiler.is_compiling():
             return self._run_traced(input_, extra, call_inputs)
         return self.run_eager(input_, extra, call_inputs)
@@ -171,11 +201,12 @@ class Fuser:
     def run_eager(
         self, input_: Tensor, extra: list[tuple], call_inputs: CallInputs | None = None
     ) -> tuple[Tensor, list[tuple]]:
-        ctxs = new_contexts(self.ops, input_, extra, call_inputs)
+        autocast = AutocastState.current(input_.device)
+        ctxs = new_contexts(self.ops, input_, extra, call_inputs, autocast)
         with_backward = any(ctx.requires_grad for ctx in ctxs)
-        plan = self.plan(input_, extra, with_backward)
+        plan = self.plan(input_, extra, with_backward, autocast)
         self.last_plan = plan.public
-        return self._run(plan, ctxs, input_, extra, with_backward, traced=False)
+        return self._run(plan, ctxs, input_, extra, with_backward, False, autocast)
 
     def _run_traced(
         self, input_: Tensor, extra: list[tuple], call_inputs: CallInputs | None = None
@@ -183,17 +214,21 @@ class Fuser:
         """Under dynamo: the key is traced (its facts become guards), the plan is built as real
         Python (`compiled.ensure_plan`), kernels are custom ops; or the eager run at a graph
         break when the plan says the run cannot be traced."""
-        ctxs = new_contexts(self.ops, input_, extra, call_inputs)
+        autocast = AutocastState.current(input_.device)
+        ctxs = new_contexts(self.ops, input_, extra, call_inputs, autocast)
         with_backward = any(ctx.requires_grad for ctx in ctxs)
         flat_extra = [t for group in extra for t in group]
-        index = compiled.ensure_plan(self, self._key(input_, flat_extra, with_backward))
+        key = self._key(input_, flat_extra, with_backward, autocast)
+        index = compiled.ensure_plan(self, key)
         plan = self.compiled_plans[index][1]
         if plan.eager_reason:
             return compiled.run_eagerly(self, input_, extra, call_inputs)
         self.last_plan = plan.public
-        return self._run(plan, ctxs, input_, extra, with_backward, traced=True)
+        return self._run(plan, ctxs, input_, extra, with_backward, True, autocast)
 
-    def _run(self, plan: RunPlan, ctxs, input_, extra, with_backward: bool, traced: bool):
+    def _run(
+        self, plan: RunPlan, ctxs, input_, extra, with_backward: bool, traced: bool, autocast
+    ):
         call = _Call(
             plan,
             self.ops,
@@ -201,6 +236,8 @@ class Fuser:
             [len(e) for e in extra],
             [len(op.fuser_parameters()) for op in self.ops],
             traced=traced,
+            offset=self.offset,
+            autocast=autocast,
         )
         if not with_backward:
             out, extra_out = _run_forward(call, input_, extra)
@@ -219,6 +256,7 @@ def new_contexts(
     input_: Tensor,
     extra: list[tuple],
     call_inputs: CallInputs | None = None,
+    autocast: AutocastState | None = None,
 ) -> list[OperationContext]:
     """One context per basic op for this call, with which gradients its backward must produce.
 
@@ -236,7 +274,7 @@ def new_contexts(
         # The backend is passed (not the field's default) so dynamo sees a module global.
         ctxs.append(OperationContext(requires_grad=requires_grad, input_requires_grad=running,
                                      weight_requires_grad=weight_grad, backend=REFERENCE,
-                                     call_inputs=call_inputs))
+                                     call_inputs=call_inputs, autocast=autocast))
         running = requires_grad
     return ctxs
 
@@ -272,27 +310,64 @@ def _unflatten(flat: Sequence[Any], counts: Sequence[int]) -> list[tuple]:
 
 def _run_forward(call: _Call, input_: Tensor, extra: list[tuple]) -> tuple[Tensor, list[tuple]]:
     """Run the plan's forward segments; returns the output and the extra outputs per basic op."""
+    if call.autocast is None:
+        return _forward_steps(call, input_, extra)
+    with amp.running(call.autocast):  # te_seq's ops apply autocast's policy themselves
+        return _forward_steps(call, input_, extra)
+
+
+def _forward_steps(call: _Call, input_: Tensor, extra: list[tuple]):
     x = input_
     extra_out: list[tuple] = [()] * len(call.ctxs)
     for seg, backend in zip(call.plan.forward, call.plan.forward_backends):
-        ctxs = _step_contexts(call, seg, backend)
-        # The first op of a segment is checked here; a fused op checks its inner ops' inputs.
-        call.ops[seg.positions[0]].pre_forward_checks(x, extra[seg.positions[0]])
-        x, outs = seg.op.fuser_forward(
-            ctxs,
-            x,
-            basic_op_extra_inputs=[extra[p] for p in seg.positions],
-            basic_op_kwargs=[{} for _ in seg.positions],
-        )
+        builtin = call.plan.builtin[id(seg.op)]
+        if call.autocast is None:
+            x, outs = _forward_step(call, seg, backend, x, extra, builtin)
+        else:
+            with amp.step_scope(call.autocast, builtin):
+                x, outs = _forward_step(call, seg, backend, x, extra, builtin)
         for p, op_out in zip(seg.positions, outs):
             extra_out[p] = tuple(op_out)
     return x, extra_out
 
 
-def _run_backward(
-    call: _Call, grad_output: Tensor, grad_extra_out: list[tuple], saved: Sequence[Tensor | None]
+def _forward_step(
+    call: _Call, seg: Segment, backend: Backend, x: Tensor, extra: list[tuple], builtin: bool
 ):
+    ctxs = _step_contexts(call, seg, backend)
+    # The first op of a segment is checked here; a fused op checks its inner ops' inputs.
+    first = seg.positions[0]
+    call.ops[first].pre_forward_checks(x, extra[first])
+    call.input_shapes[first] = x.shape
+    result = seg.op.fuser_forward(
+        ctxs,
+        x,
+        basic_op_extra_inputs=[extra[p] for p in seg.positions],
+        basic_op_kwargs=[{} for _ in seg.positions],
+    )
+    if builtin:
+        return result
+    return checked_forward(seg.op, [call.ops[p] for p in seg.positions], _indices(call, seg),
+                           result)
+
+
+def _indices(call: _Call, seg: Segment) -> tuple[int, ...]:
+    """The segment's basic-op indices in the whole Sequential (as the plan shows them)."""
+    return tuple(p + call.offset for p in seg.positions)
+
+
+def _run_backward(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple],
+                  saved: Sequence[Tensor | None], extra_needs_grad: list[bool]):
     """Run the plan's backward segments; returns (dx, param grads per op, extra grads per op)."""
+    step_args = (call, grad_output, grad_extra_out, saved, extra_needs_grad)
+    if call.autocast is None:
+        return _backward_steps(*step_args)
+    with amp.running(call.autocast):  # computed in the dtypes the forward chose
+        return _backward_steps(*step_args)
+
+
+def _backward_steps(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple],
+                    saved: Sequence[Tensor | None], extra_needs_grad: list[bool]):
     n = len(call.ctxs)
     param_grads: list[Sequence] = [()] * n
     extra_grads: list[Sequence] = [()] * n
@@ -303,13 +378,32 @@ def _run_backward(
             # (their contexts saved nothing), and the run's input needs no gradient.
             dy = None
             break
-        ctxs = _step_contexts(call, seg, backend, saved)
-        dy, pgrads, egrads = seg.op.fuser_backward(
-            ctxs, dy, basic_op_grad_extra_outputs=[grad_extra_out[p] for p in seg.positions]
-        )
+        builtin = call.plan.builtin[id(seg.op)]
+        step = (call, seg, backend, saved, dy, grad_extra_out, extra_needs_grad, builtin)
+        if call.autocast is None:
+            dy, pgrads, egrads = _backward_step(*step)
+        else:
+            with amp.step_scope(call.autocast, builtin):
+                dy, pgrads, egrads = _backward_step(*step)
         for p, pg, eg in zip(seg.positions, pgrads, egrads):
             param_grads[p], extra_grads[p] = tuple(pg), tuple(eg)
     return dy, param_grads, extra_grads
+
+
+def _backward_step(call: _Call, seg: Segment, backend: Backend, saved, dy, grad_extra_out,
+                   extra_needs_grad, builtin: bool):
+    ctxs = _step_contexts(call, seg, backend, saved)
+    result = seg.op.fuser_backward(
+        ctxs, dy, basic_op_grad_extra_outputs=[grad_extra_out[p] for p in seg.positions]
+    )
+    if builtin:
+        return result
+    counts = ([call.param_counts[p] for p in seg.positions],
+              [call.extra_counts[p] for p in seg.positions])
+    return checked_backward(
+        seg.op, ctxs, _indices(call, seg), result, counts,
+        [extra_needs_grad[p] for p in seg.positions], call.input_shapes.get(seg.positions[0]),
+    )
 
 
 def _check_saved_unmodified(call: _Call) -> None:
@@ -333,16 +427,9 @@ def _check_saved_unmodified(call: _Call) -> None:
             )
 
 
-def _padded(grads: Sequence, count: int, what: str, op: BasicOperation) -> list:
-    grads = list(grads)
-    if not grads:
-        return [None] * count
-    if len(grads) != count:
-        raise RuntimeError(
-            f"{type(op).__name__}: backward returned {len(grads)} {what} gradients, "
-            f"expected {count}"
-        )
-    return grads
+def _padded(grads: Sequence, count: int) -> list:
+    """One op's gradient slots; an empty list (checked: none was needed) as Nones."""
+    return list(grads) if grads else [None] * count
 
 
 def _dedupe(tensors: list) -> tuple[list, list[int]]:
@@ -404,22 +491,26 @@ class _FuserFunction(torch.autograd.Function):
         basic_ops = call.ops
         grad_extra = _unflatten(grad_extra_flat, [op.num_extra_outputs for op in basic_ops])
         saved = func_ctx.saved_tensors
-        dx, param_grads, extra_grads = _run_backward(call, grad_output, grad_extra, saved)
+        needs = func_ctx.needs_input_grad
+        # needs: (call, *arguments); arguments are (input, extras, params), deduplicated if traced
+        flat_needs = needs[1:] if call.positions is None else [needs[1 + i] for i in call.positions]
+        extra_needs = [any(group) for group in _unflatten(flat_needs[1:], call.extra_counts)]
+        for op, ctx in zip(basic_ops, call.ctxs):  # before any gradient is written anywhere
+            if ctx.requires_grad:
+                op.pre_backward_checks(ctx)
+        dx, param_grads, extra_grads = _run_backward(
+            call, grad_output, grad_extra, saved, extra_needs
+        )
         if not call.traced:
             for ctx in call.ctxs:
                 ctx.saved_tensors = ()
         flat_extra = [
-            g
-            for op, n, eg in zip(basic_ops, call.extra_counts, extra_grads)
-            for g in _padded(eg, n, "extra-input", op)
+            g for n, eg in zip(call.extra_counts, extra_grads) for g in _padded(eg, n)
         ]
         flat_params = [
-            g
-            for op, n, pg in zip(basic_ops, call.param_counts, param_grads)
-            for g in _padded(pg, n, "parameter", op)
+            g for n, pg in zip(call.param_counts, param_grads) for g in _padded(pg, n)
         ]
         grads = [dx, *flat_extra, *flat_params]
         if call.positions is not None:
             grads = _summed(grads, call.positions)
-        needs = func_ctx.needs_input_grad
         return tuple(g if need else None for g, need in zip([None, *grads], needs))

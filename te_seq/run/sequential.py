@@ -52,6 +52,7 @@ class Sequential(torch.nn.Sequential):
         flat = list(self._flat_modules())
         key = tuple(id(m) for m in flat)
         if key != self._runs_key:
+            _check_no_forward_override(flat)
             self._runs, self._runs_key = _split_runs(flat), key
 
     def _current_runs(self) -> list[Run]:
@@ -100,6 +101,18 @@ class Sequential(torch.nn.Sequential):
         """Run the oldest pending wgrad of each op (one call per backward)."""
         for op in self.basic_ops():
             op.backward_dw()
+
+
+def _check_no_forward_override(flat: list[torch.nn.Module]) -> None:
+    """A basic op's maths is its op_/fuser_ methods: a Sequential never calls `forward` on it,
+    so a subclass that overrides `forward` would silently lose its change there."""
+    for index, module in enumerate(m for m in flat if isinstance(m, BasicOperation)):
+        if type(module).forward is not BasicOperation.forward:
+            raise TypeError(
+                f"{type(module).__name__} (basic op {index}) overrides forward(), which a "
+                "te_seq.Sequential never calls: put an op's maths in op_forward / op_backward "
+                "(fuser_forward / fuser_backward for extra inputs or outputs)"
+            )
 
 
 def _split_runs(flat: list[torch.nn.Module]) -> list[Run]:

@@ -57,12 +57,9 @@ class GatedActivation(Activation):
 
     def __init__(self, *, glu_interleave_size: int | None = None) -> None:
         super().__init__()
-        if glu_interleave_size is not None and glu_interleave_size <= 0:
-            raise ValueError(
-                f"{type(self).__name__}: glu_interleave_size must be positive, got "
-                f"{glu_interleave_size}"
-            )
-        self.glu_interleave_size = glu_interleave_size
+        self.glu_interleave_size = checks.optional_positive_int(
+            self, "glu_interleave_size", glu_interleave_size
+        )
 
     @property
     def glu_spec(self) -> GluSpec:

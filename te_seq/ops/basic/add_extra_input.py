@@ -66,7 +66,7 @@ class AddExtraInput(BasicOperation):
 
     def __init__(self, *, in_place: bool = False) -> None:
         super().__init__()
-        self.in_place = in_place
+        self.in_place = checks.flag(self, "in_place", in_place)
 
     def extra_repr(self) -> str:
         return f"in_place={self.in_place}"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from te_seq.core import checks
+from te_seq.core import amp, checks
 from te_seq.core.context import OperationContext
 from te_seq.core.grad_policy import (
     ForwardWeights,
@@ -21,10 +21,13 @@ from te_seq.core.operation import BasicOperation
 
 @dataclass(frozen=True)
 class LinearSaved:
-    """What BasicLinear's backward reads besides its saved tensors (x [T, in] and W)."""
+    """What BasicLinear's backward reads besides its saved tensors (x [T, in] and W, both in the
+    GEMM's compute dtype)."""
 
     input_shape: torch.Size  # dX is reshaped back to it
     weights: ForwardWeights  # the forward's weight, weakly held, for the gradient contract
+    input_dtype: torch.dtype | None = None  # dX is cast back to it (None: the compute dtype)
+    compute_dtype: torch.dtype | None = None  # dY is cast to it (None: as it comes)
 
 
 def init_linear_weight_(weight: Tensor) -> None:
@@ -59,16 +62,16 @@ class BasicLinear(GradContractMixin, BasicOperation):
         delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
-        if in_features <= 0 or out_features <= 0:
-            raise ValueError(
-                f"BasicLinear: in_features and out_features must be positive, got "
-                f"{in_features} and {out_features}"
-            )
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = torch.nn.Parameter(
-            torch.empty(out_features, in_features, device=device, dtype=dtype)
+        self.in_features = checks.positive_int(self, "in_features", in_features)
+        self.out_features = checks.positive_int(self, "out_features", out_features)
+        self.grad_policy = WeightGradPolicy(
+            checks.flag(self, "accumulate_into_main_grad", accumulate_into_main_grad),
+            checks.flag(self, "delay_wgrad_compute", delay_wgrad_compute),
         )
-        self.grad_policy = WeightGradPolicy(accumulate_into_main_grad, delay_wgrad_compute)
+        device, dtype = checks.param_device(self, device), checks.param_dtype(self, dtype)
+        self.weight = torch.nn.Parameter(
+            torch.empty(self.out_features, self.in_features, device=device, dtype=dtype)
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -83,37 +86,58 @@ class BasicLinear(GradContractMixin, BasicOperation):
         checks.check_last_dim(self, input_, self.in_features, "in_features")
         checks.check_matches_param(self, input_, self.weight)
 
+    def operands(self, ctx: OperationContext, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(x, W) in the GEMM's compute dtype: the autocast dtype under torch.autocast (as
+        `torch.nn.functional.linear` there), else as they are (fusions call this too)."""
+        if ctx.autocast is None:
+            return x, self.weight
+        dtype = amp.gemm_dtype(ctx.autocast, x, self.weight)
+        return amp.cast(x, dtype), amp.cast(self.weight, dtype)
+
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
-        x = input_.reshape(-1, self.in_features)  # [T, in]
-        y = x @ self.weight.t()  # [T, out]
-        self.save(ctx, x, input_.shape)
+        x, w = self.operands(ctx, input_.reshape(-1, self.in_features))  # [T, in], [out, in]
+        y = x @ w.t()  # [T, out]
+        self.save(ctx, x, input_.shape, w, input_.dtype)
         return y.reshape(*input_.shape[:-1], self.out_features)
 
-    def save(self, ctx: OperationContext, x: Tensor, input_shape: torch.Size) -> None:
-        """Fill this op's context for backward from x [T, in] (the input as rows): the one
-        definition of what BasicLinear's forward saves, which forward fusions call too.
+    def save(self, ctx: OperationContext, x: Tensor, input_shape: torch.Size,
+             weight: Tensor | None = None, input_dtype: torch.dtype | None = None) -> None:
+        """Fill this op's context for backward from x [T, in] (the input as rows) and the weight
+        as the GEMM used it (default: the parameter): the one definition of what BasicLinear's
+        forward saves, which forward fusions call too.
 
         Saves x for wgrad and W for dgrad (each only when that gradient is needed), and a
-        `LinearSaved` with the input shape and the forward's weight (the gradient contract targets
-        the Parameter this forward used, weakly held).
+        `LinearSaved` with the input shape and dtype (`input_dtype`, default x's) and the
+        forward's weight (the gradient contract targets the Parameter this forward used, weakly
+        held).
         """
         if not ctx.requires_grad:
             return
+        weight = self.weight if weight is None else weight
         ctx.save_for_backward(
             x if ctx.weight_requires_grad else None,
-            self.weight if ctx.input_requires_grad else None,
+            weight if ctx.input_requires_grad else None,
         )
         ctx.saved = LinearSaved(
-            input_shape, ForwardWeights.take("BasicLinear", [("weight", self.weight)])
+            input_shape, ForwardWeights.take("BasicLinear", [("weight", self.weight)]),
+            input_dtype or x.dtype, x.dtype,
         )
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
         x, weight = ctx.saved_tensors
-        dy = grad_output.reshape(-1, self.out_features)  # [T, out]
+        dy = self.grad_rows(ctx, grad_output)  # [T, out]
         dx = None
         if ctx.input_requires_grad:
-            dx = (dy @ weight).reshape(ctx.saved_as(LinearSaved).input_shape)  # dX = dY W
+            saved = ctx.saved_as(LinearSaved)
+            dx = amp.cast((dy @ weight).reshape(saved.input_shape), saved.input_dtype)  # dX = dY W
         return dx, self.weight_grads(ctx, x, dy)
+
+    def grad_rows(self, ctx: OperationContext, grad_output: Tensor) -> Tensor:
+        """dY as rows [T, out] in the forward GEMM's compute dtype (fusions call this too)."""
+        dy = grad_output.reshape(-1, self.out_features)
+        if ctx.autocast is None:
+            return dy
+        return amp.cast(dy, ctx.saved_as(LinearSaved).compute_dtype)
 
     def weight_grads(self, ctx: OperationContext, x: Tensor, dy: Tensor) -> list[Tensor | None]:
         """What autograd gets for `weight` (fusions call this too): the contract decides."""

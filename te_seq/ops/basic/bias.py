@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from te_seq.core import checks
+from te_seq.core import amp, checks
 from te_seq.core.context import OperationContext
 from te_seq.core.operation import BasicOperation
 
@@ -17,14 +17,16 @@ def reduce_to_last_dim(grad: Tensor) -> Tensor:
 
 
 class Bias(BasicOperation):
-    """y = x + b with b [size]; x [..., size]. Equivalent to `x + bias`; b initialises to zero."""
+    """y = x + b with b [size]; x [..., size]. Equivalent to `x + bias`; b initialises to zero.
+
+    Under torch.autocast, b is cast to x's dtype (as `torch.nn.Linear` casts its bias), so
+    BasicLinear → Bias gives the autocast dtype like `torch.nn.Linear` does; db has b's dtype."""
 
     def __init__(self, size: int, *, device=None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        if size <= 0:
-            raise ValueError(f"Bias: size must be positive, got {size}")
-        self.size = size
-        self.bias = torch.nn.Parameter(torch.empty(size, device=device, dtype=dtype))
+        self.size = checks.positive_int(self, "size", size)
+        device, dtype = checks.param_device(self, device), checks.param_dtype(self, dtype)
+        self.bias = torch.nn.Parameter(torch.empty(self.size, device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -40,8 +42,10 @@ class Bias(BasicOperation):
         checks.check_matches_param(self, input_, self.bias)
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
-        return input_ + self.bias
+        return input_ + amp.cast(self.bias, input_.dtype)  # no cast outside torch.autocast
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
-        dbias = reduce_to_last_dim(grad_output) if ctx.weight_requires_grad else None
+        dbias = None
+        if ctx.weight_requires_grad:
+            dbias = amp.cast(reduce_to_last_dim(grad_output), self.bias.dtype)
         return grad_output, [dbias]

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numbers
-
 from torch import Tensor
 
+from te_seq.core import checks
 from te_seq.core.context import OperationContext
 from te_seq.core.operation import BasicOperation
 
@@ -16,9 +15,7 @@ class ConstantScale(BasicOperation):
 
     def __init__(self, scale: float) -> None:
         super().__init__()
-        if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-            raise TypeError(f"ConstantScale: scale must be a real number, got {scale!r}")
-        self.scale = float(scale)
+        self.scale = checks.real_number(self, "scale", scale, "a real number")
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +28,7 @@ class Dropout(BasicOperation):
 
     def __init__(self, p: float) -> None:
         super().__init__()
-        if not isinstance(p, numbers.Real) or isinstance(p, bool) or not 0 <= p < 1:
-            raise ValueError(f"Dropout: p must be a number in [0, 1), got {p!r}")
-        self.p = float(p)
+        self.p = checks.real_number(self, "p", p, "a number in [0, 1)", lambda v: 0 <= v < 1)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from te_seq.core import checks
 from te_seq.ops.basic.activation import Activation
 
 _APPROXIMATIONS = {"tanh": "gelu", "none": "gelu_erf"}
@@ -15,11 +16,7 @@ class GELU(Activation):
 
     def __init__(self, approximate: str = "tanh") -> None:
         super().__init__()
-        if approximate not in _APPROXIMATIONS:
-            raise ValueError(
-                f"GELU: approximate must be one of {sorted(_APPROXIMATIONS)}, got {approximate!r}"
-            )
-        self.approximate = approximate
+        self.approximate = checks.choice(self, "approximate", approximate, tuple(_APPROXIMATIONS))
         self.act = _APPROXIMATIONS[approximate]
 
     def extra_repr(self) -> str:

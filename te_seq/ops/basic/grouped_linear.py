@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from te_seq import kernels
-from te_seq.core import checks
+from te_seq.core import amp, checks
 from te_seq.core.context import OperationContext
 from te_seq.core.grad_policy import (
     ForwardWeights,
@@ -34,6 +34,8 @@ class GroupedLinearSaved:
 
     input_shape: torch.Size  # dX is reshaped back to it
     weights: ForwardWeights  # the forward's weights, weakly held, for the gradient contract
+    input_dtype: torch.dtype | None = None  # dX is cast back to it (None: the compute dtype)
+    compute_dtype: torch.dtype | None = None  # dY is cast to it (None: as it comes)
 
 
 def group_index(offs: Tensor, rows: int) -> Tensor:
@@ -116,15 +118,22 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         scale_bias: bool = False,
     ) -> None:
         super().__init__()
-        _check_config(num_groups, in_features, out_features, bias, single_grouped_bias)
-        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
-        self.single_grouped_weight, self.single_grouped_bias = (
-            single_grouped_weight,
-            single_grouped_bias,
+        self.num_groups = checks.positive_int(self, "num_groups", num_groups)
+        self.in_features = checks.positive_int(self, "in_features", in_features)
+        self.out_features = checks.positive_int(self, "out_features", out_features)
+        self.has_bias = checks.flag(self, "bias", bias)
+        self.single_grouped_weight = checks.flag(
+            self, "single_grouped_weight", single_grouped_weight
         )
-        self.has_bias, self.scale_bias = bias, scale_bias
-        self._make_params(device, dtype)
-        self.grad_policy = WeightGradPolicy(accumulate_into_main_grad, delay_wgrad_compute)
+        self.single_grouped_bias = checks.flag(self, "single_grouped_bias", single_grouped_bias)
+        self.scale_bias = checks.flag(self, "scale_bias", scale_bias)
+        if single_grouped_bias and not bias:
+            raise ValueError("GroupedLinear: single_grouped_bias=True needs bias=True")
+        self.grad_policy = WeightGradPolicy(
+            checks.flag(self, "accumulate_into_main_grad", accumulate_into_main_grad),
+            checks.flag(self, "delay_wgrad_compute", delay_wgrad_compute),
+        )
+        self._make_params(checks.param_device(self, device), checks.param_dtype(self, dtype))
         self.num_extra_inputs = 2 if (scale_bias and bias) else 1
         self.extra_input_names = ("split_sizes", "scales")[: self.num_extra_inputs]
         self.reset_parameters()
@@ -254,15 +263,27 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         ]
 
     # --- maths pieces (the fused GroupedMLP reuses them) -------------------------------------
+    def operands(self, ctx: OperationContext, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(x [T, K], W [G, N, K]) in the GEMMs' compute dtype: the autocast dtype under
+        torch.autocast (as `torch.nn.functional.linear` there), else as they are."""
+        weight = self.stacked_weight()
+        if ctx.autocast is None:
+            return x, weight
+        dtype = amp.gemm_dtype(ctx.autocast, x, weight)
+        return amp.cast(x, dtype), amp.cast(weight, dtype)
+
     def offsets(self, splits: Tensor, input_: Tensor) -> Tensor:
         return device_offsets(splits, rows_of(input_), input_.device)
 
-    def bias_rows(self, offs: Tensor, rows: int, scales: Tensor | None) -> Tensor | None:
-        """Per-row bias [T, N] (times s_t with scale_bias), or None without bias."""
+    def bias_rows(
+        self, offs: Tensor, rows: int, scales: Tensor | None, dtype: torch.dtype | None = None
+    ) -> Tensor | None:
+        """Per-row bias [T, N] (times s_t with scale_bias) in `dtype` (default the bias's: the
+        GEMM's compute dtype under torch.autocast), or None without bias."""
         bias = self.stacked_bias()
         if bias is None:
             return None
-        rows_bias = bias[group_index(offs, rows)]  # [T, N]
+        rows_bias = amp.cast(bias, dtype)[group_index(offs, rows)]  # [T, N]
         if self.scale_bias:
             rows_bias = rows_bias * scales.reshape(-1, 1).to(rows_bias.dtype)
         return rows_bias
@@ -282,7 +303,7 @@ class GroupedLinear(GradContractMixin, BasicOperation):
             dy = dy * scales.reshape(-1, 1).to(dy.dtype)
         sums = torch.zeros(self.num_groups, self.out_features, device=dy.device, dtype=acc)
         sums.index_add_(0, idx, dy.to(acc))  # db_g = Σ_{t in g} dy_t (· s_t)
-        sums = sums.to(dy.dtype)
+        sums = sums.to(self.named_biases()[0][1].dtype)
         grads = [sums] if self.single_grouped_bias else list(sums.unbind(0))
         return grads, dscales
 
@@ -302,10 +323,27 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         """The weights of this forward call, weakly held, for the gradient contract."""
         return ForwardWeights.take("GroupedLinear", self.named_weights())
 
-    def saved_record(self, input_shape: torch.Size) -> GroupedLinearSaved:
+    def saved_record(
+        self, input_: Tensor, compute_dtype: torch.dtype | None = None
+    ) -> GroupedLinearSaved:
         """The one definition of the record this op's forward leaves in `ctx.saved` (its
-        tensors are x [T, K], the [G, N, K] weight, the offsets and the scales)."""
-        return GroupedLinearSaved(input_shape, self.forward_weights())
+        tensors are x [T, K], the [G, N, K] weight in `compute_dtype`, the offsets and the
+        scales); `input_` (or a stand-in of its shape and dtype) is the op's input."""
+        return GroupedLinearSaved(
+            input_.shape, self.forward_weights(), input_.dtype, compute_dtype or input_.dtype
+        )
+
+    def grad_rows(self, ctx: OperationContext, grad_output: Tensor) -> Tensor:
+        """dY as rows [T, N] in the forward GEMM's compute dtype (the fused GroupedMLP too)."""
+        dy = grad_output.reshape(-1, self.out_features)
+        if ctx.autocast is None:
+            return dy
+        return amp.cast(dy, ctx.saved_as(GroupedLinearSaved).compute_dtype)
+
+    def input_grad(self, ctx: OperationContext, dx: Tensor) -> Tensor:
+        """dX [T, K] back in the input's shape and dtype."""
+        saved = ctx.saved_as(GroupedLinearSaved)
+        return amp.cast(dx.reshape(saved.input_shape), saved.input_dtype)
 
     def wgrad_request(
         self, weights: ForwardWeights, x: Tensor, dy: Tensor, offs: Tensor, backend: Backend
@@ -334,26 +372,24 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         ctx = basic_op_ctxs[0]
         splits, *rest = basic_op_extra_inputs[0]
         scales = rest[0] if rest else None
-        x = input_.reshape(-1, self.in_features)  # [T, K]
+        x, weight = self.operands(ctx, input_.reshape(-1, self.in_features))  # [T, K], [G, N, K]
         offs = self.offsets(splits, input_)
-        weight = self.stacked_weight()  # [G, N, K]
         y = ctx.backend.grouped_mm(x, weight.transpose(1, 2), offs)  # y_g = x_g W_gᵀ
-        bias = self.bias_rows(offs, x.shape[0], scales)
+        bias = self.bias_rows(offs, x.shape[0], scales, x.dtype)
         if bias is not None:
             y = y + bias
         if ctx.requires_grad:
             ctx.save_for_backward(x, weight, offs, scales)
-            ctx.saved = self.saved_record(input_.shape)
+            ctx.saved = self.saved_record(input_, x.dtype)
         return y.reshape(*input_.shape[:-1], self.out_features), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]
         x, weight, offs, scales = ctx.saved_tensors
-        dy = grad_output.reshape(-1, self.out_features)  # [T, N]
+        dy = self.grad_rows(ctx, grad_output)  # [T, N]
         dx = None
         if ctx.input_requires_grad:
-            dx = ctx.backend.grouped_mm(dy, weight, offs)  # dX_g = dY_g W_g
-            dx = dx.reshape(ctx.saved_as(GroupedLinearSaved).input_shape)
+            dx = self.input_grad(ctx, ctx.backend.grouped_mm(dy, weight, offs))  # dX_g = dY_g W_g
         bias_grads, dscales = self.bias_grads(dy, offs, scales)
         weight_grads = self.weight_grads(ctx, x, dy, offs)
         extra_grads = (None, dscales) if self.num_extra_inputs == 2 else (None,)
@@ -370,12 +406,3 @@ def _names(prefix: str, count: int) -> tuple[str, ...]:
 def _cached_names(prefix: str, count: int) -> tuple[str, ...]:
     return tuple(f"{prefix}{g}" for g in range(count))
 
-
-def _check_config(num_groups, in_features, out_features, bias, single_grouped_bias) -> None:
-    if num_groups <= 0 or in_features <= 0 or out_features <= 0:
-        raise ValueError(
-            f"GroupedLinear: num_groups, in_features and out_features must be positive, got "
-            f"{num_groups}, {in_features}, {out_features}"
-        )
-    if single_grouped_bias and not bias:
-        raise ValueError("GroupedLinear: single_grouped_bias=True needs bias=True")

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from te_seq.core import amp
 from te_seq.core.context import OperationContext
 from te_seq.ops.basic.normalization import (
     Normalization,
@@ -23,9 +24,10 @@ class LayerNorm(Normalization):
         y = x̂ · γ + β,  γ = weight (or 1 + weight with `zero_centered_gamma`), β = bias.
 
     Equivalent to `torch.nn.functional.layer_norm(x, (N,), γ, β, eps)`. Computed in fp32 for
-    low-precision inputs. `normalized_shape` is an int or a 1-tuple: te_seq norms normalise the
-    last dimension only. weight [N] starts at one (zero with `zero_centered_gamma`), bias [N]
-    at zero.
+    low-precision inputs; the output has x's dtype (under torch.autocast on CUDA fp32, as torch's
+    autocast runs layer_norm in fp32 there). `normalized_shape` is an int or a 1-tuple: te_seq
+    norms normalise the last dimension only. weight [N] starts at one (zero with
+    `zero_centered_gamma`), bias [N] at zero.
     Backward (ĝ = dy · γ): dx = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂)), dγ = Σ dy · x̂, dβ = Σ dy.
     """
 
@@ -52,7 +54,7 @@ class LayerNorm(Normalization):
         y = centered * rstd * gamma + upcast(self.bias)
         if ctx.requires_grad:
             ctx.save_for_backward(input_, mean, rstd, self.weight)
-        return y.to(input_.dtype)
+        return y.to(amp.norm_dtype(ctx.autocast, input_))  # input's dtype outside autocast
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
         x_in, mean, rstd, weight = ctx.saved_tensors

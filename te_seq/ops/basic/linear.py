@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from te_seq.core import checks
 from te_seq.core.operation import BasicOperation, CompositeOperation
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
@@ -25,6 +26,10 @@ class Linear(CompositeOperation):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  device=None, dtype: torch.dtype | None = None, **linear_kwargs) -> None:
         super().__init__()
+        in_features = checks.positive_int(self, "in_features", in_features)
+        out_features = checks.positive_int(self, "out_features", out_features)
+        bias = checks.flag(self, "bias", bias)
+        checks.param_device(self, device), checks.param_dtype(self, dtype)
         linear = BasicLinear(in_features, out_features, device=device, dtype=dtype, **linear_kwargs)
         self.in_features, self.out_features = in_features, out_features
         self.weight = linear.weight

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from te_seq.core import checks
 from te_seq.core.operation import BasicOperation
 
 
@@ -30,7 +31,7 @@ class MakeExtraOutput(BasicOperation):
 
     def __init__(self, *, in_place: bool = False) -> None:
         super().__init__()
-        self.in_place = in_place
+        self.in_place = checks.flag(self, "in_place", in_place)
 
     def extra_repr(self) -> str:
         return f"in_place={self.in_place}"

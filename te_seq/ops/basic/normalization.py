@@ -11,29 +11,6 @@ from te_seq.core import checks
 from te_seq.core.operation import BasicOperation
 
 
-def parse_normalized_shape(op_name: str, normalized_shape: int | Sequence[int]) -> int:
-    """The normalized size from an int or a 1-element sequence (te_seq norms: last dim only)."""
-    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
-        size = normalized_shape
-    elif (isinstance(normalized_shape, Sequence) and len(normalized_shape) == 1
-          and isinstance(normalized_shape[0], int)):
-        size = normalized_shape[0]
-    else:
-        raise ValueError(
-            f"{op_name}: normalized_shape must be an int or a 1-tuple (the last dimension), "
-            f"got {normalized_shape!r}"
-        )
-    if size <= 0:
-        raise ValueError(f"{op_name}: normalized_shape must be positive, got {size}")
-    return size
-
-
-def check_eps(op_name: str, eps: float) -> float:
-    if not eps > 0:
-        raise ValueError(f"{op_name}: eps must be positive, got {eps}")
-    return float(eps)
-
-
 def upcast(t: Tensor) -> Tensor:
     """fp32 compute for low-precision tensors; float64 stays float64."""
     return t if t.dtype == torch.float64 else t.float()
@@ -57,10 +34,10 @@ class Normalization(BasicOperation):
     def __init__(self, normalized_shape: int | Sequence[int], eps: float,
                  zero_centered_gamma: bool, device, dtype: torch.dtype | None) -> None:
         super().__init__()
-        name = type(self).__name__
-        self.normalized_shape = parse_normalized_shape(name, normalized_shape)
-        self.eps = check_eps(name, eps)
-        self.zero_centered_gamma = zero_centered_gamma
+        self.normalized_shape = checks.normalized_size(self, normalized_shape)
+        self.eps = checks.real_number(self, "eps", eps, "positive", lambda v: v > 0)
+        self.zero_centered_gamma = checks.flag(self, "zero_centered_gamma", zero_centered_gamma)
+        device, dtype = checks.param_device(self, device), checks.param_dtype(self, dtype)
         self.weight = torch.nn.Parameter(
             torch.empty(self.normalized_shape, device=device, dtype=dtype))
         # Subclasses allocate their other parameters, then call reset_parameters().

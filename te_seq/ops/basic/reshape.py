@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from te_seq.core import checks
 from te_seq.core.context import OperationContext
 from te_seq.core.operation import BasicOperation
 
@@ -18,17 +19,6 @@ class ReshapeSaved:
     """The input's shape, which dx takes back."""
 
     input_shape: torch.Size
-
-
-def _parse_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
-        raise TypeError(f"Reshape: shape must be a sequence of ints, got {shape!r}")
-    if any(d < -1 for d in dims) or dims.count(-1) > 1:
-        raise ValueError(
-            f"Reshape: shape {dims} may hold sizes >= 0 and at most one -1 (inferred)"
-        )
-    return dims
 
 
 class Reshape(BasicOperation):
@@ -41,7 +31,7 @@ class Reshape(BasicOperation):
 
     def __init__(self, shape: int | Sequence[int]) -> None:
         super().__init__()
-        self.shape = _parse_shape(shape)
+        self.shape = checks.shape_spec(self, shape)
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}"

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from te_seq.core import amp
 from te_seq.core.context import OperationContext
 from te_seq.ops.basic.normalization import (
     Normalization,
@@ -23,7 +24,9 @@ class RMSNorm(Normalization):
         y = x̂ · γ,  γ = weight (or 1 + weight with `zero_centered_gamma`).
 
     Equivalent to `x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * γ` (and to
-    `torch.nn.functional.rms_norm(x, (N,), γ, eps)`). Computed in fp32 for low-precision inputs.
+    `torch.nn.functional.rms_norm(x, (N,), γ, eps)`). Computed in fp32 for low-precision inputs;
+    the output has x's dtype (under torch.autocast on CUDA fp32, as torch's autocast runs norms
+    in fp32 there).
     `normalized_shape` is an int or a 1-tuple (last dimension only). weight [N] starts at one
     (zero with `zero_centered_gamma`); there is no bias.
     Backward (ĝ = dy · γ): dx = rstd · (ĝ - x̂ · mean(ĝ · x̂)), dγ = Σ dy · x̂.
@@ -41,7 +44,7 @@ class RMSNorm(Normalization):
         y = x * rstd * effective_gamma(self.weight, self.zero_centered_gamma)
         if ctx.requires_grad:
             ctx.save_for_backward(input_, rstd, self.weight)
-        return y.to(input_.dtype)
+        return y.to(amp.norm_dtype(ctx.autocast, input_))  # input's dtype outside autocast
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
         x_in, rstd, weight = ctx.saved_tensors

@@ -16,8 +16,6 @@ from te_seq.ops.basic.activation import Activation
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
 
-_MATHS_METHODS = ("op_forward", "op_backward", "fuser_forward", "fuser_backward")
-
 
 def shape_proxy(shape: tuple[int, ...], like: Tensor) -> Tensor:
     """A tensor with `shape` and `like`'s dtype and device that owns no memory (zero strides),
@@ -45,17 +43,13 @@ def check_activation(act: Activation, width: int) -> NoMatch | None:
 
     A fused op knows the table's maths (te_seq.kernels.activations) and the built-in classes'
     contract: no extra input, or one per-row scale for a gated activation (`row_scales`). It
-    declines an `act` not in the table, other extra inputs, and a user subclass that overrides
-    the maths of a built-in activation class.
+    declines an `act` not in the table and other extra inputs. (A user subclass that overrides
+    an activation's maths never gets here: the matcher declines it for every fusion.)
     """
     name = type(act).__name__
     if act.act not in ACTIVATIONS:
         known = tuple(ACTIVATIONS)
         return NoMatch(f"{name}: act {act.act!r} is not in the activation table {known}")
-    base = _builtin_base(type(act))
-    overridden = [m for m in _MATHS_METHODS if getattr(type(act), m) is not getattr(base, m)]
-    if overridden:
-        return NoMatch(f"{name} overrides {', '.join(overridden)} of {base.__name__}")
     scales = 1 if act.row_scales else 0
     if act.num_extra_inputs != scales or (act.row_scales and not act.gated):
         return NoMatch(
@@ -68,7 +62,3 @@ def check_activation(act: Activation, width: int) -> NoMatch | None:
             return NoMatch(f"{name} needs a width that is a multiple of {multiple}, got {width}")
     return None
 
-
-def _builtin_base(cls: type) -> type:
-    """The nearest class of te_seq's own in `cls`'s MRO (`cls` itself when it is built in)."""
-    return next(c for c in cls.__mro__ if c.__module__.startswith("te_seq."))

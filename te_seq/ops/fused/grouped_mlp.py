@@ -21,7 +21,7 @@ from te_seq.fusion.matcher import same_extra_input
 from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.kernels.backend import Backend, KernelNeed
 from te_seq.ops.basic.activation import Activation
-from te_seq.ops.basic.grouped_linear import GroupedLinear, GroupedLinearSaved
+from te_seq.ops.basic.grouped_linear import GroupedLinear
 from te_seq.ops.fused._linear_common import check_activation
 
 
@@ -96,7 +96,7 @@ class GroupedMLP(FusedOperation):
         op = self.activation
         if self.epilogue_status(backend, x.dtype, x.device)[0]:
             return backend.glu_fc1_forward(x, w1.transpose(1, 2), offs, op.glu_spec, probs)
-        h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, backend)
+        h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, backend)  # [T, 2F]
         if op.gated:
             return h, backend.glu_forward(h, op.glu_spec, probs)
         return h, backend.act_forward(h, op.act)
@@ -126,22 +126,24 @@ class GroupedMLP(FusedOperation):
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
         ctx = basic_op_ctxs[0]
         extras = self._unpack(basic_op_extra_inputs)
-        x = input_.reshape(-1, self.fc1.in_features)  # [T, H]
+        x, w1 = self.fc1.operands(ctx, input_.reshape(-1, self.fc1.in_features))  # [T, H]
+        w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
         offs = self.fc1.offsets(extras.splits, input_)
         probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]
-        w1, w2 = self.fc1.stacked_weight(), self.fc2.stacked_weight()  # [G, 2F, H], [G, H, F]
         h_like = x.new_empty(()).expand(x.shape[0], self.fc1.out_features)  # shape only, no memory
         self.activation.pre_forward_checks(h_like, basic_op_extra_inputs[1])
         h, a = self._fc1_act(x, w1, offs, extras, probs, ctx.backend)  # [T, 2F], [T, F]
         self.fc2.pre_forward_checks(a, basic_op_extra_inputs[2])
         y = _linear(self.fc2, a, w2, offs, extras.fc2_scales, ctx.backend)  # [T, H]
-        if ctx.requires_grad:
+        # Saved when any of the three ops' backward runs: with FC1 frozen and an input that needs
+        # no gradient only the activation (router probs) or FC2 may need one.
+        if any(c.requires_grad for c in basic_op_ctxs):
             ctx.save_for_backward(
                 x, h, w1, w2, offs, extras.probs, extras.fc1_scales, extras.fc2_scales
             )
-            ctx.saved = self.fc1.saved_record(input_.shape)
-            fc2_input_shape = torch.Size((*input_.shape[:-1], self.fc2.in_features))
-            basic_op_ctxs[2].saved = self.fc2.saved_record(fc2_input_shape)
+            ctx.saved = self.fc1.saved_record(input_, x.dtype)
+            fc2_input = a.new_empty(()).expand(*input_.shape[:-1], self.fc2.in_features)
+            basic_op_ctxs[2].saved = self.fc2.saved_record(fc2_input, x.dtype)
         return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
 
     # --- backward -----------------------------------------------------------------------------
@@ -149,14 +151,15 @@ class GroupedMLP(FusedOperation):
         ctx1, ctx_act, ctx2 = basic_op_ctxs
         x, h, w1, w2, offs, probs_in, s1, s2 = ctx1.saved_tensors
         probs = None if probs_in is None else probs_in.reshape(-1)
-        dy = grad_output.reshape(-1, self.fc2.out_features)  # [T, H]
+        dy = self.fc2.grad_rows(ctx2, grad_output)  # [T, H] in the GEMMs' compute dtype
         dh, a, dprobs = self._fc2_dgrad_act(dy, w2, offs, h, probs, ctx1.backend)  # [T, 2F], [T, F]
         fc2_grads, ds2 = self._param_grads(self.fc2, ctx2, a, dy, offs, s2)
-        fc1_grads, ds1 = self._param_grads(self.fc1, ctx1, x, dh, offs, s1)
+        fc1_grads, ds1 = [], None  # FC1's backward does not run: no gradient of it is needed
+        if ctx1.requires_grad:
+            fc1_grads, ds1 = self._param_grads(self.fc1, ctx1, x, dh, offs, s1)
         dx = None
         if ctx1.input_requires_grad:
-            dx = ctx1.backend.grouped_mm(dh, w1, offs)  # dX = dH W1   [T, H]
-            dx = dx.reshape(ctx1.saved_as(GroupedLinearSaved).input_shape)
+            dx = self.fc1.input_grad(ctx1, ctx1.backend.grouped_mm(dh, w1, offs))  # dX = dH W1
         act_extra = () if probs_in is None else (dprobs.reshape(probs_in.shape),)
         extra = [_extra_grads(self.fc1, ds1), act_extra, _extra_grads(self.fc2, ds2)]
         return dx, [fc1_grads, [], fc2_grads], extra
@@ -179,7 +182,7 @@ class GroupedMLP(FusedOperation):
 def _linear(fc: GroupedLinear, x: Tensor, w: Tensor, offs: Tensor, scales, backend) -> Tensor:
     """x_e W_eᵀ (+ b_e, · s_t with scale_bias) over the experts' row blocks."""
     y = backend.grouped_mm(x, w.transpose(1, 2), offs)
-    bias = fc.bias_rows(offs, x.shape[0], scales)
+    bias = fc.bias_rows(offs, x.shape[0], scales, x.dtype)
     return y if bias is None else y + bias
 
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from te_seq.core import amp
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.kernels.backend import KernelNeed
@@ -40,8 +41,9 @@ class LinearBiasActivation(FusedOperation):
         linear_ctx, _, act_ctx = basic_op_ctxs
         act_extra = basic_op_extra_inputs[2]
         x = input_.reshape(-1, self.linear.in_features)  # [T, K]
-        h = torch.addmm(self.bias.bias, x, self.linear.weight.t())  # h = b + X Wᵀ   [T, N]
-        self.linear.save(linear_ctx, x, input_.shape)
+        x, w = self.linear.operands(linear_ctx, x)  # in the compute dtype (core/amp.py)
+        h = torch.addmm(amp.cast(self.bias.bias, x.dtype), x, w.t())  # h = b + X Wᵀ   [T, N]
+        self.linear.save(linear_ctx, x, input_.shape, w, input_.dtype)
         h = h.reshape(*input_.shape[:-1], self.linear.out_features)  # [..., N]
         self.activation.pre_forward_checks(h, act_extra)
         y, _ = self.activation.fuser_forward(

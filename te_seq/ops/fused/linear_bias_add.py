@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from te_seq.core import amp
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.ops.basic.add_extra_input import AddExtraInput
@@ -38,17 +39,20 @@ class LinearBiasAdd(FusedOperation):
         linear_ctx, _, add_ctx = basic_op_ctxs
         (extra,) = basic_op_extra_inputs[2]
         n = self.linear.out_features
+        x, w = self.linear.operands(linear_ctx, input_.reshape(-1, self.linear.in_features))
         out_shape = (*input_.shape[:-1], n)
-        proxy = shape_proxy(out_shape, input_)  # stands for x Wᵀ + b, which is never materialised
+        proxy = shape_proxy(out_shape, x)  # stands for x Wᵀ + b, which is never materialised
         self.add.pre_forward_checks(proxy, (extra,))
-        x = input_.reshape(-1, self.linear.in_features)  # [T, K]
-        self.linear.save(linear_ctx, x, input_.shape)
+        self.linear.save(linear_ctx, x, input_.shape, w, input_.dtype)
         AddExtraInput.save(add_ctx, proxy, extra)
-        return self._residual_gemm(add_ctx, x, extra, proxy), [(), (), ()]
+        return self._residual_gemm(add_ctx, x, w, extra, proxy), [(), (), ()]
 
-    def _residual_gemm(self, add_ctx, x: Tensor, extra: Tensor, proxy: Tensor) -> Tensor:
-        """r + X Wᵀ + b  [..., N], in r's memory when allowed."""
-        w_t, b, n = self.linear.weight.t(), self.bias.bias, self.linear.out_features
+    def _residual_gemm(
+        self, add_ctx, x: Tensor, w: Tensor, extra: Tensor, proxy: Tensor
+    ) -> Tensor:
+        """r + X Wᵀ + b  [..., N] (x [T, K], W [N, K] in the compute dtype), in r's memory when
+        allowed."""
+        w_t, b, n = w.t(), amp.cast(self.bias.bias, x.dtype), self.linear.out_features
         # addmm_ needs r in X's dtype (a wider r, e.g. fp64 beside fp32, promotes as the unfused
         # in-place add does, but out of place here) and must not read what it writes.
         if self.add.writes_in_place(add_ctx, proxy, extra) and extra.is_contiguous() \

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from te_seq.core import amp
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import register_fusion
 from te_seq.ops.basic.basic_linear import BasicLinear, LinearSaved
@@ -36,15 +37,18 @@ class MakeExtraOutputLinearBackward(FusedOperation):
         (d_residual,) = basic_op_grad_extra_outputs[0]
         x, weight = linear_ctx.saved_tensors
         linear = self.linear
-        dy = grad_output.reshape(-1, linear.out_features)  # [T, N]
+        dy = linear.grad_rows(linear_ctx, grad_output)  # [T, N] in the GEMM's compute dtype
         dx = None
         if linear_ctx.input_requires_grad:
-            if d_residual is None:
-                dx = dy @ weight  # dX = dY W   [T, K]
-            else:
-                d_r = d_residual.reshape(-1, linear.in_features)  # [T, K]
+            saved = linear_ctx.saved_as(LinearSaved)
+            d_r = None if d_residual is None else d_residual.reshape(-1, linear.in_features)
+            if d_r is None:
+                dx = amp.cast(dy @ weight, saved.input_dtype)  # dX = dY W   [T, K]
+            elif d_r.dtype == weight.dtype:
                 dx = torch.addmm(d_r, dy, weight)  # dX = dR + dY W   [T, K]
-            dx = dx.reshape(linear_ctx.saved_as(LinearSaved).input_shape)
+            else:  # under torch.autocast: the GEMM in its dtype, the sum in the input's
+                dx = d_r + (dy @ weight).to(d_r.dtype)
+            dx = dx.reshape(saved.input_shape)
         wgrads = linear.weight_grads(linear_ctx, x, dy)  # dW = dYᵀ X, per the gradient contract
         return dx, [[], wgrads], [(), ()]
 
