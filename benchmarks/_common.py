@@ -43,6 +43,7 @@ class Result:
     runs: list[float] = field(default_factory=list)
     latency_ms: float | None = None  # median of single calls, each from an idle GPU
     latency_runs: list[float] = field(default_factory=list)
+    host_ms: float | None = None  # te_seq: median host time of one call (until it returns)
     # grouped MLP only: what the variant is, its check, and the figures against peers and bounds
     is_peer: bool = False  # a baseline, not te_seq
     precision: str = "bf16"  # "fp8" for a peer that quantizes its GEMM operands
@@ -93,6 +94,21 @@ def time_interleaved(
         for name in order:
             runs[name].append(time_once(fns[name], device, burst))
     return runs
+
+
+def time_host(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Median host time (ms) of one call: from an idle device until the call returns, its
+    kernels not waited for (what the Python side of a training step costs per call)."""
+    runs = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - t0) * 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(runs)
 
 
 def summarize(result: Result, runs: Sequence[float], flops: float, peak_tflops: float) -> None:

@@ -10,14 +10,20 @@ Variants, all in this process on the same random data, each checked against an f
 (mlp_case.reference_outputs) before it is timed:
   te_seq:<backend>     te_seq.Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear) under
                        te_seq.backend(); `:per-group` with one weight per expert
+  te_seq:<backend>:compiled[-ro]   the same Sequential through torch.compile(fullgraph=True),
+                       with `--compile default` / `reduce-overhead` (CUDA graphs)
   kernels:<backend>    the backend's raw functionals (grouped_mm, grouped_wgrad, glu_*), unfused
   grouped_mm[_compiled], loop, torchao_fp8[_compiled]   peers.py
   quack[_tuned]        peer_quack.py
-Grad modes (`--grad-mode`, grad_modes.py): fresh (default), accumulate, megatron.
+Grad modes (`--grad-mode`, grad_modes.py): fresh (default), accumulate, megatron; the compiled
+te_seq variants run in those of COMPILE_MODES (compiled: fresh, accumulate; compiled-ro: fresh).
 `vs` = the best bf16 peer's time / the variant's, same shape and mode (mlp_report.py, which also
-has the bytes-moved lower bound printed next to each time).
+has the bytes-moved lower bound printed next to each time). Columns: ms (steady state, bursts),
+latency (one call from an idle GPU to its end), host (te_seq variants: one call's host time until
+it returns, kernels not waited for: the Python cost per call that compiling removes).
 
   python benchmarks/bench_grouped_mlp.py --shapes A,B,Q,Z --grad-mode fresh,megatron
+  python benchmarks/bench_grouped_mlp.py --shapes A,B,Q,Z --compile default,reduce-overhead
   python benchmarks/bench_grouped_mlp.py --dry-run   # tiny shapes, CPU, float32: checks the script
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,6 +67,13 @@ except Exception as exc:  # noqa: BLE001 - any import failure just disables thos
 
 REFERENCE_MAX_MHF = 1 << 28  # the reference backend loops on the host: tiny shapes only
 PEER_FAMILIES = ("grouped_mm", "loop", "quack", "torchao_fp8")
+# --compile mode -> (variant name suffix, the grad modes it runs in): accumulate_into_main_grad
+# (megatron) runs eagerly at a graph break, which fullgraph=True forbids; under CUDA graphs a
+# wgrad lives in the graph's memory, overwritten by the next replay before accumulate adds to it.
+COMPILE_MODES = {
+    "default": ("compiled", ("fresh", "accumulate")),
+    "reduce-overhead": ("compiled-ro", ("fresh",)),
+}
 
 
 # --------------------------------------------------------------------------- te_seq variants
@@ -105,6 +119,8 @@ class TeSeqVariant(AutogradVariant):
     split_sizes) (SwiGLU and no probs with `--act swiglu`); in the megatron grad mode the linears
     run with accumulate_into_main_grad=True."""
 
+    times_host = True
+
     def __init__(self, case: Case, backend: str, grad_mode: str, per_group: bool = False) -> None:
         super().__init__(case)
         suffix = ":per-group" if per_group else ""
@@ -147,6 +163,44 @@ class TeSeqVariant(AutogradVariant):
         return " ".join(f"{st.name}@{st.backend}" for st in steps)
 
 
+class CompiledTeSeqVariant(TeSeqVariant):
+    """TeSeqVariant through torch.compile(fullgraph=True): mode "default" with the `compiler`
+    backend (--compile-backend), "reduce-overhead" inductor with CUDA graphs, where every call
+    starts a new step (cudagraph_mark_step_begin) and its outputs stay valid only until the next
+    call (the check copies y). Grad modes: COMPILE_MODES (fresh always)."""
+
+    def __init__(self, case: Case, backend: str, grad_mode: str, mode: str, compiler: str) -> None:
+        suffix, grad_modes = COMPILE_MODES[mode]
+        if grad_mode not in grad_modes:
+            raise ValueError(f"--compile {mode} runs in grad modes {grad_modes}, not {grad_mode!r}")
+        super().__init__(case, backend, grad_mode)
+        self.name, self.mode = f"{self.name}:{suffix}", mode
+        kwargs = {"backend": compiler} if mode == "default" else {"mode": mode}
+        self.compiled = torch.compile(_own_code(_call, self.name), fullgraph=True, **kwargs)
+
+    def run(self, x: Tensor, probs: Tensor | None) -> Tensor:
+        if self.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        sizes = self.case.split_sizes
+        extra = (sizes, probs, sizes) if probs is not None else (sizes, sizes)
+        with te_seq.backend(self.backend):
+            return self.compiled(self.mlp, x, *extra)
+
+
+def _call(mlp: torch.nn.Module, *args: object) -> Tensor:
+    return mlp(*args)
+
+
+def _own_code(fn: Callable, tag: str) -> Callable:
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object, with
+    a recompile limit per code object and every cached graph's guards checked in turn on each
+    call: compiling the shared Sequential.forward of every variant would pile all of their
+    graphs (3 per variant: the no_grad forward again once the training plan was added) onto one
+    code object, past the limit, and add the others' guard checks to each call's host time."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}".replace(":", "_").replace("-", "_"))
+    return types.FunctionType(code, fn.__globals__, code.co_name)
+
+
 def _per_group(linear: torch.nn.Module) -> bool:
     return hasattr(linear, "weight0")
 
@@ -183,8 +237,8 @@ class _Builder:
         except Exception as exc:  # noqa: BLE001 - a variant that cannot be built is reported
             self.skip(name, why(exc))
 
-    def skip(self, name: str, note: str) -> None:
-        self.skipped.append(Result(self.case.name, "both", name, note=note))
+    def skip(self, name: str, note: str, mode: str = "both") -> None:
+        self.skipped.append(Result(self.case.name, mode, name, note=note))
 
 
 def build_variants(
@@ -193,6 +247,7 @@ def build_variants(
     """The variants that can run here, and a skipped Result (with the reason) for the others."""
     b = _Builder(case, grad_mode)
     _build_te_seq(b, args.backends)
+    _build_compiled_te_seq(b, args)
     _build_peers(b, args)
     return b.variants, b.skipped
 
@@ -217,6 +272,27 @@ def _build_te_seq(b: _Builder, backends: list[str]) -> None:
                 b.attempt(name, lambda: TeSeqVariant(case, "cute", b.grad_mode, per_group=True))
         if b.grad_mode == "fresh":  # raw kernels own no parameters: no grad modes
             b.attempt(f"kernels:{backend}", lambda k=backend: _kernels_variant(case, k))
+
+
+def _build_compiled_te_seq(b: _Builder, args: argparse.Namespace) -> None:
+    """te_seq:<backend>:compiled[-ro] per --compile mode, for the backends whose eager variant
+    was built, in the grad modes that mode runs in (COMPILE_MODES; skipped, said why, in others)."""
+    built = {v.name for v in b.variants}
+    for backend in args.backends:
+        if f"te_seq:{backend}" not in built:
+            continue
+        for mode in args.compile:
+            suffix, grad_modes = COMPILE_MODES[mode]
+            name = f"te_seq:{backend}:{suffix}"
+            if b.grad_mode not in grad_modes:
+                note = f"--compile {mode} runs in grad modes {', '.join(grad_modes)} only"
+                b.skip(name, note, mode_label(b.grad_mode))
+                continue
+            compiler = args.compile_backend
+            b.attempt(
+                name,
+                lambda k=backend, m=mode: CompiledTeSeqVariant(b.case, k, b.grad_mode, m, compiler),
+            )
 
 
 def _build_peers(b: _Builder, args: argparse.Namespace) -> None:
@@ -318,10 +394,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--modes", default="fwd,fwd+bwd")
     p.add_argument(
+        "--compile",
+        default="",
+        help="also te_seq through torch.compile(fullgraph=True), per mode: comma list of "
+        f"{','.join(COMPILE_MODES)} (variants te_seq:<backend>:compiled, :compiled-ro)",
+    )
+    p.add_argument(
         "--compile-backend",
         default=None,
-        help="torch.compile backend of the compiled peers (default inductor; aot_eager in a dry "
-        "run: no C++ toolchain needed, the same tracing and autograd)",
+        help="torch.compile backend of the compiled peers and of --compile default (default "
+        "inductor; aot_eager in a dry run: no C++ toolchain needed, the same tracing and autograd)",
     )
     p.add_argument("--iters", type=int, default=20, help="timed runs per variant (median)")
     p.add_argument("--warmup", type=int, default=3)
@@ -349,15 +431,16 @@ def _resolve_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.shapes = _split(args.shapes or ("T,U" if args.dry_run else "A,B,Q,Z"))
     args.peers = list(PEER_FAMILIES) if args.peers == "all" else _split(args.peers)
     args.backends, args.modes = _split(args.backends), _split(args.modes)
-    args.grad_modes = _split(args.grad_mode)
+    args.grad_modes, args.compile = _split(args.grad_mode), _split(args.compile)
     unknown = (
         [s for s in args.shapes if s not in SHAPES]
         + [m for m in args.modes if m not in ("fwd", "fwd+bwd")]
         + [f for f in args.peers if f not in PEER_FAMILIES]
         + [g for g in args.grad_modes if g not in GRAD_MODES]
+        + [c for c in args.compile if c not in COMPILE_MODES]
     )
     if unknown:
-        p.error(f"unknown shapes/modes/peers/grad modes: {unknown}")
+        p.error(f"unknown shapes/modes/peers/grad modes/compile modes: {unknown}")
     cuda = torch.cuda.is_available() and not args.dry_run
     args.device = torch.device("cuda" if cuda else "cpu")
     args.dtype = torch.bfloat16 if cuda else torch.float32
@@ -433,6 +516,7 @@ def _meta(args: argparse.Namespace, peak: float, bandwidth: float, shapes: dict)
         "grad_modes": args.grad_modes,
         "peers": args.peers,
         "compile_backend": args.compile_backend,
+        "compile": args.compile,
         "iters": args.iters,
         "warmup": args.warmup,
         "burst": args.burst,

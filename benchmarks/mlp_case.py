@@ -157,6 +157,7 @@ class Variant:
     is_peer: bool = False  # a baseline (`vs` is against the best bf16 peer of the run)
     precision: str = "bf16"  # "fp8": quantizes its GEMM operands (not a bf16 baseline)
     check_tol: float | None = None  # overrides the dtype's tolerance (fp8, a bf16-only path)
+    times_host: bool = False  # also measure one call's host time (host_ms): te_seq variants
 
     def forward(self) -> Tensor:
         raise NotImplementedError

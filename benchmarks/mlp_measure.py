@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from _common import Result, rel_err, summarize, time_interleaved
+from _common import Result, rel_err, summarize, time_host, time_interleaved
 from mlp_case import Case, Variant
 from mlp_report import flops
 from torch import Tensor
@@ -66,7 +66,7 @@ def _check_once(v: Variant, ref: tuple[Tensor, ...]) -> float:
     """The largest relative error of (y of forward, y, dx, dW1, dW2[, dprobs])."""
     v.reset()
     with torch.no_grad():
-        y_fwd = v.forward()
+        y_fwd = v.forward().clone()  # a copy: CUDA-graph outputs are reused by the next call
     v.forward_backward()
     outs = (y_fwd, *v.outputs())
     if len(outs) != len(ref):
@@ -112,6 +112,8 @@ def measure_case(
                 if isinstance(latency.get(v.name), list) and latency[v.name]:
                     r.latency_runs = [round(t, 5) for t in latency[v.name]]
                     r.latency_ms = sorted(latency[v.name])[len(latency[v.name]) // 2]
+                if v.times_host:
+                    r.host_ms = time_host(fns[v.name], args.iters, args.device)
             elif v.name in runs:
                 r.note = f"timing failed: {runs[v.name]}"
             results.append(r)

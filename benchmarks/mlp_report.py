@@ -77,19 +77,21 @@ def print_table(results: Sequence[Result], peak_tflops: float, bandwidth_gbs: fl
     )
     print(
         f"{'shape':5} {'mode':18} {'variant':22} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6} "
-        f"{'vs':>5} {'GB':>7} {'%bw':>5} {'latency':>9}  note"
+        f"{'vs':>5} {'GB':>7} {'%bw':>5} {'latency':>9} {'host':>8}  note"
     )
     for r in results:
         print(
             f"{r.shape:5} {r.mode:18} {r.variant:22} {_cell(r.ms, '9.3f', 9)} "
             f"{_cell(r.tflops, '8.1f', 8)} {_cell(r.pct_peak, '6.1f', 6)} "
             f"{_cell(r.vs_best_peer, '5.2f', 5)} {_cell(r.bytes_bound_gb, '7.2f', 7)} "
-            f"{_cell(r.pct_bound, '5.1f', 5)} {_cell(r.latency_ms, '9.3f', 9)}  {r.note}"
+            f"{_cell(r.pct_bound, '5.1f', 5)} {_cell(r.latency_ms, '9.3f', 9)} "
+            f"{_cell(r.host_ms, '8.3f', 8)}  {r.note}"
         )
     best = {(r.shape, r.mode): r.best_peer for r in results if r.best_peer}
     print(
         "\nvs = the best bf16 peer's time / the variant's (same shape, mode); GB = bytes-moved "
-        "lower bound; %bw = its time at the copy bandwidth / the measured time"
+        "lower bound; %bw = its time at the copy bandwidth / the measured time; latency = one "
+        "call from an idle GPU to its end; host = one call until it returns (te_seq variants)"
     )
     for (shape, mode), peer in best.items():
         print(f"best peer {shape} {mode}: {peer}")

@@ -24,7 +24,7 @@ import mlp_measure  # noqa: E402
 import mlp_report  # noqa: E402
 import peer_quack  # noqa: E402
 import peers  # noqa: E402
-from _common import Result, time_interleaved  # noqa: E402
+from _common import Result, time_host, time_interleaved  # noqa: E402
 
 CPU_VARIANTS = ("te_seq:torch", "kernels:torch", "grouped_mm", "grouped_mm_compiled", "loop")
 
@@ -58,6 +58,8 @@ def test_bench_grouped_mlp_dry_run(tmp_path):
             assert r["max_rel_err"] <= r["check_tol"], r
             assert r["ms"] > 0 and r["latency_ms"] > 0 and len(r["latency_runs"]) == len(r["runs"])
             assert r["bytes_bound_gb"] > 0 and r["best_peer"] and r["vs_best_peer"] > 0
+            # host time per call: te_seq variants only
+            assert (r["host_ms"] is not None) == r["variant"].startswith("te_seq:"), r
     # the GPU-only variants are skipped, each with a reason naming what is missing
     notes = {r["variant"]: r["note"] for r in results if r["status"] == "skipped"}
     assert "quack-kernels" in notes["quack"]
@@ -83,6 +85,33 @@ def test_bench_grouped_mlp_dry_run_grad_modes_without_probs(tmp_path):
     assert ("T", "fwd+bwd:megatron", "kernels:torch") not in timed
     assert sum(r["mode"] == "fwd" for r in results if r["variant"] == "grouped_mm") == 1
     assert meta["act"] == "swiglu"
+
+
+@pytest.mark.slow  # a subprocess that compiles (aot_eager: no C++ build)
+def test_bench_grouped_mlp_compiled_variant_dry_run(tmp_path):
+    """--compile adds te_seq through torch.compile(fullgraph=True), checked against the
+    reference and timed with its latency and host time per call, in the grad modes it runs in
+    (fresh, accumulate); in megatron mode it is skipped, said why."""
+    _, meta, results = _dry_run(
+        tmp_path, "--shapes", "T", "--backends", "torch", "--peers", "loop", "--compile",
+        "default", "--compile-backend", "aot_eager", "--grad-mode", "fresh,accumulate,megatron",
+    )
+    compiled = [r for r in results if r["variant"] == "te_seq:torch:compiled"]
+    ok = [r for r in compiled if r["status"] == "ok"]
+    assert {r["mode"] for r in ok} == {"fwd", "fwd+bwd", "fwd+bwd:accumulate"}, results
+    assert all(r["latency_ms"] > 0 and r["host_ms"] > 0 for r in ok)
+    assert all(r["max_rel_err"] <= r["check_tol"] for r in ok)
+    (megatron,) = [r for r in compiled if r["mode"] == "fwd+bwd:megatron"]
+    assert megatron["status"] == "skipped" and "fresh, accumulate only" in megatron["note"]
+    eager = [r for r in results if r["variant"] == "te_seq:torch" and r["status"] == "ok"]
+    assert len(eager) == 4 and all(r["host_ms"] > 0 for r in eager)
+    assert meta["compile"] == ["default"] and meta["compile_backend"] == "aot_eager"
+
+
+def test_host_time_is_one_call_per_run():
+    calls = []
+    assert time_host(lambda: calls.append(1), iters=5, device=torch.device("cpu")) >= 0
+    assert len(calls) == 5
 
 
 def test_each_timed_run_is_one_burst_of_calls():
