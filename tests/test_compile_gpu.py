@@ -16,6 +16,11 @@ from torch._dynamo.utils import counters
 
 import te_seq
 from te_seq import ops
+from te_seq.run import compiled as te_seq_compiled
+
+needs_tracing = pytest.mark.skipif(
+    not te_seq_compiled.TRACEABLE, reason=te_seq_compiled.UNTRACEABLE_REASON
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -99,6 +104,7 @@ def assert_close(actual: list, expected: list, what: str) -> None:
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+@needs_tracing
 def test_fullgraph_matches_eager_without_recompiles(backend):
     mlp = make_mlp()
     counter = CountingBackend()
@@ -114,6 +120,7 @@ def test_fullgraph_matches_eager_without_recompiles(backend):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+@needs_tracing
 def test_reduce_overhead_replays_new_split_sizes(backend):
     """CUDA graphs (cudagraph trees): after warm-up and capture, each replay gets new device
     split sizes and must give what eager gives for them."""

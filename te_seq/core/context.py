@@ -105,7 +105,7 @@ class OperationContext:
     requires_grad: bool = False
     input_requires_grad: bool = False
     weight_requires_grad: bool = False
-    backend: Backend = REFERENCE
+    backend: Backend | None = None  # None: the reference (set in __post_init__)
     recipe: object | None = None
     process_group: object | None = None
     call_inputs: CallInputs | None = None
@@ -114,6 +114,12 @@ class OperationContext:
     to_save: tuple[Tensor | None, ...] = ()
     saved_versions: tuple[int, ...] = ()
     saved_tensors: tuple[Tensor | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        # The default is filled here, not in the field: torch.compile (torch 2.11) cannot trace a
+        # dataclass __init__ whose default is an object (measured on the GPU host, 2026-11-24).
+        if self.backend is None:
+            self.backend = REFERENCE
 
     def save_for_backward(self, *tensors: Tensor | None) -> None:
         self.to_save = tensors

@@ -18,6 +18,8 @@ guard), the contexts, the autograd bridge and the ops, whose GEMM kernels are op
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +29,23 @@ from torch import Tensor
 from te_seq.core.amp import AutocastState
 from te_seq.core.operation import FusibleOperation
 from te_seq.fusion.registry import list_fusions
+
+# Dynamo traces te_seq's fuser from torch 2.13 on. With torch 2.11 (the GPU host's, 2026-11-24)
+# tracing it fails in several places and, worse, some traced gradients came out wrong, so there
+# a whole te_seq Sequential runs eagerly at a graph break (`run_sequential_eagerly`): results are
+# exactly eager's, `fullgraph=True` is refused by dynamo.
+TRACEABLE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+UNTRACEABLE_REASON = (
+    f"te_seq is traced by torch.compile from torch 2.13 on; torch {torch.__version__} runs each "
+    "te_seq Sequential eagerly at a graph break"
+)
+
+
+@torch.compiler.disable
+def run_sequential_eagerly(module: Any, input_: Tensor, *extra_inputs: Any) -> Any:
+    """A Sequential's eager forward, at a graph break (torch older than 2.13)."""
+    return module(input_, *extra_inputs)
+
 
 # `fuser` arguments are run/fuser.py's Fuser (not imported: fuser.py imports this module).
 Fuser = Any
@@ -84,10 +103,33 @@ def _stand_in(facts: list) -> Any:
     return t.requires_grad_() if requires_grad else t
 
 
+# Objects that traced code hands to the functions below by an integer token: dynamo passes
+# only constants to `assume_constant_result` functions, and torch 2.11 does not take a module
+# or a plain object as one (measured on the GPU host, 2026-11-24: "UnspecializedNNModuleVariable
+# (Sequential) is not a constant"). A token is an int attribute of its object, weakly mapped back.
+_OBJECTS: dict[int, weakref.ref] = {}
+_TOKENS = itertools.count()
+
+
+def token_for(obj: object) -> int:
+    """A new token naming `obj` (its owner stores it; a copy must ask for its own)."""
+    token = next(_TOKENS)
+    _OBJECTS[token] = weakref.ref(obj, lambda _, t=token: _OBJECTS.pop(t, None))
+    return token
+
+
+def _object(token: int) -> Any:
+    obj = _OBJECTS[token]()
+    if obj is None:
+        raise RuntimeError(f"te_seq: the object of compile token {token} was freed")
+    return obj
+
+
 @torch._dynamo.assume_constant_result
-def ensure_plan(fuser: Fuser, key: tuple) -> int:
-    """The index in `fuser.compiled_plans` of the plan for `key`, built now if new (real Python
-    at trace time; dynamo treats the index as a constant)."""
+def ensure_plan(token: int, key: tuple) -> int:
+    """The index in the Fuser's `compiled_plans` of the plan for `key`, built now if new (real
+    Python at trace time; dynamo treats the index as a constant). `token`: the Fuser's."""
+    fuser = _object(token)
     for index, (known, _) in enumerate(fuser.compiled_plans):
         if known == key:
             return index
@@ -104,10 +146,10 @@ def ensure_plan(fuser: Fuser, key: tuple) -> int:
 
 
 @torch._dynamo.assume_constant_result
-def prepare(module: Any) -> int:
-    """`module.prepare_runs()` as real Python at trace time (a Sequential's Fusers must be real
+def prepare(token: int) -> int:
+    """The Sequential's `prepare_runs()` as real Python at trace time (its Fusers must be real
     objects, not ones dynamo builds symbolically); the result, 0, is a constant."""
-    module.prepare_runs()
+    _object(token).prepare_runs()
     return 0
 
 

@@ -23,7 +23,6 @@ from te_seq.fusion.plan import FusionPlan, PlanMiss, PlanStep
 from te_seq.fusion.registry import registry_version
 from te_seq.kernels import backend as kernel_backends
 from te_seq.kernels.backend import Backend, BackendChoice
-from te_seq.kernels.reference import REFERENCE
 from te_seq.kernels.traced import traced
 from te_seq.run import compiled
 from te_seq.run.step_checks import checked_backward, checked_forward
@@ -100,6 +99,12 @@ class Fuser:
         self._cache: RunPlan | None = None
         self.last_plan: FusionPlan | None = None
         self.compiled_plans: list[tuple[tuple, RunPlan]] = []  # (key, plan) found while tracing
+        self.compile_token = compiled.token_for(self)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (deepcopy, pickle) gets a compile token of its own."""
+        self.__dict__.update(state)
+        self.compile_token = compiled.token_for(self)
 
     # --- planning ---------------------------------------------------------------------------
     def _key(
@@ -219,7 +224,7 @@ class Fuser:
         with_backward = any(ctx.requires_grad for ctx in ctxs)
         flat_extra = [t for group in extra for t in group]
         key = self._key(input_, flat_extra, with_backward, autocast)
-        index = compiled.ensure_plan(self, key)
+        index = compiled.ensure_plan(self.compile_token, key)
         plan = self.compiled_plans[index][1]
         if plan.eager_reason:
             return compiled.run_eagerly(self, input_, extra, call_inputs)
@@ -271,9 +276,8 @@ def new_contexts(
         weight_grad = grad_on and any(p.requires_grad for p in op.fuser_parameters())
         extra_grad = grad_on and any(isinstance(t, Tensor) and t.requires_grad for t in op_extra)
         requires_grad = running or weight_grad or extra_grad
-        # The backend is passed (not the field's default) so dynamo sees a module global.
         ctxs.append(OperationContext(requires_grad=requires_grad, input_requires_grad=running,
-                                     weight_requires_grad=weight_grad, backend=REFERENCE,
+                                     weight_requires_grad=weight_grad,
                                      call_inputs=call_inputs, autocast=autocast))
         running = requires_grad
     return ctxs

@@ -32,6 +32,12 @@ class Sequential(torch.nn.Sequential):
         self._runs: list[Run] = []
         self._last_plan: FusionPlan | None = None
         self._plan_parts: list[FusionPlan] = []
+        self._compile_token = compiled.token_for(self)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (deepcopy, pickle) gets a compile token of its own."""
+        super().__setstate__(state)
+        self._compile_token = compiled.token_for(self)
 
     # --- structure --------------------------------------------------------------------------
     def _flat_modules(self) -> Iterator[torch.nn.Module]:
@@ -57,13 +63,15 @@ class Sequential(torch.nn.Sequential):
 
     def _current_runs(self) -> list[Run]:
         if torch.compiler.is_compiling():
-            compiled.prepare(self)  # real Python at trace time: the Fusers are real objects
+            compiled.prepare(self._compile_token)  # real Python at trace time
         else:
             self.prepare_runs()
         return self._runs
 
     # --- running ----------------------------------------------------------------------------
     def forward(self, input_: Tensor, *extra_inputs: Any) -> Tensor | tuple[Tensor, ...]:
+        if torch.compiler.is_compiling() and not compiled.TRACEABLE:
+            return compiled.run_sequential_eagerly(self, input_, *extra_inputs)
         runs = self._current_runs()
         per_op = _distribute_extra_inputs(self.basic_ops(), extra_inputs)
         call_inputs = CallInputs(input_, extra_inputs, self.parameters)
