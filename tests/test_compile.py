@@ -12,10 +12,11 @@ a test that hit the recompile limit would silently run eagerly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
+from compile_helpers import CountingBackend, fresh_dynamo  # noqa: F401 (autouse)
 from op_specs import SPECS, build_case, floating, leaves_of, missing_op
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
@@ -31,27 +32,6 @@ F64 = torch.float64
 needs_tracing = pytest.mark.skipif(
     not te_seq_compiled.TRACEABLE, reason=te_seq_compiled.UNTRACEABLE_REASON
 )
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
-class CountingBackend:
-    """A torch.compile backend that counts the graphs it compiles (frames and recompiles),
-    then hands them to a real backend ("aot_eager" or "inductor")."""
-
-    def __init__(self, inner: str = "aot_eager") -> None:
-        self.inner = torch._dynamo.lookup_backend(inner)
-        self.graphs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        self.graphs += 1
-        return self.inner(gm, example_inputs)
 
 
 def graph_breaks() -> int:

@@ -8,10 +8,9 @@ Run on the GPU host: bash tests/run_gpu_tests.sh (one process per file).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
+from compile_helpers import CountingBackend, fresh_dynamo  # noqa: F401 (autouse)
 from torch._dynamo.utils import counters
 
 import te_seq
@@ -32,26 +31,6 @@ GPU_BACKENDS = [b for b in ("torch", "cute") if te_seq.kernels.backend_available
 E, H, F, T = 8, 256, 256, 1000
 BF16 = torch.bfloat16
 TOL = 2e-2  # relative error (norm of the difference over the norm) for bf16
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
-class CountingBackend:
-    """Counts the graphs dynamo hands over (first compile and every recompile)."""
-
-    def __init__(self, inner: str = "inductor") -> None:
-        self.inner = torch._dynamo.lookup_backend(inner)
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self.inner(gm, example_inputs)
 
 
 def make_mlp(**kwargs) -> te_seq.Sequential:
@@ -107,7 +86,7 @@ def assert_close(actual: list, expected: list, what: str) -> None:
 @needs_tracing
 def test_fullgraph_matches_eager_without_recompiles(backend):
     mlp = make_mlp()
-    counter = CountingBackend()
+    counter = CountingBackend("inductor")
     compiled = torch.compile(mlp, backend=counter, fullgraph=True)
     with te_seq.backend(backend):
         for seed in range(3):  # new split sizes each call
