@@ -121,15 +121,23 @@ def mlp_inputs(mlp: te_seq.Sequential, splits: list[int]) -> tuple[torch.Tensor,
     return x, (s, probs, s) if scaled else (s, s)
 
 
-def check_mlp_fullgraph(mlp, backend: str, inner: str = "aot_eager", exact: bool = True):
+def check_mlp_fullgraph(
+    mlp, backend: str, inner: str = "aot_eager", exact: bool = True, compiled_first: bool = False
+):
+    """Compiled vs eager on every split of SPLITS; `compiled_first`: the compiled call of each
+    split runs before the eager one (an eager call between two compiled calls must not make the
+    next one recompile)."""
     counter = CountingBackend(inner)
     compiled = torch.compile(mlp, backend=counter, fullgraph=True)
     with te_seq.backend(backend):
         for splits in SPLITS:
             x, extras = mlp_inputs(mlp, splits)
             leaves = [x, *[e for e in extras if floating(e)], *mlp.parameters()]
+            if compiled_first:
+                traced = run_with_grads(compiled, x, extras, leaves)
             eager = run_with_grads(mlp, x, extras, leaves)
-            traced = run_with_grads(compiled, x, extras, leaves)
+            if not compiled_first:
+                traced = run_with_grads(compiled, x, extras, leaves)
             assert_same(eager[0], traced[0], exact, f"outputs, splits {splits}")
             assert_same(eager[1], traced[1], exact, f"grads, splits {splits}")
     assert [s.name for s in mlp.fusion_plan().forward] == ["GroupedMLP"]
@@ -141,6 +149,11 @@ def check_mlp_fullgraph(mlp, backend: str, inner: str = "aot_eager", exact: bool
 @needs_tracing
 def test_grouped_mlp_fullgraph_no_recompile():
     check_mlp_fullgraph(grouped_mlp(), "torch")
+
+
+@needs_tracing
+def test_grouped_mlp_fullgraph_compiled_first_no_recompile():
+    check_mlp_fullgraph(grouped_mlp(), "torch", compiled_first=True)
 
 
 @pytest.mark.slow

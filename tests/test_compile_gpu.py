@@ -107,6 +107,8 @@ def test_reduce_overhead_replays_new_split_sizes(backend):
     compiled = torch.compile(mlp, mode="reduce-overhead", fullgraph=True)
     with te_seq.backend(backend):
         expected = {seed: step(mlp, mlp, seed) for seed in range(6)}
+        # eager runs on the torch backend compile their elementwise pass (counted graphs too)
+        counters["stats"].clear()
         for seed in range(6):  # seeds 0-2 warm up and record, 3-5 replay
             torch.compiler.cudagraph_mark_step_begin()
             assert_close(step(compiled, mlp, seed), expected[seed], f"seed {seed}")

@@ -30,20 +30,19 @@ from te_seq.core.amp import AutocastState
 from te_seq.core.operation import FusibleOperation
 from te_seq.fusion.registry import list_fusions
 
-# Dynamo traces te_seq's fuser from torch 2.13 on. With torch 2.11 (the GPU host's, 2026-11-24)
-# tracing it fails in several places and, worse, some traced gradients came out wrong, so there
-# a whole te_seq Sequential runs eagerly at a graph break (`run_sequential_eagerly`): results are
-# exactly eager's, `fullgraph=True` is refused by dynamo.
-TRACEABLE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+# Dynamo traces te_seq's fuser from torch 2.11 on (tested: 2.11 and 2.13). Older torch runs a
+# whole te_seq Sequential eagerly at a graph break (`run_sequential_eagerly`): results are exactly
+# eager's, `fullgraph=True` is refused by dynamo.
+TRACEABLE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11)
 UNTRACEABLE_REASON = (
-    f"te_seq is traced by torch.compile from torch 2.13 on; torch {torch.__version__} runs each "
+    f"te_seq is traced by torch.compile from torch 2.11 on; torch {torch.__version__} runs each "
     "te_seq Sequential eagerly at a graph break"
 )
 
 
 @torch.compiler.disable
 def run_sequential_eagerly(module: Any, input_: Tensor, *extra_inputs: Any) -> Any:
-    """A Sequential's eager forward, at a graph break (torch older than 2.13)."""
+    """A Sequential's eager forward, at a graph break (torch older than 2.11)."""
     return module(input_, *extra_inputs)
 
 
@@ -103,22 +102,24 @@ def _stand_in(facts: list) -> Any:
     return t.requires_grad_() if requires_grad else t
 
 
-# Objects that traced code hands to the functions below by an integer token: dynamo passes
+# Objects that traced code hands to the functions below by a token: dynamo passes
 # only constants to `assume_constant_result` functions, and torch 2.11 does not take a module
 # or a plain object as one (measured on the GPU host, 2026-11-24: "UnspecializedNNModuleVariable
-# (Sequential) is not a constant"). A token is an int attribute of its object, weakly mapped back.
-_OBJECTS: dict[int, weakref.ref] = {}
+# (Sequential) is not a constant"). A token is a str attribute of its object, weakly mapped back:
+# a str, not an int, since dynamo may turn an int attribute that differs between objects of the
+# same code into a symbolic int (then "SymNodeVariable() is not a constant").
+_OBJECTS: dict[str, weakref.ref] = {}
 _TOKENS = itertools.count()
 
 
-def token_for(obj: object) -> int:
+def token_for(obj: object) -> str:
     """A new token naming `obj` (its owner stores it; a copy must ask for its own)."""
-    token = next(_TOKENS)
+    token = f"te_seq-{next(_TOKENS)}"
     _OBJECTS[token] = weakref.ref(obj, lambda _, t=token: _OBJECTS.pop(t, None))
     return token
 
 
-def _object(token: int) -> Any:
+def _object(token: str) -> Any:
     obj = _OBJECTS[token]()
     if obj is None:
         raise RuntimeError(f"te_seq: the object of compile token {token} was freed")
@@ -126,7 +127,7 @@ def _object(token: int) -> Any:
 
 
 @torch._dynamo.assume_constant_result
-def ensure_plan(token: int, key: tuple) -> int:
+def ensure_plan(token: str, key: tuple) -> int:
     """The index in the Fuser's `compiled_plans` of the plan for `key`, built now if new (real
     Python at trace time; dynamo treats the index as a constant). `token`: the Fuser's."""
     fuser = _object(token)
@@ -146,7 +147,7 @@ def ensure_plan(token: int, key: tuple) -> int:
 
 
 @torch._dynamo.assume_constant_result
-def prepare(token: int) -> int:
+def prepare(token: str) -> int:
     """The Sequential's `prepare_runs()` as real Python at trace time (its Fusers must be real
     objects, not ones dynamo builds symbolically); the result, 0, is a constant."""
     _object(token).prepare_runs()

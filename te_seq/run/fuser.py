@@ -467,6 +467,16 @@ def _not_a_view(t: Tensor | None) -> Tensor | None:
     return t
 
 
+def _own_output(t: Tensor, inputs: Sequence[Any]) -> Tensor:
+    """A traced forward's output as a tensor of its own (`detach`, no copy) unless it is one of
+    the inputs: torch 2.11's dynamo mistakes an output that is the same tensor as an
+    intermediate (e.g. `y.to(y.dtype)` returns `y`) for two outputs, and its gradient arrives
+    as zeros."""
+    if not isinstance(t, Tensor) or any(t is a for a in inputs):
+        return t
+    return t.detach()
+
+
 class _FuserFunction(torch.autograd.Function):
     """The single autograd bridge: forward and backward of one run of ops."""
 
@@ -487,6 +497,8 @@ class _FuserFunction(torch.autograd.Function):
         func_ctx.save_for_backward(*to_save)
         func_ctx.call = call
         flat_out = [t for op_out in extra_out for t in op_out]
+        if call.traced:
+            return tuple(_own_output(t, args) for t in (output, *flat_out))
         return (output, *flat_out)
 
     @staticmethod

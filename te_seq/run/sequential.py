@@ -89,7 +89,13 @@ class Sequential(torch.nn.Sequential):
         return (x, *extra_outputs) if extra_outputs else x
 
     def _joined_plan(self, plans: list[FusionPlan]) -> FusionPlan:
-        """The whole plan; the same object as last call when no run's cached plan changed."""
+        """The whole plan; the same object as last call when no run's cached plan changed.
+
+        While tracing, the plan is joined without reading what the last call left: a graph
+        would otherwise guard on it, and an eager call between two compiled ones would make
+        the next compiled call recompile."""
+        if torch.compiler.is_compiling():
+            return plans[0] if len(plans) == 1 else FusionPlan.concat(plans)
         if len(plans) == len(self._plan_parts) and all(
             a is b for a, b in zip(plans, self._plan_parts)
         ):

@@ -41,6 +41,7 @@ class GroupedMLP(FusedOperation):
     def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
         super().__init__(basic_ops)
         self.fc1, self.activation, self.fc2 = basic_ops
+        self._epilogue_memo: dict = {}
 
     def kernel_needs(self) -> list[KernelNeed]:
         """Every GEMM of forward and backward (the activation maths runs on every backend)."""
@@ -61,7 +62,7 @@ class GroupedMLP(FusedOperation):
         # Keyed by name: under torch.compile the same backend comes wrapped (kernels.traced),
         # and the traced call must find the plan's decision without adding to the memo.
         key = (backend.name, dtype, device, self.activation.plan_facts())
-        memo = self.__dict__.setdefault("_epilogue_memo", {})
+        memo = self._epilogue_memo  # a plain dict attribute: dynamo reads it while tracing
         if key not in memo:
             memo[key] = self._epilogue_decision(backend, dtype, device)
         return memo[key]
