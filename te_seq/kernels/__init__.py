@@ -40,6 +40,7 @@ __all__ = [
     "GluSpec",
     "KernelNeed",
     "activation",
+    "as_rows",
     "backend_available",
     "backend_names",
     "choose_backend",
@@ -53,6 +54,12 @@ __all__ = [
     "split_offsets",
     "unregister_backend",
 ]
+
+
+def as_rows(t: Tensor, width: int) -> Tensor:
+    """`t` as rows [T, width]: `t` itself when it already is 2-D (a reshape would be a view,
+    which a traced forward must copy before saving it), else the reshape."""
+    return t if t.dim() == 2 else t.reshape(-1, width)
 
 
 def split_offsets(split_sizes: Tensor, device: torch.device) -> Tensor:

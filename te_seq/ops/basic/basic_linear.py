@@ -17,6 +17,7 @@ from te_seq.core.grad_policy import (
     WgradRequest,
 )
 from te_seq.core.operation import BasicOperation
+from te_seq.kernels import as_rows
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class BasicLinear(GradContractMixin, BasicOperation):
         return amp.cast(x, dtype), amp.cast(self.weight, dtype)
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
-        x, w = self.operands(ctx, input_.reshape(-1, self.in_features))  # [T, in], [out, in]
+        x, w = self.operands(ctx, as_rows(input_, self.in_features))  # [T, in], [out, in]
         y = x @ w.t()  # [T, out]
         self.save(ctx, x, input_.shape, w, input_.dtype)
         return y.reshape(*input_.shape[:-1], self.out_features)

@@ -20,6 +20,7 @@ from te_seq.core.grad_policy import (
     WgradRequest,
 )
 from te_seq.core.operation import BasicOperation
+from te_seq.kernels import as_rows
 from te_seq.kernels.backend import Backend, KernelNeed
 from te_seq.ops.basic._grouped_params import ParamBlock, block_of
 from te_seq.ops.basic.basic_linear import init_linear_weight_
@@ -372,7 +373,7 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         ctx = basic_op_ctxs[0]
         splits, *rest = basic_op_extra_inputs[0]
         scales = rest[0] if rest else None
-        x, weight = self.operands(ctx, input_.reshape(-1, self.in_features))  # [T, K], [G, N, K]
+        x, weight = self.operands(ctx, as_rows(input_, self.in_features))  # [T, K], [G, N, K]
         offs = self.offsets(splits, input_)
         y = ctx.backend.grouped_mm(x, weight.transpose(1, 2), offs)  # y_g = x_g W_gᵀ
         bias = self.bias_rows(offs, x.shape[0], scales, x.dtype)

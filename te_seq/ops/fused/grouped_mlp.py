@@ -19,6 +19,7 @@ from te_seq.core.context import OperationContext
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.matcher import same_extra_input
 from te_seq.fusion.registry import NoMatch, register_fusion
+from te_seq.kernels import as_rows
 from te_seq.kernels.backend import Backend, KernelNeed
 from te_seq.ops.basic.activation import Activation
 from te_seq.ops.basic.grouped_linear import GroupedLinear
@@ -127,7 +128,7 @@ class GroupedMLP(FusedOperation):
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
         ctx = basic_op_ctxs[0]
         extras = self._unpack(basic_op_extra_inputs)
-        x, w1 = self.fc1.operands(ctx, input_.reshape(-1, self.fc1.in_features))  # [T, H]
+        x, w1 = self.fc1.operands(ctx, as_rows(input_, self.fc1.in_features))  # [T, H]
         w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
         offs = self.fc1.offsets(extras.splits, input_)
         probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]

@@ -13,6 +13,7 @@ import torch
 from te_seq.core import amp
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import NoMatch, register_fusion
+from te_seq.kernels import as_rows
 from te_seq.kernels.backend import KernelNeed
 from te_seq.ops.basic.activation import Activation
 from te_seq.ops.basic.basic_linear import BasicLinear
@@ -40,7 +41,7 @@ class LinearBiasActivation(FusedOperation):
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
         linear_ctx, _, act_ctx = basic_op_ctxs
         act_extra = basic_op_extra_inputs[2]
-        x = input_.reshape(-1, self.linear.in_features)  # [T, K]
+        x = as_rows(input_, self.linear.in_features)  # [T, K]
         x, w = self.linear.operands(linear_ctx, x)  # in the compute dtype (core/amp.py)
         h = torch.addmm(amp.cast(self.bias.bias, x.dtype), x, w.t())  # h = b + X Wᵀ   [T, N]
         self.linear.save(linear_ctx, x, input_.shape, w, input_.dtype)

@@ -14,6 +14,7 @@ from torch import Tensor
 from te_seq.core import amp
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.registry import NoMatch, register_fusion
+from te_seq.kernels import as_rows
 from te_seq.ops.basic.add_extra_input import AddExtraInput
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
@@ -39,7 +40,7 @@ class LinearBiasAdd(FusedOperation):
         linear_ctx, _, add_ctx = basic_op_ctxs
         (extra,) = basic_op_extra_inputs[2]
         n = self.linear.out_features
-        x, w = self.linear.operands(linear_ctx, input_.reshape(-1, self.linear.in_features))
+        x, w = self.linear.operands(linear_ctx, as_rows(input_, self.linear.in_features))
         out_shape = (*input_.shape[:-1], n)
         proxy = shape_proxy(out_shape, x)  # stands for x Wᵀ + b, which is never materialised
         self.add.pre_forward_checks(proxy, (extra,))
