@@ -266,6 +266,35 @@ def _norm_specs() -> list[OpSpec]:
     return specs
 
 
+class _ReshapeThenNorm(te_seq.Sequential):
+    """Reshape [..., 8] -> [-1, 2, 4], then a norm over (2, 4); resets the norm's parameters."""
+
+    def reset_parameters(self) -> None:
+        self[1].reset_parameters()
+
+
+def _multi_dim_norm_specs() -> list[OpSpec]:
+    """Norms over the last two dims (normalized_shape (2, 4)) after a Reshape of [..., 8]."""
+    def build(cls: str, zero_centered: bool):
+        return lambda dtype, device: _ReshapeThenNorm(
+            op("Reshape")((-1, 2, H // 2)),
+            op(cls)((2, H // 2), eps=1e-5, zero_centered_gamma=zero_centered, dtype=dtype,
+                    device=device))
+
+    def layer_norm(p: Params, x: Tensor) -> Tensor:
+        return F.layer_norm(x.reshape(-1, 2, H // 2), (2, H // 2), p["1.weight"], p["1.bias"],
+                            1e-5)
+
+    def rms_norm(p: Params, x: Tensor) -> Tensor:
+        return F.rms_norm(x.reshape(-1, 2, H // 2), (2, H // 2), p["1.weight"] + 1, 1e-5)
+
+    return [
+        OpSpec("LayerNorm-shape2x4", "LayerNorm", build("LayerNorm", False), H, layer_norm),
+        OpSpec("RMSNorm-shape2x4-zero_centered_gamma", "RMSNorm", build("RMSNorm", True), H,
+               rms_norm),
+    ]
+
+
 def _shape_specs() -> list[OpSpec]:
     def plain(name: str, *args, **kwargs):
         return lambda dtype, device: op(name)(*args, **kwargs)
@@ -290,8 +319,95 @@ def _shape_specs() -> list[OpSpec]:
     ]
 
 
+def qgelu_ref(x: Tensor) -> Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def srelu_ref(x: Tensor) -> Tensor:
+    return F.relu(x).square()
+
+
+def ref_torch_glu(interleave: int | None = None):
+    """TE's GLU gates with the first half, torch's F.glu with the second: swap the halves."""
+    def reference(p: Params, x: Tensor) -> Tensor:
+        gate, up = gate_up(x, interleave)
+        return F.glu(torch.cat([up, gate], -1), dim=-1)
+
+    return reference
+
+
+def ref_clamped_swiglu(limit: float, alpha: float, offset: float, interleave: int | None,
+                       scaled: bool = False):
+    """GPT-OSS's SwiGLU written out: gate clamped above, up clamped to ±limit, (up + offset)."""
+    def reference(p: Params, x: Tensor, scales: Tensor | None = None) -> Tensor:
+        gate, up = gate_up(x, interleave)
+        gate = gate.clamp(max=limit)
+        y = gate * torch.sigmoid(alpha * gate) * (up.clamp(min=-limit, max=limit) + offset)
+        return y * scales.reshape(x.shape[:-1]).unsqueeze(-1) if scaled else y
+
+    return reference
+
+
+def ref_situglu(beta1: float, beta2: float, interleave: int | None, scaled: bool = False):
+    def reference(p: Params, x: Tensor, scales: Tensor | None = None) -> Tensor:
+        gate, up = gate_up(x, interleave)
+        y = beta1 * torch.tanh(gate / beta1) * torch.sigmoid(gate) * beta2 * torch.tanh(up / beta2)
+        return y * scales.reshape(x.shape[:-1]).unsqueeze(-1) if scaled else y
+
+    return reference
+
+
+def _te_activation_specs() -> list[OpSpec]:
+    """TransformerEngine's other activations. Clamps and caps are small so random data hits them."""
+    def make(cls: str, *args, **kwargs):
+        return lambda dtype, device: op(cls)(*args, **kwargs)
+
+    no_extras, scaled = (lambda s, d: ()), scales_factory
+    clamp = dict(limit=0.8, alpha=1.3, glu_linear_offset=0.5)
+    caps = dict(beta1=1.5, beta2=2.0)
+    rows = [  # (id, class, builder, reference, extras)
+        ("GLU", "GLU", make("GLU"), ref_torch_glu(), no_extras),
+        ("GLU-interleave2", "GLU", make("GLU", glu_interleave_size=2), ref_torch_glu(2),
+         no_extras),
+        ("QGELU", "QGELU", make("QGELU"), ref_elementwise(qgelu_ref), no_extras),
+        ("QGEGLU", "QGEGLU", make("QGEGLU"), ref_glu(qgelu_ref), no_extras),
+        ("SReLU", "SReLU", make("SReLU"), ref_elementwise(srelu_ref), no_extras),
+        ("SReGLU", "SReGLU", make("SReGLU"), ref_glu(srelu_ref), no_extras),
+        ("ScaledSReLU", "ScaledSReLU", make("ScaledSReLU"),
+         lambda p, x, s: srelu_ref(x) * s.reshape(x.shape[:-1]).unsqueeze(-1), scaled),
+        ("ClampedSwiGLU", "ClampedSwiGLU", make("ClampedSwiGLU", **clamp),
+         ref_clamped_swiglu(0.8, 1.3, 0.5, None), no_extras),
+        ("ClampedSwiGLU-gpt_oss_interleave1", "ClampedSwiGLU",
+         make("ClampedSwiGLU", limit=0.8, glu_interleave_size=1),
+         ref_clamped_swiglu(0.8, 1.702, 1.0, 1), no_extras),
+        ("ScaledClampedQGeGLU-interleave2", "ScaledClampedQGeGLU",
+         make("ScaledClampedQGeGLU", 2, **clamp), ref_clamped_swiglu(0.8, 1.3, 0.5, 2, True),
+         scaled),
+        ("SiTUGLU", "SiTUGLU", make("SiTUGLU", **caps), ref_situglu(1.5, 2.0, None), no_extras),
+        ("ScaledSiTUGLU", "ScaledSiTUGLU", make("ScaledSiTUGLU", **caps),
+         ref_situglu(1.5, 2.0, None, True), scaled),
+    ]
+    return [OpSpec(label, cls, build, H, ref, extras) for label, cls, build, ref, extras in rows]
+
+
+def ref_l2_normalization(eps: float):
+    """TE's L2 norm: x / sqrt(Σ x² + eps) (eps inside the root, unlike F.normalize)."""
+    return lambda p, x: x / torch.sqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True) ** 2
+                                       + eps)
+
+
+def _l2_specs() -> list[OpSpec]:
+    return [
+        OpSpec("L2Normalization", "L2Normalization",
+               lambda dtype, device: op("L2Normalization")(), H, ref_l2_normalization(1e-6)),
+        OpSpec("L2Normalization-eps0.5", "L2Normalization",
+               lambda dtype, device: op("L2Normalization")(eps=0.5), H, ref_l2_normalization(0.5)),
+    ]
+
+
 SPECS: list[OpSpec] = (
     _linear_specs() + _grouped_specs() + _activation_specs() + _norm_specs() + _shape_specs()
+    + _te_activation_specs() + _l2_specs() + _multi_dim_norm_specs()
 )
 
 # Every basic op in te_seq.ops must have at least one spec (a new op without one fails here).
@@ -299,6 +415,8 @@ API_BASIC_OPS = (
     "BasicLinear", "Bias", "Linear", "GroupedLinear", "SwiGLU", "ScaledSwiGLU", "GELU", "ReLU",
     "SiLU", "GEGLU", "ReGLU", "LayerNorm", "RMSNorm", "Identity", "Reshape", "ConstantScale",
     "Dropout", "AddExtraInput", "MakeExtraOutput",
+    "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU", "ScaledSReLU", "ClampedSwiGLU",
+    "ScaledClampedQGeGLU", "SiTUGLU", "ScaledSiTUGLU", "L2Normalization",
 )
 
 

@@ -45,7 +45,9 @@ def test_table_derivative_matches_autograd(name: str) -> None:
 def test_cute_lists_derive_from_the_table() -> None:
     from te_seq.kernels.cute import glu
 
-    assert glu._ACTS == epilogue_activations() == ("gelu", "silu", "relu")
+    assert glu._ACTS == epilogue_activations() == (
+        "gelu", "silu", "relu", "sigmoid", "qgelu", "srelu"
+    )
 
 
 def test_unknown_activation_name_says_which_exist() -> None:

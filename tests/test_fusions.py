@@ -88,6 +88,12 @@ FACTORIES: dict[str, Callable[[type, int, type | None], Built]] = {
                                  lambda shared: (torch.randn(T, shared["width"],
                                                              dtype=torch.float64),)),
     "MakeExtraOutput": _same_width(lambda w: ops.MakeExtraOutput()),
+    "GLU": _gated, "QGEGLU": _gated, "SReGLU": _gated, "ClampedSwiGLU": _gated,
+    "ScaledClampedQGeGLU": _gated, "SiTUGLU": _gated, "ScaledSiTUGLU": _gated,
+    "QGELU": _same_width(lambda w: ops.QGELU()),
+    "SReLU": _same_width(lambda w: ops.SReLU()),
+    "ScaledSReLU": _same_width(lambda w: ops.ScaledSReLU(),
+                               lambda shared: (_rand_rows(shared),)),
 }
 
 
@@ -430,7 +436,10 @@ def test_list_fusions_records() -> None:
     assert mlp.phase == "joint" and mlp.enabled
     assert mlp.pattern[0] is ops.GroupedLinear and mlp.pattern[2] is ops.GroupedLinear
     assert set(_concrete(mlp.pattern[1])) == {ops.SwiGLU, ops.ScaledSwiGLU, ops.GEGLU, ops.ReGLU,
-                                              ops.GELU, ops.ReLU, ops.SiLU}
+                                              ops.GELU, ops.ReLU, ops.SiLU, ops.GLU, ops.QGELU,
+                                              ops.QGEGLU, ops.SReLU, ops.SReGLU, ops.ScaledSReLU,
+                                              ops.ClampedSwiGLU, ops.ScaledClampedQGeGLU,
+                                              ops.SiTUGLU, ops.ScaledSiTUGLU}
     assert set(_concrete(mlp.pattern[1])) == set(activation_ops())
 
 

@@ -135,7 +135,7 @@ def test_grouped_mlp_matches_reference(backend, act, bias):
     model = _mlp(len(sizes), 128, 96, act, bias, dtype)
     x = torch.randn(sum(sizes), 128, device="cuda", dtype=dtype)
     extras = [splits]
-    if act is ops.ScaledSwiGLU:
+    if act.row_scales:
         extras.append(torch.rand(sum(sizes), device="cuda", dtype=dtype))
     extras.append(splits)
     plan = _compare(model, x, extras, backend, dtype)
@@ -200,7 +200,7 @@ def test_grouped_mlp_epilogue_fusion_matches_reference(act, interleave):
     model[1].glu_interleave_size = interleave
     x = torch.randn(sum(sizes), 128, device="cuda", dtype=dtype)
     extras = [splits]
-    if act is ops.ScaledSwiGLU:
+    if act.row_scales:
         extras.append(torch.rand(sum(sizes), device="cuda", dtype=torch.float32))
     extras.append(splits)
     plan = _compare(model, x, extras, "cute", dtype)

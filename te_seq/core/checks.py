@@ -94,24 +94,29 @@ def param_device(op: object, device: object) -> torch.device | None:
         ) from None
 
 
-def normalized_size(op: object, normalized_shape: object) -> int:
-    """A norm's size from an int or a 1-element sequence (te_seq norms: last dim only)."""
+def normalized_dims(op: object, normalized_shape: object) -> tuple[int, ...]:
+    """A norm's trailing dims from an int or a non-empty sequence of positive ints (as torch's
+    `normalized_shape`: the last len(shape) dimensions are normalized together)."""
     value = normalized_shape
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        if len(value) != 1:
-            raise ValueError(
-                f"{op_name(op)}: normalized_shape must be an int or a 1-tuple (the last "
-                f"dimension), got {normalized_shape!r}"
-            )
-        value = value[0]
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    dims = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else (value,)
+    if not dims or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) for d in dims):
         raise TypeError(
-            f"{op_name(op)}: normalized_shape must be an int or a 1-tuple (the last dimension), "
+            f"{op_name(op)}: normalized_shape must be an int or a non-empty tuple of ints, "
             f"got {normalized_shape!r}"
         )
-    if value <= 0:
+    if any(d <= 0 for d in dims):
         raise ValueError(f"{op_name(op)}: normalized_shape must be positive, got {value}")
-    return int(value)
+    return tuple(int(d) for d in dims)
+
+
+def check_trailing_dims(op: object, input_: Tensor, dims: tuple[int, ...]) -> None:
+    """The input's last len(dims) dimensions must equal a norm's normalized_shape `dims`."""
+    shape = tuple(input_.shape)
+    if shape[len(shape) - len(dims):] != dims or len(shape) < len(dims):
+        raise ValueError(
+            f"{op_name(op)}: input has trailing dimensions {shape[-len(dims):]} (shape {shape}), "
+            f"but normalized_shape={dims}"
+        )
 
 
 def shape_spec(op: object, shape: object) -> tuple[int, ...]:

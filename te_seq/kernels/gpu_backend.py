@@ -83,7 +83,8 @@ class GpuBackend(Backend):
         return _maths("act_backward", x)(x, dy, act)
 
     def glu_forward(self, x: Tensor, glu: GluSpec, scales: Tensor | None = None) -> Tensor:
-        return _maths("glu_forward", x)(x, glu.act, glu.glu_interleave_size, scales)
+        return _maths("glu_forward", x)(x, glu.act, glu.glu_interleave_size, scales, glu.params)
 
     def glu_backward(self, x, dy, glu: GluSpec, scales=None) -> tuple[Tensor, Tensor | None]:
-        return _maths("glu_backward", x)(x, dy, glu.act, glu.glu_interleave_size, scales)
+        maths = _maths("glu_backward", x)
+        return maths(x, dy, glu.act, glu.glu_interleave_size, scales, glu.params)

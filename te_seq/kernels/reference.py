@@ -91,31 +91,45 @@ def merge_glu(gate: Tensor, up: Tensor, interleave: int | None = None) -> Tensor
 
 
 def glu_forward(
-    x: Tensor, act: str, interleave: int | None = None, scales: Tensor | None = None
+    x: Tensor,
+    act: str,
+    interleave: int | None = None,
+    scales: Tensor | None = None,
+    params: tuple[float, ...] = (),
 ) -> Tensor:
-    """act(gate) · up (· scales per row); computed in fp32 for low-precision inputs."""
-    f = activation(act).f
+    """act(gate) · up (· scales per row), `up` transformed first where the activation says so
+    (`params`: its parameter values); computed in fp32 for low-precision inputs."""
+    spec = activation(act)
     gate, up = split_glu(_upcast(x), interleave)
-    y = f(gate) * up
+    up_value = up if spec.up is None else spec.up(up, *params)
+    y = spec.f(gate, *params) * up_value
     if scales is not None:
         y = y * _upcast(scales).unsqueeze(-1)
     return y.to(x.dtype)
 
 
 def glu_backward(
-    x: Tensor, dy: Tensor, act: str, interleave: int | None = None, scales: Tensor | None = None
+    x: Tensor,
+    dy: Tensor,
+    act: str,
+    interleave: int | None = None,
+    scales: Tensor | None = None,
+    params: tuple[float, ...] = (),
 ) -> tuple[Tensor, Tensor | None]:
     """(d x, d scales) of `glu_forward`."""
     spec = activation(act)
-    f, df = spec.f, spec.df
     gate, up = split_glu(_upcast(x), interleave)
+    up_value = up if spec.up is None else spec.up(up, *params)
+    fg = spec.f(gate, *params)
     dy32 = _upcast(dy)
     dscales = None
     if scales is not None:
-        dscales = (dy32 * f(gate) * up).sum(-1).to(scales.dtype)
+        dscales = (dy32 * fg * up_value).sum(-1).to(scales.dtype)
         dy32 = dy32 * _upcast(scales).unsqueeze(-1)
-    dgate = dy32 * up * df(gate)
-    dup = dy32 * f(gate)
+    dgate = dy32 * up_value * spec.df(gate, *params)
+    dup = dy32 * fg
+    if spec.dup is not None:
+        dup = dup * spec.dup(up, *params)
     return merge_glu(dgate, dup, interleave).to(x.dtype), dscales
 
 
@@ -156,10 +170,10 @@ class ReferenceBackend(Backend):
         return act_backward(x, dy, act)
 
     def glu_forward(self, x: Tensor, glu: GluSpec, scales: Tensor | None = None) -> Tensor:
-        return glu_forward(x, glu.act, glu.glu_interleave_size, scales)
+        return glu_forward(x, glu.act, glu.glu_interleave_size, scales, glu.params)
 
     def glu_backward(self, x, dy, glu: GluSpec, scales=None) -> tuple[Tensor, Tensor | None]:
-        return glu_backward(x, dy, glu.act, glu.glu_interleave_size, scales)
+        return glu_backward(x, dy, glu.act, glu.glu_interleave_size, scales, glu.params)
 
 
 REFERENCE = register_backend(ReferenceBackend())

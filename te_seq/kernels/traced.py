@@ -147,10 +147,10 @@ class TracedBackend(Backend):
         return reference.act_backward(x, dy, act)
 
     def glu_forward(self, x: Tensor, glu: GluSpec, scales: Tensor | None = None) -> Tensor:
-        return reference.glu_forward(x, glu.act, glu.glu_interleave_size, scales)
+        return reference.glu_forward(x, glu.act, glu.glu_interleave_size, scales, glu.params)
 
     def glu_backward(self, x, dy, glu: GluSpec, scales=None) -> tuple[Tensor, Tensor | None]:
-        return reference.glu_backward(x, dy, glu.act, glu.glu_interleave_size, scales)
+        return reference.glu_backward(x, dy, glu.act, glu.glu_interleave_size, scales, glu.params)
 
     def __repr__(self) -> str:
         return f"<te_seq backend {self.name!r} (traced)>"

@@ -78,8 +78,8 @@ def test_calls_raise_with_the_reason():
     offs = torch.tensor([8, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match="cute glu_fc1_forward: .*needs CUDA tensors"):
         cute.glu_fc1_forward(x, w1t, offs, "silu", None, None)
-    with pytest.raises(ValueError, match=r"cute glu_fc2_dgrad: .*act 'srelu'"):
-        cute.glu_fc2_dgrad(x, w2, offs, torch.randn(16, 256), "srelu", None, None)
+    with pytest.raises(ValueError, match=r"cute glu_fc2_dgrad: .*act 'situ'"):
+        cute.glu_fc2_dgrad(x, w2, offs, torch.randn(16, 256), "situ", None, None)
 
 
 def test_probs_are_checked_and_normalised():

@@ -38,6 +38,7 @@ from .ragged import _ragged_group, _ragged_view
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_C = 0.044715
+_QGELU_ALPHA = 1.702
 ACTS = epilogue_activations()  # each has a branch in _act_and_grad
 
 
@@ -48,7 +49,7 @@ def _act_and_grad(x, act: str, need_grad: bool):
     16-bit): an IEEE division per element made the dgrad epilogue's maths cost 0.075 of its
     0.33 ms on shape Q (one H200, 2026-11-22)."""
     if act == "silu":
-        sig = cute.math.rcp(1.0 + cute.math.exp(-x, fastmath=True), approx=True, ftz=True)
+        sig = _sigmoid(x)
         f = x * sig
         df = sig * (1.0 + x * (1.0 - sig)) if need_grad else None
         return f, df
@@ -60,10 +61,23 @@ def _act_and_grad(x, act: str, need_grad: bool):
             d_inner = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)
             df = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
         return f, df
+    if act == "sigmoid":
+        sig = _sigmoid(x)
+        return sig, (sig * (1.0 - sig) if need_grad else None)
+    if act == "qgelu":  # x · sigmoid(1.702 x)
+        sig = _sigmoid(_QGELU_ALPHA * x)
+        df = sig + _QGELU_ALPHA * x * sig * (1.0 - sig) if need_grad else None
+        return x * sig, df
     pos = x > 0.0
-    return cute.where(pos, x, 0.0), (
-        cute.where(pos, cute.full_like(x, 1.0), 0.0) if need_grad else None
-    )
+    relu = cute.where(pos, x, 0.0)
+    if act == "srelu":  # relu(x)²
+        return relu * relu, (2.0 * relu if need_grad else None)
+    return relu, (cute.where(pos, cute.full_like(x, 1.0), 0.0) if need_grad else None)
+
+
+def _sigmoid(x):
+    """1 / (1 + exp(-x)) with the approximate exp and reciprocal (see `_act_and_grad`)."""
+    return cute.math.rcp(1.0 + cute.math.exp(-x, fastmath=True), approx=True, ftz=True)
 
 
 class _GluTile(NamedTuple):

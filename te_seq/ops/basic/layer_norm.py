@@ -1,4 +1,4 @@
-"""LayerNorm: y = (x - mean) / sqrt(var + eps) · γ + β over the last dimension."""
+"""LayerNorm: y = (x - mean) / sqrt(var + eps) · γ + β over the last dimension(s)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ class LayerNorm(Normalization):
 
     Equivalent to `torch.nn.functional.layer_norm(x, (N,), γ, β, eps)`. Computed in fp32 for
     low-precision inputs; the output has x's dtype (under torch.autocast on CUDA fp32, as torch's
-    autocast runs layer_norm in fp32 there). `normalized_shape` is an int or a 1-tuple: te_seq
-    norms normalise the last dimension only. weight [N] starts at one (zero with
-    `zero_centered_gamma`), bias [N] at zero.
+    autocast runs layer_norm in fp32 there). `normalized_shape` is an int N (the last dim) or a
+    tuple S of trailing dims normalized together (statistics over all of S, as torch's); weight
+    and bias have its shape; weight starts at one (zero with `zero_centered_gamma`), bias at zero.
     Backward (ĝ = dy · γ): dx = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂)), dγ = Σ dy · x̂, dβ = Σ dy.
     """
 
@@ -47,9 +47,10 @@ class LayerNorm(Normalization):
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
         x = upcast(input_)  # [..., N]
-        mean = x.mean(-1, keepdim=True)  # [..., 1]
+        mean = x.mean(self.norm_dims, keepdim=True)  # [..., 1]
         centered = x - mean  # [..., N]
-        rstd = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., 1]
+        var = centered.pow(2).mean(self.norm_dims, keepdim=True)  # [..., 1] (one 1 per dim of S)
+        rstd = torch.rsqrt(var + self.eps)
         gamma = effective_gamma(self.weight, self.zero_centered_gamma)
         y = centered * rstd * gamma + upcast(self.bias)
         if ctx.requires_grad:
@@ -63,11 +64,11 @@ class LayerNorm(Normalization):
         g = dy * effective_gamma(weight, self.zero_centered_gamma)
         dx = None
         if ctx.input_requires_grad:
-            dx = rstd * (g - g.mean(-1, keepdim=True)
-                         - x_hat * (g * x_hat).mean(-1, keepdim=True))
+            dx = rstd * (g - g.mean(self.norm_dims, keepdim=True)
+                         - x_hat * (g * x_hat).mean(self.norm_dims, keepdim=True))
             dx = dx.to(x_in.dtype)
         if not ctx.weight_requires_grad:
             return dx, [None, None]
-        dweight = reduce_rows(dy * x_hat).to(self.weight.dtype)
-        dbias = reduce_rows(dy).to(self.bias.dtype)
+        dweight = reduce_rows(dy * x_hat, len(self.norm_dims)).to(self.weight.dtype)
+        dbias = reduce_rows(dy, len(self.norm_dims)).to(self.bias.dtype)
         return dx, [dweight, dbias]

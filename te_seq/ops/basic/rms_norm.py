@@ -1,4 +1,4 @@
-"""RMSNorm: y = x / sqrt(mean(x²) + eps) · γ over the last dimension."""
+"""RMSNorm: y = x / sqrt(mean(x²) + eps) · γ over the last dimension(s)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class RMSNorm(Normalization):
     `torch.nn.functional.rms_norm(x, (N,), γ, eps)`). Computed in fp32 for low-precision inputs;
     the output has x's dtype (under torch.autocast on CUDA fp32, as torch's autocast runs norms
     in fp32 there).
-    `normalized_shape` is an int or a 1-tuple (last dimension only). weight [N] starts at one
+    `normalized_shape` is an int N (the last dim) or a tuple S of trailing dims, normalized
+    together (means over all of S, as torch's `rms_norm`); weight has its shape and starts at one
     (zero with `zero_centered_gamma`); there is no bias.
     Backward (ĝ = dy · γ): dx = rstd · (ĝ - x̂ · mean(ĝ · x̂)), dγ = Σ dy · x̂.
     """
@@ -40,7 +41,7 @@ class RMSNorm(Normalization):
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
         x = upcast(input_)  # [..., N]
-        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., 1]
+        rstd = torch.rsqrt(x.pow(2).mean(self.norm_dims, keepdim=True) + self.eps)  # [..., 1..]
         y = x * rstd * effective_gamma(self.weight, self.zero_centered_gamma)
         if ctx.requires_grad:
             ctx.save_for_backward(input_, rstd, self.weight)
@@ -53,7 +54,8 @@ class RMSNorm(Normalization):
         dx = None
         if ctx.input_requires_grad:
             g = dy * effective_gamma(weight, self.zero_centered_gamma)
-            dx = (rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))).to(x_in.dtype)
+            dx = rstd * (g - x_hat * (g * x_hat).mean(self.norm_dims, keepdim=True))
+            dx = dx.to(x_in.dtype)
         if not ctx.weight_requires_grad:
             return dx, [None]
-        return dx, [reduce_rows(dy * x_hat).to(self.weight.dtype)]
+        return dx, [reduce_rows(dy * x_hat, len(self.norm_dims)).to(self.weight.dtype)]

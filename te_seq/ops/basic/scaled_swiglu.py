@@ -9,12 +9,26 @@ from te_seq.ops.basic.swiglu import SwiGLU
 class ScaledSwiGLU(SwiGLU):
     """y = silu(gate) · up · s[:, None]; x [..., 2F], extra input `scales` with one entry per
     row of x (shape [T] or x.shape[:-1]) -> y [..., F]. `scales` gets a gradient:
-    ds_t = Σ_j dy_tj · silu(gate_tj) · up_tj.
+    ds_t = Σ_j dy_tj · silu(gate_tj) · up_tj. `activation_recompute_in_mlp=True`: a following
+    GroupedLinear keeps no copy of y, which is recomputed in backward.
     """
 
     num_extra_inputs = 1
     extra_input_names = ("scales",)
     row_scales = True
+
+    def __init__(
+        self,
+        glu_interleave_size: int | None = None,
+        *,
+        activation_recompute_in_mlp: bool = False,
+    ) -> None:
+        super().__init__(glu_interleave_size=glu_interleave_size)
+        # True: where a GroupedLinear follows, it keeps no copy of y; y is recomputed in
+        # backward (fusion "activation_recompute"; the fused grouped MLP always recomputes)
+        self.activation_recompute_in_mlp = checks.flag(
+            self, "activation_recompute_in_mlp", activation_recompute_in_mlp
+        )
 
     def pre_forward_checks(self, input_, extra_inputs) -> None:
         super().pre_forward_checks(input_, extra_inputs)

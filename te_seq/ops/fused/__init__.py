@@ -1,6 +1,7 @@
 """Fused ops and their registered fusions (importing this module registers them)."""
 
 from te_seq.ops.fused.activation_bias_backward import ActivationBiasBackward
+from te_seq.ops.fused.activation_recompute import ActivationRecompute
 from te_seq.ops.fused.grouped_mlp import GroupedMLP
 from te_seq.ops.fused.linear_bias_activation import LinearBiasActivation
 from te_seq.ops.fused.linear_bias_add import LinearBiasAdd
@@ -8,6 +9,7 @@ from te_seq.ops.fused.make_extra_output_linear_backward import MakeExtraOutputLi
 
 __all__ = [
     "ActivationBiasBackward",
+    "ActivationRecompute",
     "GroupedMLP",
     "LinearBiasActivation",
     "LinearBiasAdd",

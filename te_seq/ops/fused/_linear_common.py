@@ -42,7 +42,7 @@ def check_activation(act: Activation, width: int) -> NoMatch | None:
     """Why an activation op cannot be run by a fused op over input width `width` (None if it can).
 
     A fused op knows the table's maths (te_seq.kernels.activations) and the built-in classes'
-    contract: no extra input, or one per-row scale for a gated activation (`row_scales`). It
+    contract: no extra input, or one per-row scale (`row_scales`). It
     declines an `act` not in the table and other extra inputs. (A user subclass that overrides
     an activation's maths never gets here: the matcher declines it for every fusion.)
     """
@@ -51,10 +51,10 @@ def check_activation(act: Activation, width: int) -> NoMatch | None:
         known = tuple(ACTIVATIONS)
         return NoMatch(f"{name}: act {act.act!r} is not in the activation table {known}")
     scales = 1 if act.row_scales else 0
-    if act.num_extra_inputs != scales or (act.row_scales and not act.gated):
+    if act.num_extra_inputs != scales:
         return NoMatch(
             f"{name} takes {act.num_extra_inputs} extra inputs; fused ops take none, or one "
-            "per-row scale of a gated activation"
+            "per-row scale"
         )
     if act.gated:
         multiple = 2 * (act.glu_interleave_size or 1)

@@ -55,9 +55,11 @@ class ActivationBiasBackward(FusedOperation):
     def _dact(self, backend: Backend, h32: Tensor, dy32: Tensor, scales: list[Tensor]):
         """(dh, d scales) in the compute precision, on the step's backend."""
         op = self.activation
-        if not op.gated:
-            return backend.act_backward(h32, dy32, op.act), None
         rows = _upcast(scales[0]).reshape(h32.shape[:-1]) if scales else None
+        if not op.gated:
+            if rows is not None:  # a row-scaled elementwise activation (ScaledSReLU)
+                return op.scaled_backward(backend, h32, dy32, rows)
+            return backend.act_backward(h32, dy32, op.act), None
         return backend.glu_backward(h32, dy32, op.glu_spec, rows)
 
 

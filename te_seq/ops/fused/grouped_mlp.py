@@ -101,6 +101,8 @@ class GroupedMLP(FusedOperation):
         h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, backend)  # [T, 2F]
         if op.gated:
             return h, backend.glu_forward(h, op.glu_spec, probs)
+        if probs is not None:  # a row-scaled elementwise activation (ScaledSReLU)
+            return h, op.scaled_forward(backend, h, probs)
         return h, backend.act_forward(h, op.act)
 
     def _fc2_dgrad_act(self, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, probs, backend):
@@ -113,6 +115,9 @@ class GroupedMLP(FusedOperation):
         if op.gated:
             dh, dprobs = backend.glu_backward(h, da, op.glu_spec, probs)
             return dh, backend.glu_forward(h, op.glu_spec, probs), dprobs
+        if probs is not None:  # a row-scaled elementwise activation (ScaledSReLU)
+            dh, dprobs = op.scaled_backward(backend, h, da, probs)
+            return dh, op.scaled_forward(backend, h, probs), dprobs
         return backend.act_backward(h, da, op.act), backend.act_forward(h, op.act), None
 
     # --- forward ------------------------------------------------------------------------------

@@ -1,0 +1,31 @@
+"""Every activation the table gives the cute GLU epilogue compiles in both epilogues (FC1 forward
+and FC2 dgrad) for sm_90a, without a GPU (a subprocess with CUTE_DSL_ARCH=sm_90a). The GPU
+correctness tests (test_cute_glu.py) take their activation list from the same table."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from cute_marks import compile_for_sm90a, needs_dsl
+
+from te_seq.kernels.activations import epilogue_activations
+
+_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from te_seq.kernels.cute.compile import GluConfig, compile_glu
+    bf16 = torch.bfloat16
+    for mode, major in (("fc1", "k"), ("dgrad", "n")):
+        cfg = GluConfig(mode, bf16, major, {act!r}, None, torch.float32)
+        print(cfg, f"{{compile_glu(cfg).compile_s:.1f}}s", flush=True)
+    print("ALL COMPILED")
+    """
+)
+
+
+@pytest.mark.slow  # ~10 s of DSL compiles per activation
+@needs_dsl
+@pytest.mark.parametrize("act", epilogue_activations())
+def test_epilogue_activation_compiles_for_sm90a(act: str) -> None:
+    compile_for_sm90a(_SCRIPT.format(act=act), timeout=600)
