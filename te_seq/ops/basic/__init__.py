@@ -5,6 +5,8 @@ from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
 from te_seq.ops.basic.constant_scale import ConstantScale
 from te_seq.ops.basic.dropout import Dropout
+from te_seq.ops.basic.expert_combine import ExpertCombine
+from te_seq.ops.basic.expert_dispatch import ExpertDispatch
 from te_seq.ops.basic.geglu import GEGLU
 from te_seq.ops.basic.gelu import GELU
 from te_seq.ops.basic.grouped_linear import GroupedLinear
@@ -16,6 +18,7 @@ from te_seq.ops.basic.reglu import ReGLU
 from te_seq.ops.basic.relu import ReLU
 from te_seq.ops.basic.reshape import Reshape
 from te_seq.ops.basic.rms_norm import RMSNorm
+from te_seq.ops.basic.row_scale import RowScale
 from te_seq.ops.basic.scaled_swiglu import ScaledSwiGLU
 from te_seq.ops.basic.silu import SiLU
 from te_seq.ops.basic.swiglu import SwiGLU
@@ -26,6 +29,8 @@ __all__ = [
     "Bias",
     "ConstantScale",
     "Dropout",
+    "ExpertCombine",
+    "ExpertDispatch",
     "GEGLU",
     "GELU",
     "GroupedLinear",
@@ -37,6 +42,7 @@ __all__ = [
     "ReGLU",
     "ReLU",
     "Reshape",
+    "RowScale",
     "ScaledSwiGLU",
     "SiLU",
     "SwiGLU",

@@ -9,11 +9,13 @@ from te_seq.ops.basic.swiglu import SwiGLU
 class ScaledSwiGLU(SwiGLU):
     """y = silu(gate) · up · s[:, None]; x [..., 2F], extra input `scales` with one entry per
     row of x (shape [T] or x.shape[:-1]) -> y [..., F]. `scales` gets a gradient:
-    ds_t = Σ_j dy_tj · silu(gate_tj) · up_tj.
+    ds_t = Σ_j dy_tj · silu(gate_tj) · up_tj. After an ExpertDispatch in the same Sequential,
+    `scales` is its "probs" channel (no caller argument).
     """
 
     num_extra_inputs = 1
     extra_input_names = ("scales",)
+    default_input_channels = {"scales": "probs"}  # ExpertDispatch's per-row probs, if published
     row_scales = True
 
     def pre_forward_checks(self, input_, extra_inputs) -> None:
