@@ -274,12 +274,14 @@ class Fuser:
             autocast=autocast,
             links=channel_links(extra, self.offset),
         )
+        extra = [tuple(None if isinstance(t, ChannelRef) else t for t in group)
+                 for group in extra]  # bound slots are filled in as their publishers run
         if not with_backward:
             out, extra_out = _run_forward(call, input_, extra)
             return out, extra_out
         params = [p for op in self.ops for p in op.fuser_parameters()]
-        # A channel-bound slot is no input of the autograd bridge: its value is made inside.
-        flat_extra = [None if isinstance(t, ChannelRef) else t for group in extra for t in group]
+        # A channel-bound slot (None now) is no input of the autograd bridge: made inside it.
+        flat_extra = [t for group in extra for t in group]
         inputs = [input_, *flat_extra, *params]
         if traced:  # dynamo's autograd.Function takes each tensor once
             inputs, call.positions = _dedupe(inputs)
