@@ -20,6 +20,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 # Small settings per example: enough steps for the loss to fall, on the CPU.
 ARGS = {
     "moe_train.py": ["--steps", "40", "--device", "cpu", "--dtype", "float32"],
+    "hf_moe_finetune.py": ["--steps", "6", "--device", "cpu", "--hidden", "32", "--lr", "3e-3"],
 }
 
 
@@ -74,7 +75,15 @@ def _check_custom_fusion(out: str) -> None:
     assert "all checks passed" in out
 
 
-CHECKS = {"moe_train.py": _check_moe_train, "custom_fusion.py": _check_custom_fusion}
+def _check_hf_moe_finetune(out: str) -> None:
+    if "transformers is not installed" in out:
+        return  # the [hf] extra is absent: the example says so and exits 0
+    assert "swapped 2 MoE blocks" in out and "restored 2 MoE blocks" in out, out
+    assert re.search(r"te_seq experts: .* ms/step, loss [\d.]+ -> [\d.]+", out), out
+
+
+CHECKS = {"moe_train.py": _check_moe_train, "custom_fusion.py": _check_custom_fusion,
+          "hf_moe_finetune.py": _check_hf_moe_finetune}
 
 
 @pytest.mark.slow
