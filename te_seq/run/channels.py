@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from te_seq.core.channels import ChannelRef, input_subscription, output_publication
@@ -98,3 +99,77 @@ def substitute(extra: list[tuple], published: dict[tuple[int, int], Tensor]) -> 
         )
         for group in extra
     ]
+
+
+# --- inside one Fuser run (run/fuser.py): handing values and gradients from step to step -------
+
+
+@dataclass(frozen=True)
+class ChannelLink:
+    """Extra input `slot` of the op at local position `consumer` is extra output `out_slot` of
+    the op at local position `producer` (an earlier op of the same run)."""
+
+    consumer: int
+    slot: int
+    producer: int
+    out_slot: int
+
+
+def channel_links(extra: list[tuple], offset: int) -> list[ChannelLink]:
+    """The channel-bound slots of a run's extra inputs (ChannelRefs the Sequential left there
+    because their publisher is in this run, which starts at basic op `offset`)."""
+    links = []
+    for p, group in enumerate(extra):
+        for slot, item in enumerate(group):
+            if isinstance(item, ChannelRef):
+                producer = item.producer - offset
+                if not 0 <= producer < p:
+                    raise RuntimeError(f"te_seq: {item} is not published before basic op "
+                                       f"{p + offset} of this run")
+                links.append(ChannelLink(p, slot, producer, item.slot))
+    return links
+
+
+def feed_channels(links: Sequence[ChannelLink], ctxs: Sequence, positions: tuple[int, ...],
+                  extra: list[tuple], extra_out: list[tuple]) -> None:
+    """Hand the extra outputs the step over `positions` published to the later ops bound to
+    them (in `extra`). A fused op spanning a publisher and its consumer hands it over itself."""
+    for link in links:
+        if link.producer in positions and link.consumer not in positions:
+            group = list(extra[link.consumer])
+            group[link.slot] = as_extra_input(extra_out[link.producer][link.out_slot],
+                                              ctxs[link.producer].requires_grad)
+            extra[link.consumer] = tuple(group)
+
+
+def as_extra_input(value: Tensor, differentiable: bool) -> Tensor:
+    """A published value as its consumer sees it: like a caller's extra input, it requires
+    grad when its gradient is wanted (the publisher's backward runs and it is floating point).
+    Ops read `requires_grad` to decide which gradients to compute; inside the autograd bridge
+    grad mode is off, so this marks a detached alias and records no graph."""
+    if differentiable and value.is_floating_point() and not value.requires_grad:
+        # Traced: a copy (dynamo's autograd.Function may not keep an alias of an output).
+        alias = value.detach().clone() if torch.compiler.is_compiling() else value.detach()
+        return alias.requires_grad_()
+    return value
+
+
+def route_channel_grads(links: Sequence[ChannelLink], positions: tuple[int, ...],
+                        egrads: Sequence, grad_extra_out: list) -> list[list]:
+    """Add the gradients of the step's channel-bound extra inputs to their publishers'
+    extra-output gradients in `grad_extra_out` (publishers run their backward later); returns
+    `egrads` with those slots None (they are no inputs of the autograd bridge)."""
+    out = [list(g) for g in egrads]
+    for link in links:
+        if link.consumer not in positions or link.producer in positions:
+            continue
+        local = positions.index(link.consumer)
+        if not out[local]:
+            continue
+        g, out[local][link.slot] = out[local][link.slot], None
+        if g is not None:
+            grads = list(grad_extra_out[link.producer])
+            prev = grads[link.out_slot]
+            grads[link.out_slot] = g if prev is None else prev + g
+            grad_extra_out[link.producer] = tuple(grads)
+    return out

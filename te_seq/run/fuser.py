@@ -26,6 +26,7 @@ from te_seq.kernels import backend as kernel_backends
 from te_seq.kernels.backend import Backend, BackendChoice
 from te_seq.kernels.traced import traced
 from te_seq.run import compiled
+from te_seq.run.channels import ChannelLink, channel_links, feed_channels, route_channel_grads
 from te_seq.run.step_checks import checked_backward, checked_forward
 
 
@@ -78,31 +79,6 @@ class _Call:
     # Extra-input slots fed by an earlier op of this run through a channel (run/channels.py).
     links: list[ChannelLink] = field(default_factory=list)
 
-
-@dataclass(frozen=True)
-class ChannelLink:
-    """Extra input `slot` of the op at local position `consumer` is extra output `out_slot` of
-    the op at local position `producer` (an earlier op of the same run)."""
-
-    consumer: int
-    slot: int
-    producer: int
-    out_slot: int
-
-
-def channel_links(extra: list[tuple], offset: int) -> list[ChannelLink]:
-    """The channel-bound slots of a run's extra inputs (ChannelRefs the Sequential left there
-    because their publisher is in this run)."""
-    links = []
-    for p, group in enumerate(extra):
-        for slot, item in enumerate(group):
-            if isinstance(item, ChannelRef):
-                producer = item.producer - offset
-                if not 0 <= producer < p:
-                    raise RuntimeError(f"te_seq: {item} is not published before basic op "
-                                       f"{p + offset} of this run")
-                links.append(ChannelLink(p, slot, producer, item.slot))
-    return links
 
 
 def _extra_signature(flat: Sequence[Any]) -> tuple:
@@ -366,51 +342,9 @@ def _forward_steps(call: _Call, input_: Tensor, extra: list[tuple]):
                 x, outs = _forward_step(call, seg, backend, x, extra, builtin)
         for p, op_out in zip(seg.positions, outs):
             extra_out[p] = tuple(op_out)
-        _feed_channels(call, seg, extra, extra_out)
+        feed_channels(call.links, call.ctxs, seg.positions, extra, extra_out)
     return x, extra_out
 
-
-def _feed_channels(call: _Call, seg: Segment, extra: list[tuple], extra_out: list[tuple]):
-    """Hand the extra outputs this step published to the later ops bound to them. (A fused op
-    spanning a publisher and its consumer hands the value over itself.)"""
-    for link in call.links:
-        if link.producer in seg.positions and link.consumer not in seg.positions:
-            group = list(extra[link.consumer])
-            group[link.slot] = _as_extra_input(extra_out[link.producer][link.out_slot],
-                                               call.ctxs[link.producer].requires_grad)
-            extra[link.consumer] = tuple(group)
-
-
-def _as_extra_input(value: Tensor, differentiable: bool) -> Tensor:
-    """A published value as its consumer sees it: like a caller's extra input, it requires
-    grad when its gradient is wanted (the publisher's backward runs and it is floating point).
-    Ops read `requires_grad` to decide which gradients to compute; inside the autograd bridge
-    grad mode is off, so this marks a detached alias and records no graph."""
-    if differentiable and value.is_floating_point() and not value.requires_grad:
-        # Traced: a copy (dynamo's autograd.Function may not keep an alias of an output).
-        alias = value.detach().clone() if torch.compiler.is_compiling() else value.detach()
-        return alias.requires_grad_()
-    return value
-
-
-def _route_channel_grads(call: _Call, seg: Segment, egrads: Sequence, grad_extra_out: list):
-    """Add the gradients of this step's channel-bound extra inputs to their publishers'
-    extra-output gradients (publishers run their backward later); returns `egrads` with those
-    slots None (they are no inputs of the autograd bridge)."""
-    out = [list(g) for g in egrads]
-    for link in call.links:
-        if link.consumer not in seg.positions or link.producer in seg.positions:
-            continue
-        local = seg.positions.index(link.consumer)
-        if not out[local]:
-            continue
-        g, out[local][link.slot] = out[local][link.slot], None
-        if g is not None:
-            grads = list(grad_extra_out[link.producer])
-            prev = grads[link.out_slot]
-            grads[link.out_slot] = g if prev is None else prev + g
-            grad_extra_out[link.producer] = tuple(grads)
-    return out
 
 
 def _forward_step(
@@ -469,7 +403,7 @@ def _backward_steps(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple
             with amp.step_scope(call.autocast, builtin):
                 dy, pgrads, egrads = _backward_step(*step)
         if call.links:
-            egrads = _route_channel_grads(call, seg, egrads, grad_extra_out)
+            egrads = route_channel_grads(call.links, seg.positions, egrads, grad_extra_out)
         for p, pg, eg in zip(seg.positions, pgrads, egrads):
             param_grads[p], extra_grads[p] = tuple(pg), tuple(eg)
     return dy, param_grads, extra_grads
