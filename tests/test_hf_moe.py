@@ -81,6 +81,18 @@ def _llama4():
     return block
 
 
+def _gpt_oss():
+    if not hasattr(te_seq.ops, "ClampedSwiGLU"):
+        pytest.skip("te_seq.ops.ClampedSwiGLU (GPT-OSS's activation) does not exist yet")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssConfig, GptOssMLP
+    block = GptOssMLP(GptOssConfig(hidden_size=H, intermediate_size=F, num_local_experts=E,
+                                   num_experts_per_tok=K))
+    with torch.no_grad():  # every parameter is allocated with torch.empty
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+    return block
+
+
 # (builder, dtype, tolerance). DeepSeek-V3's block computes its router and its expert sum in
 # float32 (hard-coded casts in transformers) and fails in float64 (index_add_ of float64 rows
 # into its float32 sum), so it runs in float32, judged at float32 rounding.
@@ -91,6 +103,7 @@ BUILDERS = {
     "OLMoE": (_olmoe, torch.float64, 1e-12),
     "DeepSeek-V3": (_deepseek_v3, torch.float32, 2e-5),
     "Llama4": (_llama4, torch.float64, 1e-12),
+    "GPT-OSS": (_gpt_oss, torch.float64, 1e-12),
 }
 
 
@@ -98,10 +111,10 @@ def _hidden(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _expert_grads(block) -> tuple[torch.Tensor, torch.Tensor]:
-    """dW1 [E, 2F, H] and dW2 [E, H, F] of an original block, in te_seq's layout: the family's
-    weight reader applied to a copy whose expert Parameters hold their gradients (an expert no
-    token reached has none: zeros)."""
+def _expert_grads(block):
+    """dW1 [E, 2F, H], dW2 [E, H, F] (and the bias grads) of an original block, in te_seq's
+    layout: the family's weight reader applied to a copy whose expert Parameters hold their
+    gradients (an expert no token reached has none: zeros)."""
     grads = copy.deepcopy(block)
     with torch.no_grad():
         for p, q in zip(block.experts.parameters(), grads.experts.parameters()):
@@ -125,7 +138,8 @@ def test_swapped_block_matches_transformers(name: str) -> None:
     if isinstance(out_hf, tuple):
         torch.testing.assert_close(out_te[1], out_hf[1], rtol=0, atol=0)  # router logits
     plan = swapped.experts.fusion_plan()
-    assert "GroupedMLP" in [s.name for s in plan.forward]
+    fused = "GroupedMLP" in [s.name for s in plan.forward]
+    assert fused == (name != "GPT-OSS")  # GPT-OSS: RowScale between activation and FC2
 
     dy = torch.randn_like(_hidden(out_hf))
     _hidden(out_hf).backward(dy)
@@ -141,9 +155,12 @@ def test_swapped_block_matches_transformers(name: str) -> None:
                                    msg=lambda m, n=pname: f"{n}: {m}")
     fc1, fc2 = (op for op in swapped.experts.basic_ops()
                 if isinstance(op, te_seq.ops.GroupedLinear))
-    dw1, dw2 = _expert_grads(hf_block)
-    torch.testing.assert_close(fc1.weight.grad, dw1, rtol=tol, atol=tol)
-    torch.testing.assert_close(fc2.weight.grad, dw2, rtol=tol, atol=tol)
+    want = _expert_grads(hf_block)
+    torch.testing.assert_close(fc1.weight.grad, want.w1, rtol=tol, atol=tol)
+    torch.testing.assert_close(fc2.weight.grad, want.w2, rtol=tol, atol=tol)
+    if want.b1 is not None:
+        torch.testing.assert_close(fc1.bias.grad, want.b1, rtol=tol, atol=tol)
+        torch.testing.assert_close(fc2.bias.grad, want.b2, rtol=tol, atol=tol)
 
 
 def test_restore_writes_the_trained_weights_back() -> None:

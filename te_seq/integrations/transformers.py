@@ -6,7 +6,9 @@ and the routed experts as one te_seq Sequential,
 `ExpertDispatch -> GroupedLinear -> ScaledSwiGLU -> GroupedLinear -> ExpertCombine` (Llama 4:
 `ExpertDispatch -> RowScale -> GroupedLinear -> SwiGLU -> GroupedLinear -> ExpertCombine`),
 whose weights are copied from the experts. Same outputs (the block's return convention kept),
-the grouped MLP fused. `restore_experts(model)` writes the te_seq weights back into the
+the grouped MLP fused (GPT-OSS: `ExpertDispatch -> GroupedLinear -> ClampedSwiGLU -> RowScale
+-> GroupedLinear(scale_bias) -> ExpertCombine`, unfused: the probability scale sits between the
+activation and FC2). `restore_experts(model)` writes the te_seq weights back into the
 original experts and puts the original blocks back.
 
 Blocks are recognised by class name, so this module imports nothing of `transformers`. The
@@ -24,11 +26,24 @@ import torch
 from torch import Tensor
 
 from te_seq import ops
+from te_seq.core.operation import BasicOperation
 from te_seq.run.sequential import Sequential
 
-__all__ = ["FAMILIES", "MoEFamily", "TeSeqSparseMoe", "restore_experts", "swap_experts"]
+__all__ = ["FAMILIES", "ExpertWeights", "MoEFamily", "TeSeqSparseMoe", "restore_experts",
+           "swap_experts"]
 
 Routing = tuple[Tensor, Tensor, Tensor | None]  # indices [T, k], probs [T, k], router logits
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The routed experts' weights in te_seq's layout: W1 [E, 2F, H] (gate and up rows, in the
+    block's own column layout), W2 [E, H, F], and the biases b1 [E, 2F], b2 [E, H] if any."""
+
+    w1: Tensor
+    w2: Tensor
+    b1: Tensor | None = None
+    b2: Tensor | None = None
 
 
 def _softmax_topk(block, x: Tensor, renormalize: bool) -> Routing:
@@ -52,7 +67,7 @@ def _llama4_route(block, x: Tensor) -> Routing:
     return indices, scores.gather(1, indices), logits
 
 
-def _linear_experts(block, gate: str, up: str, down: str) -> tuple[Tensor, Tensor]:
+def _linear_experts(block, gate: str, up: str, down: str) -> ExpertWeights:
     """W1 [E, 2F, H] (gate rows, then up rows) and W2 [E, H, F] from per-expert nn.Linears."""
     experts = block.experts
     if not isinstance(experts, torch.nn.ModuleList):
@@ -62,11 +77,12 @@ def _linear_experts(block, gate: str, up: str, down: str) -> tuple[Tensor, Tenso
         )
     w1 = torch.stack([torch.cat([getattr(e, gate).weight, getattr(e, up).weight]) for e in experts])
     w2 = torch.stack([getattr(e, down).weight for e in experts])
-    return w1, w2
+    return ExpertWeights(w1, w2)
 
 
-def _write_linear_experts(block, names: tuple[str, str, str], w1: Tensor, w2: Tensor) -> None:
+def _write_linear_experts(block, names: tuple[str, str, str], weights: ExpertWeights) -> None:
     gate, up, down = names
+    w1, w2 = weights.w1, weights.w2
     for e, expert in enumerate(block.experts):
         f = getattr(expert, gate).weight.shape[0]
         getattr(expert, gate).weight.copy_(w1[e, :f])
@@ -74,14 +90,37 @@ def _write_linear_experts(block, names: tuple[str, str, str], w1: Tensor, w2: Te
         getattr(expert, down).weight.copy_(w2[e])
 
 
-def _llama4_experts(block) -> tuple[Tensor, Tensor]:
-    experts = block.experts  # gate_up_proj [E, H, 2F] (gate first), down_proj [E, F, H]
-    return experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
+def _fused_experts(block) -> ExpertWeights:
+    """Llama 4 / GPT-OSS: gate_up_proj [E, H, 2F], down_proj [E, F, H] (x @ W layout), and
+    GPT-OSS's biases gate_up_proj_bias [E, 2F], down_proj_bias [E, H]."""
+    experts = block.experts
+    return ExpertWeights(experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2),
+                         getattr(experts, "gate_up_proj_bias", None),
+                         getattr(experts, "down_proj_bias", None))
 
 
-def _write_llama4_experts(block, w1: Tensor, w2: Tensor) -> None:
-    block.experts.gate_up_proj.copy_(w1.transpose(1, 2))
-    block.experts.down_proj.copy_(w2.transpose(1, 2))
+def _write_fused_experts(block, weights: ExpertWeights) -> None:
+    experts = block.experts
+    experts.gate_up_proj.copy_(weights.w1.transpose(1, 2))
+    experts.down_proj.copy_(weights.w2.transpose(1, 2))
+    if weights.b1 is not None:
+        experts.gate_up_proj_bias.copy_(weights.b1)
+        experts.down_proj_bias.copy_(weights.b2)
+
+
+def _gpt_oss_route(block, x: Tensor) -> Routing:
+    scores, indices = block.router(x)  # [T, E]: softmax over the top-k logits, 0 elsewhere
+    return indices, scores.gather(1, indices), scores  # the block returns the scores
+
+
+def _gpt_oss_activation(block) -> BasicOperation:
+    """GPT-OSS's clamped SwiGLU over alternating gate / up columns."""
+    clamped = getattr(ops, "ClampedSwiGLU", None)
+    if clamped is None:
+        raise NotImplementedError(f"{type(block).__name__}: te_seq.ops.ClampedSwiGLU (GPT-OSS's "
+                                  "activation) is not available in this te_seq")
+    experts = block.experts
+    return clamped(limit=experts.limit, alpha=experts.alpha, glu_interleave_size=1)
 
 
 def _qwen2_shared(block, x: Tensor) -> Tensor:
@@ -90,15 +129,20 @@ def _qwen2_shared(block, x: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class MoEFamily:
-    """How to read one family's MoE block: its router, expert weights and shared expert."""
+    """How to read one family's MoE block: its router, expert weights and shared expert.
+
+    `activation(block)`: the expert activation op when it is not the SiLU-gated default (its
+    output is then scaled by the router probability with RowScale, and FC2's bias by
+    `scale_bias`); None: ScaledSwiGLU (or SwiGLU after RowScale with `scale_tokens`)."""
 
     route: Callable[[torch.nn.Module, Tensor], Routing]
-    weights: Callable[[torch.nn.Module], tuple[Tensor, Tensor]]
-    write_back: Callable[[torch.nn.Module, Tensor, Tensor], None]
+    weights: Callable[[torch.nn.Module], ExpertWeights]
+    write_back: Callable[[torch.nn.Module, ExpertWeights], None]
     shared: Callable[[torch.nn.Module, Tensor], Tensor] | None = None
     scale_tokens: bool = False  # router scores scale the tokens before FC1 (Llama 4)
     returns_logits: bool = True  # the block returns (hidden, router_logits)
     flat_output: bool = False  # the block returns [T, H] whatever its input's leading shape
+    activation: Callable[[torch.nn.Module], BasicOperation] | None = None
 
 
 _GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
@@ -107,7 +151,7 @@ _MIXTRAL = ("w1", "w3", "w2")
 
 def _linear_family(names, route, shared=None, returns_logits=True) -> MoEFamily:
     return MoEFamily(route, lambda b: _linear_experts(b, *names),
-                     lambda b, w1, w2: _write_linear_experts(b, names, w1, w2), shared,
+                     lambda b, w: _write_linear_experts(b, names, w), shared,
                      returns_logits=returns_logits)
 
 
@@ -122,25 +166,41 @@ FAMILIES: dict[str, MoEFamily] = {
     "OlmoeSparseMoeBlock": _linear_family(_GATE_UP_DOWN, _renormalized),
     "DeepseekV3MoE": _linear_family(_GATE_UP_DOWN, _deepseek_v3_route,
                                     lambda b, x: b.shared_experts(x), returns_logits=False),
-    "Llama4TextMoe": MoEFamily(_llama4_route, _llama4_experts, _write_llama4_experts,
+    "Llama4TextMoe": MoEFamily(_llama4_route, _fused_experts, _write_fused_experts,
                                lambda b, x: b.shared_expert(x), scale_tokens=True,
                                flat_output=True),
+    "GptOssMLP": MoEFamily(_gpt_oss_route, _fused_experts, _write_fused_experts,
+                           activation=_gpt_oss_activation),
 }
 
 
-def expert_block(family: MoEFamily, w1: Tensor, w2: Tensor) -> Sequential:
-    """The te_seq expert block for W1 [E, 2F, H] and W2 [E, H, F] (weights copied)."""
-    E, F2, H = w1.shape
-    kw = dict(bias=False, single_grouped_weight=True, device=w1.device, dtype=w1.dtype)
-    fc1 = ops.GroupedLinear(E, H, F2, **kw)
-    fc2 = ops.GroupedLinear(E, F2 // 2, H, **kw)
+def _grouped_linear(w: Tensor, b: Tensor | None, scale_bias: bool = False):
+    """A GroupedLinear holding copies of W [E, N, K] and b [E, N] (or no bias)."""
+    E, N, K = w.shape
+    has_bias = b is not None
+    fc = ops.GroupedLinear(E, K, N, bias=has_bias, single_grouped_weight=True,
+                           single_grouped_bias=has_bias, scale_bias=scale_bias and has_bias,
+                           device=w.device, dtype=w.dtype)
     with torch.no_grad():
-        fc1.weight.copy_(w1)
-        fc2.weight.copy_(w2)
-    if family.scale_tokens:
-        return Sequential(ops.ExpertDispatch(E), ops.RowScale(), fc1, ops.SwiGLU(), fc2,
-                          ops.ExpertCombine())
-    return Sequential(ops.ExpertDispatch(E), fc1, ops.ScaledSwiGLU(), fc2, ops.ExpertCombine())
+        fc.weight.copy_(w)
+        if b is not None:
+            fc.bias.copy_(b)
+    return fc
+
+
+def expert_block(family: MoEFamily, block: torch.nn.Module) -> Sequential:
+    """The te_seq expert block of `block`'s routed experts (weights copied)."""
+    weights = family.weights(block)
+    E = weights.w1.shape[0]
+    fc1 = _grouped_linear(weights.w1, weights.b1)
+    if family.activation is not None:  # y = p · (W2 act + b2): RowScale, then scale_bias
+        fc2 = _grouped_linear(weights.w2, weights.b2, scale_bias=True)
+        middle = [fc1, family.activation(block), ops.RowScale(), fc2]
+    elif family.scale_tokens:
+        middle = [ops.RowScale(), fc1, ops.SwiGLU(), _grouped_linear(weights.w2, weights.b2)]
+    else:
+        middle = [fc1, ops.ScaledSwiGLU(), _grouped_linear(weights.w2, weights.b2)]
+    return Sequential(ops.ExpertDispatch(E), *middle, ops.ExpertCombine())
 
 
 class TeSeqSparseMoe(torch.nn.Module):
@@ -155,7 +215,7 @@ class TeSeqSparseMoe(torch.nn.Module):
         self.__dict__["original"] = block  # not a submodule: its experts are replaced
         self.__dict__["family"] = family
         with torch.no_grad():
-            self.experts = expert_block(family, *family.weights(block))
+            self.experts = expert_block(family, block)
         for name, child in block.named_children():
             if name != "experts":
                 self.add_module(name, child)  # router, shared expert: the same objects
@@ -174,16 +234,20 @@ class TeSeqSparseMoe(torch.nn.Module):
     def restored(self) -> torch.nn.Module:
         """The original block, with this block's expert weights written back into it."""
         fc1, fc2 = (op for op in self.experts.basic_ops() if isinstance(op, ops.GroupedLinear))
+        bias = (fc1.bias, fc2.bias) if fc1.has_bias else (None, None)
         with torch.no_grad():
-            self.family.write_back(self.original, fc1.weight, fc2.weight)
+            self.family.write_back(self.original, ExpertWeights(fc1.weight, fc2.weight, *bias))
         return self.original
 
 
 _SILU = ("SiLU", "SiLUActivation")
 
 
-def _check_activation(block: torch.nn.Module) -> None:
-    """The experts' activation must be SiLU (the gated experts are then SwiGLU)."""
+def _check_activation(block: torch.nn.Module, family: MoEFamily) -> None:
+    """The experts' activation must be SiLU (the gated experts are then SwiGLU), unless the
+    family names its own."""
+    if family.activation is not None:
+        return
     experts = block.experts
     holder = experts[0] if isinstance(experts, torch.nn.ModuleList) else experts
     act = getattr(holder, "act_fn", None)
@@ -212,7 +276,7 @@ def swap_experts(model: torch.nn.Module) -> int:
         family = FAMILIES.get(type(child).__name__)
         if family is None:
             return None
-        _check_activation(child)
+        _check_activation(child, family)
         return TeSeqSparseMoe(child, family)
 
     return _replace(model, make)
