@@ -1,17 +1,20 @@
 """Train a small mixture-of-experts block with te_seq on synthetic data.
 
-The expert MLP is one te_seq Sequential, GroupedLinear -> ScaledSwiGLU -> GroupedLinear, which
-the fuser runs as the fused GroupedMLP. The router (softmax, top-k) and the token permutation
-by expert (argsort) are plain PyTorch, as in a real MoE layer. The student learns to imitate a
+The whole expert block is one te_seq Sequential: ExpertDispatch -> GroupedLinear ->
+ScaledSwiGLU -> GroupedLinear -> ExpertCombine. The dispatch sorts the token rows by expert and
+publishes the split sizes, the per-row router probabilities and the routing map on channels
+that the grouped linears, the scaled SwiGLU and the combine read, so the block is called as
+`block(x, topk_indices, topk_probs)` and the fuser runs its middle as the fused GroupedMLP.
+Only the router (a linear, softmax, top-k) is plain PyTorch. The student learns to imitate a
 random teacher MoE of the same shape (a regression target), so its loss must fall.
 
     python examples/moe_train.py                      # a few hundred steps, GPU if present
     python examples/moe_train.py --steps 50 --device cpu --dtype float32
 
-Shape legend: T tokens, K experts per token (top-k), R = T·K routed rows, E experts,
+Shape legend: T tokens, K experts per token (top-k), E experts,
 H hidden, F ffn width (FC1 maps H -> 2F, SwiGLU halves it).
-Exit status 1 when the loss did not fall, or when the te_seq MLP disagrees with a plain
-per-expert PyTorch loop at step 0.
+Exit status 1 when the loss did not fall, or when the te_seq block disagrees with a plain
+per-token, per-expert PyTorch loop at step 0.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -31,15 +33,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "float64": torch.float64}
 
 
-@dataclass(frozen=True)
-class Routing:
-    """Where each routed row comes from and goes to (rows sorted by expert)."""
-
-    token_of_row: Tensor  # [R] token index of each permuted row
-    probs: Tensor         # [R] router probability of each permuted row
-    split_sizes: Tensor   # [E] rows per expert, on the data's device
-
-
 class MoE(torch.nn.Module):
     """y = Σ_{e in top-k(x)} p_e(x) · FC2_e(SwiGLU(FC1_e(x))), routed by a linear router."""
 
@@ -47,43 +40,35 @@ class MoE(torch.nn.Module):
         super().__init__()
         self.experts, self.topk = experts, topk
         self.router = torch.nn.Linear(hidden, experts, bias=False, device=device, dtype=dtype)
-        self.mlp = te_seq.Sequential(
+        self.block = te_seq.Sequential(
+            ops.ExpertDispatch(experts),
             ops.GroupedLinear(experts, hidden, 2 * ffn, bias=False, device=device, dtype=dtype),
             ops.ScaledSwiGLU(),
             ops.GroupedLinear(experts, ffn, hidden, bias=False, device=device, dtype=dtype),
+            ops.ExpertCombine(),
         )
 
-    def route(self, x: Tensor) -> Routing:
-        """Top-k softmax routing, then rows sorted by expert (stable, so no host sync)."""
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Top-k softmax routing: expert indices [T, K] and renormalised probabilities [T, K]."""
         probs = torch.softmax(self.router(x).float(), dim=-1)  # [T, E]
         top_p, top_e = probs.topk(self.topk, dim=-1)  # [T, K], [T, K]
-        top_p = top_p / top_p.sum(-1, keepdim=True)
-        expert_of_row = top_e.reshape(-1)  # [T·K]
-        order = torch.argsort(expert_of_row, stable=True)  # [R] permuted row -> flat (t, k)
-        # torch.bincount(expert_of_row, minlength=E) without its host sync (it reads the max):
-        # split sizes stay a device tensor on CUDA, as te_seq accepts.
-        splits = torch.zeros(self.experts, dtype=torch.int64, device=x.device)
-        splits.index_add_(0, expert_of_row, torch.ones_like(expert_of_row))
-        return Routing(order // self.topk, top_p.reshape(-1)[order].to(x.dtype), splits)
+        return top_e, (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        r = self.route(x)
-        x_perm = x[r.token_of_row]  # [R, H]
-        # The same split_sizes object for both GroupedLinears lets the fusion fire on device data.
-        y_perm = self.mlp(x_perm, r.split_sizes, r.probs, r.split_sizes)  # [R, H], scaled by p
-        return torch.zeros_like(x).index_add_(0, r.token_of_row, y_perm)  # un-permute: [T, H]
+        return self.block(x, *self.route(x))  # [T, H]
 
     def forward_loop(self, x: Tensor) -> Tensor:
-        """The same maths as `forward`, one plain-PyTorch matmul per expert (the reference)."""
-        r = self.route(x)
-        fc1, _, fc2 = self.mlp
-        x_perm, rows = x[r.token_of_row], r.split_sizes.tolist()
-        outs = []
-        for e, chunk in enumerate(torch.split(x_perm, rows)):
-            gate, up = (chunk @ getattr(fc1, f"weight{e}").T).chunk(2, dim=-1)  # [n, F] each
-            outs.append((torch.nn.functional.silu(gate) * up) @ getattr(fc2, f"weight{e}").T)
-        y_perm = torch.cat(outs) * r.probs[:, None]  # [R, H]
-        return torch.zeros_like(x).index_add_(0, r.token_of_row, y_perm)
+        """The same maths, one token and one chosen expert at a time (the reference)."""
+        top_e, top_p = self.route(x)
+        fc1, fc2 = self.block[1], self.block[3]
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(self.topk):
+                e = int(top_e[t, j])
+                gate, up = (x[t] @ getattr(fc1, f"weight{e}").T).chunk(2)  # [F] each
+                h = torch.nn.functional.silu(gate) * up
+                out[t] += top_p[t, j] * (h @ getattr(fc2, f"weight{e}").T)
+        return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -139,7 +124,7 @@ class Progress:
 
 
 def check_against_loop(model: MoE, x: Tensor) -> None:
-    """The te_seq MLP (fused) must equal a per-expert PyTorch loop; tolerance tied to dtype."""
+    """The te_seq block (fused) must equal a per-token PyTorch loop; tolerance tied to dtype."""
     with torch.no_grad():
         got, want = model(x), model.forward_loop(x)
     tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(x.dtype, 3e-2)
@@ -170,7 +155,7 @@ def train(args: argparse.Namespace) -> tuple[list[float], te_seq.FusionPlan | No
         loss.backward()
         opt.step()
         if plan is None:
-            plan = student.mlp.fusion_plan()
+            plan = student.block.fusion_plan()
         losses.append(loss.item())
         bar.update(step, losses[-1])
     bar.close()
@@ -184,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     with te_seq.backend(args.backend):
         losses, plan = train(args)
     print(plan)
-    print(f"backend chosen by the plan: {plan.forward[0].backend}")
+    print(f"backend chosen by the plan: {plan.forward[1].backend}")
     window = max(1, min(10, len(losses) // 4))
     first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
     print(f"first loss {losses[0]:.6f}, last loss {losses[-1]:.6f} "

@@ -405,9 +405,92 @@ def _l2_specs() -> list[OpSpec]:
     ]
 
 
+# --- routing (MoE dispatch / combine): references by explicit per-slot loops ------------------
+
+E_ROUTE = 4  # experts of the dispatch specs
+
+
+def topk_factory(k: int, one_expert: bool = False) -> ExtrasFactory:
+    """Top-k expert indices [..., k] (expert 1 never chosen: an empty group; or all tokens to
+    expert 2) and router probabilities [..., k] in (0.25, 1.75)."""
+    def make(shape: torch.Size, dtype: torch.dtype) -> tuple:
+        lead = tuple(shape[:-1])
+        if one_expert:
+            indices = torch.full((*lead, k), 2, dtype=torch.int64)
+        else:
+            choices = torch.tensor([0, 2, 3])
+            indices = choices[torch.randint(0, 3, (*lead, k))]
+        probs = (torch.rand(*lead, k, dtype=torch.float64) * 1.5 + 0.25).to(dtype)
+        return indices, probs
+
+    return make
+
+
+def ref_dispatch(p: Params, x: Tensor, indices: Tensor, probs: Tensor):
+    """Rows by expert, then token, then choice: a Python loop over experts and slots."""
+    rows, row_probs = [], []
+    flat_x, flat_i, flat_p = x.reshape(-1, x.shape[-1]), indices.reshape(-1, indices.shape[-1]), \
+        probs.reshape(-1, probs.shape[-1])
+    for e in range(E_ROUTE):
+        for t in range(flat_i.shape[0]):
+            for j in range(flat_i.shape[1]):
+                if int(flat_i[t, j]) == e:
+                    rows.append(flat_x[t])
+                    row_probs.append(flat_p[t, j])
+    if not rows:  # slices of the inputs, so autograd still reaches them
+        return flat_x[:0], flat_p.reshape(-1)[:0]
+    return torch.stack(rows), torch.stack(row_probs)
+
+
+def routing_factory(shape: torch.Size, dtype: torch.dtype) -> tuple:
+    """A routing map for rows_of(shape) rows: a random permutation as [T, 2] (even row counts)
+    or [T, 1]."""
+    rows = rows_of(shape)
+    k = 2 if rows % 2 == 0 and rows else 1
+    return (torch.randperm(rows).reshape(-1, k),)
+
+
+def ref_combine(p: Params, x: Tensor, routing: Tensor) -> Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    out = [sum(rows[int(r)] for r in routing[t]) for t in range(routing.shape[0])]
+    return torch.stack(out) if out else rows[:0]
+
+
+def ref_row_scale(p: Params, x: Tensor, scales: Tensor) -> Tensor:
+    return x * scales.reshape(*x.shape[:-1], 1)
+
+
+def _standalone_dispatch(k: int):
+    """ExpertDispatch as a plain op: its integer outputs on channels nobody reads (so the
+    caller gets rows and probs: the matrix compares floating outputs)."""
+    def build(dtype, device):
+        dispatch = op("ExpertDispatch")(E_ROUTE)
+        dispatch.set_extra_output_channel("split_sizes", "spec.split_sizes")
+        dispatch.set_extra_output_channel("routing", "spec.routing")
+        return dispatch.set_extra_output_channel("probs", None)
+
+    return build
+
+
+def _routing_specs() -> list[OpSpec]:
+    return [
+        OpSpec("ExpertDispatch-k1", "ExpertDispatch", _standalone_dispatch(1), H, ref_dispatch,
+               topk_factory(1)),
+        OpSpec("ExpertDispatch-k2", "ExpertDispatch", _standalone_dispatch(2), H, ref_dispatch,
+               topk_factory(2)),
+        OpSpec("ExpertDispatch-one_expert", "ExpertDispatch", _standalone_dispatch(3), H,
+               ref_dispatch, topk_factory(3, one_expert=True)),
+        OpSpec("ExpertCombine", "ExpertCombine", lambda dtype, device: op("ExpertCombine")(), H,
+               ref_combine, routing_factory),
+        OpSpec("RowScale", "RowScale", lambda dtype, device: op("RowScale")(), H, ref_row_scale,
+               scales_factory),
+    ]
+
+
 SPECS: list[OpSpec] = (
     _linear_specs() + _grouped_specs() + _activation_specs() + _norm_specs() + _shape_specs()
     + _te_activation_specs() + _l2_specs() + _multi_dim_norm_specs()
+    + _routing_specs()
 )
 
 # Every basic op in te_seq.ops must have at least one spec (a new op without one fails here).
@@ -417,6 +500,7 @@ API_BASIC_OPS = (
     "Dropout", "AddExtraInput", "MakeExtraOutput",
     "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU", "ScaledSReLU", "ClampedSwiGLU",
     "ScaledClampedQGeGLU", "SiTUGLU", "ScaledSiTUGLU", "L2Normalization",
+    "ExpertDispatch", "ExpertCombine", "RowScale",
 )
 
 

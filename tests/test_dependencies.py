@@ -28,6 +28,8 @@ _LOCAL = {
     "te_seq", "conftest", "op_specs", "megatron_like", "cute_marks", "fuzz_chains", "fuzz_runner",
     "compile_helpers",
     "test_fusions",  # its window factories and user fused op serve other tests too
+    "test_routing",  # its MoE block and per-token reference serve the channel and GPU tests
+    "test_channels",  # its residual block serves tests/test_channels_compile.py
     # benchmarks/ (tests/test_benchmark_dry_run.py puts it on the path)
     "_common", "grad_modes", "mlp_case", "mlp_measure", "mlp_report", "peers", "peer_quack",
 }

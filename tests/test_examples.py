@@ -20,6 +20,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 # Small settings per example: enough steps for the loss to fall, on the CPU.
 ARGS = {
     "moe_train.py": ["--steps", "40", "--device", "cpu", "--dtype", "float32"],
+    "hf_moe_finetune.py": ["--steps", "6", "--device", "cpu", "--hidden", "32", "--lr", "3e-3"],
 }
 
 
@@ -54,7 +55,8 @@ def test_example_runs(path: Path):
 
 def _check_moe_train(out: str) -> None:
     assert "FusionPlan" in out
-    assert "GroupedMLP[0, 1, 2]" in out, "the grouped MLP fusion did not fire"
+    assert "ExpertDispatch[0]" in out and "ExpertCombine[4]" in out, "routing ops missing"
+    assert "GroupedMLP[1, 2, 3]" in out, "the grouped MLP fusion did not fire"
     assert "backend chosen by the plan: reference" in out  # CPU data runs the reference
     m = re.search(r"first/last \d+: ([\d.e+-]+) -> ([\d.e+-]+)", out)
     assert m, out
@@ -73,7 +75,15 @@ def _check_custom_fusion(out: str) -> None:
     assert "all checks passed" in out
 
 
-CHECKS = {"moe_train.py": _check_moe_train, "custom_fusion.py": _check_custom_fusion}
+def _check_hf_moe_finetune(out: str) -> None:
+    if "transformers is not installed" in out:
+        return  # the [hf] extra is absent: the example says so and exits 0
+    assert "swapped 2 MoE blocks" in out and "restored 2 MoE blocks" in out, out
+    assert re.search(r"te_seq experts: .* ms/step, loss [\d.]+ -> [\d.]+", out), out
+
+
+CHECKS = {"moe_train.py": _check_moe_train, "custom_fusion.py": _check_custom_fusion,
+          "hf_moe_finetune.py": _check_hf_moe_finetune}
 
 
 @pytest.mark.slow

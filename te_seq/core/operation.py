@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from te_seq.core import channels
 from te_seq.core.context import OperationContext
 from te_seq.kernels.backend import Backend, BackendChoice, KernelNeed, choose_backend
 
@@ -153,6 +154,26 @@ class BasicOperation(FusibleOperation):
 
     def backward_dw(self) -> None:
         """Run the oldest pending delayed wgrad (ops without delayed wgrad do nothing)."""
+
+    # --- extra-tensor channels (core/channels.py; resolved per Sequential by run/channels.py) --
+    extra_output_names: tuple[str, ...] = ()
+    default_input_channels: dict[str, str] = {}  # extra input name -> channel it subscribes to
+    default_output_channels: dict[str, str] = {}  # extra output name -> channel it publishes
+
+    def set_extra_input_channel(self, slot: int | str, channel: str | None) -> BasicOperation:
+        """Take extra input `slot` (index or name) from the nearest earlier op in the same
+        Sequential that publishes `channel`, not from the caller (None: from the caller, also
+        turning off a class default). Returns the op, for use inside a Sequential(...) call."""
+        channels.set_input_channel(self, slot, channel)
+        return self
+
+    def set_extra_output_channel(
+        self, slot: int | str, channel: str | None, *, output_to_caller: bool = False
+    ) -> BasicOperation:
+        """Publish extra output `slot` (index or name) on `channel` (None: no channel); with
+        `output_to_caller` the Sequential also returns it. Returns the op."""
+        channels.set_output_channel(self, slot, channel, output_to_caller)
+        return self
 
 
 class FusedOperation(FusibleOperation):

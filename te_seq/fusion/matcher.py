@@ -49,7 +49,9 @@ class Window(tuple):
 
 def same_extra_input(a: object, b: object) -> bool:
     """Whether two extra inputs are 'the same' for fusion decisions, without a host sync:
-    the same object, or small host integer tensors (split sizes) with equal values."""
+    the same object, or small host integer tensors (split sizes) with equal values. Slots bound
+    to the same channel publication hold one shared ChannelRef (core/channels.py), so they are
+    the same object: a structural fact, known when the plan is built."""
     if a is b:
         return True
     if not (isinstance(a, Tensor) and isinstance(b, Tensor)):

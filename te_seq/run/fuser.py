@@ -16,6 +16,7 @@ from torch import Tensor
 
 from te_seq.core import amp
 from te_seq.core.amp import AutocastState
+from te_seq.core.channels import ChannelRef
 from te_seq.core.context import CallInputs, OperationContext
 from te_seq.core.operation import BasicOperation, is_te_seq_class
 from te_seq.fusion.matcher import Segment, fill_unfused, match_phase, same_extra_input
@@ -25,6 +26,7 @@ from te_seq.kernels import backend as kernel_backends
 from te_seq.kernels.backend import Backend, BackendChoice
 from te_seq.kernels.traced import traced
 from te_seq.run import compiled
+from te_seq.run.channels import ChannelLink, channel_links, feed_channels, route_channel_grads
 from te_seq.run.step_checks import checked_backward, checked_forward
 
 
@@ -74,6 +76,9 @@ class _Call:
     # The input shape of each forward step's first op (position -> shape): backward steps that
     # start there must return a grad input of that shape.
     input_shapes: dict[int, torch.Size] = field(default_factory=dict)
+    # Extra-input slots fed by an earlier op of this run through a channel (run/channels.py).
+    links: list[ChannelLink] = field(default_factory=list)
+
 
 
 def _extra_signature(flat: Sequence[Any]) -> tuple:
@@ -243,11 +248,15 @@ class Fuser:
             traced=traced,
             offset=self.offset,
             autocast=autocast,
+            links=channel_links(extra, self.offset),
         )
+        extra = [tuple(None if isinstance(t, ChannelRef) else t for t in group)
+                 for group in extra]  # bound slots are filled in as their publishers run
         if not with_backward:
             out, extra_out = _run_forward(call, input_, extra)
             return out, extra_out
         params = [p for op in self.ops for p in op.fuser_parameters()]
+        # A channel-bound slot (None now) is no input of the autograd bridge: made inside it.
         flat_extra = [t for group in extra for t in group]
         inputs = [input_, *flat_extra, *params]
         if traced:  # dynamo's autograd.Function takes each tensor once
@@ -323,6 +332,7 @@ def _run_forward(call: _Call, input_: Tensor, extra: list[tuple]) -> tuple[Tenso
 def _forward_steps(call: _Call, input_: Tensor, extra: list[tuple]):
     x = input_
     extra_out: list[tuple] = [()] * len(call.ctxs)
+    extra = list(extra)  # channel-bound slots are filled in as their publishers run
     for seg, backend in zip(call.plan.forward, call.plan.forward_backends):
         builtin = call.plan.builtin[id(seg.op)]
         if call.autocast is None:
@@ -332,7 +342,9 @@ def _forward_steps(call: _Call, input_: Tensor, extra: list[tuple]):
                 x, outs = _forward_step(call, seg, backend, x, extra, builtin)
         for p, op_out in zip(seg.positions, outs):
             extra_out[p] = tuple(op_out)
+        feed_channels(call.links, call.ctxs, seg.positions, extra, extra_out)
     return x, extra_out
+
 
 
 def _forward_step(
@@ -376,6 +388,7 @@ def _backward_steps(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple
     param_grads: list[Sequence] = [()] * n
     extra_grads: list[Sequence] = [()] * n
     dy = grad_output
+    grad_extra_out = list(grad_extra_out)  # channel consumers add to their publishers' slots
     for seg, backend in zip(call.plan.backward, call.plan.backward_backends):
         if not any(call.ctxs[p].requires_grad for p in seg.positions):
             # requires_grad only grows in forward order: no earlier op needs a backward either
@@ -389,6 +402,8 @@ def _backward_steps(call: _Call, grad_output: Tensor, grad_extra_out: list[tuple
         else:
             with amp.step_scope(call.autocast, builtin):
                 dy, pgrads, egrads = _backward_step(*step)
+        if call.links:
+            egrads = route_channel_grads(call.links, seg.positions, egrads, grad_extra_out)
         for p, pg, eg in zip(seg.positions, pgrads, egrads):
             param_grads[p], extra_grads[p] = tuple(pg), tuple(eg)
     return dy, param_grads, extra_grads

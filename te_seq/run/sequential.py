@@ -8,10 +8,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from te_seq.core.channels import bindings_version
 from te_seq.core.context import CallInputs
 from te_seq.core.operation import BasicOperation, CompositeOperation
 from te_seq.fusion.plan import FusionPlan
 from te_seq.run import compiled
+from te_seq.run.channels import ChannelPlan, resolve_channels, substitute
 from te_seq.run.fuser import Fuser
 
 Run = Fuser | torch.nn.Module
@@ -30,6 +32,7 @@ class Sequential(torch.nn.Sequential):
         super().__init__(*modules)
         self._runs_key: tuple | None = None
         self._runs: list[Run] = []
+        self._channels: ChannelPlan | None = None
         self._last_plan: FusionPlan | None = None
         self._plan_parts: list[FusionPlan] = []
         self._compile_token = compiled.token_for(self)
@@ -56,9 +59,10 @@ class Sequential(torch.nn.Sequential):
     def prepare_runs(self) -> None:
         """Split the flat modules into runs (Fusers and plain modules) if they changed."""
         flat = list(self._flat_modules())
-        key = tuple(id(m) for m in flat)
+        key = (*(id(m) for m in flat), bindings_version())
         if key != self._runs_key:
             _check_no_forward_override(flat)
+            self._channels = resolve_channels([m for m in flat if isinstance(m, BasicOperation)])
             self._runs, self._runs_key = _split_runs(flat), key
 
     def _current_runs(self) -> list[Run]:
@@ -73,15 +77,23 @@ class Sequential(torch.nn.Sequential):
         if torch.compiler.is_compiling() and not compiled.TRACEABLE:
             return compiled.run_sequential_eagerly(self, input_, *extra_inputs)
         runs = self._current_runs()
-        per_op = _distribute_extra_inputs(self.basic_ops(), extra_inputs)
+        channels = self._channels
+        per_op = _distribute_extra_inputs(self.basic_ops(), extra_inputs, channels.inputs)
         call_inputs = CallInputs(input_, extra_inputs, self.parameters)
         x, extra_outputs, plans, used = input_, [], [], 0
+        published: dict[tuple[int, int], Tensor] = {}  # (basic op, output slot) -> tensor
         for run in runs:
             if isinstance(run, Fuser):
                 op_extra = per_op[used : used + len(run.ops)]
-                used += len(run.ops)
+                if channels.any_bound:  # values published by earlier runs (run/channels.py)
+                    op_extra = substitute(op_extra, published)
                 x, outs = run(x, op_extra, call_inputs)
-                extra_outputs.extend(t for op_out in outs for t in op_out)
+                for p, op_out in enumerate(outs, start=used):
+                    for slot, t in enumerate(op_out):
+                        published[(p, slot)] = t
+                        if channels.to_caller[p][slot]:
+                            extra_outputs.append(t)
+                used += len(run.ops)
                 plans.append(run.last_plan)
             else:
                 x = run(x)
@@ -152,24 +164,29 @@ def _extra_names(op: BasicOperation) -> str:
     return ", ".join(names) if names else f"{op.num_extra_inputs} tensor(s)"
 
 
-def _distribute_extra_inputs(ops: list[BasicOperation], extra: tuple) -> list[tuple]:
-    """Hand each basic op its extra inputs, positionally; ValueError naming the op if off."""
+def _distribute_extra_inputs(
+    ops: list[BasicOperation], extra: tuple, bound: tuple[tuple, ...]
+) -> list[tuple]:
+    """Hand each basic op its extra inputs, positionally, skipping the slots bound to a channel
+    (`bound[i][s]`: a ChannelRef, or None for a slot the caller gives); ValueError naming the
+    op if the count is off."""
     per_op, pos = [], 0
     for index, op in enumerate(ops):
-        need = op.num_extra_inputs
+        need = sum(ref is None for ref in bound[index])
         if pos + need > len(extra):
             raise ValueError(
                 f"{type(op).__name__} (basic op {index}) expects {need} extra input(s) "
                 f"({_extra_names(op)}), but only {len(extra) - pos} of the {len(extra)} extra "
                 "inputs given to Sequential were left for it"
             )
-        per_op.append(tuple(extra[pos : pos + need]))
+        given = iter(extra[pos : pos + need])
+        per_op.append(tuple(next(given) if ref is None else ref for ref in bound[index]))
         pos += need
     if pos != len(extra):
         takers = [
-            f"{type(op).__name__}[{i}]: {op.num_extra_inputs}"
+            f"{type(op).__name__}[{i}]: {sum(ref is None for ref in bound[i])}"
             for i, op in enumerate(ops)
-            if op.num_extra_inputs
+            if any(ref is None for ref in bound[i])
         ]
         raise ValueError(
             f"Sequential got {len(extra)} extra inputs but its ops take {pos} "

@@ -6,6 +6,8 @@ from te_seq.ops.basic.bias import Bias
 from te_seq.ops.basic.clamped_swiglu import ClampedSwiGLU
 from te_seq.ops.basic.constant_scale import ConstantScale
 from te_seq.ops.basic.dropout import Dropout
+from te_seq.ops.basic.expert_combine import ExpertCombine
+from te_seq.ops.basic.expert_dispatch import ExpertDispatch
 from te_seq.ops.basic.geglu import GEGLU
 from te_seq.ops.basic.gelu import GELU
 from te_seq.ops.basic.glu import GLU
@@ -21,6 +23,7 @@ from te_seq.ops.basic.reglu import ReGLU
 from te_seq.ops.basic.relu import ReLU
 from te_seq.ops.basic.reshape import Reshape
 from te_seq.ops.basic.rms_norm import RMSNorm
+from te_seq.ops.basic.row_scale import RowScale
 from te_seq.ops.basic.scaled_clamped_qgeglu import ScaledClampedQGeGLU
 from te_seq.ops.basic.scaled_situglu import ScaledSiTUGLU
 from te_seq.ops.basic.scaled_srelu import ScaledSReLU
@@ -37,6 +40,8 @@ __all__ = [
     "Bias",
     "ConstantScale",
     "Dropout",
+    "ExpertCombine",
+    "ExpertDispatch",
     "GEGLU",
     "GELU",
     "GroupedLinear",
@@ -48,6 +53,7 @@ __all__ = [
     "ReGLU",
     "ReLU",
     "Reshape",
+    "RowScale",
     "ScaledSwiGLU",
     "SiLU",
     "SwiGLU",

@@ -100,8 +100,12 @@ class GroupedLinear(GradContractMixin, BasicOperation):
     `scale_bias`, the bias is scaled per row: y_t = x_t W_gᵀ + s_t b_g (extra input `scales` [T]).
     Equivalent to `torch.cat([x_g @ W_g.T + b_g for g])`. Parameters `weight0..weight{G-1}`
     [out, in] (or `weight` [G, out, in] with single_grouped_weight), then `bias0..` [out]
-    (or `bias` [G, out] with single_grouped_bias).
+    (or `bias` [G, out] with single_grouped_bias). After an ExpertDispatch in the same
+    Sequential, `split_sizes` (and `scales`) come from its "split_sizes" ("probs") channel.
     """
+
+    # Subscribed only where an earlier op publishes the channel (run/channels.py).
+    default_input_channels = {"split_sizes": "split_sizes", "scales": "probs"}
 
     def __init__(
         self,

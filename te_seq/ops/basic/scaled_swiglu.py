@@ -10,11 +10,13 @@ class ScaledSwiGLU(SwiGLU):
     """y = silu(gate) · up · s[:, None]; x [..., 2F], extra input `scales` with one entry per
     row of x (shape [T] or x.shape[:-1]) -> y [..., F]. `scales` gets a gradient:
     ds_t = Σ_j dy_tj · silu(gate_tj) · up_tj. `activation_recompute_in_mlp=True`: a following
-    GroupedLinear keeps no copy of y, which is recomputed in backward.
+    GroupedLinear keeps no copy of y, which is recomputed in backward. After an ExpertDispatch in
+    the same Sequential, `scales` is its "probs" channel (no caller argument).
     """
 
     num_extra_inputs = 1
     extra_input_names = ("scales",)
+    default_input_channels = {"scales": "probs"}  # ExpertDispatch's per-row probs, if published
     row_scales = True
 
     def __init__(

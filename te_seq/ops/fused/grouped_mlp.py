@@ -219,7 +219,8 @@ def _build_grouped_mlp(window) -> GroupedMLP | NoMatch:
     splits1, splits2 = window.extra_inputs[0][0], window.extra_inputs[2][0]
     if not same_extra_input(splits1, splits2):
         return NoMatch(
-            "the two GroupedLinear ops got different split_sizes (pass the same tensor object; "
+            "the two GroupedLinear ops got different split_sizes (bind both to the same "
+            "channel, e.g. an ExpertDispatch's 'split_sizes', or pass the same tensor object; "
             "two device tensors are never compared, since that would sync)"
         )
     return GroupedMLP(window)
