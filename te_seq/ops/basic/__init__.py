@@ -12,6 +12,7 @@ from te_seq.ops.basic.identity import Identity
 from te_seq.ops.basic.layer_norm import LayerNorm
 from te_seq.ops.basic.linear import Linear
 from te_seq.ops.basic.make_extra_output import MakeExtraOutput
+from te_seq.ops.basic.quantize import Quantize
 from te_seq.ops.basic.reglu import ReGLU
 from te_seq.ops.basic.relu import ReLU
 from te_seq.ops.basic.reshape import Reshape
@@ -33,6 +34,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "MakeExtraOutput",
+    "Quantize",
     "RMSNorm",
     "ReGLU",
     "ReLU",
