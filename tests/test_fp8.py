@@ -574,3 +574,29 @@ def test_cute_falls_back_under_a_recipe_on_gpu():
         model(x, splits, torch.rand(200, device="cuda", dtype=torch.bfloat16), splits)
     step = model.fusion_plan().forward[0]
     assert step.backend != "cute"
+
+
+@pytest.mark.parametrize("r", RECIPES, ids=IDS)
+def test_delayed_wgrad_under_recipe(r):
+    op = ops.BasicLinear(128, 128, delay_wgrad_compute=True)
+    x, dy = _rand(5, 128), _rand(5, 128)
+    with te_seq.autocast(recipe=r):
+        y = te_seq.Sequential(op)(x.requires_grad_())
+    y.backward(dy)
+    assert op.weight.grad is None and op.need_backward_dw()
+    op.backward_dw()  # runs after the autocast block: the forward's recipe is what counts
+    want_y, want_dx, want_dw = emu_linear(r, x.detach(), op.weight.detach(), dy)
+    assert torch.equal(y, want_y) and torch.equal(x.grad, want_dx)
+    assert torch.equal(op.weight.grad, want_dw)
+
+
+def test_backward_outside_the_block_uses_the_forward_recipe():
+    r = recipe.Float8RowwiseScaling()
+    op = ops.BasicLinear(128, 64)
+    x, dy = _rand(5, 128).requires_grad_(), _rand(5, 64)
+    with te_seq.autocast(recipe=r):
+        y = te_seq.Sequential(op)(x)
+    with te_seq.autocast(recipe=recipe.Float8CurrentScaling()):
+        y.backward(dy)  # another recipe active now: backward still follows its forward's
+    want_y, want_dx, want_dw = emu_linear(r, x.detach(), op.weight.detach(), dy)
+    assert torch.equal(x.grad, want_dx) and torch.equal(op.weight.grad, want_dw)
