@@ -600,3 +600,24 @@ def test_backward_outside_the_block_uses_the_forward_recipe():
         y.backward(dy)  # another recipe active now: backward still follows its forward's
     want_y, want_dx, want_dw = emu_linear(r, x.detach(), op.weight.detach(), dy)
     assert torch.equal(x.grad, want_dx) and torch.equal(op.weight.grad, want_dw)
+
+
+def test_torch_compile_runs_fp8_eagerly_and_follows_the_recipe():
+    from te_seq.run import compiled
+
+    if not compiled.TRACEABLE:
+        pytest.skip("te_seq traces only from torch 2.13 on")
+    torch._dynamo.reset()
+    model = te_seq.Sequential(ops.BasicLinear(128, 128))
+    step = torch.compile(model)
+    x = _rand(4, 128)
+    try:
+        for r in (RECIPES[1], RECIPES[2], None):
+            with te_seq.autocast(enabled=r is not None, recipe=r):
+                y = step(x)
+            want = x @ model[0].weight.detach().t() if r is None else \
+                emu_linear(r, x, model[0].weight.detach(), torch.zeros(4, 128))[0]
+            assert torch.equal(y, want)
+            assert model.fusion_plan().forward[0].recipe == r
+    finally:
+        torch._dynamo.reset()

@@ -35,6 +35,14 @@ def active_recipe() -> Recipe | None:
     return _ACTIVE
 
 
+def recipe_key() -> tuple | None:
+    """The active recipe as plain values (for plan keys, which torch.compile passes around)."""
+    r = _ACTIVE
+    if r is None:
+        return None
+    return (type(r).__name__, r.fp8_format, r.margin, r.power_of_two_scales, r.cache_weights)
+
+
 class autocast:  # noqa: N801 (a context manager used like a function)
     """`with te_seq.autocast(recipe=...):` runs te_seq's linear GEMMs inside on FP8 operands.
 

@@ -132,7 +132,7 @@ class Fuser:
             tuple(map(type, self.ops)),  # the matcher's subclass rule reads the classes
             # plain values, not the record: dynamo passes the key to compiled.ensure_plan
             None if autocast is None else (autocast.dtype, autocast.device_type),
-            fp8.active_recipe(),  # a frozen recipe record: plans are per recipe
+            fp8.recipe_key(),  # plain values (dynamo passes the key on): plans are per recipe
         )
 
     def plan(
