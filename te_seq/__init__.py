@@ -3,7 +3,8 @@
 Importing te_seq compiles nothing and does not import the CUTLASS DSL.
 """
 
-from te_seq import ops
+from te_seq import ops, recipe
+from te_seq.core.fp8 import autocast
 from te_seq.fusion import (
     FusionPattern,
     FusionPlan,
@@ -40,6 +41,7 @@ __all__ = [
     "PlanMiss",
     "PlanStep",
     "Sequential",
+    "autocast",
     "backend",
     "current_backend",
     "disable_fusion",
@@ -48,6 +50,7 @@ __all__ = [
     "list_fusions",
     "make_graphed_callables",
     "ops",
+    "recipe",
     "register_fusion",
     "set_backend",
     "unregister_fusion",

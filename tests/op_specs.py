@@ -301,6 +301,8 @@ def _shape_specs() -> list[OpSpec]:
 
     return [
         OpSpec("Identity", "Identity", plain("Identity"), H, lambda p, x: x),
+        # Outside te_seq.autocast, Quantize passes its input through (FP8: tests/test_fp8.py).
+        OpSpec("Quantize", "Quantize", plain("Quantize"), H, lambda p, x: x),
         OpSpec("Reshape", "Reshape", plain("Reshape", (-1, 2, H // 2)), H,
                lambda p, x: x.reshape(-1, 2, H // 2)),
         OpSpec("ConstantScale", "ConstantScale", plain("ConstantScale", -0.75), H,
@@ -501,6 +503,7 @@ API_BASIC_OPS = (
     "GLU", "QGELU", "QGEGLU", "SReLU", "SReGLU", "ScaledSReLU", "ClampedSwiGLU",
     "ScaledClampedQGeGLU", "SiTUGLU", "ScaledSiTUGLU", "L2Normalization",
     "ExpertDispatch", "ExpertCombine", "RowScale",
+    "Quantize",
 )
 
 

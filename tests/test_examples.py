@@ -95,6 +95,26 @@ def test_moe_train_fails_when_the_loss_does_not_fall():
     assert "loss did not fall" in proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8", ["block", "rowwise", "tensor"])
+def test_moe_train_fp8_loss_within_margin(fp8):
+    # hidden 128: Float8BlockScaling's 128x128 weight blocks; the example states the margin.
+    proc = run_example(ROOT / "examples" / "moe_train.py",
+                       ["--steps", "30", "--device", "cpu", "--dtype", "float32",
+                        "--hidden", "128", "--fp8", fp8])
+    assert proc.returncode == 0, _describe(proc)
+    assert "fp8 loss within the margin" in proc.stdout
+    name = {"block": "Float8BlockScaling", "rowwise": "Float8RowwiseScaling",
+            "tensor": "Float8CurrentScaling"}[fp8]
+    assert f"GroupedMLP[0, 1, 2] [reference] fp8={name}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_moe_train_fp8_block_rejects_sizes_off_the_block():
+    proc = run_example(ROOT / "examples" / "moe_train.py", ["--fp8", "block", "--hidden", "64"])
+    assert proc.returncode == 2 and "multiples of 128" in proc.stderr, _describe(proc)
+
+
 def readme_command(marker: str) -> str:
     """The first line of the ```bash block that follows `marker` in README.md."""
     text = (ROOT / "README.md").read_text()

@@ -89,7 +89,7 @@ class OperationContext:
         weight_requires_grad: some parameter of the op needs a gradient (wgrad must be computed).
         backend: the kernel backend of the plan step running the op in this phase (forward or
             backward; the fuser sets it before each step).
-        recipe: the FP8 recipe of the call (None: no quantization; reserved, always None now).
+        recipe: the FP8 recipe of the call (`te_seq.autocast`; None: no quantization).
         process_group: the process group of distributed ops (reserved, always None now).
         call_inputs: what the Sequential call was given (None outside a Sequential): an op that
             writes into an extra input in place checks `call_inputs.aliased(extra)` first.

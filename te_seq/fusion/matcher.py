@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from te_seq.core import fp8
 from te_seq.core.operation import (
     BasicOperation,
     FusedOperation,
@@ -173,11 +174,26 @@ def _match_at(ops, taken, pos, patterns, extra_inputs, offset, misses) -> Segmen
             continue
         window = Window(window_ops, [extra_inputs[p] for p in positions], indices)
         result = _build(pattern, window)
+        if isinstance(result, FusedOperation):
+            result = _fp8_checked(result, window_ops)
         if isinstance(result, NoMatch):
             misses.append(PlanMiss(pattern.name, indices, result.reason))
             continue
         return Segment(result, positions)
     return None
+
+
+def _fp8_checked(fused: FusedOperation, ops) -> FusedOperation | NoMatch:
+    """Under an FP8 recipe, a fused op over ops with FP8 GEMMs (`fp8_gemms`) must run them
+    itself (its class declares `fp8_gemms = True`); otherwise it would run them unquantized, so
+    the window runs unfused (the plan cache key holds the recipe)."""
+    recipe = fp8.active_recipe()
+    if recipe is None or getattr(type(fused), "fp8_gemms", False):
+        return fused
+    if not any(getattr(op, "fp8_gemms", False) for op in ops):
+        return fused
+    return NoMatch(f"FP8 recipe {recipe}: {type(fused).__name__} has no FP8 GEMMs, so its ops "
+                   "run unfused")
 
 
 def fill_unfused(ops: Sequence[BasicOperation], fused: list[Segment]) -> list[Segment]:

@@ -15,10 +15,12 @@ class PlanStep:
     backend: str
     op: Any = field(default=None, repr=False, compare=False)
     backend_reason: str = field(default="", compare=False)  # why this backend ran
+    recipe: Any = None  # the FP8 recipe the step ran under (te_seq.autocast; None: no FP8)
 
     def __str__(self) -> str:
         why = f" ({self.backend_reason})" if self.backend_reason else ""
-        return f"{self.name}{list(self.basic_op_indices)} [{self.backend}]{why}"
+        fp8 = f" fp8={self.recipe}" if self.recipe is not None else ""
+        return f"{self.name}{list(self.basic_op_indices)} [{self.backend}]{fp8}{why}"
 
 
 @dataclass(frozen=True)

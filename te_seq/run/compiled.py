@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from te_seq.core import fp8
 from te_seq.core.amp import AutocastState
 from te_seq.core.operation import FusibleOperation
 from te_seq.fusion.registry import list_fusions
@@ -72,6 +73,8 @@ def untraceable_reason(fuser: Fuser, steps: Sequence[FusibleOperation]) -> str:
     user = [p.name for p in list_fusions() if p.enabled and not p.builtin]
     if user:
         return f"user-registered fusions are enabled ({', '.join(user)})"
+    if fp8.active_recipe() is not None:  # host reads of group offsets, the weight cache
+        return f"FP8 recipe {fp8.active_recipe()} (FP8 runs eagerly under torch.compile)"
     for op in (*fuser.ops, *steps):
         if not op_traceable(op):
             return f"{type(op).__name__} is not traceable (see te_seq.run.compiled)"

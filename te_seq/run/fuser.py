@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from te_seq.core import amp
+from te_seq.core import amp, fp8
 from te_seq.core.amp import AutocastState
 from te_seq.core.channels import ChannelRef
 from te_seq.core.context import CallInputs, OperationContext
@@ -137,6 +137,7 @@ class Fuser:
             tuple(map(type, self.ops)),  # the matcher's subclass rule reads the classes
             # plain values, not the record: dynamo passes the key to compiled.ensure_plan
             None if autocast is None else (autocast.dtype, autocast.device_type),
+            fp8.recipe_key(),  # plain values (dynamo passes the key on): plans are per recipe
         )
 
     def plan(
@@ -173,7 +174,8 @@ class Fuser:
         for seg in forward + backward:  # a joint fused op has a forward and a backward segment
             if id(seg.op) not in choices:
                 choices[id(seg.op)] = seg.op.plan_backend(requested, dtype, device)
-        public = self._public(forward, backward, misses, choices, dtype, device)
+        public = self._public(forward, backward, misses, choices, dtype, device,
+                              fp8.active_recipe())
         return RunPlan(
             forward,
             backward,
@@ -184,14 +186,17 @@ class Fuser:
         )
 
     def _public(
-        self, forward, backward, misses: list[PlanMiss], choices, dtype, device
+        self, forward, backward, misses: list[PlanMiss], choices, dtype, device, recipe=None
     ) -> FusionPlan:
         def step(seg: Segment) -> PlanStep:
             indices = tuple(p + self.offset for p in seg.positions)
             chosen, why = choices[id(seg.op)]
             note = seg.op.plan_note(chosen, dtype, device)
+            if getattr(seg.op, "fp8_gemms", False):  # how its GEMMs run under the recipe
+                note = "; ".join(filter(None, [note, fp8.step_note(recipe, chosen.name)]))
             why = f"{why}; {note}" if note else why
-            return PlanStep(type(seg.op).__name__, indices, chosen.name, seg.op, why)
+            return PlanStep(type(seg.op).__name__, indices, chosen.name, seg.op, why,
+                            recipe=recipe)
 
         return FusionPlan([step(s) for s in forward], [step(s) for s in backward], misses)
 
@@ -275,8 +280,9 @@ def new_contexts(
     """One context per basic op for this call, with which gradients its backward must produce.
 
     The one place contexts are made and their per-call fields filled (except `backend`, which
-    depends on the plan step running the op in each phase: see `_step_contexts`). `recipe` and
-    `process_group` stay None until FP8 and distributed ops fill them here.
+    depends on the plan step running the op in each phase: see `_step_contexts`). `recipe` is
+    te_seq.autocast's FP8 recipe (None outside); `process_group` stays None until distributed
+    ops fill it here.
     """
     grad_on = torch.is_grad_enabled()
     running = grad_on and input_.requires_grad  # the gradient flows from the input onward
@@ -287,7 +293,8 @@ def new_contexts(
         requires_grad = running or weight_grad or extra_grad
         ctxs.append(OperationContext(requires_grad=requires_grad, input_requires_grad=running,
                                      weight_requires_grad=weight_grad,
-                                     call_inputs=call_inputs, autocast=autocast))
+                                     call_inputs=call_inputs, autocast=autocast,
+                                     recipe=fp8.active_recipe()))
         running = requires_grad
     return ctxs
 

@@ -19,6 +19,7 @@ from te_seq.ops.basic.linear import Linear
 from te_seq.ops.basic.make_extra_output import MakeExtraOutput
 from te_seq.ops.basic.qgeglu import QGEGLU
 from te_seq.ops.basic.qgelu import QGELU
+from te_seq.ops.basic.quantize import Quantize
 from te_seq.ops.basic.reglu import ReGLU
 from te_seq.ops.basic.relu import ReLU
 from te_seq.ops.basic.reshape import Reshape
@@ -49,6 +50,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "MakeExtraOutput",
+    "Quantize",
     "RMSNorm",
     "ReGLU",
     "ReLU",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from te_seq.core import amp, checks
+from te_seq.core import amp, checks, fp8
 from te_seq.core.context import OperationContext
 from te_seq.core.grad_policy import (
     ForwardWeights,
@@ -51,6 +51,8 @@ class BasicLinear(GradContractMixin, BasicOperation):
     Equivalent to `torch.nn.functional.linear(x, weight)`. `accumulate_into_main_grad` and
     `delay_wgrad_compute` follow the gradient contract (docs/gradient_contract.md).
     """
+
+    fp8_gemms = True  # under te_seq.autocast(recipe=...) the GEMMs take FP8 operands
 
     def __init__(
         self,
@@ -97,7 +99,13 @@ class BasicLinear(GradContractMixin, BasicOperation):
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
         x, w = self.operands(ctx, as_rows(input_, self.in_features))  # [T, in], [out, in]
-        y = x @ w.t()  # [T, out]
+        if ctx.recipe is not None:  # FP8: quantized operands (core/fp8.py); x, W kept for grads
+            out_dtype = x.dtype  # the GEMM's usual output dtype
+            x_q, x, w_q, w = fp8.gemm_operands(self, ctx.recipe, input_, x, w, [self.weight],
+                                               [(0, x.shape[0])])
+            y = (x_q @ w_q.t()).to(out_dtype)
+        else:
+            y = x @ w.t()  # [T, out]
         self.save(ctx, x, input_.shape, w, input_.dtype)
         return y.reshape(*input_.shape[:-1], self.out_features)
 
@@ -126,12 +134,14 @@ class BasicLinear(GradContractMixin, BasicOperation):
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
         x, weight = ctx.saved_tensors
-        dy = self.grad_rows(ctx, grad_output)  # [T, out]
+        dy = dy_wgrad = self.grad_rows(ctx, grad_output)  # [T, out]
+        if ctx.recipe is not None:  # FP8: dy along out for dgrad, along tokens for wgrad
+            dy, dy_wgrad = fp8.grad_operands(ctx.recipe, dy, [(0, dy.shape[0])])
         dx = None
         if ctx.input_requires_grad:
             saved = ctx.saved_as(LinearSaved)
             dx = amp.cast((dy @ weight).reshape(saved.input_shape), saved.input_dtype)  # dX = dY W
-        return dx, self.weight_grads(ctx, x, dy)
+        return dx, self.weight_grads(ctx, x, dy_wgrad)
 
     def grad_rows(self, ctx: OperationContext, grad_output: Tensor) -> Tensor:
         """dY as rows [T, out] in the forward GEMM's compute dtype (fusions call this too)."""

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from te_seq import kernels
-from te_seq.core import amp, checks
+from te_seq.core import amp, checks, fp8
 from te_seq.core.context import OperationContext
 from te_seq.core.grad_policy import (
     ForwardWeights,
@@ -22,6 +22,7 @@ from te_seq.core.grad_policy import (
 from te_seq.core.operation import BasicOperation
 from te_seq.kernels import as_rows
 from te_seq.kernels.backend import Backend, KernelNeed
+from te_seq.kernels.reference import group_bounds
 from te_seq.ops.basic._grouped_params import ParamBlock, block_of
 from te_seq.ops.basic.basic_linear import init_linear_weight_
 
@@ -106,6 +107,7 @@ class GroupedLinear(GradContractMixin, BasicOperation):
 
     # Subscribed only where an earlier op publishes the channel (run/channels.py).
     default_input_channels = {"split_sizes": "split_sizes", "scales": "probs"}
+    fp8_gemms = True  # under te_seq.autocast(recipe=...) the GEMMs take FP8 operands
 
     def __init__(
         self,
@@ -261,11 +263,11 @@ class GroupedLinear(GradContractMixin, BasicOperation):
     def kernel_needs(self) -> list[KernelNeed]:
         """y = x Wᵀ (K=in, N=out), dX = dY W (K=out, N=in) and dW = dYᵀ X [N=out, K=in]."""
         k, n = self.in_features, self.out_features
-        return [
+        return fp8.with_recipe([
             KernelNeed("grouped_mm", {"k": k, "n": n}),
             KernelNeed("grouped_mm", {"k": n, "n": k}),
             KernelNeed("grouped_wgrad", {"k": k, "n": n}),
-        ]
+        ])
 
     # --- maths pieces (the fused GroupedMLP reuses them) -------------------------------------
     def operands(self, ctx: OperationContext, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -379,24 +381,32 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         scales = rest[0] if rest else None
         x, weight = self.operands(ctx, as_rows(input_, self.in_features))  # [T, K], [G, N, K]
         offs = self.offsets(splits, input_)
-        y = ctx.backend.grouped_mm(x, weight.transpose(1, 2), offs)  # y_g = x_g W_gᵀ
-        bias = self.bias_rows(offs, x.shape[0], scales, x.dtype)
+        x_q, w_q, out_dtype = x, weight, x.dtype
+        if ctx.recipe is not None:  # FP8: quantized operands (core/fp8.py); x, W kept for grads
+            params = [p for _, p in self.named_weights()]
+            x_q, x, w_q, weight = fp8.gemm_operands(self, ctx.recipe, input_, x, weight, params,
+                                                    group_bounds(offs))
+        y = amp.cast(ctx.backend.grouped_mm(x_q, w_q.transpose(1, 2), offs), out_dtype)
+        bias = self.bias_rows(offs, x.shape[0], scales, out_dtype)
         if bias is not None:
             y = y + bias
         if ctx.requires_grad:
             ctx.save_for_backward(x, weight, offs, scales)
-            ctx.saved = self.saved_record(input_, x.dtype)
+            ctx.saved = self.saved_record(input_, out_dtype)
         return y.reshape(*input_.shape[:-1], self.out_features), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]
         x, weight, offs, scales = ctx.saved_tensors
         dy = self.grad_rows(ctx, grad_output)  # [T, N]
+        dy_dgrad = dy_wgrad = dy
+        if ctx.recipe is not None:  # FP8: dy along N for dgrad, along tokens for wgrad
+            dy_dgrad, dy_wgrad = fp8.grad_operands(ctx.recipe, dy, group_bounds(offs))
         dx = None
-        if ctx.input_requires_grad:
-            dx = self.input_grad(ctx, ctx.backend.grouped_mm(dy, weight, offs))  # dX_g = dY_g W_g
+        if ctx.input_requires_grad:  # dX_g = dY_g W_g
+            dx = self.input_grad(ctx, ctx.backend.grouped_mm(dy_dgrad, weight, offs))
         bias_grads, dscales = self.bias_grads(dy, offs, scales)
-        weight_grads = self.weight_grads(ctx, x, dy, offs)
+        weight_grads = self.weight_grads(ctx, x, dy_wgrad, offs)
         extra_grads = (None, dscales) if self.num_extra_inputs == 2 else (None,)
         return dx, [weight_grads + bias_grads], [extra_grads]
 

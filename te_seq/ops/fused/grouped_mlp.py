@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from te_seq.core import fp8
 from te_seq.core.context import OperationContext
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.matcher import same_extra_input
@@ -23,6 +24,7 @@ from te_seq.kernels import as_rows
 from te_seq.kernels.backend import Backend, KernelNeed
 from te_seq.ops.basic.activation import Activation
 from te_seq.ops.basic.grouped_linear import GroupedLinear
+from te_seq.ops.fused import _grouped_mlp_fp8
 from te_seq.ops.fused._linear_common import check_activation
 
 
@@ -37,7 +39,11 @@ class _Extras:
 
 
 class GroupedMLP(FusedOperation):
-    """y = FC2(act(FC1(x))) per expert, equal to the unfused chain of its three basic ops."""
+    """y = FC2(act(FC1(x))) per expert, equal to the unfused chain of its three basic ops.
+    Under an FP8 recipe its GEMMs take the unfused chain's quantized operands
+    (_grouped_mlp_fp8.py)."""
+
+    fp8_gemms = True
 
     def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
         super().__init__(basic_ops)
@@ -51,7 +57,9 @@ class GroupedMLP(FusedOperation):
         gemms = [(h, f1), (f, h2), (h2, f), (f1, h)]  # (K, N): FC1, FC2, FC2 dgrad, FC1 dgrad
         needs = [KernelNeed("grouped_mm", {"k": k, "n": n}) for k, n in gemms]
         wgrads = [(f, h2), (h, f1)]  # (K, N) of dW2 [N=H, K=F] and dW1 [N=2F, K=H]
-        return needs + [KernelNeed("grouped_wgrad", {"k": k, "n": n}) for k, n in wgrads]
+        return fp8.with_recipe(
+            needs + [KernelNeed("grouped_wgrad", {"k": k, "n": n}) for k, n in wgrads]
+        )
 
     def epilogue_status(
         self, backend: Backend, dtype: torch.dtype, device: torch.device
@@ -84,6 +92,8 @@ class GroupedMLP(FusedOperation):
 
     def plan_note(self, backend: Backend, dtype: torch.dtype, device: torch.device) -> str:
         """Whether the activation runs inside the GEMMs' epilogues or after them."""
+        if fp8.active_recipe() is not None:  # the plan is built inside the call
+            return "activation after the GEMMs (no FP8 epilogue kernels)"
         fused, why = self.epilogue_status(backend, dtype, device)
         if fused:
             return "activation fused into the FC1 and FC2-dgrad epilogues"
@@ -136,6 +146,10 @@ class GroupedMLP(FusedOperation):
         x, w1 = self.fc1.operands(ctx, as_rows(input_, self.fc1.in_features))  # [T, H]
         w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
         offs = self.fc1.offsets(extras.splits, input_)
+        if ctx.recipe is not None:
+            y = _grouped_mlp_fp8.forward(self, basic_op_ctxs, input_, x, w1, w2, offs, extras,
+                                         basic_op_extra_inputs)
+            return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
         probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]
         h_like = x.new_empty(()).expand(x.shape[0], self.fc1.out_features)  # shape only, no memory
         self.activation.pre_forward_checks(h_like, basic_op_extra_inputs[1])
@@ -156,6 +170,8 @@ class GroupedMLP(FusedOperation):
     # --- backward -----------------------------------------------------------------------------
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx1, ctx_act, ctx2 = basic_op_ctxs
+        if ctx1.recipe is not None:
+            return _grouped_mlp_fp8.backward(self, basic_op_ctxs, grad_output)
         x, h, w1, w2, offs, probs_in, s1, s2 = ctx1.saved_tensors
         probs = None if probs_in is None else probs_in.reshape(-1)
         dy = self.fc2.grad_rows(ctx2, grad_output)  # [T, H] in the GEMMs' compute dtype

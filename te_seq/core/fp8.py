@@ -1,0 +1,234 @@
+"""FP8 in te_seq's ops: the recipe of the call (`te_seq.autocast`) and the GEMM operands.
+
+`te_seq.autocast(recipe=...)` sets the recipe for te_seq calls inside it; the fuser reads it once
+per call into every context (`ctx.recipe`) and into the plan key. The linear ops (BasicLinear,
+GroupedLinear, the fused GroupedMLP) then take their GEMM operands from here: each operand
+quantized along its GEMM's reduction dimension and dequantized in fp32
+(`te_seq.kernels.fp8_reference`), so a GEMM of those operands in fp32 is exactly what an FP8
+GEMM with fp32 accumulation computes up to summation order. te_seq/recipe.py states the rules.
+
+Weights are quantized once per weight version and recipe, and cached on the op
+(`_weight_operands`): the key is each Parameter's identity, `_version` counter and data pointer,
+so an optimizer step (an in-place write) or a new Parameter is always seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from te_seq.kernels import fp8_reference as ref
+from te_seq.recipe import Float8CurrentScaling, Recipe
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+QUANTIZED_ATTR = "_te_seq_fp8"  # on a tensor `ops.Quantize` returned: its `QuantizedInput`
+
+# The recipe of the enclosing `te_seq.autocast` (None outside). A module global, not a
+# ContextVar, like core/amp.py's state: torch.compile traces a global's read.
+_ACTIVE: Recipe | None = None
+
+
+def active_recipe() -> Recipe | None:
+    """The recipe te_seq calls made now run under (None: no FP8)."""
+    return _ACTIVE
+
+
+def recipe_key() -> tuple | None:
+    """The active recipe as plain values (for plan keys, which torch.compile passes around)."""
+    r = _ACTIVE
+    if r is None:
+        return None
+    return (type(r).__name__, r.fp8_format, r.margin, r.power_of_two_scales, r.cache_weights)
+
+
+class autocast:  # noqa: N801 (a context manager used like a function)
+    """`with te_seq.autocast(recipe=...):` runs te_seq's linear GEMMs inside on FP8 operands.
+
+    enabled=False runs the block without FP8 (also inside an enabled block); `recipe` defaults
+    to `Float8CurrentScaling()`. Nested blocks restore the outer recipe on exit. Only te_seq
+    ops read it; torch.autocast is independent and may be combined with it.
+    """
+
+    def __init__(self, enabled: bool = True, recipe: Recipe | None = None) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"te_seq.autocast: enabled must be a bool, got {enabled!r}")
+        if recipe is not None and not isinstance(recipe, Recipe):
+            raise TypeError(
+                "te_seq.autocast: recipe must be a te_seq.recipe recipe (Float8CurrentScaling, "
+                f"Float8BlockScaling, Float8RowwiseScaling), got {type(recipe).__name__}"
+            )
+        self.recipe = (recipe or Float8CurrentScaling()) if enabled else None
+        self.outer: list[Recipe | None] = []
+
+    def __enter__(self) -> autocast:
+        global _ACTIVE
+        self.outer.append(_ACTIVE)
+        _ACTIVE = self.recipe
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _ACTIVE
+        _ACTIVE = self.outer.pop()
+
+
+# --- checks ---------------------------------------------------------------------------------
+
+
+def check_operands(op: object, recipe: Recipe, x: Tensor, w: Tensor, k: int, n: int) -> None:
+    """ValueError naming the op, the recipe and the values when `recipe` cannot quantize a GEMM
+    of x [..., K] with W [.., N, K]: a dtype other than fp32/bf16/fp16, or K or N not a multiple
+    of the recipe's block."""
+    name = type(op).__name__
+    for label, t in (("input", x), ("weight", w)):
+        if t.dtype not in _DTYPES:
+            raise ValueError(
+                f"{name}: recipe {recipe} quantizes float32, bfloat16 or float16 GEMM operands, "
+                f"got {label} dtype {t.dtype}"
+            )
+    m = recipe.block_multiple
+    if m is not None and (k % m or n % m):
+        raise ValueError(
+            f"{name}: recipe {recipe} needs in_features and out_features to be multiples of {m} "
+            f"(1x{m} tiles, {m}x{m} weight blocks), got in_features={k}, out_features={n}"
+        )
+
+
+def check_quantizable(op: object, recipe: Recipe, x: Tensor) -> None:
+    """ValueError when `recipe` cannot quantize x [..., C] as a GEMM's input (ops.Quantize)."""
+    name = type(op).__name__
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{name}: recipe {recipe} quantizes float32, bfloat16 or float16, got "
+                         f"{x.dtype}")
+    m = recipe.block_multiple
+    if m is not None and x.shape[-1] % m:
+        raise ValueError(f"{name}: recipe {recipe} needs the last dimension to be a multiple of "
+                         f"{m} (1x{m} tiles), got {x.shape[-1]}")
+
+
+# --- operands -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantizedInput:
+    """What `ops.Quantize` attaches to its output: the recipe, the input as the next GEMM's
+    forward operand (quantized along its last dimension, with its `transpose` along the rows for
+    a wgrad over all rows), and the unquantized source (for per-expert wgrad operands)."""
+
+    recipe: Recipe
+    forward: ref.QuantizedTensor
+    source: Tensor
+
+
+def quantize_input(recipe: Recipe, x: Tensor) -> QuantizedInput:
+    """x [..., C] quantized as a GEMM input under `recipe` (what ops.Quantize produces)."""
+    rows = x.reshape(-1, x.shape[-1])
+    block, rule = recipe.block("input"), recipe.rule("input")
+    forward = ref.quantize(rows, block, rule)
+    forward.transpose = ref.quantize(rows.t(), block, rule)
+    return QuantizedInput(recipe, forward, x)
+
+
+def _marker(recipe: Recipe, input_: Tensor) -> QuantizedInput | None:
+    found = getattr(input_, QUANTIZED_ATTR, None)
+    return found if found is not None and found.recipe == recipe else None
+
+
+def _along_tokens(recipe: Recipe, role: str, t: Tensor, bounds, along_k: Tensor) -> Tensor:
+    """t [T, C] as a wgrad operand (quantized along T within each group), fp32. Per-tensor
+    scaling does not depend on the layout: that is `along_k`, the forward operand itself."""
+    block = recipe.block(role)
+    if block == ref.QuantBlock(None, None):
+        return along_k
+    return ref.qdq_columns_per_group(t, bounds, block, recipe.rule(role))
+
+
+def input_operands(recipe: Recipe, input_: Tensor, x: Tensor, bounds) -> tuple[Tensor, Tensor]:
+    """(x along K for the forward GEMM, x along T for the wgrad), both [T, K] fp32. An input
+    that `ops.Quantize` made is taken as it was quantized there (never quantized twice)."""
+    marker = _marker(recipe, input_)
+    if marker is None:
+        forward = ref.qdq(x, recipe.block("input"), recipe.rule("input"))
+        return forward, _along_tokens(recipe, "input", x, bounds, forward)
+    forward = marker.forward.dequantize()
+    if len(bounds) == 1 and bounds[0] == (0, x.shape[0]):
+        return forward, marker.forward.transpose.dequantize().t()
+    source = marker.source.reshape(x.shape)
+    return forward, _along_tokens(recipe, "input", source, bounds, forward)
+
+
+def grad_operands(recipe: Recipe, dy: Tensor, bounds) -> tuple[Tensor, Tensor]:
+    """(dy along N for the dgrad, dy along T for the wgrad), both [T, N] fp32."""
+    dgrad = ref.qdq(dy, recipe.block("grad"), recipe.rule("grad"))
+    return dgrad, _along_tokens(recipe, "grad", dy, bounds, dgrad)
+
+
+def _weight_pair(recipe: Recipe, w: Tensor) -> tuple[Tensor, Tensor]:
+    """(W along K for the forward, W along N for the dgrad), both [N, K] fp32."""
+    block, rule = recipe.block("weight"), recipe.rule("weight")
+    forward = ref.qdq(w, block, rule)
+    symmetric = block.rows == block.cols  # per tensor, 128x128: Wᵀ has the same blocks
+    return forward, forward if symmetric else ref.qdq(w.t(), block, rule).t()
+
+
+def weight_operands(
+    op: torch.nn.Module, recipe: Recipe, w: Tensor, params: list[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """(W for the forward, W for the dgrad) in fp32, each [N, K] (or [G, N, K]: each expert's
+    weight quantized on its own), cached on `op` until a Parameter in `params` changes."""
+    key = (
+        recipe,
+        w.dtype,
+        tuple(w.shape),
+        tuple((id(p), p._version, p.data_ptr()) for p in params),
+    )
+    cache = op.__dict__.get("_fp8_weight_cache")
+    if cache is not None and cache[0] == key:
+        return cache[1]
+    if w.dim() == 2:
+        pair = _weight_pair(recipe, w)
+    else:
+        pairs = [_weight_pair(recipe, w_g) for w_g in w.unbind(0)]
+        pair = (torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
+    if recipe.cache_weights and not torch.compiler.is_compiling():
+        op.__dict__["_fp8_weight_cache"] = (key, pair)
+    return pair
+
+
+def gemm_operands(
+    op: torch.nn.Module, recipe: Recipe, input_: Tensor, x: Tensor, w: Tensor,
+    params: list[Tensor], bounds: list[tuple[int, int]],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The fp32 operands of a linear's three GEMMs under `recipe` (checked first):
+    (x along K, x along T, W along K, W along N). x [T, K] is the GEMM input in its compute
+    dtype and `input_` the op's input (an `ops.Quantize` output is not quantized again);
+    W [N, K] or [G, N, K] with the Parameters it comes from; `bounds` the (start, end) rows of
+    each group ([(0, T)] for one)."""
+    check_operands(op, recipe, x, w, w.shape[-1], w.shape[-2])
+    x_fwd, x_wgrad = input_operands(recipe, input_, x, bounds)
+    w_fwd, w_dgrad = weight_operands(op, recipe, w, params)
+    return x_fwd, x_wgrad, w_fwd, w_dgrad
+
+
+def clear_weight_cache(op: torch.nn.Module) -> None:
+    """Drop `op`'s cached quantized weights (they are recomputed on the next FP8 call)."""
+    op.__dict__.pop("_fp8_weight_cache", None)
+
+
+def with_recipe(needs: list) -> list:
+    """An op's kernel needs (`KernelNeed`s) with the active recipe as a fact (unchanged outside
+    te_seq.autocast): backends without FP8 kernels decline them in `supports`. Plans are built
+    inside the call, so the active recipe is the call's (and the plan key holds it)."""
+    recipe = active_recipe()
+    if recipe is None:
+        return needs
+    return [type(n)(n.kernel, {**n.facts, "recipe": recipe}) for n in needs]
+
+
+def step_note(recipe: Recipe | None, backend_name: str) -> str:
+    """The plan's line on how a step with FP8 GEMMs runs under `recipe` ("" without one)."""
+    if recipe is None:
+        return ""
+    return (f"FP8 {recipe}: GEMM operands quantized -> dequantized in fp32, fp32 GEMMs "
+            f"(emulated on {backend_name})")

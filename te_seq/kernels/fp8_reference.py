@@ -1,0 +1,150 @@
+"""FP8 quantization maths: what every recipe means, as quantize -> dequantize in fp32.
+
+The reference defines the numbers; faster backends must reproduce them. Everything here works
+on 2-D GEMM operands laid out as [rows, reduction]: a GEMM C = A Bᵀ reads A [M, K] and B [N, K]
+and both are quantized along K (their last dimension), so a block never straddles two dot
+products' worth of different scales in an unexpected way.
+
+Blocks (`QuantBlock`): a tensor [R, C] is cut into blocks of `rows` x `cols` elements from the
+top-left corner (`None`: the whole extent); trailing blocks may be partial. One scale per block:
+
+    amax  = max |t| over the exact block (in fp32; a partial block covers only its elements)
+    scale = fp8_max / amax / 2**margin, at most the largest finite fp32
+            (so a block of tiny or subnormal values still gets a finite scale)
+    scale = 2**floor(log2(scale))                        with power_of_two (exactly)
+    scale = 1                                            where amax == 0 (an all-zero block)
+    scale = nan                                          where amax is inf or nan
+    q     = fp8(clamp(t * scale, -fp8_max, fp8_max))     round to nearest even (torch's cast)
+    t'    = fp32(q) * scale_inv,  scale_inv = 1 / scale  (fp32)
+
+Non-finite policy: an inf or a nan anywhere in a block turns the whole block into nan (no host
+sync is needed to detect it, and the loss becomes nan where an overflow check sees it); finite
+blocks are untouched by their neighbours' overflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+FP8_FORMATS = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+@dataclass(frozen=True)
+class ScaleRule:
+    """How one operand's scales are chosen: the FP8 format, the margin (scale divided by
+    2**margin, headroom for values that grow) and whether scales are rounded down to powers of
+    two (then dequantization is exact in any float format with fp32's exponent range)."""
+
+    fmt: str = "E4M3"
+    margin: int = 0
+    power_of_two: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return FP8_FORMATS[self.fmt]
+
+    @property
+    def fp8_max(self) -> float:
+        return float(torch.finfo(self.dtype).max)
+
+
+@dataclass(frozen=True)
+class QuantBlock:
+    """The block shape of one scale: `rows` x `cols` elements (None: the tensor's whole extent).
+    Per tensor: (None, None); per row: (1, None); 1x128 tiles: (1, 128); weight blocks
+    (128, 128)."""
+
+    rows: int | None
+    cols: int | None
+
+    def size(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The block's size for a tensor of `shape` (at least 1, so empty tensors work)."""
+        r, c = shape
+        return max(1, self.rows or r), max(1, self.cols or c)
+
+
+@dataclass
+class QuantizedTensor:
+    """An FP8 tensor: `data` [R, C] in the rule's FP8 dtype, `scale_inv` [ceil(R/br), ceil(C/bc)]
+    fp32 (one per block; value = fp32(data) * scale_inv of its block), its `block` and `rule`,
+    and optionally `transpose`: the same values quantized along the other dimension (what a
+    wgrad, which reduces over rows, needs), quantized from the original, never from this one."""
+
+    data: Tensor
+    scale_inv: Tensor
+    block: QuantBlock
+    rule: ScaleRule
+    transpose: QuantizedTensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self) -> Tensor:
+        """The represented values in fp32 [R, C]."""
+        return _expand(self.scale_inv, self.block.size(tuple(self.data.shape)), self.data.shape) \
+            * self.data.float()
+
+
+def _expand(per_block: Tensor, size: tuple[int, int], shape: torch.Size) -> Tensor:
+    """A per-block tensor [Rb, Cb] repeated over each block's elements, cropped to `shape`."""
+    br, bc = size
+    full = per_block.repeat_interleave(br, 0).repeat_interleave(bc, 1)
+    return full[: shape[0], : shape[1]]
+
+
+def block_amax(t: Tensor, block: QuantBlock) -> Tensor:
+    """max |t| over each block [ceil(R/br), ceil(C/bc)] in fp32 (nan propagates)."""
+    r, c = t.shape
+    br, bc = block.size((r, c))
+    rb, cb = -(-r // br), -(-c // bc)
+    padded = torch.zeros(rb * br, cb * bc, dtype=torch.float32, device=t.device)
+    padded[:r, :c] = t.float().abs()  # zeros never raise a block's amax
+    blocks = padded.reshape(rb, br, cb, bc)
+    return blocks.amax(dim=(1, 3))
+
+
+def scales_from_amax(amax: Tensor, rule: ScaleRule) -> Tensor:
+    """The scale of each block (see the module docstring), fp32."""
+    # A true division: `float / tensor` is computed as reciprocal-then-multiply (two roundings).
+    scale = torch.div(torch.full_like(amax, rule.fp8_max), amax) / (2.0**rule.margin)
+    scale = scale.clamp(max=_FP32_MAX)
+    if rule.power_of_two:  # frexp: exact (log2 could round 2**k·(1-ε) up to k)
+        _, exponent = torch.frexp(scale)  # scale = m·2**e, m in [0.5, 1)
+        scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+def quantize(t: Tensor, block: QuantBlock, rule: ScaleRule) -> QuantizedTensor:
+    """Quantize a 2-D tensor [R, C] with one scale per `block` under `rule`."""
+    if t.dim() != 2:
+        raise ValueError(f"quantize: expected a 2-D tensor, got shape {tuple(t.shape)}")
+    scale = scales_from_amax(block_amax(t, block), rule)
+    size = block.size(tuple(t.shape))
+    scaled = t.float() * _expand(scale, size, t.shape)
+    data = scaled.clamp(-rule.fp8_max, rule.fp8_max).to(rule.dtype)
+    return QuantizedTensor(data, torch.reciprocal(scale), block, rule)
+
+
+def qdq(t: Tensor, block: QuantBlock, rule: ScaleRule) -> Tensor:
+    """quantize then dequantize: the fp32 values an FP8 GEMM sees for `t` [R, C]."""
+    return quantize(t, block, rule).dequantize()
+
+
+def qdq_columns_per_group(
+    t: Tensor, bounds: list[tuple[int, int]], block: QuantBlock, rule: ScaleRule
+) -> Tensor:
+    """`t` [M, C] quantized along its rows (dimension 0) within each group's row range, as a
+    wgrad operand: each group's slice t[s:e]ᵀ [C, e-s] is quantized with `block` (its blocks
+    start at the group's first row), returned dequantized as [M, C] fp32. Rows outside every
+    group are zero."""
+    out = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+    for start, end in bounds:
+        if end > start:
+            out[start:end] = qdq(t[start:end].t(), block, rule).t()
+    return out
