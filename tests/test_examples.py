@@ -106,7 +106,7 @@ def test_moe_train_fp8_loss_within_margin(fp8):
     assert "fp8 loss within the margin" in proc.stdout
     name = {"block": "Float8BlockScaling", "rowwise": "Float8RowwiseScaling",
             "tensor": "Float8CurrentScaling"}[fp8]
-    assert f"GroupedMLP[0, 1, 2] [reference] fp8={name}" in proc.stdout
+    assert f"GroupedMLP[1, 2, 3] [reference] fp8={name}" in proc.stdout
 
 
 @pytest.mark.slow
