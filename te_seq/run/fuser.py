@@ -266,8 +266,9 @@ def new_contexts(
     """One context per basic op for this call, with which gradients its backward must produce.
 
     The one place contexts are made and their per-call fields filled (except `backend`, which
-    depends on the plan step running the op in each phase: see `_step_contexts`). `recipe` and
-    `process_group` stay None until FP8 and distributed ops fill them here.
+    depends on the plan step running the op in each phase: see `_step_contexts`). `recipe` stays
+    None until FP8 fills it; `process_group` is the op's `process_group` attribute (None for
+    ops without one: the communication ops and the tensor-parallel linear have one).
     """
     grad_on = torch.is_grad_enabled()
     running = grad_on and input_.requires_grad  # the gradient flows from the input onward
@@ -278,7 +279,8 @@ def new_contexts(
         requires_grad = running or weight_grad or extra_grad
         ctxs.append(OperationContext(requires_grad=requires_grad, input_requires_grad=running,
                                      weight_requires_grad=weight_grad,
-                                     call_inputs=call_inputs, autocast=autocast))
+                                     call_inputs=call_inputs, autocast=autocast,
+                                     process_group=getattr(op, "process_group", None)))
         running = requires_grad
     return ctxs
 

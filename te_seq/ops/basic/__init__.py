@@ -1,6 +1,8 @@
 """Basic ops: one piece of maths each, with a pure-PyTorch reference path."""
 
 from te_seq.ops.basic.add_extra_input import AddExtraInput
+from te_seq.ops.basic.all_gather import AllGather
+from te_seq.ops.basic.all_reduce import AllReduce
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
 from te_seq.ops.basic.constant_scale import ConstantScale
@@ -12,6 +14,7 @@ from te_seq.ops.basic.identity import Identity
 from te_seq.ops.basic.layer_norm import LayerNorm
 from te_seq.ops.basic.linear import Linear
 from te_seq.ops.basic.make_extra_output import MakeExtraOutput
+from te_seq.ops.basic.reduce_scatter import ReduceScatter
 from te_seq.ops.basic.reglu import ReGLU
 from te_seq.ops.basic.relu import ReLU
 from te_seq.ops.basic.reshape import Reshape
@@ -22,6 +25,8 @@ from te_seq.ops.basic.swiglu import SwiGLU
 
 __all__ = [
     "AddExtraInput",
+    "AllGather",
+    "AllReduce",
     "BasicLinear",
     "Bias",
     "ConstantScale",
@@ -35,6 +40,7 @@ __all__ = [
     "MakeExtraOutput",
     "RMSNorm",
     "ReGLU",
+    "ReduceScatter",
     "ReLU",
     "Reshape",
     "ScaledSwiGLU",
