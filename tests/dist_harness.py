@@ -31,10 +31,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, checks: Sequence[Callable], out_dir: str):
+def _worker(rank: int, world_size: int, port: int, checks: Sequence[Callable], out_dir: str,
+            backend: str):
     torch.set_num_threads(1)  # the ranks share the machine's few cores
+    if backend == "nccl":  # one GPU per rank; the checks' tensors are made there
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
     results = {}
@@ -51,11 +55,12 @@ def _worker(rank: int, world_size: int, port: int, checks: Sequence[Callable], o
         dist.destroy_process_group()
 
 
-def run_on_ranks(checks: Sequence[Callable], world_size: int,
-                 timeout_s: float = 240) -> dict[str, str | None]:
-    """{check name: None or the first rank's error}; a check no rank finished reports that."""
+def run_on_ranks(checks: Sequence[Callable], world_size: int, timeout_s: float = 240,
+                 backend: str = "gloo") -> dict[str, str | None]:
+    """{check name: None or the first rank's error}; a check no rank finished reports that.
+    backend "nccl": rank r runs on GPU r with it as the default device."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.spawn(_worker, args=(world_size, free_port(), list(checks), out_dir),
+        ctx = mp.spawn(_worker, args=(world_size, free_port(), list(checks), out_dir, backend),
                        nprocs=world_size, join=False)
         _join(ctx, timeout_s)
         per_rank = []

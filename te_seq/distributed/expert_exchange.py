@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from te_seq.distributed.collectives import group_size
+from te_seq.distributed.collectives import all_gather_rows, group_size
 
 
 def _check_layout(op: str, x: Tensor, counts: Tensor, num_local: int, ep: int) -> None:
@@ -49,13 +49,10 @@ def check_same_on_ranks(op: str, name: str, value: int, group: object) -> None:
     """Every rank of `group` holds the same `value` (one tiny all-gather and a host read): a
     disagreement is a ValueError on every rank, before a collective with mismatched sizes could
     hang. Meant to run once per configuration, not per step."""
-    n = group_size(group)
     mine = torch.tensor([value], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
         mine = mine.cuda()
-    seen = mine.new_empty(n)
-    dist.all_gather_into_tensor(seen, mine, group=group)
-    values = seen.tolist()
+    values = all_gather_rows(mine, group).tolist()
     if any(v != value for v in values):
         raise ValueError(f"{op}: ranks of the group disagree on {name}: {values} (rank order)")
 

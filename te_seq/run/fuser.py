@@ -18,6 +18,7 @@ from te_seq.core import amp
 from te_seq.core.amp import AutocastState
 from te_seq.core.context import CallInputs, OperationContext
 from te_seq.core.operation import BasicOperation, is_te_seq_class
+from te_seq.distributed.fsdp import check_not_sharded
 from te_seq.fusion.matcher import Segment, fill_unfused, match_phase, same_extra_input
 from te_seq.fusion.plan import FusionPlan, PlanMiss, PlanStep
 from te_seq.fusion.registry import registry_version
@@ -152,6 +153,8 @@ class Fuser:
         """Match the fusions and choose each step's backend for `input_`'s dtype on `device`
         (under torch.autocast the GEMMs run in the autocast dtype: backends are chosen for it)."""
         dtype = amp.gemm_dtype(autocast, input_) or input_.dtype
+        for op in self.ops:  # an op fully_shard wrapped on its own (never gathered) says so
+            check_not_sharded(type(op).__name__, op.fuser_parameters())
         taken = [False] * len(self.ops)
         joint, misses = match_phase(self.ops, taken, "joint", extra, self.offset)
         fwd_taken = list(taken)
