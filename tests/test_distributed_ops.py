@@ -16,6 +16,7 @@ from dist_harness import run_on_ranks
 
 import te_seq
 from te_seq import ops
+from te_seq.ops.basic import _tensor_parallel as tp_module
 
 F64 = torch.float64
 S, B, H, FFN = 8, 3, 8, 16  # tokens (first dim, divisible by 4), batch, hidden, ffn
@@ -217,10 +218,48 @@ def check_tp_subgroups(rank, n):
     close(dx, block(dy @ w, local, 2), "column TP on a pair: dx (summed over the pair)")
 
 
+def _overlap_run(rank, n, mode, overlap):
+    """A sequence-parallel linear + GELU ([S, B, width] in): outputs and gradients."""
+    torch.manual_seed(5)
+    lin = ops.Linear(H if mode == "column" else FFN, FFN if mode == "column" else H,
+                     tensor_parallel_mode=mode, sequence_parallel=True, dtype=F64)
+    seq = te_seq.Sequential(lin, ops.GELU())
+    rows = S // n if mode == "column" else S
+    x = torch.randn(n * S, B, lin.weight.shape[1], dtype=F64)[rank * rows:(rank + 1) * rows]
+    x = x.clone().requires_grad_(True)
+    te_seq.config.set_tensor_parallel_overlap(overlap)
+    try:
+        y = seq(x)
+    finally:
+        te_seq.config.set_tensor_parallel_overlap(True)
+    y.backward(torch.randn_like(y))
+    return [y.detach(), x.grad, lin.weight.grad, lin.bias.grad]
+
+
+def check_overlap(rank, n):
+    """The forward overlap of the sequence-parallel collectives with the GEMM (on by default)
+    gives the values of the collective-then-GEMM path."""
+    for mode in ("column", "row"):
+        spy = "all_gather_matmul" if mode == "column" else "matmul_reduce_scatter"
+        real = getattr(tp_module, spy)
+        used = []
+        setattr(tp_module, spy, lambda *a, **k: used.append(1) or real(*a, **k))
+        try:
+            overlapped = _overlap_run(rank, n, mode, overlap=True)
+            assert used, f"{mode}: the overlapped path did not run"
+            used.clear()
+            plain = _overlap_run(rank, n, mode, overlap=False)
+            assert not used, f"{mode}: the overlapped path ran while switched off"
+        finally:
+            setattr(tp_module, spy, real)
+        for i, (a, b) in enumerate(zip(overlapped, plain)):
+            close(a, b, f"{mode}: overlapped vs not, tensor {i}")
+
+
 CHECKS = [
     check_all_gather, check_reduce_scatter, check_all_reduce, check_chain_adjoint,
     check_reduce_scatter_indivisible, check_tp_mlp, check_tp_mlp_sequence_parallel,
-    check_basic_linear_modes, check_tp_validation, check_tp_subgroups,
+    check_basic_linear_modes, check_tp_validation, check_tp_subgroups, check_overlap,
 ]
 
 

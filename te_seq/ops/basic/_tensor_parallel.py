@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from te_seq import config
 from te_seq.core import checks
 from te_seq.core.context import OperationContext
 from te_seq.distributed import (
@@ -31,6 +33,7 @@ from te_seq.distributed import (
     reduce_scatter_rows,
     resolve_group,
 )
+from te_seq.distributed.overlap import all_gather_matmul, matmul_reduce_scatter
 
 MODES = ("column", "row")
 
@@ -87,6 +90,31 @@ def check_token_dim(op: object, layout: TensorParallel, input_: Tensor) -> None:
             f"along the first (token) dimension, whose size {input_.shape[0]} (input shape "
             f"{tuple(input_.shape)}) is not divisible by the group size {layout.size}"
         )
+
+
+def overlaps(layout: TensorParallel) -> bool:
+    """Whether forward runs the GEMM overlapped with its collective (sequence parallel only: the
+    other layouts have no collective on the GEMM's input or output rows to overlap)."""
+    return layout.sequence_parallel and config.tensor_parallel_overlap()
+
+
+def overlapped_forward(linear, ctx: OperationContext, input_: Tensor) -> Tensor:
+    """y = x Wᵀ of a sequence-parallel linear with its all-gather (column) or reduce-scatter (row)
+    overlapped with the GEMM; the same values and saved state as the plain forward. The token
+    dim is input_'s first: its other leading dims ride along inside each row block."""
+    layout = linear.tp_layout
+    lead = input_.shape[1:-1]
+    per_token = max(lead.numel(), 1)
+    x, w = linear.operands(ctx, input_.reshape(-1, layout.local_in_features))  # [T, K], [N, K]
+    if layout.mode == "column":
+        x, y = all_gather_matmul(x, w.t(), ctx.process_group)  # x: every rank's rows
+        full_shape = torch.Size((x.shape[0] // per_token, *lead, layout.local_in_features))
+    else:
+        y = matmul_reduce_scatter(x, w.t(), ctx.process_group,
+                                  "BasicLinear (row, sequence parallel)")
+        full_shape = input_.shape
+    linear.save(ctx, x, full_shape, w, input_.dtype)
+    return y.reshape(y.shape[0] // per_token, *lead, layout.local_out_features)
 
 
 def gather_input(layout: TensorParallel, ctx: OperationContext, x: Tensor) -> Tensor:

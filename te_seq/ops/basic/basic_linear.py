@@ -125,6 +125,8 @@ class BasicLinear(GradContractMixin, BasicOperation):
         return amp.cast(x, dtype), amp.cast(self.weight, dtype)
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
+        if tp.overlaps(self.tp_layout):  # sequence parallel: the collective overlaps the GEMM
+            return tp.overlapped_forward(self, ctx, input_)
         full = tp.gather_input(self.tp_layout, ctx, input_)  # all tokens (column + seq. par.)
         x, w = self.operands(ctx, full.reshape(-1, self.local_in_features))  # [T, in], [out, in]
         y = x @ w.t()  # [T, out]
