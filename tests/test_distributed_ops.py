@@ -8,6 +8,8 @@ the comparisons are exact up to summation order. The ranks are spawned once per 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -256,10 +258,51 @@ def check_overlap(rank, n):
             close(a, b, f"{mode}: overlapped vs not, tensor {i}")
 
 
+def check_deepcopy_shares_the_group(rank, n):
+    """copy.deepcopy of a model with tensor-parallel linears and communication ops works (the
+    copy communicates on the same group) and computes the same."""
+    group = dist.new_group(list(range(n)))
+    seq = te_seq.Sequential(ops.AllGather(group), ops.Linear(H, FFN, tensor_parallel_mode="column",
+                                                             tensor_parallel_group=group,
+                                                             dtype=F64))
+    twin = copy.deepcopy(seq)
+    assert twin[0].process_group is group and twin[1]._linear.tensor_parallel_group is group
+    x = torch.randn(S, H, dtype=F64)
+    close(twin(x), seq(x), "deep copy")
+    with pytest.raises(ValueError, match=r"sequence_parallel needs an input with a token dim"):
+        ops.BasicLinear(H, FFN, tensor_parallel_mode="column", sequence_parallel=True)(
+            torch.randn(H))
+
+
+def check_column_sequence_parallel_saves_local_rows(rank, n):
+    """Column + sequence parallel saves this rank's [S, H] input rows, not the gathered
+    [n*S, H] (gathered again in backward), on both forward paths."""
+    for overlap in (True, False):
+        lin = ops.BasicLinear(H, FFN, tensor_parallel_mode="column", sequence_parallel=True,
+                              dtype=F64)
+        shapes = []
+
+        def pack(t, shapes=shapes):
+            shapes.append(tuple(t.shape))
+            return t
+
+        x = torch.randn(S, H, dtype=F64, requires_grad=True)
+        te_seq.config.set_tensor_parallel_overlap(overlap)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = lin(x)
+        finally:
+            te_seq.config.set_tensor_parallel_overlap(True)
+        assert (S, H) in shapes and (n * S, H) not in shapes, (overlap, shapes)
+        y.sum().backward()
+        assert lin.weight.grad.shape == (FFN // n, H)
+
+
 CHECKS = [
     check_all_gather, check_reduce_scatter, check_all_reduce, check_chain_adjoint,
     check_reduce_scatter_indivisible, check_tp_mlp, check_tp_mlp_sequence_parallel,
     check_basic_linear_modes, check_tp_validation, check_tp_subgroups, check_overlap,
+    check_deepcopy_shares_the_group, check_column_sequence_parallel_saves_local_rows,
 ]
 
 

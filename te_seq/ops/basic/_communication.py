@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.distributed as dist
 from torch import Tensor
 
@@ -9,6 +11,16 @@ from te_seq.core import checks
 from te_seq.core.context import OperationContext
 from te_seq.core.operation import BasicOperation
 from te_seq.distributed import resolve_group
+
+
+@dataclass(frozen=True)
+class _SharedGroup:
+    """Holds a process group; a deep copy of the op shares it (groups cannot be copied)."""
+
+    group: dist.ProcessGroup | None
+
+    def __deepcopy__(self, memo: dict) -> _SharedGroup:
+        return self
 
 
 class CommunicationOp(BasicOperation):
@@ -24,7 +36,12 @@ class CommunicationOp(BasicOperation):
                 f"{checks.op_name(self)}: process_group must be a "
                 f"torch.distributed.ProcessGroup or None, got {type(process_group).__name__}"
             )
-        self.process_group = process_group
+        self._group = _SharedGroup(process_group)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group (None: the default group); the fuser copies it into each call's context."""
+        return self._group.group
 
     def group(self, ctx: OperationContext) -> object:
         """The call's group (the context's, which the fuser filled from this op)."""

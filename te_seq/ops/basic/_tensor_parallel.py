@@ -49,6 +49,11 @@ class TensorParallel:
     local_in_features: int
     local_out_features: int
 
+    def __deepcopy__(self, memo: dict) -> TensorParallel:
+        # A copied module (copy.deepcopy) communicates on the same group: process groups cannot
+        # be copied, and a copy of one would not be a group of the same ranks anyway.
+        return self
+
 
 def tensor_parallel_layout(op: object, mode: object, group: object, sequence_parallel: object,
                            in_features: int, out_features: int) -> TensorParallel:
@@ -83,7 +88,13 @@ def tensor_parallel_layout(op: object, mode: object, group: object, sequence_par
 
 
 def check_token_dim(op: object, layout: TensorParallel, input_: Tensor) -> None:
-    """Row + sequence parallel reduce-scatters the output along the token dim: it must divide."""
+    """Sequence parallel moves tokens along the input's first dim (it needs one besides the
+    features); row + sequence parallel reduce-scatters the output there: it must divide."""
+    if layout.sequence_parallel and input_.dim() < 2:
+        raise ValueError(
+            f"{checks.op_name(op)}: sequence_parallel needs an input with a token dimension "
+            f"before the features, got shape {tuple(input_.shape)}"
+        )
     if layout.mode == "row" and layout.sequence_parallel and input_.shape[0] % layout.size:
         raise ValueError(
             f"{checks.op_name(op)}: row-parallel with sequence_parallel reduce-scatters the output "
@@ -106,9 +117,9 @@ def overlapped_forward(linear, ctx: OperationContext, input_: Tensor) -> Tensor:
     lead = input_.shape[1:-1]
     per_token = max(lead.numel(), 1)
     x, w = linear.operands(ctx, input_.reshape(-1, layout.local_in_features))  # [T, K], [N, K]
-    if layout.mode == "column":
-        x, y = all_gather_matmul(x, w.t(), ctx.process_group)  # x: every rank's rows
-        full_shape = torch.Size((x.shape[0] // per_token, *lead, layout.local_in_features))
+    if layout.mode == "column":  # saves this rank's rows x, gathered again in backward
+        x_all, y = all_gather_matmul(x, w.t(), ctx.process_group)
+        full_shape = torch.Size((x_all.shape[0] // per_token, *lead, layout.local_in_features))
     else:
         y = matmul_reduce_scatter(x, w.t(), ctx.process_group,
                                   "BasicLinear (row, sequence parallel)")
@@ -131,6 +142,15 @@ def reduce_output(layout: TensorParallel, ctx: OperationContext, y: Tensor) -> T
     if layout.sequence_parallel:
         return reduce_scatter_rows(y, ctx.process_group, "BasicLinear (row, sequence parallel)")
     return all_reduce_sum(y, ctx.process_group, in_place=True)
+
+
+def gather_saved_input(layout: TensorParallel, ctx: OperationContext,
+                       x: Tensor | None) -> Tensor | None:
+    """Column + sequence parallel saves only this rank's input rows (as TransformerEngine: 1/n
+    of the memory); the weight gradient needs every rank's, gathered again here."""
+    if x is None or not (layout.mode == "column" and layout.sequence_parallel):
+        return x
+    return all_gather_rows(x, ctx.process_group)
 
 
 def gather_grad_output(layout: TensorParallel, ctx: OperationContext, dy: Tensor) -> Tensor:

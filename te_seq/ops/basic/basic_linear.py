@@ -130,6 +130,8 @@ class BasicLinear(GradContractMixin, BasicOperation):
         full = tp.gather_input(self.tp_layout, ctx, input_)  # all tokens (column + seq. par.)
         x, w = self.operands(ctx, full.reshape(-1, self.local_in_features))  # [T, in], [out, in]
         y = x @ w.t()  # [T, out]
+        if full is not input_:  # column + seq. par.: save this rank's rows, gathered in backward
+            x = self.operands(ctx, input_.reshape(-1, self.local_in_features))[0]
         self.save(ctx, x, full.shape, w, input_.dtype)
         y = y.reshape(*full.shape[:-1], self.local_out_features)
         return tp.reduce_output(self.tp_layout, ctx, y)  # row: summed over the group
@@ -159,6 +161,7 @@ class BasicLinear(GradContractMixin, BasicOperation):
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
         x, weight = ctx.saved_tensors
+        x = tp.gather_saved_input(self.tp_layout, ctx, x)  # column + seq. par.: all tokens
         grad_output = tp.gather_grad_output(self.tp_layout, ctx, grad_output)  # row + seq. par.
         dy = self.grad_rows(ctx, grad_output)  # [T, out]
         dx = None
