@@ -54,11 +54,11 @@ def reference(counts, xs, gs, weights, keep=None):
     return outs, dxs, w.grad
 
 
-def run_block(rank, n, counts, x, g, weights, capacity=None):
+def run_block(rank, n, counts, x, g, weights, capacity=None, group=None):
     """Dispatch -> each local expert's GEMM on its rows -> combine; with gradients."""
     x = x.clone().requires_grad_(True)
     w_local = weights[rank * L:(rank + 1) * L].clone().requires_grad_(True)
-    rows, plan = expert_dispatch(x, counts, L, dist.group.WORLD, capacity=capacity)
+    rows, plan = expert_dispatch(x, counts, L, group or dist.group.WORLD, capacity=capacity)
     splits = plan.local_splits.tolist()  # the test reads them; the grouped MLP would not
     assert sum(splits) == rows.shape[0]
     y = torch.cat([part @ w_local[e] for e, part in enumerate(rows.split(splits))])
@@ -67,10 +67,11 @@ def run_block(rank, n, counts, x, g, weights, capacity=None):
     return out.detach(), x.grad, w_local.grad, plan
 
 
-def _check_exact(rank, n, loads):
+def _check_exact(rank, n, loads, group=None):
     counts, xs, gs, weights = global_problem(n, loads)
     outs, dxs, dw = reference(counts, xs, gs, weights)
-    out, dx, dw_local, plan = run_block(rank, n, counts[rank], xs[rank], gs[rank], weights)
+    out, dx, dw_local, plan = run_block(rank, n, counts[rank], xs[rank], gs[rank], weights,
+                                        group=group)
     close(out, outs[rank], "combine(expert(dispatch(x)))")
     close(dx, dxs[rank], "dx")
     close(dw_local, dw[rank * L:(rank + 1) * L], "dW of this rank's experts")
@@ -121,12 +122,30 @@ def check_bad_input(rank, n):
         check_same_on_ranks("ExpertDispatch", "num_experts", [6, 8][rank], None)
 
 
+def check_expert_parallel_subgroups(rank, n):
+    """4 ranks as two expert-parallel groups of 2 ({0, 1} and {2, 3}), each its own problem."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = rank // 2
+    loads = [[[2, 1, 0, 0, 3, 1], [0, 0, 4, 2, 0, 1]], [[1, 1, 1, 1, 1, 1], [0, 5, 0, 0, 0, 0]]]
+    for p in range(2):  # both pairs draw both problems: the same random stream everywhere
+        if p == pair:
+            _check_exact(rank % 2, 2, loads[p], groups[p])
+        else:
+            global_problem(2, loads[p])
+
+
 CHECKS = [check_uneven_loads, check_empty_rank_and_experts, check_capacity_mode, check_bad_input]
+CHECKS_4 = [check_expert_parallel_subgroups]
 
 
 @pytest.fixture(scope="module")
 def results():
     return run_on_ranks(CHECKS, 2)
+
+
+def test_on_four_ranks_in_two_groups():
+    error = run_on_ranks(CHECKS_4, 4)[CHECKS_4[0].__name__]
+    assert error is None, error
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
