@@ -17,3 +17,19 @@ def set_compile_elementwise(enabled: bool) -> None:
     """Turn the compiled elementwise path of the GPU backends on or off (off: plain PyTorch)."""
     global _compile_elementwise
     _compile_elementwise = bool(enabled)
+
+
+_tensor_parallel_overlap = True
+
+
+def tensor_parallel_overlap() -> bool:
+    """Whether a sequence-parallel BasicLinear overlaps its all-gather (column) or reduce-scatter
+    (row) with its GEMM in forward (default True; te_seq/distributed/overlap.py)."""
+    return _tensor_parallel_overlap
+
+
+def set_tensor_parallel_overlap(enabled: bool) -> None:
+    """Turn the forward overlap of sequence-parallel linears on or off (off: the collective,
+    then the GEMM). Same values either way."""
+    global _tensor_parallel_overlap
+    _tensor_parallel_overlap = bool(enabled)

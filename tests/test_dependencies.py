@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Modules of this repository that tests import by name (tests/ and tests/kernels/ are on the path).
 _LOCAL = {
     "te_seq", "conftest", "op_specs", "megatron_like", "cute_marks", "fuzz_chains", "fuzz_runner",
-    "compile_helpers",
+    "compile_helpers", "dist_harness", "test_distributed_ops", "test_expert_exchange", "test_fsdp",
     "test_fusions",  # its window factories and user fused op serve other tests too
     "test_routing",  # its MoE block and per-token reference serve the channel and GPU tests
     "test_channels",  # its residual block serves tests/test_channels_compile.py

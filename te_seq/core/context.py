@@ -90,7 +90,8 @@ class OperationContext:
         backend: the kernel backend of the plan step running the op in this phase (forward or
             backward; the fuser sets it before each step).
         recipe: the FP8 recipe of the call (`te_seq.autocast`; None: no quantization).
-        process_group: the process group of distributed ops (reserved, always None now).
+        process_group: the process group of a distributed op (its `process_group` attribute;
+            None for other ops and for the default group).
         call_inputs: what the Sequential call was given (None outside a Sequential): an op that
             writes into an extra input in place checks `call_inputs.aliased(extra)` first.
         autocast: torch.autocast's state at the forward call (None outside autocast); the op

@@ -19,6 +19,7 @@ from te_seq.core.amp import AutocastState
 from te_seq.core.channels import ChannelRef
 from te_seq.core.context import CallInputs, OperationContext
 from te_seq.core.operation import BasicOperation, is_te_seq_class
+from te_seq.distributed.fsdp import check_not_sharded
 from te_seq.fusion.matcher import Segment, fill_unfused, match_phase, same_extra_input
 from te_seq.fusion.plan import FusionPlan, PlanMiss, PlanStep
 from te_seq.fusion.registry import registry_version
@@ -158,6 +159,8 @@ class Fuser:
         """Match the fusions and choose each step's backend for `input_`'s dtype on `device`
         (under torch.autocast the GEMMs run in the autocast dtype: backends are chosen for it)."""
         dtype = amp.gemm_dtype(autocast, input_) or input_.dtype
+        for op in self.ops:  # an op fully_shard wrapped on its own (never gathered) says so
+            check_not_sharded(type(op).__name__, op.fuser_parameters())
         taken = [False] * len(self.ops)
         joint, misses = match_phase(self.ops, taken, "joint", extra, self.offset)
         fwd_taken = list(taken)
@@ -281,8 +284,9 @@ def new_contexts(
 
     The one place contexts are made and their per-call fields filled (except `backend`, which
     depends on the plan step running the op in each phase: see `_step_contexts`). `recipe` is
-    te_seq.autocast's FP8 recipe (None outside); `process_group` stays None until distributed
-    ops fill it here.
+    te_seq.autocast's FP8 recipe (None outside); `process_group` is the op's `process_group`
+    attribute (None for ops without one: the communication ops and the tensor-parallel linear
+    have one).
     """
     grad_on = torch.is_grad_enabled()
     running = grad_on and input_.requires_grad  # the gradient flows from the input onward
@@ -294,7 +298,8 @@ def new_contexts(
         ctxs.append(OperationContext(requires_grad=requires_grad, input_requires_grad=running,
                                      weight_requires_grad=weight_grad,
                                      call_inputs=call_inputs, autocast=autocast,
-                                     recipe=fp8.active_recipe()))
+                                     recipe=fp8.active_recipe(),
+                                     process_group=getattr(op, "process_group", None)))
         running = requires_grad
     return ctxs
 

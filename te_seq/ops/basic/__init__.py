@@ -1,6 +1,8 @@
 """Basic ops: one piece of maths each, with a pure-PyTorch reference path."""
 
 from te_seq.ops.basic.add_extra_input import AddExtraInput
+from te_seq.ops.basic.all_gather import AllGather
+from te_seq.ops.basic.all_reduce import AllReduce
 from te_seq.ops.basic.basic_linear import BasicLinear
 from te_seq.ops.basic.bias import Bias
 from te_seq.ops.basic.clamped_swiglu import ClampedSwiGLU
@@ -20,6 +22,7 @@ from te_seq.ops.basic.make_extra_output import MakeExtraOutput
 from te_seq.ops.basic.qgeglu import QGEGLU
 from te_seq.ops.basic.qgelu import QGELU
 from te_seq.ops.basic.quantize import Quantize
+from te_seq.ops.basic.reduce_scatter import ReduceScatter
 from te_seq.ops.basic.reglu import ReGLU
 from te_seq.ops.basic.relu import ReLU
 from te_seq.ops.basic.reshape import Reshape
@@ -37,6 +40,8 @@ from te_seq.ops.basic.swiglu import SwiGLU
 
 __all__ = [
     "AddExtraInput",
+    "AllGather",
+    "AllReduce",
     "BasicLinear",
     "Bias",
     "ConstantScale",
@@ -53,6 +58,7 @@ __all__ = [
     "Quantize",
     "RMSNorm",
     "ReGLU",
+    "ReduceScatter",
     "ReLU",
     "Reshape",
     "RowScale",

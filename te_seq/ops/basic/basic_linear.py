@@ -18,6 +18,7 @@ from te_seq.core.grad_policy import (
 )
 from te_seq.core.operation import BasicOperation
 from te_seq.kernels import as_rows
+from te_seq.ops.basic import _tensor_parallel as tp
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,12 @@ class BasicLinear(GradContractMixin, BasicOperation):
 
     Equivalent to `torch.nn.functional.linear(x, weight)`. `accumulate_into_main_grad` and
     `delay_wgrad_compute` follow the gradient contract (docs/gradient_contract.md).
+
+    Tensor parallelism (docs/distributed.md): `tensor_parallel_mode` "column" splits W along
+    out_features, "row" along in_features, over `tensor_parallel_group` (None: the default
+    group); `in_features`/`out_features` are the global sizes, the weight holds the local shard
+    [local_out_features, local_in_features]; `sequence_parallel` splits the tokens (the input's
+    first dim) around it.
     """
 
     fp8_gemms = True  # under te_seq.autocast(recipe=...) the GEMMs take FP8 operands
@@ -63,17 +70,24 @@ class BasicLinear(GradContractMixin, BasicOperation):
         dtype: torch.dtype | None = None,
         accumulate_into_main_grad: bool = False,
         delay_wgrad_compute: bool = False,
+        tensor_parallel_mode: str | None = None,
+        tensor_parallel_group: torch.distributed.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = checks.positive_int(self, "in_features", in_features)
         self.out_features = checks.positive_int(self, "out_features", out_features)
+        self.tp_layout = tp.tensor_parallel_layout(
+            self, tensor_parallel_mode, tensor_parallel_group, sequence_parallel,
+            self.in_features, self.out_features)
         self.grad_policy = WeightGradPolicy(
             checks.flag(self, "accumulate_into_main_grad", accumulate_into_main_grad),
             checks.flag(self, "delay_wgrad_compute", delay_wgrad_compute),
         )
         device, dtype = checks.param_device(self, device), checks.param_dtype(self, dtype)
         self.weight = torch.nn.Parameter(
-            torch.empty(self.out_features, self.in_features, device=device, dtype=dtype)
+            torch.empty(self.local_out_features, self.local_in_features, device=device,
+                        dtype=dtype)
         )
         self.reset_parameters()
 
@@ -82,12 +96,28 @@ class BasicLinear(GradContractMixin, BasicOperation):
         with torch.no_grad():
             init_linear_weight_(self.weight)
 
+    # Tensor-parallel layout (see te_seq/ops/basic/_tensor_parallel.py): the weight's shape is
+    # [local_out_features, local_in_features]; both equal the global sizes without parallelism.
+    tensor_parallel_mode = property(lambda self: self.tp_layout.mode)
+    tensor_parallel_group = property(lambda self: self.tp_layout.group)
+    tensor_parallel_size = property(lambda self: self.tp_layout.size)
+    sequence_parallel = property(lambda self: self.tp_layout.sequence_parallel)
+    local_in_features = property(lambda self: self.tp_layout.local_in_features)
+    local_out_features = property(lambda self: self.tp_layout.local_out_features)
+    process_group = tensor_parallel_group  # what the fuser hands to the context
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        text = f"in_features={self.in_features}, out_features={self.out_features}"
+        if self.tp_layout.mode is not None:
+            text += f", tensor_parallel_mode={self.tp_layout.mode!r}, tensor_parallel_size=" \
+                    f"{self.tp_layout.size}, sequence_parallel={self.tp_layout.sequence_parallel}"
+        return text
 
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
-        checks.check_last_dim(self, input_, self.in_features, "in_features")
+        in_name = "local_in_features" if self.tp_layout.mode == "row" else "in_features"
+        checks.check_last_dim(self, input_, self.local_in_features, in_name)
         checks.check_matches_param(self, input_, self.weight)
+        tp.check_token_dim(self, self.tp_layout, input_)
 
     def operands(self, ctx: OperationContext, x: Tensor) -> tuple[Tensor, Tensor]:
         """(x, W) in the GEMM's compute dtype: the autocast dtype under torch.autocast (as
@@ -98,14 +128,31 @@ class BasicLinear(GradContractMixin, BasicOperation):
         return amp.cast(x, dtype), amp.cast(self.weight, dtype)
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
+        if ctx.recipe is not None:
+            return self._fp8_forward(ctx, input_)
+        if tp.overlaps(self.tp_layout):  # sequence parallel: the collective overlaps the GEMM
+            return tp.overlapped_forward(self, ctx, input_)
+        full = tp.gather_input(self.tp_layout, ctx, input_)  # all tokens (column + seq. par.)
+        x, w = self.operands(ctx, as_rows(full, self.local_in_features))  # [T, in], [out, in]
+        y = x @ w.t()  # [T, out]
+        if full is not input_:  # column + seq. par.: save this rank's rows, gathered in backward
+            x = self.operands(ctx, as_rows(input_, self.local_in_features))[0]
+        self.save(ctx, x, full.shape, w, input_.dtype)
+        y = y.reshape(*full.shape[:-1], self.local_out_features)
+        return tp.reduce_output(self.tp_layout, ctx, y)  # row: summed over the group
+
+    def _fp8_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
+        """y = Q(x) Q(W)ᵀ under the call's FP8 recipe (core/fp8.py); x, W kept for the grads."""
+        if self.tp_layout.mode is not None and self.tp_layout.size > 1:
+            raise RuntimeError(
+                f"BasicLinear: FP8 recipe {type(ctx.recipe).__name__} with "
+                f"tensor_parallel_mode={self.tp_layout.mode!r} is not supported yet"
+            )
         x, w = self.operands(ctx, as_rows(input_, self.in_features))  # [T, in], [out, in]
-        if ctx.recipe is not None:  # FP8: quantized operands (core/fp8.py); x, W kept for grads
-            out_dtype = x.dtype  # the GEMM's usual output dtype
-            x_q, x, w_q, w = fp8.gemm_operands(self, ctx.recipe, input_, x, w, [self.weight],
-                                               [(0, x.shape[0])])
-            y = (x_q @ w_q.t()).to(out_dtype)
-        else:
-            y = x @ w.t()  # [T, out]
+        out_dtype = x.dtype  # the GEMM's usual output dtype
+        x_q, x, w_q, w = fp8.gemm_operands(self, ctx.recipe, input_, x, w, [self.weight],
+                                           [(0, x.shape[0])])
+        y = (x_q @ w_q.t()).to(out_dtype)
         self.save(ctx, x, input_.shape, w, input_.dtype)
         return y.reshape(*input_.shape[:-1], self.out_features)
 
@@ -134,6 +181,8 @@ class BasicLinear(GradContractMixin, BasicOperation):
 
     def op_backward(self, ctx: OperationContext, grad_output: Tensor):
         x, weight = ctx.saved_tensors
+        x = tp.gather_saved_input(self.tp_layout, ctx, x)  # column + seq. par.: all tokens
+        grad_output = tp.gather_grad_output(self.tp_layout, ctx, grad_output)  # row + seq. par.
         dy = dy_wgrad = self.grad_rows(ctx, grad_output)  # [T, out]
         if ctx.recipe is not None:  # FP8: dy along out for dgrad, along tokens for wgrad
             dy, dy_wgrad = fp8.grad_operands(ctx.recipe, dy, [(0, dy.shape[0])])
@@ -141,11 +190,12 @@ class BasicLinear(GradContractMixin, BasicOperation):
         if ctx.input_requires_grad:
             saved = ctx.saved_as(LinearSaved)
             dx = amp.cast((dy @ weight).reshape(saved.input_shape), saved.input_dtype)  # dX = dY W
+            dx = tp.reduce_grad_input(self.tp_layout, ctx, dx)  # column: summed over the group
         return dx, self.weight_grads(ctx, x, dy_wgrad)
 
     def grad_rows(self, ctx: OperationContext, grad_output: Tensor) -> Tensor:
         """dY as rows [T, out] in the forward GEMM's compute dtype (fusions call this too)."""
-        dy = grad_output.reshape(-1, self.out_features)
+        dy = grad_output.reshape(-1, self.local_out_features)
         if ctx.autocast is None:
             return dy
         return amp.cast(dy, ctx.saved_as(LinearSaved).compute_dtype)

@@ -21,6 +21,12 @@ class Linear(CompositeOperation):
     Parameter assigned to `bias` later brings Bias back). A weight of another shape than
     [out_features, in_features] (or a bias other than [out_features]) is a ValueError at the
     next forward.
+
+    Tensor parallelism (`tensor_parallel_mode`, `tensor_parallel_group`, `sequence_parallel`,
+    as on BasicLinear; sizes are global): "column" shards the bias with the weight's rows
+    ([out_features / n] per rank); "row" keeps the whole bias [out_features] on every rank and
+    adds it after the reduction (its gradient under `sequence_parallel` is this rank's tokens'
+    part, marked `bias.sequence_parallel = True`: sum it over the group, as for norms' weights).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -35,8 +41,10 @@ class Linear(CompositeOperation):
         self.weight = linear.weight
         bias_op = None
         if bias:
-            bias_op = Bias(out_features, device=device, dtype=dtype)
+            bias_op = Bias(linear.local_out_features, device=device, dtype=dtype)
             self.bias = bias_op.bias
+            if linear.tensor_parallel_mode == "row" and linear.sequence_parallel:
+                self.bias.sequence_parallel = True  # a partial gradient per rank
         else:
             self.register_parameter("bias", None)
         # Plain attributes, not submodules: the parameters belong to this module's state_dict.
@@ -49,16 +57,17 @@ class Linear(CompositeOperation):
         linear = self._linear
         weight = self._parameters["weight"]
         if linear._parameters["weight"] is not weight:
-            self._check_param("weight", weight, (self.out_features, self.in_features))
+            self._check_param("weight", weight,
+                              (linear.local_out_features, linear.local_in_features))
             linear.weight = weight
         bias = self._parameters["bias"]
         if bias is None:
             return [linear]
         bias_op = self._bias_op
         if bias_op is None or bias_op._parameters["bias"] is not bias:
-            self._check_param("bias", bias, (self.out_features,))
+            self._check_param("bias", bias, (linear.local_out_features,))
             if bias_op is None:  # built with bias=False, given a bias since
-                bias_op = Bias(self.out_features, device="meta", dtype=bias.dtype)
+                bias_op = Bias(linear.local_out_features, device="meta", dtype=bias.dtype)
                 object.__setattr__(self, "_bias_op", bias_op)
             bias_op.bias = bias
         return [linear, bias_op]

@@ -25,6 +25,9 @@ def shape_proxy(shape: tuple[int, ...], like: Tensor) -> Tensor:
 
 def check_linear_bias(linear: BasicLinear, bias: Bias) -> NoMatch | None:
     """Why BasicLinear → Bias cannot run as one addmm (None when it can)."""
+    if linear.tensor_parallel_mode is not None:  # its collectives live in its own forward
+        return NoMatch(f"BasicLinear is tensor-parallel ({linear.tensor_parallel_mode!r}); "
+                       "it runs unfused")
     if bias.size != linear.out_features:
         return NoMatch(
             f"Bias size {bias.size} does not match BasicLinear out_features {linear.out_features}"

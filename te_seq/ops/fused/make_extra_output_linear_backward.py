@@ -13,7 +13,7 @@ import torch
 
 from te_seq.core import amp
 from te_seq.core.operation import BasicOperation, FusedOperation
-from te_seq.fusion.registry import register_fusion
+from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.ops.basic.basic_linear import BasicLinear, LinearSaved
 from te_seq.ops.basic.make_extra_output import MakeExtraOutput
 
@@ -55,5 +55,11 @@ class MakeExtraOutputLinearBackward(FusedOperation):
 
 @register_fusion(name="make_extra_output_linear_backward", phase="backward",
                  pattern=(MakeExtraOutput, BasicLinear), builtin=True)
-def _build_make_extra_output_linear_backward(window) -> MakeExtraOutputLinearBackward:
+def _build_make_extra_output_linear_backward(
+    window,
+) -> MakeExtraOutputLinearBackward | NoMatch:
+    linear = window[1]
+    if linear.tensor_parallel_mode is not None:  # its collectives live in its own backward
+        return NoMatch(f"BasicLinear is tensor-parallel ({linear.tensor_parallel_mode!r}); "
+                       "its backward runs unfused")
     return MakeExtraOutputLinearBackward(window)
