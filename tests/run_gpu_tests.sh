@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Run every GPU test file in its own pytest process, on the GPU host (../shared/GPU.md):
-#   source .gpu_b/env.sh && bash tests/run_gpu_tests.sh
+#   source .gpu_b/env.sh && bash tests/run_gpu_tests.sh [FILE ...]   (default: every test file)
 # One process per file: a device-side assert poisons the CUDA context of the process it fires in.
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-for f in tests/kernels/test_*.py tests/test_*.py; do
+files=("$@")
+[ ${#files[@]} -gt 0 ] || files=(tests/kernels/test_*.py tests/test_*.py)
+for f in "${files[@]}"; do
   grep -q "gpu" "$f" || continue
   echo "=== $f"
   timeout 300 python -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider "$f" 2>&1 | tail -25
