@@ -39,7 +39,7 @@ def loop_reference(block: te_seq.Sequential, x, indices, probs):
     fc1, fc2 = block[1], block[3]
     out = []
     for t in range(x.shape[0]):
-        acc = x.new_zeros(H)
+        acc = x.new_zeros(fc2.out_features)
         for j in range(indices.shape[1]):
             e = int(indices[t, j])
             gate, up = (x[t] @ getattr(fc1, f"weight{e}").T).chunk(2)
