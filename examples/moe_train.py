@@ -11,6 +11,12 @@ random teacher MoE of the same shape (a regression target), so its loss must fal
     python examples/moe_train.py                      # a few hundred steps, GPU if present
     python examples/moe_train.py --steps 50 --device cpu --dtype float32
     python examples/moe_train.py --fp8 block --hidden 128   # FP8 vs the same run without
+    torchrun --nproc-per-node 2 examples/moe_train.py --ep 2 --device cpu --steps 40
+
+With --ep n (under torchrun, n processes) the experts are expert-parallel: rank r holds
+experts r·E/n .. (r+1)·E/n - 1 and ExpertDispatch / ExpertCombine exchange the rows over the
+group (gloo on CPU, nccl on CUDA, one GPU per rank); each rank draws its own tokens, the
+router is replicated (its gradient averaged over the ranks) and rank 0 prints.
 
 With --fp8 {block,rowwise,tensor} the student trains twice from the same seed, without FP8 and
 under te_seq.autocast(recipe=...) (Float8BlockScaling, Float8RowwiseScaling,
@@ -30,6 +36,7 @@ per-token, per-expert PyTorch loop at step 0.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -38,6 +45,7 @@ from torch import Tensor
 
 import te_seq
 from te_seq import ops, recipe
+from te_seq.distributed import all_gather_rows
 
 RECIPES = {"block": recipe.Float8BlockScaling, "rowwise": recipe.Float8RowwiseScaling,
            "tensor": recipe.Float8CurrentScaling}
@@ -49,16 +57,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
 class MoE(torch.nn.Module):
     """y = Σ_{e in top-k(x)} p_e(x) · FC2_e(SwiGLU(FC1_e(x))), routed by a linear router."""
 
-    def __init__(self, experts: int, hidden: int, ffn: int, topk: int, *, device, dtype) -> None:
+    def __init__(self, experts: int, hidden: int, ffn: int, topk: int, *, device, dtype,
+                 ep_group=None) -> None:
         super().__init__()
-        self.experts, self.topk = experts, topk
+        self.experts, self.topk, self.ep_group = experts, topk, ep_group
+        local = experts // (1 if ep_group is None else ep_group.size())  # this rank's experts
         self.router = torch.nn.Linear(hidden, experts, bias=False, device=device, dtype=dtype)
         self.block = te_seq.Sequential(
-            ops.ExpertDispatch(experts),
-            ops.GroupedLinear(experts, hidden, 2 * ffn, bias=False, device=device, dtype=dtype),
+            ops.ExpertDispatch(experts, ep_group=ep_group),
+            ops.GroupedLinear(local, hidden, 2 * ffn, bias=False, device=device, dtype=dtype),
             ops.ScaledSwiGLU(),
-            ops.GroupedLinear(experts, ffn, hidden, bias=False, device=device, dtype=dtype),
-            ops.ExpertCombine(),
+            ops.GroupedLinear(local, ffn, hidden, bias=False, device=device, dtype=dtype),
+            ops.ExpertCombine(ep_group=ep_group),
         )
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -73,15 +83,64 @@ class MoE(torch.nn.Module):
     def forward_loop(self, x: Tensor) -> Tensor:
         """The same maths, one token and one chosen expert at a time (the reference)."""
         top_e, top_p = self.route(x)
-        fc1, fc2 = self.block[1], self.block[3]
+        w1, w2 = (expert_weights(self.block[i], self.ep_group) for i in (1, 3))
         out = torch.zeros_like(x)
         for t in range(x.shape[0]):
             for j in range(self.topk):
                 e = int(top_e[t, j])
-                gate, up = (x[t] @ getattr(fc1, f"weight{e}").T).chunk(2)  # [F] each
+                gate, up = (x[t] @ w1[e].T).chunk(2)  # [F] each
                 h = torch.nn.functional.silu(gate) * up
-                out[t] += top_p[t, j] * (h @ getattr(fc2, f"weight{e}").T)
+                out[t] += top_p[t, j] * (h @ w2[e].T)
         return out
+
+
+def expert_weights(linear: ops.GroupedLinear, ep_group) -> Tensor:
+    """All E experts' weights [E, out, in]: the local ones, all-gathered over the ep group."""
+    local = torch.stack([getattr(linear, f"weight{e}").detach() for e in range(linear.num_groups)])
+    return local if ep_group is None else all_gather_rows(local, ep_group)
+
+
+def init_expert_parallel(args: argparse.Namespace):
+    """--ep n under torchrun: the process group (gloo on CPU, nccl on CUDA: one GPU per rank)
+    and this rank's device; ranks other than 0 print nothing. (None, device) without --ep."""
+    if args.ep == 1:
+        return None, torch.device(args.device)
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        sys.exit(f"--ep {args.ep} needs torchrun: torchrun --nproc-per-node {args.ep} "
+                 f"examples/moe_train.py --ep {args.ep} ...")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.get_world_size() != args.ep:
+        sys.exit(f"--ep {args.ep} but torchrun started {dist.get_world_size()} processes")
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - one quiet stream for the run
+    print(f"expert parallel: {args.ep} ranks ({dist.get_backend()}), "
+          f"{args.experts // args.ep} of {args.experts} experts per rank")
+    return dist.group.WORLD, device
+
+
+def replicate_router(model: MoE, group) -> None:
+    """The router is replicated (data parallel over the ep ranks): rank 0's copy everywhere."""
+    if group is not None:
+        for p in model.router.parameters():
+            torch.distributed.broadcast(p.data, src=0, group=group)
+
+
+def average_over_ranks(loss: Tensor, model: MoE, group) -> Tensor:
+    """After backward of loss / n: the router's gradient summed over the ranks (each saw its
+    own tokens; the experts' gradients already gather every rank's tokens through the
+    exchange); returns the mean loss over the ranks (detached)."""
+    loss = loss.detach().clone()
+    if group is not None:
+        for p in model.router.parameters():
+            torch.distributed.all_reduce(p.grad, group=group)
+        torch.distributed.all_reduce(loss, group=group)
+    return loss
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,6 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp8", choices=sorted(RECIPES), default=None,
                    help="also train under this FP8 recipe and compare with the run without")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks (run under torchrun with this many processes)")
     p.add_argument("--fp8-margin", type=float, default=0.1,
                    help="largest relative gap between the FP8 and the plain final loss")
     # At these sizes one CPU thread is as fast as two (0.75 s per 50 steps either way, 2-core
@@ -110,6 +171,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.fp8 == "block" and (args.hidden % 128 or args.ffn % 128):
         p.error(f"--fp8 block needs --hidden and --ffn multiples of 128 (128x128 weight blocks), "
                 f"got {args.hidden} and {args.ffn}")
+    if args.ep < 1 or args.experts % args.ep:
+        p.error(f"--experts {args.experts} must be divisible by --ep {args.ep} (>= 1)")
+    if args.ep > 1 and args.fp8:
+        p.error("--fp8 with --ep is not supported by this example")
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     return args
@@ -159,13 +224,17 @@ def train(
     args: argparse.Namespace, fp8: recipe.Recipe | None = None
 ) -> tuple[list[float], te_seq.FusionPlan | None]:
     """Train the student (under the FP8 recipe `fp8` if given); the losses and the MLP's plan."""
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    group, device = init_expert_parallel(args)  # --ep with --fp8 is refused: once
+    ep_rank = 0 if group is None else group.rank()
+    dtype = DTYPES[args.dtype]
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed + ep_rank)  # each rank: its own experts and tokens
     dims = (args.experts, args.hidden, args.ffn, args.topk)
-    teacher = MoE(*dims, device=device, dtype=dtype).requires_grad_(False)
-    student = MoE(*dims, device=device, dtype=dtype)
+    teacher = MoE(*dims, device=device, dtype=dtype, ep_group=group).requires_grad_(False)
+    student = MoE(*dims, device=device, dtype=dtype, ep_group=group)
+    for model in (teacher, student):
+        replicate_router(model, group)
     probe = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype)
     if fp8 is None:  # the loop is unquantized maths
         check_against_loop(student, probe)
@@ -178,7 +247,8 @@ def train(
         with te_seq.autocast(enabled=fp8 is not None, recipe=fp8):
             loss = torch.nn.functional.mse_loss(student(x).float(), target.float())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss / args.ep).backward()  # the mean over the ranks' tokens
+        loss = average_over_ranks(loss / args.ep, student, group)
         opt.step()
         if plan is None:
             plan = student.block.fusion_plan()
@@ -233,4 +303,7 @@ def _compare_fp8(args: argparse.Namespace, plain_last: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if torch.distributed.is_initialized():  # --ep
+        torch.distributed.destroy_process_group()
+    sys.exit(status)

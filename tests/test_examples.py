@@ -141,3 +141,18 @@ def test_readme_quickstart_runs(capsys):
     assert m, "README.md has no Quickstart python block"
     exec(compile(m.group(1), "README.md quickstart", "exec"), {})  # noqa: S102
     assert "GroupedMLP[0, 1, 2]" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_moe_train_expert_parallel_under_torchrun():
+    # --ep 2: two CPU processes (gloo) started by torchrun, each holding 4 of the 8 experts.
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "examples/moe_train.py", "--ep", "2", "--device", "cpu", "--steps", "40",
+         "--dtype", "float32"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep +
+                       os.environ.get("PYTHONPATH", "")},
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, _describe(proc)
+    assert "expert parallel: 2 ranks (gloo), 4 of 8 experts per rank" in proc.stdout
+    _check_moe_train(proc.stdout)

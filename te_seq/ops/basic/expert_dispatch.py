@@ -10,6 +10,7 @@ from torch import Tensor
 from te_seq.core import checks
 from te_seq.core.operation import BasicOperation
 from te_seq.kernels import routing
+from te_seq.ops.basic import _expert_parallel as ep_exchange
 
 # Shape legend: T tokens, k experts per token (top-k), N = T·k routed rows, E experts, H hidden.
 
@@ -19,6 +20,7 @@ class DispatchSaved:
     """What backward needs besides the saved routing map: the input's shape."""
 
     input_shape: torch.Size
+    exchange: object = None  # the expert-parallel exchange plan (None: no expert parallelism)
 
 
 def check_routing_inputs(op: object, input_: Tensor, indices: object, probs: object,
@@ -75,6 +77,16 @@ class ExpertDispatch(BasicOperation):
     Equivalent to `order = argsort(idx.flatten(), stable=True); rows = x[order // k]`.
     Backward: dx_t = Σ_j d rows[routing[t, j]]; d topk_probs[t, j] = d probs[routing[t, j]].
     Out-of-range indices: ValueError for host tensors; on CUDA a device-side assert.
+
+    Expert parallelism (`ep_group`: a process group of n > 1 ranks; None: none): num_experts
+    is the global count E, this rank holds L = E / n local experts (global experts r·L ..
+    r·L + L - 1 on rank r). After the sort above the rows go to the ranks owning their
+    experts (te_seq.distributed.expert_exchange): the output is this rank's share [R, H],
+    sorted by local expert, `split_sizes` is [L] and `probs` [R] are the exchanged
+    probabilities, so the GroupedLinear(L, ...) ops after it fuse as without it. The routing
+    map carries the exchange to the ExpertCombine. `capacity` (rows per rank pair) selects the
+    sync-free capacity mode; the last forward's dropped / padded row counts are in
+    `capacity_stats` (device tensors). See docs/distributed.md.
     """
 
     num_extra_inputs = 2
@@ -84,15 +96,29 @@ class ExpertDispatch(BasicOperation):
     default_output_channels = {"split_sizes": "split_sizes", "probs": "probs",
                                "routing": "routing"}
 
-    def __init__(self, num_experts: int) -> None:
+    def __init__(self, num_experts: int, *, ep_group: object = None,
+                 capacity: int | None = None) -> None:
         super().__init__()
         self.num_experts = checks.positive_int(self, "num_experts", num_experts)
+        self.expert_parallel = ep_exchange.expert_parallel(self, self.num_experts, ep_group,
+                                                           capacity)
+        self.capacity_stats = None  # capacity mode: the last forward's CapacityStats
+
+    @property
+    def ep_group(self) -> object:
+        """The expert-parallel process group (None: no expert parallelism)."""
+        return None if self.expert_parallel is None else self.expert_parallel.group
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}"
+        ep = self.expert_parallel
+        if ep is None:
+            return f"num_experts={self.num_experts}"
+        return (f"num_experts={self.num_experts}, ep_size={ep.size}, "
+                f"num_local_experts={ep.num_local}, capacity={ep.capacity}")
 
     def plan_facts(self) -> tuple:
-        return (self.num_experts,)
+        ep = self.expert_parallel
+        return (self.num_experts,) if ep is None else (self.num_experts, ep.size, ep.capacity)
 
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
         check_routing_inputs(self, input_, *extra_inputs, self.num_experts)
@@ -107,20 +133,31 @@ class ExpertDispatch(BasicOperation):
         splits = routing.count_rows(expert_of_slot, self.num_experts)  # [E]
         row_probs = routing.permute_slot_values(probs, order)  # [N]
         routing_map = row_of_slot.reshape(indices.shape)  # [..., k]
+        plan = None
+        if self.expert_parallel is not None:  # [N] rows -> this rank's [R] rows
+            ep_exchange.check_ranks_agree(self, self.expert_parallel, self.num_experts)
+            rows, row_probs, splits, plan = ep_exchange.exchange_forward(
+                self.expert_parallel, rows, splits, row_probs)
+            self.capacity_stats = ep_exchange.capacity_stats(plan)
+            routing_map = ep_exchange.attach_plan(routing_map, plan)
         if ctx.requires_grad:
             ctx.save_for_backward(routing_map)
-            ctx.saved = DispatchSaved(input_.shape)
+            ctx.saved = DispatchSaved(input_.shape, plan)
         return rows, [(splits, row_probs, routing_map)]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]
         (routing_map,) = ctx.saved_tensors
-        shape = ctx.saved_as(DispatchSaved).input_shape
+        saved = ctx.saved_as(DispatchSaved)
         row_of = routing_map.reshape(-1, routing_map.shape[-1])  # [T, k]
+        d_row_probs = basic_op_grad_extra_outputs[0][1]
+        if saved.exchange is not None:  # this rank's [R] rows -> the [N] rows it sent
+            grad_output, d_row_probs = (
+                None if g is None else saved.exchange.combine(g.contiguous())
+                for g in (grad_output, d_row_probs))
         dx = None
         if ctx.input_requires_grad and grad_output is not None:
-            dx = routing.permute_rows_backward(grad_output, row_of).reshape(shape)  # [..., H]
-        d_row_probs = basic_op_grad_extra_outputs[0][1]
+            dx = routing.permute_rows_backward(grad_output, row_of).reshape(saved.input_shape)
         dprobs = None
         if d_row_probs is not None:
             dprobs = routing.unpermute_slot_values(d_row_probs, row_of).reshape(routing_map.shape)
