@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 from torch import Tensor
 
@@ -19,8 +19,10 @@ from te_seq.core import buffers
 from te_seq.core.context import OperationContext
 from te_seq.kernels import as_rows
 
-if TYPE_CHECKING:  # annotations only: basic_linear.py imports this module
-    from te_seq.ops.basic.basic_linear import BasicLinear, LinearSaved
+# `op` below is a BasicLinear and `saved` its LinearSaved record (not imported: basic_linear.py
+# imports this module, and the ops package allows no import circles).
+BasicLinear = Any
+LinearSaved = Any
 
 
 def forward_with_buffers(
