@@ -104,6 +104,9 @@ class BasicOperation(FusibleOperation):
     num_extra_inputs: int = 0
     num_extra_outputs: int = 0
     fusion_safe: bool = False
+    # Keyword arguments a call may give this op's forward (`Sequential.forward(...,
+    # op_kwargs={index: {...}})`, run/op_kwargs.py), e.g. caller-provided buffers ("out").
+    op_kwarg_names: tuple[str, ...] = ()
 
     @property
     def is_fused_op(self) -> bool:
@@ -126,10 +129,14 @@ class BasicOperation(FusibleOperation):
         return grad_input, [param_grads], [()]
 
     # --- hooks the fuser and the gradient contract use -------------------------------------
-    def forward(self, input_: Tensor, *extra_inputs: Any) -> Tensor | tuple[Tensor, ...]:
-        """Run this op alone (outside a Sequential): `op(x, *extra_inputs)`, same results and
-        gradient contract as inside a `te_seq.Sequential(op)`."""
-        return run_standalone(self, input_, *extra_inputs)
+    def forward(
+        self, input_: Tensor, *extra_inputs: Any, **kwargs: Any
+    ) -> Tensor | tuple[Tensor, ...]:
+        """Run this op alone (outside a Sequential): `op(x, *extra_inputs, **kwargs)`, same
+        results and gradient contract as inside a `te_seq.Sequential(op)`; `kwargs` are this
+        op's `op_kwarg_names` (e.g. `out=` buffers)."""
+        op_kwargs = {0: kwargs} if kwargs else None
+        return run_standalone(self, input_, *extra_inputs, op_kwargs=op_kwargs)
 
     def fuser_parameters(self) -> list[torch.nn.Parameter]:
         """This op's parameters in `parameters()` order, read straight from the module's own
@@ -184,6 +191,10 @@ class FusedOperation(FusibleOperation):
         # A plain tuple (not a ModuleList) so the fused op registers no submodules or parameters.
         object.__setattr__(self, "basic_ops", tuple(basic_ops))
 
+    # The op_kwargs names (run/op_kwargs.py) this fused op honours for its basic ops; a window
+    # whose ops got others runs unfused (fusion/matcher.py): no keyword argument is dropped.
+    honoured_op_kwargs: frozenset[str] = frozenset()
+
     @property
     def is_fused_op(self) -> bool:
         return True
@@ -197,7 +208,9 @@ class FusedOperation(FusibleOperation):
             super().__setattr__(name, value)
 
 
-def run_standalone(module: torch.nn.Module, input_: Tensor, *extra_inputs: Any) -> Any:
+def run_standalone(
+    module: torch.nn.Module, input_: Tensor, *extra_inputs: Any, op_kwargs: Any = None
+) -> Any:
     """Run a basic or composite op on its own through a one-op `te_seq.Sequential` (built once
     and kept as a plain attribute, so the op does not become its own submodule)."""
     # The one deliberate upward import of core/ (function-level, so importing core/ never
@@ -207,6 +220,8 @@ def run_standalone(module: torch.nn.Module, input_: Tensor, *extra_inputs: Any) 
     chain = module.__dict__.get("_standalone")
     if chain is None:
         chain = module.__dict__["_standalone"] = Sequential(module)
+    if op_kwargs:
+        return chain(input_, *extra_inputs, op_kwargs=op_kwargs)
     return chain(input_, *extra_inputs)
 
 
@@ -220,6 +235,7 @@ class CompositeOperation(torch.nn.Module):
     def basic_ops(self) -> list[BasicOperation]:
         raise NotImplementedError
 
-    def forward(self, input_: Tensor, *extra_inputs: Any) -> Any:
-        """Run the chain alone, as a `te_seq.Sequential` of its basic ops would."""
-        return run_standalone(self, input_, *extra_inputs)
+    def forward(self, input_: Tensor, *extra_inputs: Any, op_kwargs: Any = None) -> Any:
+        """Run the chain alone, as a `te_seq.Sequential` of its basic ops would (`op_kwargs`:
+        keyword arguments per index into `basic_ops()`, as for a Sequential)."""
+        return run_standalone(self, input_, *extra_inputs, op_kwargs=op_kwargs)

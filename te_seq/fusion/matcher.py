@@ -36,15 +36,20 @@ MATHS_METHODS = ("op_forward", "op_backward", "fuser_forward", "fuser_backward")
 
 
 class Window(tuple):
-    """The matched basic ops, in order, with their extra inputs and indices in the Sequential."""
+    """The matched basic ops, in order, with their extra inputs and indices in the Sequential,
+    and the names of the keyword arguments (op_kwargs) each got for the call."""
 
     extra_inputs: tuple[tuple, ...]
     basic_op_indices: tuple[int, ...]
+    op_kwarg_names: tuple[frozenset[str], ...]
 
-    def __new__(cls, ops, extra_inputs, basic_op_indices):
+    def __new__(cls, ops, extra_inputs, basic_op_indices, op_kwargs=None):
         window = super().__new__(cls, ops)
         window.extra_inputs = tuple(extra_inputs)
         window.basic_op_indices = tuple(basic_op_indices)
+        window.op_kwarg_names = tuple(
+            frozenset(kwargs) for kwargs in (op_kwargs or [{} for _ in ops])
+        )
         return window
 
 
@@ -141,14 +146,17 @@ def match_phase(
     phase: str,
     extra_inputs: Sequence[tuple],
     offset: int,
+    op_kwargs: Sequence[dict] | None = None,
 ) -> tuple[list[Segment], list[PlanMiss]]:
-    """Fused segments for one phase over the free positions (marks them taken)."""
+    """Fused segments for one phase over the free positions (marks them taken). `op_kwargs`:
+    the call's keyword arguments per op (run/op_kwargs.py; None: none given)."""
     segments: list[Segment] = []
     misses: list[PlanMiss] = []
     patterns = patterns_for_phase(phase)
+    inputs = (extra_inputs, op_kwargs or [{} for _ in ops])
     pos = 0
     while pos < len(ops):
-        span = _match_at(ops, taken, pos, patterns, extra_inputs, offset, misses)
+        span = _match_at(ops, taken, pos, patterns, inputs, offset, misses)
         if span is None:
             pos += 1
             continue
@@ -159,7 +167,8 @@ def match_phase(
     return segments, misses
 
 
-def _match_at(ops, taken, pos, patterns, extra_inputs, offset, misses) -> Segment | None:
+def _match_at(ops, taken, pos, patterns, inputs, offset, misses) -> Segment | None:
+    extra_inputs, op_kwargs = inputs
     for pattern in patterns:
         positions = tuple(range(pos, pos + len(pattern.pattern)))
         if positions[-1] >= len(ops) or any(taken[p] for p in positions):
@@ -172,10 +181,13 @@ def _match_at(ops, taken, pos, patterns, extra_inputs, offset, misses) -> Segmen
         if unsafe:
             misses.append(PlanMiss(pattern.name, indices, unsafe))
             continue
-        window = Window(window_ops, [extra_inputs[p] for p in positions], indices)
+        window = Window(window_ops, [extra_inputs[p] for p in positions], indices,
+                        [op_kwargs[p] for p in positions])
         result = _build(pattern, window)
         if isinstance(result, FusedOperation):
             result = _fp8_checked(result, window_ops)
+        if isinstance(result, FusedOperation):
+            result = _kwargs_checked(result, window)
         if isinstance(result, NoMatch):
             misses.append(PlanMiss(pattern.name, indices, result.reason))
             continue
@@ -194,6 +206,22 @@ def _fp8_checked(fused: FusedOperation, ops) -> FusedOperation | NoMatch:
         return fused
     return NoMatch(f"FP8 recipe {recipe}: {type(fused).__name__} has no FP8 GEMMs, so its ops "
                    "run unfused")
+
+
+def _kwargs_checked(fused: FusedOperation, window: Window) -> FusedOperation | NoMatch:
+    """A fused op over ops that got keyword arguments (caller-provided buffers...) for this call
+    must honour them (its class's `honoured_op_kwargs` names them); otherwise it would silently
+    drop them, so the window runs unfused (the plan cache key holds the names given)."""
+    honoured = frozenset(getattr(type(fused), "honoured_op_kwargs", ()))
+    missed = [
+        f"basic op {index} got {', '.join(sorted(names - honoured))}"
+        for index, names in zip(window.basic_op_indices, window.op_kwarg_names)
+        if names - honoured
+    ]
+    if not missed:
+        return fused
+    return NoMatch(f"{'; '.join(missed)} (op_kwargs) that {type(fused).__name__} does not "
+                   "honour, so its ops run unfused")
 
 
 def fill_unfused(ops: Sequence[BasicOperation], fused: list[Segment]) -> list[Segment]:

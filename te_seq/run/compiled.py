@@ -42,8 +42,13 @@ UNTRACEABLE_REASON = (
 
 
 @torch.compiler.disable
-def run_sequential_eagerly(module: Any, input_: Tensor, *extra_inputs: Any) -> Any:
-    """A Sequential's eager forward, at a graph break (torch older than 2.11)."""
+def run_sequential_eagerly(
+    module: Any, input_: Tensor, *extra_inputs: Any, op_kwargs: Any = None
+) -> Any:
+    """A Sequential's eager forward, at a graph break (torch older than 2.11, or a call with
+    op_kwargs: caller-provided buffers are written in place, which is left to eager mode)."""
+    if op_kwargs:
+        return module(input_, *extra_inputs, op_kwargs=op_kwargs)
     return module(input_, *extra_inputs)
 
 

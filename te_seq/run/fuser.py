@@ -28,6 +28,7 @@ from te_seq.kernels.backend import Backend, BackendChoice
 from te_seq.kernels.traced import traced
 from te_seq.run import compiled
 from te_seq.run.channels import ChannelLink, channel_links, feed_channels, route_channel_grads
+from te_seq.run.op_kwargs import kwargs_signature
 from te_seq.run.step_checks import checked_backward, checked_forward
 
 
@@ -79,6 +80,8 @@ class _Call:
     input_shapes: dict[int, torch.Size] = field(default_factory=dict)
     # Extra-input slots fed by an earlier op of this run through a channel (run/channels.py).
     links: list[ChannelLink] = field(default_factory=list)
+    # Keyword arguments per op for this call (run/op_kwargs.py); None: none given.
+    op_kwargs: list[dict] | None = None
 
 
 
@@ -115,7 +118,7 @@ class Fuser:
     # --- planning ---------------------------------------------------------------------------
     def _key(
         self, input_: Tensor, flat_extra: Sequence[Any], with_backward: bool,
-        autocast: AutocastState | None = None,
+        autocast: AutocastState | None = None, op_kwargs: list[dict] | None = None,
     ) -> tuple:
         """Everything the plan depends on (compiled.KEY_* name the positions it reads back)."""
         params = tuple(
@@ -139,22 +142,24 @@ class Fuser:
             # plain values, not the record: dynamo passes the key to compiled.ensure_plan
             None if autocast is None else (autocast.dtype, autocast.device_type),
             fp8.recipe_key(),  # plain values (dynamo passes the key on): plans are per recipe
+            kwargs_signature(op_kwargs),  # fusions decline ops given kwargs they do not honour
         )
 
     def plan(
         self, input_: Tensor, extra: list[tuple], with_backward: bool,
-        autocast: AutocastState | None = None,
+        autocast: AutocastState | None = None, op_kwargs: list[dict] | None = None,
     ) -> RunPlan:
         flat_extra = [t for group in extra for t in group]
-        key = self._key(input_, flat_extra, with_backward, autocast)
+        key = self._key(input_, flat_extra, with_backward, autocast, op_kwargs)
         if key != self._cache_key:
-            self._cache = self.build_plan(input_, input_.device, extra, with_backward, autocast)
+            self._cache = self.build_plan(input_, input_.device, extra, with_backward, autocast,
+                                          op_kwargs)
             self._cache_key = key
         return self._cache
 
     def build_plan(
         self, input_: Tensor, device: torch.device, extra: list[tuple], with_backward: bool,
-        autocast: AutocastState | None = None,
+        autocast: AutocastState | None = None, op_kwargs: list[dict] | None = None,
     ) -> RunPlan:
         """Match the fusions and choose each step's backend for `input_`'s dtype on `device`
         (under torch.autocast the GEMMs run in the autocast dtype: backends are chosen for it)."""
@@ -162,14 +167,16 @@ class Fuser:
         for op in self.ops:  # an op fully_shard wrapped on its own (never gathered) says so
             check_not_sharded(type(op).__name__, op.fuser_parameters())
         taken = [False] * len(self.ops)
-        joint, misses = match_phase(self.ops, taken, "joint", extra, self.offset)
+        joint, misses = match_phase(self.ops, taken, "joint", extra, self.offset, op_kwargs)
         fwd_taken = list(taken)
-        fwd, fwd_misses = match_phase(self.ops, fwd_taken, "forward", extra, self.offset)
+        fwd, fwd_misses = match_phase(self.ops, fwd_taken, "forward", extra, self.offset,
+                                      op_kwargs)
         forward = fill_unfused(self.ops, joint + fwd)
         backward: list[Segment] = []
         misses += fwd_misses
         if with_backward:
-            bwd, bwd_misses = match_phase(self.ops, list(taken), "backward", extra, self.offset)
+            bwd, bwd_misses = match_phase(self.ops, list(taken), "backward", extra, self.offset,
+                                          op_kwargs)
             backward = list(reversed(fill_unfused(self.ops, joint + bwd)))
             misses += bwd_misses
         requested = kernel_backends.current_backend()
@@ -205,8 +212,11 @@ class Fuser:
 
     # --- running ----------------------------------------------------------------------------
     def __call__(
-        self, input_: Tensor, extra: list[tuple], call_inputs: CallInputs | None = None
+        self, input_: Tensor, extra: list[tuple], call_inputs: CallInputs | None = None,
+        op_kwargs: list[dict] | None = None,
     ) -> tuple[Tensor, list[tuple]]:
+        """Run the ops on `input_`; `op_kwargs`: keyword arguments per op (None: none), which
+        Sequential.forward only passes eagerly (a compiled call runs at a graph break)."""
         if not isinstance(input_, Tensor):
             raise TypeError(
                 f"{type(self.ops[0]).__name__} (basic op {self.offset}): input must be a "
@@ -214,17 +224,18 @@ class Fuser:
             )
         if torch.compiler.is_compiling():
             return self._run_traced(input_, extra, call_inputs)
-        return self.run_eager(input_, extra, call_inputs)
+        return self.run_eager(input_, extra, call_inputs, op_kwargs)
 
     def run_eager(
-        self, input_: Tensor, extra: list[tuple], call_inputs: CallInputs | None = None
+        self, input_: Tensor, extra: list[tuple], call_inputs: CallInputs | None = None,
+        op_kwargs: list[dict] | None = None,
     ) -> tuple[Tensor, list[tuple]]:
         autocast = AutocastState.current(input_.device)
         ctxs = new_contexts(self.ops, input_, extra, call_inputs, autocast)
         with_backward = any(ctx.requires_grad for ctx in ctxs)
-        plan = self.plan(input_, extra, with_backward, autocast)
+        plan = self.plan(input_, extra, with_backward, autocast, op_kwargs)
         self.last_plan = plan.public
-        return self._run(plan, ctxs, input_, extra, with_backward, False, autocast)
+        return self._run(plan, ctxs, input_, extra, with_backward, False, autocast, op_kwargs)
 
     def _run_traced(
         self, input_: Tensor, extra: list[tuple], call_inputs: CallInputs | None = None
@@ -245,7 +256,8 @@ class Fuser:
         return self._run(plan, ctxs, input_, extra, with_backward, True, autocast)
 
     def _run(
-        self, plan: RunPlan, ctxs, input_, extra, with_backward: bool, traced: bool, autocast
+        self, plan: RunPlan, ctxs, input_, extra, with_backward: bool, traced: bool, autocast,
+        op_kwargs: list[dict] | None = None,
     ):
         call = _Call(
             plan,
@@ -257,6 +269,7 @@ class Fuser:
             offset=self.offset,
             autocast=autocast,
             links=channel_links(extra, self.offset),
+            op_kwargs=op_kwargs,
         )
         extra = [tuple(None if isinstance(t, ChannelRef) else t for t in group)
                  for group in extra]  # bound slots are filled in as their publishers run
@@ -371,7 +384,7 @@ def _forward_step(
         ctxs,
         x,
         basic_op_extra_inputs=[extra[p] for p in seg.positions],
-        basic_op_kwargs=[{} for _ in seg.positions],
+        basic_op_kwargs=[call.op_kwargs[p] if call.op_kwargs else {} for p in seg.positions],
     )
     if builtin:
         return result

@@ -15,6 +15,7 @@ from te_seq.fusion.plan import FusionPlan
 from te_seq.run import compiled
 from te_seq.run.channels import ChannelPlan, resolve_channels, substitute
 from te_seq.run.fuser import Fuser
+from te_seq.run.op_kwargs import OpKwargs, split_op_kwargs
 
 Run = Fuser | torch.nn.Module
 
@@ -26,6 +27,9 @@ class Sequential(torch.nn.Sequential):
     (e.g. `split_sizes` for each GroupedLinear). Returns the output, or `(output, *extra_outputs)`
     when some op makes extra outputs. Plain modules run unfused and split fusion windows; nested
     te_seq Sequentials are flattened into this one's windows and basic-op indices.
+
+    `forward(..., op_kwargs={index: {name: value}})` gives basic op `index` (as `basic_ops()`
+    counts) keyword arguments for this call, e.g. caller-provided buffers (run/op_kwargs.py).
     """
 
     def __init__(self, *modules: torch.nn.Module) -> None:
@@ -73,12 +77,17 @@ class Sequential(torch.nn.Sequential):
         return self._runs
 
     # --- running ----------------------------------------------------------------------------
-    def forward(self, input_: Tensor, *extra_inputs: Any) -> Tensor | tuple[Tensor, ...]:
-        if torch.compiler.is_compiling() and not compiled.TRACEABLE:
-            return compiled.run_sequential_eagerly(self, input_, *extra_inputs)
+    def forward(
+        self, input_: Tensor, *extra_inputs: Any, op_kwargs: OpKwargs | None = None
+    ) -> Tensor | tuple[Tensor, ...]:
+        if torch.compiler.is_compiling() and (op_kwargs or not compiled.TRACEABLE):
+            # op_kwargs (buffers written in place) run eagerly at a graph break
+            return compiled.run_sequential_eagerly(self, input_, *extra_inputs,
+                                                   op_kwargs=op_kwargs)
         runs = self._current_runs()
         channels = self._channels
         per_op = _distribute_extra_inputs(self.basic_ops(), extra_inputs, channels.inputs)
+        kwargs = split_op_kwargs(self.basic_ops(), op_kwargs) if op_kwargs else None
         call_inputs = CallInputs(input_, extra_inputs, self.parameters)
         x, extra_outputs, plans, used = input_, [], [], 0
         published: dict[tuple[int, int], Tensor] = {}  # (basic op, output slot) -> tensor
@@ -87,7 +96,8 @@ class Sequential(torch.nn.Sequential):
                 op_extra = per_op[used : used + len(run.ops)]
                 if channels.any_bound:  # values published by earlier runs (run/channels.py)
                     op_extra = substitute(op_extra, published)
-                x, outs = run(x, op_extra, call_inputs)
+                run_kwargs = kwargs[used : used + len(run.ops)] if kwargs else None
+                x, outs = run(x, op_extra, call_inputs, run_kwargs)
                 for p, op_out in enumerate(outs, start=used):
                     for slot, t in enumerate(op_out):
                         published[(p, slot)] = t

@@ -18,6 +18,7 @@ from te_seq.core.grad_policy import (
 )
 from te_seq.core.operation import BasicOperation
 from te_seq.kernels import as_rows
+from te_seq.ops.basic import _linear_buffers
 from te_seq.ops.basic import _tensor_parallel as tp
 
 
@@ -30,6 +31,7 @@ class LinearSaved:
     weights: ForwardWeights  # the forward's weight, weakly held, for the gradient contract
     input_dtype: torch.dtype | None = None  # dX is cast back to it (None: the compute dtype)
     compute_dtype: torch.dtype | None = None  # dY is cast to it (None: as it comes)
+    grad_input_out: Tensor | None = None  # the caller's buffer dX is written into (op_kwargs)
 
 
 def init_linear_weight_(weight: Tensor) -> None:
@@ -60,6 +62,7 @@ class BasicLinear(GradContractMixin, BasicOperation):
     """
 
     fp8_gemms = True  # under te_seq.autocast(recipe=...) the GEMMs take FP8 operands
+    op_kwarg_names = ("out", "grad_input_out")  # caller-provided buffers (_linear_buffers.py)
 
     def __init__(
         self,
@@ -127,7 +130,12 @@ class BasicLinear(GradContractMixin, BasicOperation):
         dtype = amp.gemm_dtype(ctx.autocast, x, self.weight)
         return amp.cast(x, dtype), amp.cast(self.weight, dtype)
 
-    def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
+    def op_forward(
+        self, ctx: OperationContext, input_: Tensor, *, out: Tensor | None = None,
+        grad_input_out: Tensor | None = None,
+    ) -> Tensor:
+        if out is not None or grad_input_out is not None:  # caller-provided buffers
+            return _linear_buffers.forward_with_buffers(self, ctx, input_, out, grad_input_out)
         if ctx.recipe is not None:
             return self._fp8_forward(ctx, input_)
         if tp.overlaps(self.tp_layout):  # sequence parallel: the collective overlaps the GEMM
@@ -189,6 +197,10 @@ class BasicLinear(GradContractMixin, BasicOperation):
         dx = None
         if ctx.input_requires_grad:
             saved = ctx.saved_as(LinearSaved)
+            if saved.grad_input_out is not None:  # the caller's buffer (op_kwargs)
+                reduce = lambda d: tp.reduce_grad_input(self.tp_layout, ctx, d)  # noqa: E731
+                return (_linear_buffers.dgrad_into(self, ctx, saved, dy, weight, reduce),
+                        self.weight_grads(ctx, x, dy_wgrad))
             dx = amp.cast((dy @ weight).reshape(saved.input_shape), saved.input_dtype)  # dX = dY W
             dx = tp.reduce_grad_input(self.tp_layout, ctx, dx)  # column: summed over the group
         return dx, self.weight_grads(ctx, x, dy_wgrad)

@@ -28,6 +28,10 @@ class MakeExtraOutputLinearBackward(FusedOperation):
     MakeExtraOutput saves nothing.
     """
 
+    # BasicLinear's `out=` buffer acts in its own (unfused) forward only; its backward state is
+    # unchanged by it. Its `grad_input_out=` is not honoured: the window then runs unfused.
+    honoured_op_kwargs = frozenset({"out"})
+
     def __init__(self, basic_ops: Sequence[BasicOperation]) -> None:
         super().__init__(basic_ops)
         self.make_extra_output, self.linear = basic_ops
