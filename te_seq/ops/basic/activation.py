@@ -27,6 +27,10 @@ class Activation(BasicOperation):
     gated: bool = False
     row_scales: bool = False
 
+    def __init__(self, *, cache_quantized_input: bool = False) -> None:
+        super().__init__()
+        self.cache_quantized_input = refuse_cached_quantized_input(self, cache_quantized_input)
+
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
         checks.check_floating(self, input_)
 
@@ -49,14 +53,30 @@ class Activation(BasicOperation):
         return ctx.backend.act_backward(x, grad_output, self.act), []
 
 
+def refuse_cached_quantized_input(op: object, value: object) -> bool:
+    """TransformerEngine's `cache_quantized_input` (keep the activation's input FP8-quantized for
+    backward). te_seq's activations save their input in its own dtype, under an FP8 recipe too
+    (recipes quantize GEMM operands only), so only False is accepted: True would otherwise be
+    a setting that silently does nothing."""
+    if checks.flag(op, "cache_quantized_input", value):
+        raise ValueError(
+            f"{checks.op_name(op)}: cache_quantized_input=True is not supported: te_seq's "
+            "activations save their input in its own dtype (FP8 recipes quantize GEMM operands "
+            "only, docs/fp8.md); leave it False"
+        )
+    return False
+
+
 class GatedActivation(Activation):
     """x = [gate, up] on the last dim (halves, or blocks of `glu_interleave_size` columns);
     y = f(gate) · up with shape [..., F] for x [..., 2F]."""
 
     gated = True
 
-    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self, *, glu_interleave_size: int | None = None, cache_quantized_input: bool = False
+    ) -> None:
+        super().__init__(cache_quantized_input=cache_quantized_input)
         self.glu_interleave_size = checks.optional_positive_int(
             self, "glu_interleave_size", glu_interleave_size
         )

@@ -25,8 +25,11 @@ class ClampedSwiGLU(ParamGatedActivation):
         alpha: float = 1.702,
         glu_linear_offset: float = 1.0,
         glu_interleave_size: int | None = None,
+        cache_quantized_input: bool = False,
     ) -> None:
-        super().__init__(glu_interleave_size=glu_interleave_size)
+        super().__init__(
+            glu_interleave_size=glu_interleave_size, cache_quantized_input=cache_quantized_input
+        )
         self.limit = checks.real_number(self, "limit", limit, "positive", lambda v: v > 0)
         self.alpha = checks.real_number(self, "alpha", alpha, "a finite number")
         self.glu_linear_offset = checks.real_number(

@@ -14,8 +14,8 @@ class GELU(Activation):
     `approximate` is "tanh" (default, as TransformerEngine) or "none" (the exact erf form).
     """
 
-    def __init__(self, approximate: str = "tanh") -> None:
-        super().__init__()
+    def __init__(self, approximate: str = "tanh", *, cache_quantized_input: bool = False) -> None:
+        super().__init__(cache_quantized_input=cache_quantized_input)
         self.approximate = checks.choice(self, "approximate", approximate, tuple(_APPROXIMATIONS))
         self.act = _APPROXIMATIONS[approximate]
 

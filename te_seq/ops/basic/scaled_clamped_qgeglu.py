@@ -22,11 +22,13 @@ class ScaledClampedQGeGLU(RowScaled, ClampedSwiGLU):
         limit: float = 7.0,
         alpha: float = 1.702,
         glu_linear_offset: float = 1.0,
+        cache_quantized_input: bool = False,
     ) -> None:
         super().__init__(
             limit=limit,
             alpha=alpha,
             glu_linear_offset=glu_linear_offset,
             glu_interleave_size=glu_interleave_size,
+            cache_quantized_input=cache_quantized_input,
         )
         self._set_recompute(activation_recompute_in_mlp)

@@ -21,6 +21,8 @@ class ScaledSiTUGLU(RowScaled, SiTUGLU):
         activation_recompute_in_mlp: bool = False,
         beta1: float = 4.0,
         beta2: float = 25.0,
+        cache_quantized_input: bool = False,
     ) -> None:
-        super().__init__(beta1=beta1, beta2=beta2, glu_interleave_size=glu_interleave_size)
+        super().__init__(beta1=beta1, beta2=beta2, glu_interleave_size=glu_interleave_size,
+                         cache_quantized_input=cache_quantized_input)
         self._set_recompute(activation_recompute_in_mlp)

@@ -15,8 +15,10 @@ class ScaledSReLU(RowScaled, SReLU):
     GroupedLinear follows (see te_seq.ops.basic._row_scaled).
     """
 
-    def __init__(self, *, activation_recompute_in_mlp: bool = False) -> None:
-        super().__init__()
+    def __init__(
+        self, *, activation_recompute_in_mlp: bool = False, cache_quantized_input: bool = False
+    ) -> None:
+        super().__init__(cache_quantized_input=cache_quantized_input)
         self._set_recompute(activation_recompute_in_mlp)
 
     def extra_repr(self) -> str:

@@ -24,8 +24,11 @@ class ScaledSwiGLU(SwiGLU):
         glu_interleave_size: int | None = None,
         *,
         activation_recompute_in_mlp: bool = False,
+        cache_quantized_input: bool = False,
     ) -> None:
-        super().__init__(glu_interleave_size=glu_interleave_size)
+        super().__init__(
+            glu_interleave_size=glu_interleave_size, cache_quantized_input=cache_quantized_input
+        )
         # True: where a GroupedLinear follows, it keeps no copy of y; y is recomputed in
         # backward (fusion "activation_recompute"; the fused grouped MLP always recomputes)
         self.activation_recompute_in_mlp = checks.flag(

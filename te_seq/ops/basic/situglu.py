@@ -25,7 +25,10 @@ class SiTUGLU(ParamGatedActivation):
         beta1: float = 4.0,
         beta2: float = 25.0,
         glu_interleave_size: int | None = None,
+        cache_quantized_input: bool = False,
     ) -> None:
-        super().__init__(glu_interleave_size=glu_interleave_size)
+        super().__init__(
+            glu_interleave_size=glu_interleave_size, cache_quantized_input=cache_quantized_input
+        )
         self.beta1 = _positive(self, "beta1", beta1)
         self.beta2 = _positive(self, "beta2", beta2)
