@@ -29,6 +29,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
         GluConfig("fc1", bf16, "k", "silu", None, torch.float32),
         GluConfig("dgrad", bf16, "n", "gelu", 64, bf16),
         GluConfig("dgrad", bf16, "n", "silu", None, torch.float32, tile_n=192),
+        # parameterized activations with interleaved blocks and narrower dgrad tiles
+        GluConfig("fc1", bf16, "k", "situ", 64, None, params=(1.5, 2.0)),
+        GluConfig("dgrad", bf16, "n", "clamped_qgelu", 32, bf16, tile_n=128,
+                  params=(0.9, 1.3, 0.5)),
     ]:
         print(cfg, f"{compile_glu(cfg).compile_s:.1f}s", flush=True)
     print("ALL COMPILED")
