@@ -9,6 +9,7 @@ non-contiguous input.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -186,6 +187,17 @@ def test_bad_device_split_sizes_fail_a_device_check():
 
 # gated ops whose activation the cute GLU epilogue computes (from the activation table)
 GATED = [a for a in ACTS if a.gated and ACTIVATIONS[a.act].glu_epilogue]
+# Parameter values for the fusion test: FC1's outputs have a std of about 0.57 there (weights
+# N(0, 0.05), 128 inputs), so a limit of 0.5 clamps about 40% of gate and up values (the
+# default 7.0 would clamp none) and soft caps of 0.8 / 0.6 bend tanh well away from the identity.
+_CLAMPED = dict(limit=0.5, alpha=1.3, glu_linear_offset=0.25)
+_SITU = dict(beta1=0.8, beta2=0.6)
+EPILOGUE_KWARGS = {
+    "ClampedSwiGLU": _CLAMPED,
+    "ScaledClampedQGeGLU": _CLAMPED,
+    "SiTUGLU": _SITU,
+    "ScaledSiTUGLU": _SITU,
+}
 
 
 @pytest.mark.skipif("cute" not in GPU_BACKENDS, reason="needs the cute backend (sm_90 + DSL)")
@@ -196,8 +208,10 @@ def test_grouped_mlp_epilogue_fusion_matches_reference(act, interleave):
     dtype = torch.bfloat16
     sizes = [0, 37, 128, 3, 0, 91, 250, 7]
     splits = torch.tensor(sizes, device="cuda")
-    model = _mlp(len(sizes), 128, 128, act, False, dtype)
+    kwargs = EPILOGUE_KWARGS.get(act.__name__, {})
+    model = _mlp(len(sizes), 128, 128, functools.partial(act, **kwargs), False, dtype)
     model[1].glu_interleave_size = interleave
+    assert all(getattr(model[1], k) == v for k, v in kwargs.items())
     x = torch.randn(sum(sizes), 128, device="cuda", dtype=dtype)
     extras = [splits]
     if act.row_scales:

@@ -10,7 +10,7 @@ from op_specs import randomize_params
 
 import te_seq
 from te_seq import ops
-from te_seq.kernels.activations import ACTIVATIONS, GluSpec, activation
+from te_seq.kernels.activations import ACTIVATIONS, GluSpec, activation, param_values
 
 D = torch.float64
 
@@ -134,12 +134,26 @@ def test_grouped_mlp_runs_the_activations_parameters(make, gated) -> None:
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_cute_epilogue_declines_parameterized_activations_with_a_reason() -> None:
+def test_cute_epilogue_takes_parameterized_activations() -> None:
+    """The parameterized entries pass the epilogue's activation check (on CPU tensors the next
+    check declines); an entry without an epilogue is still declined by name."""
     from te_seq.kernels import cute
 
     x, w = torch.randn(16, 64, dtype=torch.bfloat16), torch.randn(2, 64, 256, dtype=torch.bfloat16)
-    ok, why = cute.glu_fc1_forward.supports(x, w, "clamped_qgelu", None)
-    assert not ok and "act 'clamped_qgelu' has no fused epilogue" in why
+    for act in ("clamped_qgelu", "situ"):
+        ok, why = cute.glu_fc1_forward.supports(x, w, act, None)
+        assert not ok and "needs CUDA tensors" in why, why
+    ok, why = cute.glu_fc1_forward.supports(x, w, "gelu_erf", None)
+    assert not ok and "act 'gelu_erf' has no fused epilogue" in why
+
+
+def test_param_values_fill_in_the_defaults_and_check_the_count() -> None:
+    assert param_values("clamped_qgelu") == (7.0, 1.702, 1.0)
+    assert param_values("situ") == (4.0, 25.0)
+    assert param_values("situ", (1, 2.5)) == (1.0, 2.5)
+    assert param_values("silu") == ()
+    with pytest.raises(ValueError, match=r"'situ' takes params \('beta1', 'beta2'\), got \(1.0,\)"):
+        param_values("situ", (1.0,))
 
 
 # --- activation_recompute_in_mlp ----------------------------------------------------------------

@@ -13,6 +13,7 @@ branch in ``cute/glu_epilogue.py`` plus ``glu_epilogue=True``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -165,10 +166,10 @@ ACTIVATIONS: dict[str, ActSpec] = {
         ActSpec("sigmoid", sigmoid, sigmoid_grad, glu_epilogue=True),
         ActSpec("qgelu", qgelu, qgelu_grad, glu_epilogue=True),
         ActSpec("srelu", srelu, srelu_grad, glu_epilogue=True),
-        ActSpec("clamped_qgelu", clamped_qgelu, clamped_qgelu_grad, up=clamped_linear,
-                dup=clamped_linear_grad, params=_CLAMPED),
-        ActSpec("situ", situ_gate, situ_gate_grad, up=situ_up, dup=situ_up_grad,
-                params=("beta1", "beta2")),
+        ActSpec("clamped_qgelu", clamped_qgelu, clamped_qgelu_grad, glu_epilogue=True,
+                up=clamped_linear, dup=clamped_linear_grad, params=_CLAMPED),
+        ActSpec("situ", situ_gate, situ_gate_grad, glu_epilogue=True, up=situ_up,
+                dup=situ_up_grad, params=("beta1", "beta2")),
     )
 }
 
@@ -179,6 +180,18 @@ def activation(name: str) -> ActSpec:
     if spec is None:
         raise ValueError(f"unknown activation {name!r}; known: {tuple(ACTIVATIONS)}")
     return spec
+
+
+def param_values(name: str, params: tuple[float, ...] = ()) -> tuple[float, ...]:
+    """`params` as floats, or, when empty, the defaults of the entry's functions (in the order
+    of its ``params``; empty for an entry without parameters)."""
+    spec = activation(name)
+    if params and len(params) != len(spec.params):
+        raise ValueError(f"activation {name!r} takes params {spec.params}, got {params!r}")
+    if params:
+        return tuple(float(v) for v in params)
+    after_x = list(inspect.signature(spec.f).parameters.values())[1 : 1 + len(spec.params)]
+    return tuple(float(p.default) for p in after_x)
 
 
 def epilogue_activations() -> tuple[str, ...]:

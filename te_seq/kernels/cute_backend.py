@@ -75,10 +75,12 @@ class CuteBackend(GpuBackend):
         return cute.grouped_wgrad(grad_out, x, offs, out=out, accumulate=accumulate)
 
     def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None) -> tuple[Tensor, Tensor]:
-        return cute.glu_fc1_forward(x, w1t, offs, glu.act, glu.glu_interleave_size, probs)
+        il = glu.glu_interleave_size
+        return cute.glu_fc1_forward(x, w1t, offs, glu.act, il, probs, glu.params)
 
     def glu_fc2_dgrad(self, dy, w2, offs, h, glu: GluSpec, probs=None):
-        return cute.glu_fc2_dgrad(dy, w2, offs, h, glu.act, glu.glu_interleave_size, probs)
+        il = glu.glu_interleave_size
+        return cute.glu_fc2_dgrad(dy, w2, offs, h, glu.act, il, probs, glu.params)
 
 
 CUTE = register_backend(CuteBackend())

@@ -45,7 +45,7 @@ def _fake_grouped_wgrad_into(
 
 def _fake_fc1(
     x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int | None,
-    probs: Tensor | None, backend: str,
+    probs: Tensor | None, params: list[float], backend: str,
 ) -> tuple[Tensor, Tensor]:
     width = w1t.shape[2]  # 2F
     return x.new_empty(x.shape[0], width), x.new_empty(x.shape[0], width // 2)
@@ -53,7 +53,7 @@ def _fake_fc1(
 
 def _fake_fc2_dgrad(
     dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str, interleave: int | None,
-    probs: Tensor | None, backend: str,
+    probs: Tensor | None, params: list[float], backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     rows, f = dy.shape[0], w2.shape[2]
     dprobs = dy.new_empty(0) if probs is None else probs.new_empty(rows)
@@ -86,20 +86,22 @@ def grouped_wgrad_into_op(
 @kernel_op("te_seq::glu_fc1_forward", fake=_fake_fc1)
 def glu_fc1_forward_op(
     x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int | None,
-    probs: Tensor | None, backend: str,
+    probs: Tensor | None, params: list[float], backend: str,
 ) -> tuple[Tensor, Tensor]:
-    """(h [M, 2F], a [M, F]): FC1 with the GLU activation in its epilogue."""
-    h, a = get_backend(backend).glu_fc1_forward(x, w1t, offs, GluSpec(act, interleave), probs)
+    """(h [M, 2F], a [M, F]): FC1 with the GLU activation (`params`: its values) in its
+    epilogue."""
+    glu = GluSpec(act, interleave, tuple(params))
+    h, a = get_backend(backend).glu_fc1_forward(x, w1t, offs, glu, probs)
     return h, a
 
 
 @kernel_op("te_seq::glu_fc2_dgrad", fake=_fake_fc2_dgrad)
 def glu_fc2_dgrad_op(
     dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str, interleave: int | None,
-    probs: Tensor | None, backend: str,
+    probs: Tensor | None, params: list[float], backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dh [M, 2F], a [M, F], dprobs [M], or an empty tensor without probs)."""
-    glu = GluSpec(act, interleave)
+    glu = GluSpec(act, interleave, tuple(params))
     dh, a, dprobs = get_backend(backend).glu_fc2_dgrad(dy, w2, offs, h, glu, probs)
     return dh, a, dy.new_empty(0) if dprobs is None else dprobs
 
@@ -133,11 +135,12 @@ class TracedBackend(Backend):
 
     def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None) -> tuple[Tensor, Tensor]:
         act, size = glu.act, glu.glu_interleave_size
-        return glu_fc1_forward_op(x, w1t, offs, act, size, probs, self.name)
+        return glu_fc1_forward_op(x, w1t, offs, act, size, probs, list(glu.params), self.name)
 
     def glu_fc2_dgrad(self, dy, w2, offs, h, glu: GluSpec, probs=None):
         act, size = glu.act, glu.glu_interleave_size
-        dh, a, dprobs = glu_fc2_dgrad_op(dy, w2, offs, h, act, size, probs, self.name)
+        params = list(glu.params)
+        dh, a, dprobs = glu_fc2_dgrad_op(dy, w2, offs, h, act, size, probs, params, self.name)
         return dh, a, None if probs is None else dprobs
 
     def act_forward(self, x: Tensor, act: str) -> Tensor:

@@ -29,6 +29,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
         GluConfig("fc1", bf16, "k", "silu", None, torch.float32),
         GluConfig("dgrad", bf16, "n", "gelu", 64, bf16),
         GluConfig("dgrad", bf16, "n", "silu", None, torch.float32, tile_n=192),
+        # parameterized activations with interleaved blocks and narrower dgrad tiles
+        GluConfig("fc1", bf16, "k", "situ", 64, None, params=(1.5, 2.0)),
+        GluConfig("dgrad", bf16, "n", "clamped_qgelu", 32, bf16, tile_n=128,
+                  params=(0.9, 1.3, 0.5)),
     ]:
         print(cfg, f"{compile_glu(cfg).compile_s:.1f}s", flush=True)
     print("ALL COMPILED")
@@ -78,8 +82,8 @@ def test_calls_raise_with_the_reason():
     offs = torch.tensor([8, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match="cute glu_fc1_forward: .*needs CUDA tensors"):
         cute.glu_fc1_forward(x, w1t, offs, "silu", None, None)
-    with pytest.raises(ValueError, match=r"cute glu_fc2_dgrad: .*act 'situ'"):
-        cute.glu_fc2_dgrad(x, w2, offs, torch.randn(16, 256), "situ", None, None)
+    with pytest.raises(ValueError, match=r"cute glu_fc2_dgrad: .*act 'gelu_erf'"):
+        cute.glu_fc2_dgrad(x, w2, offs, torch.randn(16, 256), "gelu_erf", None, None)
 
 
 def test_probs_are_checked_and_normalised():
@@ -126,13 +130,26 @@ _CASES = [
     ("unaligned", [1, 3, 129, 255, 257, 7, 513], 0, 192, 128),
     ("wide_f", [200, 0, 321], 3, 64, 512),
 ]
-# (act, interleave, probs dtype): each config compiles once per kernel, so cover, don't multiply:
-# every activation the table gives the epilogue once, then layouts and probs dtypes.
-_CONFIGS = [(act, None, torch.float32) for act in epilogue_activations()] + [
-    ("silu", None, None),
-    ("silu", 32, torch.float32),
-    ("gelu", 64, torch.bfloat16),
+# Parameter values of the parameterized activations: h ~ N(0, 1) in these tests, so a limit of
+# 0.9 clamps about a third of gate and up values (the defaults, 7.0, would clamp none) and caps
+# of 1.5 / 2.0 bend tanh well away from the identity.
+_PARAMS = {"clamped_qgelu": (0.9, 1.3, 0.5), "situ": (1.5, 2.0)}
+# (act, interleave, probs dtype, params): each config compiles once per kernel, so cover, don't
+# multiply: every activation the table gives the epilogue once, then layouts and probs dtypes.
+_CONFIGS = [(act, None, torch.float32, _PARAMS.get(act, ())) for act in epilogue_activations()]
+_CONFIGS += [
+    ("silu", None, None, ()),
+    ("silu", 32, torch.float32, ()),
+    ("gelu", 64, torch.bfloat16, ()),
+    ("clamped_qgelu", 32, torch.bfloat16, _PARAMS["clamped_qgelu"]),
+    ("situ", 64, None, _PARAMS["situ"]),
 ]
+
+
+def _check_clamps_hit(act: str, params: tuple[float, ...], h: torch.Tensor) -> None:
+    """The data must reach the clamped branch (else a wrong clamp would pass unnoticed)."""
+    if act == "clamped_qgelu":
+        assert (h.float().abs() > params[0]).float().mean() > 0.1
 
 
 def _data(case, probs_dtype, dtype=torch.bfloat16):
@@ -152,17 +169,19 @@ def _data(case, probs_dtype, dtype=torch.bfloat16):
 def test_fc1_forward_matches_reference(case, config):
     from te_seq.kernels import cute
 
-    act, il, p_dtype = config
+    act, il, p_dtype, params = config
     x, w1, _, probs, offs = _data(case, p_dtype)
     w1t = w1.transpose(1, 2)
     assert cute.glu_fc1_forward.supports(x, w1t, act, il) == (True, "")
     m, f = x.shape[0], w1.shape[1] // 2
     _poison(((m, 2 * f), x.dtype), ((m, f), x.dtype))
-    h, a = cute.glu_fc1_forward(x, w1t, offs, act, il, probs)
+    h, a = cute.glu_fc1_forward(x, w1t, offs, act, il, probs, params)
     h_ref = reference.grouped_mm(x.double(), w1t.double(), offs)
     assert _rel_err(h, h_ref) < 1e-2
+    _check_clamps_hit(act, params, h[: offs[-1]])
     # a is computed from the bf16 h, exactly as the reference composition does
-    a_ref = reference.glu_forward(h.double(), act, il, None if probs is None else probs.double())
+    p64 = None if probs is None else probs.double()
+    a_ref = reference.glu_forward(h.double(), act, il, p64, params)
     assert _rel_err(a, a_ref) < 1e-2
     assert (h[offs[-1] :] == 0).all() and (a[offs[-1] :] == 0).all()
 
@@ -174,19 +193,20 @@ def test_fc1_forward_matches_reference(case, config):
 def test_fc2_dgrad_matches_reference(case, config):
     from te_seq.kernels import cute
 
-    act, il, p_dtype = config
+    act, il, p_dtype, params = config
     x, _, w2, probs, offs = _data(case, p_dtype)
     m, f = x.shape[0], w2.shape[2]
     dy = torch.randn_like(x)
     h = torch.randn(m, 2 * f, device="cuda", dtype=x.dtype)
+    _check_clamps_hit(act, params, h)
     assert cute.glu_fc2_dgrad.supports(dy, w2, act, il) == (True, "")
     _poison(((m, 2 * f), x.dtype), ((m, f), x.dtype))
-    dh, a, dprobs = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs)
+    dh, a, dprobs = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, params)
     da = reference.grouped_mm(dy.double(), w2.double(), offs)
     p64 = None if probs is None else probs.double()
-    dh_ref, dp_ref = reference.glu_backward(h.double(), da, act, il, p64)
+    dh_ref, dp_ref = reference.glu_backward(h.double(), da, act, il, p64, params)
     assert _rel_err(dh, dh_ref) < 1e-2
-    assert _rel_err(a, reference.glu_forward(h.double(), act, il, p64)) < 1e-2
+    assert _rel_err(a, reference.glu_forward(h.double(), act, il, p64, params)) < 1e-2
     if probs is None:
         assert dprobs is None
     else:

@@ -16,16 +16,21 @@ _SCRIPT = textwrap.dedent(
     import torch
     from te_seq.kernels.cute.compile import GluConfig, compile_glu
     bf16 = torch.bfloat16
+    from te_seq.kernels.activations import param_values
     for mode, major in (("fc1", "k"), ("dgrad", "n")):
-        cfg = GluConfig(mode, bf16, major, {act!r}, None, torch.float32)
+        cfg = GluConfig(mode, bf16, major, {act!r}, None, torch.float32, params={params!r})
+        # the key names the values compiled in (the defaults where none are given)
+        assert cfg.params == param_values({act!r}, {params!r}), cfg
         print(cfg, f"{{compile_glu(cfg).compile_s:.1f}}s", flush=True)
     print("ALL COMPILED")
     """
 )
+_PARAMS = {"clamped_qgelu": (0.9, 1.3, 0.5), "situ": (1.5, 2.0)}
 
 
 @pytest.mark.slow  # ~10 s of DSL compiles per activation
 @needs_dsl
 @pytest.mark.parametrize("act", epilogue_activations())
 def test_epilogue_activation_compiles_for_sm90a(act: str) -> None:
-    compile_for_sm90a(_SCRIPT.format(act=act), timeout=600)
+    params = _PARAMS.get(act, ())  # parameterized entries: non-default compile-time constants
+    compile_for_sm90a(_SCRIPT.format(act=act, params=params), timeout=600)

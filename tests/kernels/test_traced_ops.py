@@ -52,6 +52,39 @@ def test_glu_ops_reach_the_backend_with_spec_fields():
     has these kernels: a backend without them raises the backend's own error)."""
     a, b, _, offs = _operands()
     with pytest.raises(NotImplementedError, match="glu_fc1_forward"):
-        traced.glu_fc1_forward_op(a, b, offs, "silu", None, None, "reference")
+        traced.glu_fc1_forward_op(a, b, offs, "silu", None, None, [], "reference")
     with pytest.raises(NotImplementedError, match="glu_fc2_dgrad"):
-        traced.glu_fc2_dgrad_op(a, b, offs, a, "silu", 32, None, "torch")
+        traced.glu_fc2_dgrad_op(a, b, offs, a, "silu", 32, None, [], "torch")
+
+
+class _Recorder:
+    """A stand-in backend that records the GluSpec its GLU kernels get."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.specs = []
+
+    def glu_fc1_forward(self, x, w1t, offs, glu, probs=None):
+        self.specs.append(glu)
+        return x.new_zeros(x.shape[0], w1t.shape[2]), x.new_zeros(x.shape[0], w1t.shape[2] // 2)
+
+    def glu_fc2_dgrad(self, dy, w2, offs, h, glu, probs=None):
+        self.specs.append(glu)
+        rows, f = dy.shape[0], w2.shape[2]
+        return dy.new_zeros(rows, 2 * f), dy.new_zeros(rows, f), None
+
+
+def test_glu_ops_carry_the_activation_parameters(monkeypatch):
+    """A parameterized activation's values reach the backend through the custom ops (a dropped
+    value would run the kernel with the defaults)."""
+    from te_seq.kernels.activations import GluSpec
+
+    recorder = _Recorder()
+    monkeypatch.setattr(traced, "get_backend", lambda name: recorder)
+    wrapped = traced.TracedBackend(recorder)
+    a, b, _, offs = _operands()
+    glu = GluSpec("clamped_qgelu", 4, (0.75, 1.25, 0.5))
+    wrapped.glu_fc1_forward(a, b, offs, glu)
+    wrapped.glu_fc2_dgrad(a, b, offs, a.new_zeros(M, 2 * N), glu)
+    assert recorder.specs == [glu, glu]

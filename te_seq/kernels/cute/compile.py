@@ -25,6 +25,8 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
+from te_seq.kernels.activations import param_values
+
 from . import disk_cache
 from .grouped_gemm import GroupedGemmKernel
 
@@ -155,6 +157,12 @@ class GluConfig:
     cluster_mn: tuple[int, int] = (1, 2)
     store_stages: int | None = None  # dgrad's smem store ring (None: the kernel's default)
     tile_n: int = 256  # CTA tile width (fc1: 256; dgrad: 256, 192 or 128)
+    # the activation's float parameters, compile-time constants of the kernel; () is replaced
+    # by the table's defaults, so the cache key always names the values compiled in
+    params: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", param_values(self.act, self.params))
 
 
 def _fake_glu_args(cfg: GluConfig) -> tuple:
@@ -194,5 +202,6 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.cluster_mn,
         cfg.store_stages,
         cfg.tile_n,
+        cfg.params,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))

@@ -44,6 +44,7 @@ SOURCE_FILES = (
     "store_epilogue.py",
     "ragged.py",
     "glu_epilogue.py",
+    "glu_maths.py",
 )
 _VERSIONED_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 _NAME = re.compile(r"[a-z][a-z0-9_]*")

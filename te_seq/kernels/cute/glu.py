@@ -79,7 +79,7 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
     return (probs if probs.dtype in _PROBS_DTYPES else probs.float()).contiguous()
 
 
-def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave) -> None:
+def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params):
     from .compile import GluConfig, compile_glu
 
     rows, groups = x.shape[0], b.shape[0]
@@ -89,7 +89,9 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
     n = b.shape[2]
     # FC1's tiles pair 128 gate with 128 up columns; dgrad's width is free (N = F)
     tile_n = _FC1_TILE_N if mode == "fc1" else tile_n_for(n, _CLUSTER[1])
-    cfg = GluConfig(mode, x.dtype, b_major, act, interleave, p_dtype, _CLUSTER, tile_n=tile_n)
+    cfg = GluConfig(
+        mode, x.dtype, b_major, act, interleave, p_dtype, _CLUSTER, tile_n=tile_n, params=params
+    )
     kernel = compile_glu(cfg).fn
     fp32_dummy, mat_dummy = _dummy(x.device)
     sms = _num_sms(x.device.index or 0)
@@ -108,7 +110,7 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
 
 
 class _Fc1Forward:
-    """``glu_fc1_forward(x, w1t, offs, act, interleave, probs) -> (h, a)``; see ``__call__``."""
+    """``glu_fc1_forward(x, w1t, offs, act, interleave, probs, params) -> (h, a)``."""
 
     @staticmethod
     def supports(x: Tensor, w1t: Tensor, act: str, interleave: int | None) -> tuple[bool, str]:
@@ -123,10 +125,12 @@ class _Fc1Forward:
         act: str,
         interleave: int | None,
         probs: Tensor | None = None,
+        params: tuple[float, ...] = (),
     ) -> tuple[Tensor, Tensor]:
         """h = x_e W1_eᵀ [M, 2F] (w1t = W1.transpose(1, 2) [E, H, 2F]) and
-        a = act(gate)·up(·probs) [M, F] from the bf16 h, as ``reference.glu_forward(h, ...)``.
-        Rows past ``offs[-1]`` are zeros in h and a."""
+        a = act(gate)·up(·probs) [M, F] from the bf16 h, as ``reference.glu_forward(h, ...)``
+        (``params``: the activation's float parameters, () for its defaults; each set of values
+        compiles its own kernel). Rows past ``offs[-1]`` are zeros in h and a."""
         ok, why = self.supports(x, w1t, act, interleave)
         if not ok:
             raise ValueError(
@@ -137,12 +141,12 @@ class _Fc1Forward:
         h = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device)
         a = torch.empty(rows, f, dtype=x.dtype, device=x.device)
         if rows:
-            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave)
+            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params)
         return h, a
 
 
 class _Fc2Dgrad:
-    """``glu_fc2_dgrad(dy, w2, offs, h, act, interleave, probs) -> (dh, a, dprobs)``."""
+    """``glu_fc2_dgrad(dy, w2, offs, h, act, interleave, probs, params) -> (dh, a, dprobs)``."""
 
     @staticmethod
     def supports(dy: Tensor, w2: Tensor, act: str, interleave: int | None) -> tuple[bool, str]:
@@ -158,10 +162,12 @@ class _Fc2Dgrad:
         act: str,
         interleave: int | None,
         probs: Tensor | None = None,
+        params: tuple[float, ...] = (),
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """dA = dY_e W2_e (w2 [E, H, F]) never stored; dh [M, 2F] =
         ``reference.glu_backward(h, dA, ...)``, a [M, F] = ``reference.glu_forward(h, ...)`` and
-        dprobs [M] (fp32 sums, in probs.dtype; None without probs)."""
+        dprobs [M] (fp32 sums, in probs.dtype; None without probs); ``params`` as in
+        ``glu_fc1_forward``."""
         ok, why = self.supports(dy, w2, act, interleave)
         if not ok:
             raise ValueError(
@@ -179,7 +185,8 @@ class _Fc2Dgrad:
         a = torch.empty(rows, f, dtype=dy.dtype, device=dy.device)
         dprobs = None if probs is None else torch.zeros(rows, dtype=torch.float32, device=dy.device)
         if rows:
-            _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h.contiguous(), act, interleave)
+            h = h.contiguous()
+            _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h, act, interleave, params)
         if dprobs is not None and probs_dtype != torch.float32:
             dprobs = dprobs.to(probs_dtype)
         return dh, a, dprobs

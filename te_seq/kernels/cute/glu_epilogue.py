@@ -18,6 +18,10 @@ with the epilogue hook ``_store_tile`` replaced:
   a = act(gate)·up·p and adds Σ_j dA·act(gate)·up into an fp32 d(probs) buffer (zeroed by the
   caller) with atomics.
 
+Activations that transform the up half (the clamped SwiGLU's clamp + offset, SiTU's soft cap)
+use up(up) for ``up`` above and multiply dup by up'(up); their float parameters are
+compile-time constants (``params``, part of the compile config). Maths: ``glu_maths``.
+
 All maths in fp32 on the accumulator, one rounding per output. Stores go through the parent's
 ring of (128 x 32) smem buffers and TMA (``store_epilogue``), clipped to the expert by the ragged
 views (``ragged``).
@@ -31,53 +35,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from te_seq.kernels.activations import epilogue_activations
+from te_seq.kernels.activations import epilogue_activations, param_values
 
+from .glu_maths import act_and_grad, up_and_grad
 from .grouped_gemm import GroupedGemmKernel
 from .ragged import _ragged_group, _ragged_view
 
-_SQRT_2_OVER_PI = 0.7978845608028654
-_GELU_C = 0.044715
-_QGELU_ALPHA = 1.702
-ACTS = epilogue_activations()  # each has a branch in _act_and_grad
-
-
-def _act_and_grad(x, act: str, need_grad: bool):
-    """(f(x), f'(x) or None) on an fp32 TensorSSA; the formulas of ``te_seq.kernels.activations``.
-
-    The sigmoid uses the approximate exp and reciprocal (MUFU, ~1e-6 relative; outputs are
-    16-bit): an IEEE division per element made the dgrad epilogue's maths cost 0.075 of its
-    0.33 ms on shape Q (one H200, 2026-11-22)."""
-    if act == "silu":
-        sig = _sigmoid(x)
-        f = x * sig
-        df = sig * (1.0 + x * (1.0 - sig)) if need_grad else None
-        return f, df
-    if act == "gelu":  # tanh approximation
-        t = cute.math.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x), fastmath=True)
-        f = 0.5 * x * (1.0 + t)
-        df = None
-        if need_grad:
-            d_inner = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)
-            df = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
-        return f, df
-    if act == "sigmoid":
-        sig = _sigmoid(x)
-        return sig, (sig * (1.0 - sig) if need_grad else None)
-    if act == "qgelu":  # x · sigmoid(1.702 x)
-        sig = _sigmoid(_QGELU_ALPHA * x)
-        df = sig + _QGELU_ALPHA * x * sig * (1.0 - sig) if need_grad else None
-        return x * sig, df
-    pos = x > 0.0
-    relu = cute.where(pos, x, 0.0)
-    if act == "srelu":  # relu(x)²
-        return relu * relu, (2.0 * relu if need_grad else None)
-    return relu, (cute.where(pos, cute.full_like(x, 1.0), 0.0) if need_grad else None)
-
-
-def _sigmoid(x):
-    """1 / (1 + exp(-x)) with the approximate exp and reciprocal (see `_act_and_grad`)."""
-    return cute.math.rcp(1.0 + cute.math.exp(-x, fastmath=True), approx=True, ftz=True)
+ACTS = epilogue_activations()  # each has a branch in glu_maths.act_and_grad
 
 
 class _GluTile(NamedTuple):
@@ -105,6 +69,7 @@ class GluGemmKernel(GroupedGemmKernel):
         cluster_mn: tuple[int, int] = (1, 2),
         store_stages: int | None = None,
         tile_n: int = 256,
+        params: tuple[float, ...] = (),
     ):
         if mode not in ("fc1", "dgrad"):
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
@@ -116,6 +81,7 @@ class GluGemmKernel(GroupedGemmKernel):
             raise ValueError(f"GluGemmKernel: tile_n {tile_n} unsupported for {mode} (fc1: 256)")
         super().__init__("m", (128, tile_n), cluster_mn)
         self.mode, self.act, self.interleave, self.has_probs = mode, act, interleave, has_probs
+        self.params = param_values(act, params)  # compile-time constants of the maths
         self.epi_store_stages = store_stages
         if mode == "dgrad":  # store ring + gate/up buffers that TMA fills with h, 1 mbarrier
             # 2 store buffers keep 4 mainloop stages; 4 leave 3 (smem)
@@ -254,8 +220,8 @@ class GluGemmKernel(GroupedGemmKernel):
                 )
                 gate = ep.rD_out.load().to(Float32)
                 up = r_up_out.load().to(Float32)
-                fg, _ = _act_and_grad(gate, self.act, False)
-                res = fg * up
+                fg, _ = act_and_grad(gate, self.act, False, self.params)
+                res = fg * up_and_grad(up, self.act, False, self.params)[0]
                 if const_expr(self.has_probs):
                     res = res * r_p.load()
                 r_a_out.store(res.to(self.c_dtype))
@@ -307,12 +273,13 @@ class GluGemmKernel(GroupedGemmKernel):
 
     @cute.jit
     def _dglu(self, r_da, r_g, r_u, r_p, r_s, r_dg_out, r_du_out, r_a_out):
-        """dgate = dA·p·up·act'(gate), dup = dA·p·act(gate), a = act(gate)·up·p (rounded once);
-        r_s += dA·act(gate)·up (the d(probs) partial sums, before the p scaling)."""
+        """With u = up(up half), u' = up'(up half) (the identity's: 1): dgate = dA·p·u·act'(gate),
+        dup = dA·p·act(gate)·u', a = act(gate)·u·p (rounded once); r_s += dA·act(gate)·u (the
+        d(probs) partial sums, before the p scaling)."""
         gate = r_g.load()
-        up = r_u.load()
         da = r_da.load()
-        fg, dfg = _act_and_grad(gate, self.act, True)
+        fg, dfg = act_and_grad(gate, self.act, True, self.params)
+        up, dup = up_and_grad(r_u.load(), self.act, True, self.params)
         fgu = fg * up
         if const_expr(self.has_probs):
             r_s.store(r_s.load() + da * fgu)
@@ -320,7 +287,10 @@ class GluGemmKernel(GroupedGemmKernel):
             da = da * p
             fgu = fgu * p
         r_dg_out.store((da * up * dfg).to(self.c_dtype))
-        r_du_out.store((da * fg).to(self.c_dtype))
+        dfu = da * fg
+        if const_expr(dup is not None):
+            dfu = dfu * dup
+        r_du_out.store(dfu.to(self.c_dtype))
         r_a_out.store(fgu.to(self.c_dtype))
 
     @cute.jit
