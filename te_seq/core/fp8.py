@@ -6,9 +6,11 @@ GroupedLinear, the fused GroupedMLP) then take their GEMM operands from here: ea
 quantized along its GEMM's reduction dimension and dequantized in fp32
 (`te_seq.kernels.fp8_reference`), so a GEMM of those operands in fp32 is exactly what an FP8
 GEMM with fp32 accumulation computes up to summation order. te_seq/recipe.py states the rules.
+The forward GEMM takes the quantized operands themselves (`input_quantized`,
+`WeightOperands.quantized`) where a real FP8 GEMM runs (core/fp8_gemm.py).
 
 Weights are quantized once per weight version and recipe, and cached on the op
-(`_weight_operands`): the key is each Parameter's identity, `_version` counter and data pointer,
+(`cached_weights`): the key is each Parameter's identity, `_version` counter and data pointer,
 so an optimizer step (an in-place write) or a new Parameter is always seen.
 """
 
@@ -233,30 +235,6 @@ def cached_weights(
     if recipe.cache_weights and not torch.compiler.is_compiling():
         op.__dict__["_fp8_weight_cache"] = (key, weights)
     return weights
-
-
-def weight_operands(
-    op: torch.nn.Module, recipe: Recipe, w: Tensor, params: list[Tensor]
-) -> tuple[Tensor, Tensor]:
-    """(W for the forward, W for the dgrad) in fp32, each W's shape ([N, K] or [G, N, K]),
-    cached on `op` until a Parameter in `params` changes (`cached_weights`)."""
-    weights = cached_weights(op, recipe, w, params)
-    return weights.forward, weights.dgrad
-
-
-def gemm_operands(
-    op: torch.nn.Module, recipe: Recipe, input_: Tensor, x: Tensor, w: Tensor,
-    params: list[Tensor], bounds: list[tuple[int, int]],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The fp32 operands of a linear's three GEMMs under `recipe` (checked first):
-    (x along K, x along T, W along K, W along N). x [T, K] is the GEMM input in its compute
-    dtype and `input_` the op's input (an `ops.Quantize` output is not quantized again);
-    W [N, K] or [G, N, K] with the Parameters it comes from; `bounds` the (start, end) rows of
-    each group ([(0, T)] for one)."""
-    check_operands(op, recipe, x, w, w.shape[-1], w.shape[-2])
-    x_fwd, x_wgrad = input_operands(recipe, input_, x, bounds)
-    w_fwd, w_dgrad = weight_operands(op, recipe, w, params)
-    return x_fwd, x_wgrad, w_fwd, w_dgrad
 
 
 def clear_weight_cache(op: torch.nn.Module) -> None:
