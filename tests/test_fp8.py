@@ -448,13 +448,14 @@ def test_quantize_op_is_not_quantized_twice(monkeypatch):
     x = _rand(6, 128, dtype=torch.bfloat16).requires_grad_()
     dy = _rand(6, 128, dtype=torch.bfloat16)
     calls = []
-    real = ref.qdq
-    monkeypatch.setattr(ref, "qdq", lambda *a: calls.append(a[1]) or real(*a))
+    real = ref.quantize  # qdq quantizes through it too
+    monkeypatch.setattr(ref, "quantize", lambda *a: calls.append(a[1]) or real(*a))
     with te_seq.autocast(recipe=r):
         y = model(x)
     y.backward(dy)
-    # The weight once (per-tensor: its dgrad layout is the same) and dy once; x never again.
-    assert len(calls) == 2
+    # Quantize: x and its transpose; the weight once (per-tensor: its dgrad layout is the
+    # same); dy once; x never again.
+    assert len(calls) == 4
     calls.clear()
     with te_seq.autocast(recipe=r):  # without Quantize, the linear quantizes x itself: counted
         te_seq.Sequential(model[1])(x)
@@ -543,7 +544,7 @@ def test_cute_declines_fp8_with_a_reason():
     assert not ok and "no FP8 kernels" in why and "Float8BlockScaling" in why
 
 
-# --- GPU: the torch backend emulates, and agrees with the reference ------------------------------
+# --- GPU: the torch backend (real FP8 forward GEMMs where it can) agrees with the reference ------
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("r", RECIPES, ids=IDS)

@@ -6,14 +6,17 @@ GroupedLinear, the fused GroupedMLP) then take their GEMM operands from here: ea
 quantized along its GEMM's reduction dimension and dequantized in fp32
 (`te_seq.kernels.fp8_reference`), so a GEMM of those operands in fp32 is exactly what an FP8
 GEMM with fp32 accumulation computes up to summation order. te_seq/recipe.py states the rules.
+The forward GEMM takes the quantized operands themselves (`input_quantized`,
+`WeightOperands.quantized`) where a real FP8 GEMM runs (core/fp8_gemm.py).
 
 Weights are quantized once per weight version and recipe, and cached on the op
-(`_weight_operands`): the key is each Parameter's identity, `_version` counter and data pointer,
+(`cached_weights`): the key is each Parameter's identity, `_version` counter and data pointer,
 so an optimizer step (an in-place write) or a new Parameter is always seen.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -135,48 +138,88 @@ def _marker(recipe: Recipe, input_: Tensor) -> QuantizedInput | None:
     return found if found is not None and found.recipe == recipe else None
 
 
-def _along_tokens(recipe: Recipe, role: str, t: Tensor, bounds, along_k: Tensor) -> Tensor:
+def _along_tokens(recipe: Recipe, role: str, t: Tensor, bounds, along_k) -> Tensor:
     """t [T, C] as a wgrad operand (quantized along T within each group), fp32. Per-tensor
-    scaling does not depend on the layout: that is `along_k`, the forward operand itself."""
+    scaling does not depend on the layout: that is `along_k()`, the forward operand itself."""
     block = recipe.block(role)
     if block == ref.QuantBlock(None, None):
-        return along_k
+        return along_k()
     return ref.qdq_columns_per_group(t, bounds, block, recipe.rule(role))
+
+
+def input_quantized(recipe: Recipe, input_: Tensor, x: Tensor) -> ref.QuantizedTensor:
+    """x [T, K] quantized along K as the forward GEMM's operand: as `ops.Quantize` made it when
+    `input_` is its output (never quantized twice), else quantized here."""
+    marker = _marker(recipe, input_)
+    if marker is not None:
+        return marker.forward
+    return ref.quantize(x, recipe.block("input"), recipe.rule("input"))
+
+
+def input_wgrad(recipe: Recipe, input_: Tensor, x: Tensor, bounds,
+                forward: ref.QuantizedTensor) -> Tensor:
+    """x along T [T, K] fp32 for the wgrad; `forward` is `input_quantized`'s result."""
+    marker = _marker(recipe, input_)
+    if marker is None:
+        return _along_tokens(recipe, "input", x, bounds, lambda: forward.dequantize())
+    if len(bounds) == 1 and bounds[0] == (0, x.shape[0]):
+        return marker.forward.transpose.dequantize().t()
+    source = marker.source.reshape(x.shape)
+    return _along_tokens(recipe, "input", source, bounds, lambda: forward.dequantize())
 
 
 def input_operands(recipe: Recipe, input_: Tensor, x: Tensor, bounds) -> tuple[Tensor, Tensor]:
     """(x along K for the forward GEMM, x along T for the wgrad), both [T, K] fp32. An input
     that `ops.Quantize` made is taken as it was quantized there (never quantized twice)."""
+    quantized = input_quantized(recipe, input_, x)
+    forward = quantized.dequantize()
     marker = _marker(recipe, input_)
-    if marker is None:
-        forward = ref.qdq(x, recipe.block("input"), recipe.rule("input"))
-        return forward, _along_tokens(recipe, "input", x, bounds, forward)
-    forward = marker.forward.dequantize()
-    if len(bounds) == 1 and bounds[0] == (0, x.shape[0]):
-        return forward, marker.forward.transpose.dequantize().t()
-    source = marker.source.reshape(x.shape)
-    return forward, _along_tokens(recipe, "input", source, bounds, forward)
+    if marker is None and recipe.block("input") == ref.QuantBlock(None, None):
+        return forward, forward  # per tensor: the wgrad operand is the forward one
+    return forward, input_wgrad(recipe, input_, x, bounds, quantized)
 
 
 def grad_operands(recipe: Recipe, dy: Tensor, bounds) -> tuple[Tensor, Tensor]:
     """(dy along N for the dgrad, dy along T for the wgrad), both [T, N] fp32."""
     dgrad = ref.qdq(dy, recipe.block("grad"), recipe.rule("grad"))
-    return dgrad, _along_tokens(recipe, "grad", dy, bounds, dgrad)
+    return dgrad, _along_tokens(recipe, "grad", dy, bounds, lambda: dgrad)
 
 
-def _weight_pair(recipe: Recipe, w: Tensor) -> tuple[Tensor, Tensor]:
-    """(W along K for the forward, W along N for the dgrad), both [N, K] fp32."""
+def _weight_pair(recipe: Recipe, w: Tensor) -> tuple[ref.QuantizedTensor, Tensor]:
+    """(W quantized along K for the forward, W along N for the dgrad [N, K] fp32)."""
     block, rule = recipe.block("weight"), recipe.rule("weight")
-    forward = ref.qdq(w, block, rule)
+    forward = ref.quantize(w, block, rule)
     symmetric = block.rows == block.cols  # per tensor, 128x128: Wᵀ has the same blocks
-    return forward, forward if symmetric else ref.qdq(w.t(), block, rule).t()
+    dgrad = forward.dequantize() if symmetric else ref.qdq(w.t(), block, rule).t()
+    return forward, dgrad
 
 
-def weight_operands(
+class WeightOperands:
+    """A weight's FP8 operands: `quantized` (W along K for the forward, one `QuantizedTensor`
+    per [N, K] matrix: one for a 2-D W, G for [G, N, K]) and `dgrad` (W along N, fp32, W's
+    shape). The fp32 forward operand and the stacked FP8 data are made on first use."""
+
+    def __init__(self, quantized: list[ref.QuantizedTensor], dgrad: Tensor, stacked: bool):
+        self.quantized, self.dgrad, self.stacked = quantized, dgrad, stacked
+
+    @functools.cached_property
+    def forward(self) -> Tensor:
+        """W along K dequantized, fp32, W's shape (what an emulated forward GEMM reads)."""
+        values = [q.dequantize() for q in self.quantized]
+        return torch.stack(values) if self.stacked else values[0]
+
+    @functools.cached_property
+    def fp8(self) -> tuple[Tensor, Tensor]:
+        """(data [G, N, K] FP8, scale_inv [G, Nb, Kb] fp32) of a stacked weight."""
+        return (torch.stack([q.data for q in self.quantized]),
+                torch.stack([q.scale_inv for q in self.quantized]))
+
+
+def cached_weights(
     op: torch.nn.Module, recipe: Recipe, w: Tensor, params: list[Tensor]
-) -> tuple[Tensor, Tensor]:
-    """(W for the forward, W for the dgrad) in fp32, each [N, K] (or [G, N, K]: each expert's
-    weight quantized on its own), cached on `op` until a Parameter in `params` changes."""
+) -> WeightOperands:
+    """W [N, K] (or [G, N, K]: each expert's weight quantized on its own) as FP8 operands,
+    cached on `op` until a Parameter in `params` changes."""
     key = (
         recipe,
         w.dtype,
@@ -186,29 +229,12 @@ def weight_operands(
     cache = op.__dict__.get("_fp8_weight_cache")
     if cache is not None and cache[0] == key:
         return cache[1]
-    if w.dim() == 2:
-        pair = _weight_pair(recipe, w)
-    else:
-        pairs = [_weight_pair(recipe, w_g) for w_g in w.unbind(0)]
-        pair = (torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
+    pairs = [_weight_pair(recipe, w_g) for w_g in ([w] if w.dim() == 2 else w.unbind(0))]
+    dgrad = pairs[0][1] if w.dim() == 2 else torch.stack([p[1] for p in pairs])
+    weights = WeightOperands([p[0] for p in pairs], dgrad, stacked=w.dim() == 3)
     if recipe.cache_weights and not torch.compiler.is_compiling():
-        op.__dict__["_fp8_weight_cache"] = (key, pair)
-    return pair
-
-
-def gemm_operands(
-    op: torch.nn.Module, recipe: Recipe, input_: Tensor, x: Tensor, w: Tensor,
-    params: list[Tensor], bounds: list[tuple[int, int]],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The fp32 operands of a linear's three GEMMs under `recipe` (checked first):
-    (x along K, x along T, W along K, W along N). x [T, K] is the GEMM input in its compute
-    dtype and `input_` the op's input (an `ops.Quantize` output is not quantized again);
-    W [N, K] or [G, N, K] with the Parameters it comes from; `bounds` the (start, end) rows of
-    each group ([(0, T)] for one)."""
-    check_operands(op, recipe, x, w, w.shape[-1], w.shape[-2])
-    x_fwd, x_wgrad = input_operands(recipe, input_, x, bounds)
-    w_fwd, w_dgrad = weight_operands(op, recipe, w, params)
-    return x_fwd, x_wgrad, w_fwd, w_dgrad
+        op.__dict__["_fp8_weight_cache"] = (key, weights)
+    return weights
 
 
 def clear_weight_cache(op: torch.nn.Module) -> None:
@@ -226,9 +252,3 @@ def with_recipe(needs: list) -> list:
     return [type(n)(n.kernel, {**n.facts, "recipe": recipe}) for n in needs]
 
 
-def step_note(recipe: Recipe | None, backend_name: str) -> str:
-    """The plan's line on how a step with FP8 GEMMs runs under `recipe` ("" without one)."""
-    if recipe is None:
-        return ""
-    return (f"FP8 {recipe}: GEMM operands quantized -> dequantized in fp32, fp32 GEMMs "
-            f"(emulated on {backend_name})")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from te_seq.core import amp, fp8
+from te_seq.core import amp, fp8, fp8_gemm
 from te_seq.core.amp import AutocastState
 from te_seq.core.channels import ChannelRef
 from te_seq.core.context import CallInputs, OperationContext
@@ -203,7 +203,8 @@ class Fuser:
             chosen, why = choices[id(seg.op)]
             note = seg.op.plan_note(chosen, dtype, device)
             if getattr(seg.op, "fp8_gemms", False):  # how its GEMMs run under the recipe
-                note = "; ".join(filter(None, [note, fp8.step_note(recipe, chosen.name)]))
+                fp8_note = fp8_gemm.step_note(recipe, chosen.name, seg.op, dtype, device)
+                note = "; ".join(filter(None, [note, fp8_note]))
             why = f"{why}; {note}" if note else why
             return PlanStep(type(seg.op).__name__, indices, chosen.name, seg.op, why,
                             recipe=recipe)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from te_seq.core import amp, checks, fp8
+from te_seq.core import amp, checks, fp8, fp8_gemm
 from te_seq.core.context import OperationContext
 from te_seq.core.grad_policy import (
     ForwardWeights,
@@ -18,6 +18,7 @@ from te_seq.core.grad_policy import (
 )
 from te_seq.core.operation import BasicOperation
 from te_seq.kernels import as_rows
+from te_seq.kernels.backend import KernelNeed
 from te_seq.ops.basic import _linear_buffers
 from te_seq.ops.basic import _tensor_parallel as tp
 
@@ -130,6 +131,16 @@ class BasicLinear(GradContractMixin, BasicOperation):
         dtype = amp.gemm_dtype(ctx.autocast, x, self.weight)
         return amp.cast(x, dtype), amp.cast(self.weight, dtype)
 
+    def kernel_needs(self) -> list[KernelNeed]:
+        """None without an FP8 recipe (a pure PyTorch op). Under one, its forward and dgrad
+        GEMMs (each a one-group GEMM) ask for a backend like GroupedLinear's, so on CUDA the
+        torch backend can run the forward in FP8 (core/fp8_gemm.py)."""
+        if fp8.active_recipe() is None:
+            return []
+        k, n = self.local_in_features, self.local_out_features
+        return fp8.with_recipe([KernelNeed("grouped_mm", {"k": k, "n": n}),
+                                KernelNeed("grouped_mm", {"k": n, "n": k})])
+
     def op_forward(
         self, ctx: OperationContext, input_: Tensor, *, out: Tensor | None = None,
         grad_input_out: Tensor | None = None,
@@ -157,10 +168,8 @@ class BasicLinear(GradContractMixin, BasicOperation):
                 f"tensor_parallel_mode={self.tp_layout.mode!r} is not supported yet"
             )
         x, w = self.operands(ctx, as_rows(input_, self.in_features))  # [T, in], [out, in]
-        out_dtype = x.dtype  # the GEMM's usual output dtype
-        x_q, x, w_q, w = fp8.gemm_operands(self, ctx.recipe, input_, x, w, [self.weight],
-                                           [(0, x.shape[0])])
-        y = (x_q @ w_q.t()).to(out_dtype)
+        # y in x's dtype (the GEMM's usual output dtype); x along T, W along N for backward
+        y, x, w = fp8_gemm.linear_forward(self, ctx, input_, x, w, [self.weight])
         self.save(ctx, x, input_.shape, w, input_.dtype)
         return y.reshape(*input_.shape[:-1], self.out_features)
 

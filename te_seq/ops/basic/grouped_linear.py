@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from te_seq import kernels
-from te_seq.core import amp, checks, fp8
+from te_seq.core import amp, checks, fp8, fp8_gemm
 from te_seq.core.context import OperationContext
 from te_seq.core.grad_policy import (
     ForwardWeights,
@@ -381,12 +381,13 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         scales = rest[0] if rest else None
         x, weight = self.operands(ctx, as_rows(input_, self.in_features))  # [T, K], [G, N, K]
         offs = self.offsets(splits, input_)
-        x_q, w_q, out_dtype = x, weight, x.dtype
-        if ctx.recipe is not None:  # FP8: quantized operands (core/fp8.py); x, W kept for grads
+        out_dtype = x.dtype
+        if ctx.recipe is not None:  # FP8 (core/fp8_gemm.py); x along T, W along N kept for grads
             params = [p for _, p in self.named_weights()]
-            x_q, x, w_q, weight = fp8.gemm_operands(self, ctx.recipe, input_, x, weight, params,
+            y, x, weight = fp8_gemm.grouped_forward(self, ctx, input_, x, weight, params, offs,
                                                     group_bounds(offs))
-        y = amp.cast(ctx.backend.grouped_mm(x_q, w_q.transpose(1, 2), offs), out_dtype)
+        else:
+            y = amp.cast(ctx.backend.grouped_mm(x, weight.transpose(1, 2), offs), out_dtype)
         bias = self.bias_rows(offs, x.shape[0], scales, out_dtype)
         if bias is not None:
             y = y + bias

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from te_seq.core import amp, fp8
+from te_seq.core import amp, fp8, fp8_gemm
 from te_seq.kernels.reference import group_bounds
 from te_seq.ops.basic.grouped_linear import GroupedLinear
 
@@ -22,11 +22,14 @@ def _params(fc: GroupedLinear) -> list[Tensor]:
     return [p for _, p in fc.named_weights()]
 
 
-def _gemm(fc: GroupedLinear, x_q: Tensor, w_q: Tensor, offs, scales, backend, dtype) -> Tensor:
-    """As GroupedLinear's forward: the fp32 GEMM of quantized operands in `dtype`, + bias."""
-    y = amp.cast(backend.grouped_mm(x_q, w_q.transpose(1, 2), offs), dtype)
-    bias = fc.bias_rows(offs, y.shape[0], scales, dtype)
-    return y if bias is None else y + bias
+def _gemm(fc: GroupedLinear, ctx, input_: Tensor, x: Tensor, w: Tensor, offs, bounds, scales,
+          need_wgrad: bool = True):
+    """As GroupedLinear's forward (core/fp8_gemm.py: real FP8 or emulated), + bias:
+    (y in x's dtype, x along tokens or None, W along N)."""
+    y, x_w, w_d = fp8_gemm.grouped_forward(fc, ctx, input_, x, w, _params(fc), offs, bounds,
+                                           need_wgrad)
+    bias = fc.bias_rows(offs, y.shape[0], scales, x.dtype)
+    return (y if bias is None else y + bias), x_w, w_d
 
 
 def _activation(mlp, h: Tensor, probs, backend) -> Tensor:
@@ -42,15 +45,15 @@ def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: 
     ctx, recipe, backend = ctxs[0], ctxs[0].recipe, ctxs[0].backend
     bounds, dtype = group_bounds(offs), x.dtype
     probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]
-    x_q, x_w, w1_q, w1_d = fp8.gemm_operands(mlp.fc1, recipe, input_, x, w1, _params(mlp.fc1),
-                                             bounds)
+    fp8.check_operands(mlp.fc1, recipe, x, w1, w1.shape[-1], w1.shape[-2])
     h_like = x.new_empty(()).expand(x.shape[0], mlp.fc1.out_features)  # shape only
     mlp.activation.pre_forward_checks(h_like, extra_inputs[1])
-    h = _gemm(mlp.fc1, x_q, w1_q, offs, extras.fc1_scales, backend, dtype)  # [T, 2F]
+    h, x_w, w1_d = _gemm(mlp.fc1, ctx, input_, x, w1, offs, bounds, extras.fc1_scales)  # [T, 2F]
     a = _activation(mlp, h, probs, backend)  # [T, F]
     mlp.fc2.pre_forward_checks(a, extra_inputs[2])
-    a_q, _, w2_q, w2_d = fp8.gemm_operands(mlp.fc2, recipe, a, a, w2, _params(mlp.fc2), bounds)
-    y = _gemm(mlp.fc2, a_q, w2_q, offs, extras.fc2_scales, backend, dtype)  # [T, H]
+    # FC2's wgrad operand is recomputed from h in backward: not quantized along tokens here
+    y, _, w2_d = _gemm(mlp.fc2, ctx, a, a, w2, offs, bounds, extras.fc2_scales,
+                       need_wgrad=False)  # [T, H]
     if any(c.requires_grad for c in ctxs):
         ctx.save_for_backward(
             x_w, h, w1_d, w2_d, offs, extras.probs, extras.fc1_scales, extras.fc2_scales
