@@ -31,7 +31,13 @@ CUDA = torch.device("cuda", 0)  # only named: the capability check is faked on C
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+    """‖got − want‖ / ‖want‖; where `want` is all zeros (an empty group's weight gradient),
+    `got` must be exactly zero too (0.0, else inf)."""
+    diff = (got.float() - want.float()).norm()
+    scale = want.float().norm()
+    if scale == 0:
+        return 0.0 if diff == 0 else float("inf")
+    return (diff / scale).item()
 
 
 @pytest.fixture
