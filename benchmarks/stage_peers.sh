@@ -4,11 +4,19 @@
 # The host runs CPython 3.12 on x86_64 (manylinux); one transfer takes at most 64 MiB, so this
 # fails if the wheels are larger. Then, on the host (benchmarks/README.md):
 #   source .gpu_b/env.sh && source .gpu_peers/env.sh     # DSL first, then the peers after it
-# Usage (in the checkout's root): bash benchmarks/stage_peers.sh
+# Usage (in the checkout's root): bash benchmarks/stage_peers.sh [--hf]
+#   --hf  also the `hf` extra (transformers, pinned, and the packages it imports that the GPU
+#         host lacks) for tests/test_hf_moe_gpu.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PEERS=("quack-kernels==0.6.5" "torchao==0.18.0")  # keep in step with pyproject.toml's `bench`
+if [ "${1:-}" = "--hf" ]; then  # keep in step with pyproject.toml's `hf` (and its own pins)
+    PEERS+=("transformers==4.57.1" "huggingface_hub==0.36.2" "tokenizers==0.22.2"
+            "safetensors==0.8.0" "regex==2026.11.19" "pyyaml==6.0.4" "tqdm==4.70.1"
+            "requests==2.34.2" "urllib3==2.8.0" "idna==3.20" "certifi==2026.10.19.post1"
+            "charset_normalizer==3.5.2" "hf-xet==1.8.0")
+fi
 DEST=.gpu_peers
 LIMIT=$((64 * 1024 * 1024))
 

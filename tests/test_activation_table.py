@@ -46,7 +46,7 @@ def test_cute_lists_derive_from_the_table() -> None:
     from te_seq.kernels.cute import glu
 
     assert glu._ACTS == epilogue_activations() == (
-        "gelu", "silu", "relu", "sigmoid", "qgelu", "srelu", "situ"
+        "gelu", "silu", "relu", "sigmoid", "qgelu", "srelu", "clamped_qgelu", "situ"
     )
 
 

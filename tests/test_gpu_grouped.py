@@ -9,6 +9,7 @@ non-contiguous input.
 
 from __future__ import annotations
 
+import copy
 import functools
 import subprocess
 import sys
@@ -69,8 +70,9 @@ def _run(model, x, extras, backend, grad_out):
     return y, grads, model.fusion_plan()
 
 
-def _compare(model, x, extras, backend, dtype):
-    """Output and every gradient of `backend` on CUDA vs the float64 CPU reference."""
+def _compare(model, x, extras, backend, dtype, check_grads=True):
+    """Output and (unless `check_grads` is False) every gradient of `backend` on CUDA vs the
+    float64 CPU reference (the model moves there)."""
     grad_out = torch.randn(*x.shape[:-1], model[-1].out_features, device=x.device, dtype=dtype)
     y, grads, plan = _run(model, x, extras, backend, grad_out)
     ref = model.to(device="cpu", dtype=torch.float64)
@@ -81,10 +83,25 @@ def _compare(model, x, extras, backend, dtype):
     )
     tol = _tolerance(dtype)
     assert _rel_err(y, y_ref) < tol, (backend, _rel_err(y, y_ref))
-    for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
+    for i, (g, g_ref) in enumerate(zip(grads, grads_ref) if check_grads else ()):
         assert g is not None and g_ref is not None, i
         if g_ref.norm() > 0:
             assert _rel_err(g, g_ref) < tol, (backend, i, _rel_err(g, g_ref))
+    return plan
+
+
+def _compare_backends(model, x, extras, backend, peer, dtype):
+    """Output and every gradient of `backend` vs `peer` on the same GPU data (a copy of the
+    model), both from the same bf16 FC1 output."""
+    grad_out = torch.randn(*x.shape[:-1], model[-1].out_features, device=x.device, dtype=dtype)
+    twin = copy.deepcopy(model)
+    y, grads, plan = _run(model, x, extras, backend, grad_out)
+    y_peer, grads_peer, _ = _run(twin, x, extras, peer, grad_out)
+    tol = _tolerance(dtype)
+    assert _rel_err(y, y_peer) < tol, (backend, peer, _rel_err(y, y_peer))
+    for i, (g, g_peer) in enumerate(zip(grads, grads_peer)):
+        assert g is not None and g_peer is not None, i
+        assert _rel_err(g, g_peer) < tol, (backend, peer, i, _rel_err(g, g_peer))
     return plan
 
 
@@ -217,5 +234,13 @@ def test_grouped_mlp_epilogue_fusion_matches_reference(act, interleave):
     if act.row_scales:
         extras.append(torch.rand(sum(sizes), device="cuda", dtype=torch.float32))
     extras.append(splits)
-    plan = _compare(model, x, extras, "cute", dtype)
+    if "limit" in kwargs:
+        # The clamps' gradients jump at the bounds: rounding h to bf16 moves ~0.3 % of its values
+        # across one, which costs any bf16 backend ~5 % on dx against the float64 reference
+        # (torch and cute alike, H100, 2026-11-24). Judged against the torch backend, which
+        # sees the same bf16 h; the output, continuous, also against float64 below.
+        plan = _compare_backends(model, x, extras, "cute", "torch", dtype)
+        _compare(model, x, extras, "cute", dtype, check_grads=False)
+    else:
+        plan = _compare(model, x, extras, "cute", dtype)
     assert "activation fused into the FC1 and FC2-dgrad epilogues" in plan.forward[0].backend_reason

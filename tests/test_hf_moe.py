@@ -11,6 +11,7 @@ The reference is transformers' own code, which nobody here wrote.
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -21,48 +22,61 @@ from te_seq.integrations.transformers import FAMILIES, restore_experts, swap_exp
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
-H, F, E, K, T = 16, 12, 6, 2, 11  # hidden, expert ffn, experts, top-k, tokens
 
 
-def _mixtral():
+class Dims(NamedTuple):
+    """A block's sizes: hidden, expert ffn width, experts, top-k."""
+
+    H: int
+    F: int
+    E: int
+    K: int
+
+
+SMALL = Dims(16, 12, 6, 2)
+H, T = SMALL.H, 11  # hidden, tokens
+
+
+def _mixtral(d: Dims = SMALL):
     from transformers.models.mixtral.modeling_mixtral import MixtralConfig, MixtralSparseMoeBlock
-    return MixtralSparseMoeBlock(MixtralConfig(hidden_size=H, intermediate_size=F,
-                                               num_local_experts=E, num_experts_per_tok=K))
+    return MixtralSparseMoeBlock(MixtralConfig(hidden_size=d.H, intermediate_size=d.F,
+                                               num_local_experts=d.E, num_experts_per_tok=d.K))
 
 
-def _qwen2_moe():
+def _qwen2_moe(d: Dims = SMALL):
     from transformers.models.qwen2_moe.modeling_qwen2_moe import (
         Qwen2MoeConfig,
         Qwen2MoeSparseMoeBlock,
     )
     return Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(
-        hidden_size=H, moe_intermediate_size=F, shared_expert_intermediate_size=2 * F,
-        num_experts=E, num_experts_per_tok=K, norm_topk_prob=False))
+        hidden_size=d.H, moe_intermediate_size=d.F, shared_expert_intermediate_size=2 * d.F,
+        num_experts=d.E, num_experts_per_tok=d.K, norm_topk_prob=False))
 
 
-def _qwen3_moe():
+def _qwen3_moe(d: Dims = SMALL):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import (
         Qwen3MoeConfig,
         Qwen3MoeSparseMoeBlock,
     )
     return Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(
-        hidden_size=H, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=K,
+        hidden_size=d.H, moe_intermediate_size=d.F, num_experts=d.E, num_experts_per_tok=d.K,
         norm_topk_prob=True))
 
 
-def _olmoe():
+def _olmoe(d: Dims = SMALL):
     from transformers.models.olmoe.modeling_olmoe import OlmoeConfig, OlmoeSparseMoeBlock
-    return OlmoeSparseMoeBlock(OlmoeConfig(hidden_size=H, intermediate_size=F, num_experts=E,
-                                           num_experts_per_tok=K, norm_topk_prob=False))
+    return OlmoeSparseMoeBlock(OlmoeConfig(hidden_size=d.H, intermediate_size=d.F,
+                                           num_experts=d.E, num_experts_per_tok=d.K,
+                                           norm_topk_prob=False))
 
 
-def _deepseek_v3():
+def _deepseek_v3(d: Dims = SMALL):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
         DeepseekV3Config,
         DeepseekV3MoE,
     )
-    config = DeepseekV3Config(hidden_size=H, moe_intermediate_size=F, n_routed_experts=E,
-                              num_experts_per_tok=K, n_group=2, topk_group=1, n_shared_experts=1,
+    config = DeepseekV3Config(hidden_size=d.H, moe_intermediate_size=d.F, n_routed_experts=d.E,
+                              num_experts_per_tok=d.K, n_group=2, topk_group=1, n_shared_experts=1,
                               routed_scaling_factor=2.5, norm_topk_prob=True)
     block = DeepseekV3MoE(config)
     with torch.no_grad():  # allocated with torch.empty: random values, as a checkpoint has
@@ -71,22 +85,20 @@ def _deepseek_v3():
     return block
 
 
-def _llama4():
+def _llama4(d: Dims = SMALL):
     from transformers.models.llama4.modeling_llama4 import Llama4TextConfig, Llama4TextMoe
-    block = Llama4TextMoe(Llama4TextConfig(hidden_size=H, intermediate_size=F,
-                                           num_local_experts=E, num_experts_per_tok=1))
+    block = Llama4TextMoe(Llama4TextConfig(hidden_size=d.H, intermediate_size=d.F,
+                                           num_local_experts=d.E, num_experts_per_tok=1))
     with torch.no_grad():  # the fused expert parameters are allocated with torch.empty
         block.experts.gate_up_proj.normal_(0, 0.3)
         block.experts.down_proj.normal_(0, 0.3)
     return block
 
 
-def _gpt_oss():
-    if not hasattr(te_seq.ops, "ClampedSwiGLU"):
-        pytest.skip("te_seq.ops.ClampedSwiGLU (GPT-OSS's activation) does not exist yet")
+def _gpt_oss(d: Dims = SMALL):
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssConfig, GptOssMLP
-    block = GptOssMLP(GptOssConfig(hidden_size=H, intermediate_size=F, num_local_experts=E,
-                                   num_experts_per_tok=K))
+    block = GptOssMLP(GptOssConfig(hidden_size=d.H, intermediate_size=d.F,
+                                   num_local_experts=d.E, num_experts_per_tok=d.K))
     with torch.no_grad():  # every parameter is allocated with torch.empty
         for p in block.parameters():
             p.normal_(0, 0.5)
@@ -138,8 +150,7 @@ def test_swapped_block_matches_transformers(name: str) -> None:
     if isinstance(out_hf, tuple):
         torch.testing.assert_close(out_te[1], out_hf[1], rtol=0, atol=0)  # router logits
     plan = swapped.experts.fusion_plan()
-    fused = "GroupedMLP" in [s.name for s in plan.forward]
-    assert fused == (name != "GPT-OSS")  # GPT-OSS: RowScale between activation and FC2
+    assert "GroupedMLP" in [s.name for s in plan.forward]
 
     dy = torch.randn_like(_hidden(out_hf))
     _hidden(out_hf).backward(dy)
@@ -181,8 +192,8 @@ def test_restore_writes_the_trained_weights_back() -> None:
 
 def test_an_unsupported_activation_is_refused() -> None:
     from transformers.models.mixtral.modeling_mixtral import MixtralConfig, MixtralSparseMoeBlock
-    block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=H, intermediate_size=F,
-                                                num_local_experts=E, hidden_act="gelu"))
+    block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=H, intermediate_size=SMALL.F,
+                                                num_local_experts=SMALL.E, hidden_act="gelu"))
     with pytest.raises(ValueError, match="MixtralSparseMoeBlock: expert activation "
                                          "GELUActivation has no te_seq expert block"):
         swap_experts(torch.nn.Sequential(block))

@@ -114,13 +114,9 @@ def _gpt_oss_route(block, x: Tensor) -> Routing:
 
 
 def _gpt_oss_activation(block) -> BasicOperation:
-    """GPT-OSS's clamped SwiGLU over alternating gate / up columns."""
-    clamped = getattr(ops, "ClampedSwiGLU", None)
-    if clamped is None:
-        raise NotImplementedError(f"{type(block).__name__}: te_seq.ops.ClampedSwiGLU (GPT-OSS's "
-                                  "activation) is not available in this te_seq")
+    """GPT-OSS's clamped SwiGLU over alternating gate / up columns, times the router prob."""
     experts = block.experts
-    return clamped(limit=experts.limit, alpha=experts.alpha, glu_interleave_size=1)
+    return ops.ScaledClampedQGeGLU(1, limit=experts.limit, alpha=experts.alpha)
 
 
 def _qwen2_shared(block, x: Tensor) -> Tensor:
@@ -131,8 +127,8 @@ def _qwen2_shared(block, x: Tensor) -> Tensor:
 class MoEFamily:
     """How to read one family's MoE block: its router, expert weights and shared expert.
 
-    `activation(block)`: the expert activation op when it is not the SiLU-gated default (its
-    output is then scaled by the router probability with RowScale, and FC2's bias by
+    `activation(block)`: the expert activation op when it is not the SiLU-gated default, a
+    row-scaled one (its output times the router probability; FC2's bias is scaled too, by
     `scale_bias`); None: ScaledSwiGLU (or SwiGLU after RowScale with `scale_tokens`)."""
 
     route: Callable[[torch.nn.Module, Tensor], Routing]
@@ -193,9 +189,9 @@ def expert_block(family: MoEFamily, block: torch.nn.Module) -> Sequential:
     weights = family.weights(block)
     E = weights.w1.shape[0]
     fc1 = _grouped_linear(weights.w1, weights.b1)
-    if family.activation is not None:  # y = p · (W2 act + b2): RowScale, then scale_bias
+    if family.activation is not None:  # y = p · (W2 act + b2) = W2 (p · act) + p · b2
         fc2 = _grouped_linear(weights.w2, weights.b2, scale_bias=True)
-        middle = [fc1, family.activation(block), ops.RowScale(), fc2]
+        middle = [fc1, family.activation(block), fc2]
     elif family.scale_tokens:
         middle = [ops.RowScale(), fc1, ops.SwiGLU(), _grouped_linear(weights.w2, weights.b2)]
     else:

@@ -166,10 +166,7 @@ ACTIVATIONS: dict[str, ActSpec] = {
         ActSpec("sigmoid", sigmoid, sigmoid_grad, glu_epilogue=True),
         ActSpec("qgelu", qgelu, qgelu_grad, glu_epilogue=True),
         ActSpec("srelu", srelu, srelu_grad, glu_epilogue=True),
-        # glu_epilogue=False: its cute epilogue (cute/glu_maths.py) matched the reference kernel
-        # by kernel on the H200 but the fused grouped MLP did not (y off by 6 % with limit 0.5,
-        # 2026-11-24, not yet understood), so the activation runs after the GEMMs.
-        ActSpec("clamped_qgelu", clamped_qgelu, clamped_qgelu_grad, glu_epilogue=False,
+        ActSpec("clamped_qgelu", clamped_qgelu, clamped_qgelu_grad, glu_epilogue=True,
                 up=clamped_linear, dup=clamped_linear_grad, params=_CLAMPED),
         ActSpec("situ", situ_gate, situ_gate_grad, glu_epilogue=True, up=situ_up,
                 dup=situ_up_grad, params=("beta1", "beta2")),

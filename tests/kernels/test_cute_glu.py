@@ -31,7 +31,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
         GluConfig("dgrad", bf16, "n", "silu", None, torch.float32, tile_n=192),
         # parameterized activations with interleaved blocks and narrower dgrad tiles
         GluConfig("fc1", bf16, "k", "situ", 64, None, params=(1.5, 2.0)),
-        GluConfig("dgrad", bf16, "n", "situ", 32, bf16, tile_n=128, params=(0.9, 1.3)),
+        GluConfig("dgrad", bf16, "n", "clamped_qgelu", 32, bf16, tile_n=128,
+                  params=(0.9, 1.3, 0.5)),
     ]:
         print(cfg, f"{compile_glu(cfg).compile_s:.1f}s", flush=True)
     print("ALL COMPILED")
@@ -140,7 +141,7 @@ _CONFIGS += [
     ("silu", None, None, ()),
     ("silu", 32, torch.float32, ()),
     ("gelu", 64, torch.bfloat16, ()),
-    ("situ", 32, torch.bfloat16, (0.9, 1.3)),
+    ("clamped_qgelu", 32, torch.bfloat16, _PARAMS["clamped_qgelu"]),
     ("situ", 64, None, _PARAMS["situ"]),
 ]
 

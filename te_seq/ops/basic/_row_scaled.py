@@ -30,6 +30,7 @@ class RowScaled:
 
     num_extra_inputs = 1
     extra_input_names = ("scales",)
+    default_input_channels = {"scales": "probs"}  # an ExpertDispatch's per-row probs
     row_scales = True
     activation_recompute_in_mlp: bool = False
 
