@@ -88,9 +88,10 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
             )
         self.varlen = varlen
         self.accumulate = accumulate and varlen == "k"
-        self.reduce_c = False  # set at setup: accumulate into fp32 C by TMA reduce-add
         if store_stages is not None:
             self.epi_store_stages = store_stages
+        if self.accumulate:  # one smem block that TMA fills with the old C subtile, 1 mbarrier
+            self.epi_extra_buffers, self.extra_barriers = 1, 1
         self.cluster_m, self.cluster_n = cluster_mn
         self.cluster_size = self.cluster_m * self.cluster_n
         self.tile_mnk = (tile_mn[0], tile_mn[1], 64)
@@ -107,13 +108,6 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
         self.a_layout = LayoutEnum.from_tensor(a)
         self.b_layout = LayoutEnum.from_tensor(b)
         self.c_layout = LayoutEnum.from_tensor(c)
-        # Accumulating into fp32 C: the TMA store adds in L2 (cp.reduce.async.bulk .add), one
-        # fp32 add per element as a load-add-store would do, with no load in the epilogue. A
-        # 16-bit C must add in fp32 before its one rounding: TMA loads the old subtile into
-        # one extra smem block (1 mbarrier) and the epilogue adds it.
-        self.reduce_c = self.accumulate and self.c_dtype.width == 32
-        if self.accumulate and not self.reduce_c:
-            self.epi_extra_buffers, self.extra_barriers = 1, 1
         tm, tn, tk = self.tile_mnk
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype,
@@ -175,11 +169,8 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
             b_tma_src = _ragged_view(b, 1)
         tma_a, mA = self._tma_load(a_tma_src, self.a_smem, (tm, tk), self.cluster_n)
         tma_b, mB = self._tma_load(b_tma_src, self.b_smem, (tn, tk), self.cluster_m)
-        store_op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
-        if const_expr(self.reduce_c):
-            store_op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
         tma_c, mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            store_op,
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
             c_tma_src,
             cute.slice_(self.c_smem, (None, None, 0)),
             self.epi_tile,

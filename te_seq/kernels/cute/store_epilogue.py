@@ -1,9 +1,8 @@
 """The store epilogue of the grouped GEMM: accumulators -> smem ring -> TMA store.
 
 Per (tm x 32) subtile the consumer warpgroups convert the fp32 accumulators to the output type,
-stage them in a ring of smem buffers and one warp TMA-stores them. With ``accumulate`` (varlen K
-into an existing C): into fp32 C the TMA store itself adds (reduce-add in L2); into a 16-bit C
-the old C subtile is TMA-loaded into an extra smem block and added first.
+stage them in a ring of smem buffers and one warp TMA-stores them; with ``accumulate`` (varlen K
+into an existing C) the old C subtile is TMA-loaded into an extra smem block and added first.
 The ring helpers (``_store_group``, ``_ring_reserve``, ``_ring_flush``) are shared with the GLU
 epilogues (``glu_epilogue``), which override the hooks ``_make_epi`` and ``_store_tile``.
 """
@@ -45,8 +44,8 @@ class StoreEpilogueMixin:
 
     def _make_epi(self, c: cute.Tensor, epi_inputs: tuple) -> tuple:
         """Host-side (jit) epilogue state passed to the kernel: extra TMA atoms, tensors. Here:
-        with ``accumulate`` into a 16-bit C, the TMA load atom (and coordinates) of the old C."""
-        if not self.accumulate or self.reduce_c:
+        with ``accumulate``, the TMA load atom (and coordinates) of the old C."""
+        if not self.accumulate:
             return ()
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
@@ -66,7 +65,7 @@ class StoreEpilogueMixin:
             mC_g = ep.mC[None, None, group]
         gC = cute.local_tile(mC_g, (tm, tn), (m_tile, n_tile))
         old = None
-        if const_expr(self.accumulate and not self.reduce_c):
+        if const_expr(self.accumulate):
             tma_old, m_old = ep.epi
             old = (tma_old, cute.local_tile(m_old[None, None, group], (tm, tn), (m_tile, n_tile)))
         return self._epilogue(ep, gC, epi_count, old)
