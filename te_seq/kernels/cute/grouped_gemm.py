@@ -90,8 +90,8 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
         self.accumulate = accumulate and varlen == "k"
         if store_stages is not None:
             self.epi_store_stages = store_stages
-        if self.accumulate:  # one smem block that TMA fills with the old C subtile, 1 mbarrier
-            self.epi_extra_buffers, self.extra_barriers = 1, 1
+        if self.accumulate:  # 2 smem blocks that TMA fills with old C subtiles, 1 mbarrier each
+            self.epi_extra_buffers, self.extra_barriers = 2, 2
         self.cluster_m, self.cluster_n = cluster_mn
         self.cluster_size = self.cluster_m * self.cluster_n
         self.tile_mnk = (tile_mn[0], tile_mn[1], 64)

@@ -172,6 +172,21 @@ class MainloopMixin:
         st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
         unit = cluster_id
         epi_count = Int32(0)
+        ep = _EpilogueState(
+            tma_c,
+            mC,
+            sC,
+            tiled_r2s,
+            tRS_acc,
+            tRS_sC,
+            rD,
+            rD_out,
+            warp,
+            tiled_mma,
+            mma_tidx,
+            epi,
+            extra_bar,
+        )
         valid, group, m_unit, n_unit, row0, rows, st = self._work(
             offs, num_rows, n_tiles, m_units_k, unit, st
         )
@@ -179,23 +194,9 @@ class MainloopMixin:
             m_tile = m_unit * self.cluster_m + cluster_coord[0]
             n_tile = n_unit * self.cluster_n + cluster_coord[1]
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
+            self._before_mainloop(ep, group, m_tile, n_tile, epi_count)
             read, release = self._mainloop(
                 tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles
-            )
-            ep = _EpilogueState(
-                tma_c,
-                mC,
-                sC,
-                tiled_r2s,
-                tRS_acc,
-                tRS_sC,
-                rD,
-                rD_out,
-                warp,
-                tiled_mma,
-                mma_tidx,
-                epi,
-                extra_bar,
             )
             num_epi = self._store_tile(ep, acc, group, m_tile, n_tile, row0, rows, epi_count)
             epi_count = epi_count + num_epi

@@ -2,7 +2,10 @@
 
 Per (tm x 32) subtile the consumer warpgroups convert the fp32 accumulators to the output type,
 stage them in a ring of smem buffers and one warp TMA-stores them; with ``accumulate`` (varlen K
-into an existing C) the old C subtile is TMA-loaded into an extra smem block and added first.
+into an existing C) the old C subtiles are TMA-loaded into two extra smem blocks (subtile g of
+the CTA's running count in block g % 2, one mbarrier each) and added first: the first two loads
+of a tile are issued before its mainloop, each later one as soon as its block is free, so the
+epilogue waits for none it could have had earlier.
 The ring helpers (``_store_group``, ``_ring_reserve``, ``_ring_flush``) are shared with the GLU
 epilogues (``glu_epilogue``), which override the hooks ``_make_epi`` and ``_store_tile``.
 """
@@ -66,9 +69,24 @@ class StoreEpilogueMixin:
         gC = cute.local_tile(mC_g, (tm, tn), (m_tile, n_tile))
         old = None
         if const_expr(self.accumulate):
-            tma_old, m_old = ep.epi
-            old = (tma_old, cute.local_tile(m_old[None, None, group], (tm, tn), (m_tile, n_tile)))
+            old = self._old_tile(ep, group, m_tile, n_tile)
         return self._epilogue(ep, gC, epi_count, old)
+
+    @cute.jit
+    def _old_tile(self, ep, group, m_tile, n_tile):
+        """(TMA load atom, gmem tile) of the old C of a tile (``accumulate``, varlen K)."""
+        tm, tn, _ = self.tile_mnk
+        tma_old, m_old = ep.epi
+        return tma_old, cute.local_tile(m_old[None, None, group], (tm, tn), (m_tile, n_tile))
+
+    @cute.jit
+    def _before_mainloop(self, ep, group, m_tile, n_tile, epi_count):
+        """Hook before a tile's mainloop. With ``accumulate``: start loading the tile's first
+        two old C subtiles (their smem blocks are free: the last tile's epilogue is done)."""
+        if const_expr(self.accumulate):
+            loads = self._old_c_loads(ep, self._old_tile(ep, group, m_tile, n_tile))
+            self._load_old_c(ep, loads, 0, epi_count)
+            self._load_old_c(ep, loads, 1, epi_count)
 
     @cute.jit
     def _epilogue(self, ep, gC, epi_count, old):
@@ -86,8 +104,7 @@ class StoreEpilogueMixin:
         loads = None
         batch = self._batch(num_epi)
         if const_expr(old is not None):
-            loads = self._old_c_loads(ep, old, epi_layout)
-            self._load_old_c(ep, loads, 0)
+            loads = self._old_c_loads(ep, old)
             batch = 1
         outs = [ep.rD_out]
         outs += [cute.make_rmem_tensor(ep.rD.shape, self.c_dtype) for _ in range(batch - 1)]
@@ -98,58 +115,61 @@ class StoreEpilogueMixin:
                 for v in cutlass.range_constexpr(size_rD):
                     ep.rD[v] = ep.tRS_acc[e * size_rD + v]
                 if const_expr(old is not None):
-                    self._add_old_c(ep, loads, e, num_epi)
+                    self._add_old_c(ep, loads, e, num_epi, epi_count)
                 outs[i].store(ep.rD.load().to(self.c_dtype))
                 items.append((outs[i], ep.tma_c, bSG_sC, bSG_gC, epi_layout.get_hier_coord(e)))
             self._store_group(ep.tiled_r2s, ep.tRS_sC, ep.warp, items, epi_count + b * batch)
         return num_epi
 
     @cute.jit
-    def _old_c_loads(self, ep, old, epi_layout):
-        """TMA partitions of the old C tile per (tm x 32) subtile, and the tile coordinates of
-        this thread's accumulator values (in ``tRS_acc``'s order)."""
+    def _old_c_loads(self, ep, old):
+        """TMA partitions of the old C tile per (tm x 32) subtile, the tile coordinates of
+        this thread's accumulator values (in ``tRS_acc``'s order) and the subtile layout."""
         tma_old, g_old = old
+        g_epi = cute.zipped_divide(g_old, self.epi_tile)
         s_l, g_l = cute.nvgpu.cpasync.tma_partition(
-            tma_old,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(ep.sC, 0, 2),
-            cute.zipped_divide(g_old, self.epi_tile),
+            tma_old, 0, cute.make_layout(1), cute.group_modes(ep.sC, 0, 2), g_epi
         )
         c_tile = cute.make_identity_tensor(self.tile_mnk[:2])
         coords = ep.tiled_r2s.retile(ep.tiled_mma.get_slice(ep.mma_tidx).partition_C(c_tile))
+        epi_layout = cute.make_layout(g_epi.shape[1], stride=(g_epi.shape[1][1], 1))
         return tma_old, s_l, g_l, coords, epi_layout
 
     @cute.jit
-    def _load_old_c(self, ep, loads, e: int):
-        """Start the TMA load of subtile ``e`` of the old C into the extra smem block (one
-        mbarrier phase per subtile; tiles have an even number of subtiles, so subtile e always
-        waits for parity e % 2). Values past C's bounds are zero-filled."""
+    def _load_old_c(self, ep, loads, e: int, epi_count):
+        """Start the TMA load of subtile ``e`` of the old C into extra smem block g % 2, g =
+        ``epi_count`` + e (the CTA's running subtile count); its mbarrier (g % 2) completes one
+        phase per load. Values past C's bounds are zero-filled."""
         tma_old, s_l, g_l, _, epi_layout = loads
+        buf = (epi_count + e) % 2
         if ep.warp == self.epi_store_warp:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(
-                    ep.extra_bar, self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
+                    ep.extra_bar + buf,
+                    self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8,
                 )
             cute.copy(
                 tma_old,
                 g_l[(None, epi_layout.get_hier_coord(e))],
-                s_l[(None, self.epi_stage)],
-                tma_bar_ptr=ep.extra_bar,
+                s_l[(None, self.epi_stage + buf)],
+                tma_bar_ptr=ep.extra_bar + buf,
             )
 
     @cute.jit
-    def _add_old_c(self, ep, loads, e: int, num_epi: int):
-        """rD += subtile ``e`` of the old C; then the block is free and the next load starts."""
+    def _add_old_c(self, ep, loads, e: int, num_epi: int, epi_count):
+        """rD += subtile ``e`` of the old C (block g % 2, its load phase g // 2); then the block
+        is free and the load of subtile e + 2 starts."""
         coords = loads[3]
         size_rD = cute.size(ep.rD)
-        cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
+        g = epi_count + e
+        buf = g % 2
+        cute.arch.mbarrier_wait(ep.extra_bar + buf, (g // 2) % 2)
         for v in cutlass.range_constexpr(size_rD):
             r, cc = coords[e * size_rD + v]
-            ep.rD[v] = ep.rD[v] + ep.sC[r, cc - 32 * e, self.epi_stage].to(Float32)
+            ep.rD[v] = ep.rD[v] + ep.sC[r, cc - 32 * e, self.epi_stage + buf].to(Float32)
         self.epi_barrier.arrive_and_wait()
-        if const_expr(e + 1 < num_epi):
-            self._load_old_c(ep, loads, e + 1)
+        if const_expr(e + 2 < num_epi):
+            self._load_old_c(ep, loads, e + 2, epi_count)
 
     def _batch(self, count: int) -> int:
         """Subtiles staged per pair of barriers (trace time): ``epi_batch`` if set, else all but
