@@ -194,7 +194,7 @@ class MainloopMixin:
             m_tile = m_unit * self.cluster_m + cluster_coord[0]
             n_tile = n_unit * self.cluster_n + cluster_coord[1]
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
-            self._before_mainloop(ep, group, m_tile, n_tile, epi_count)
+            self._before_mainloop(ep, group, m_tile, n_tile, row0, epi_count)
             read, release = self._mainloop(
                 tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles
             )

@@ -80,7 +80,7 @@ class StoreEpilogueMixin:
         return tma_old, cute.local_tile(m_old[None, None, group], (tm, tn), (m_tile, n_tile))
 
     @cute.jit
-    def _before_mainloop(self, ep, group, m_tile, n_tile, epi_count):
+    def _before_mainloop(self, ep, group, m_tile, n_tile, row0, epi_count):
         """Hook before a tile's mainloop. With ``accumulate``: start loading the tile's first
         two old C subtiles (their smem blocks are free: the last tile's epilogue is done)."""
         if const_expr(self.accumulate):
