@@ -202,6 +202,16 @@ def epilogue_activations() -> tuple[str, ...]:
     return tuple(name for name, spec in ACTIVATIONS.items() if spec.glu_epilogue)
 
 
+def act_epilogue_activations() -> tuple[str, ...]:
+    """Names the cute non-gated epilogue computes (y = f(x)), in table order: the entries the
+    GLU epilogue has (its f and f' are the gate's) that take no parameters."""
+    return tuple(
+        name
+        for name, spec in ACTIVATIONS.items()
+        if spec.glu_epilogue and spec.up is None and not spec.params
+    )
+
+
 @dataclass(frozen=True)
 class GluSpec:
     """What a gated-activation (GLU) kernel needs to know besides its tensors.
