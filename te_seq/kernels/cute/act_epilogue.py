@@ -59,8 +59,9 @@ class ActGemmKernel(GluGemmKernel):
         self.params = ()
         self.epi_store_stages = store_stages
         if mode == "dgrad":  # store ring + one buffer that TMA fills with h, 1 mbarrier
-            # 3 store buffers + 1 keep 4 mainloop stages (128 x 256 x 64 bf16 tiles)
-            self.epi_store_stages = store_stages or 3
+            # the GLU dgrad's ring (2 store buffers): with the h buffer the mainloop keeps 4
+            # stages (128 x 256 x 64 bf16 tiles)
+            self.epi_store_stages = store_stages or 2
             self.epi_extra_buffers, self.extra_barriers = 1, 1
 
     @cute.jit
