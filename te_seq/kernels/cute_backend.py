@@ -95,7 +95,6 @@ class CuteBackend(GpuBackend):
         il = glu.glu_interleave_size
         return cute.glu_fc2_dgrad(dy, w2, offs, h, glu.act, il, probs, glu.params)
 
-
     def act_fc1_forward(self, x, w1t, offs, act: str, probs=None) -> tuple[Tensor, Tensor]:
         return cute.act_fc1_forward(x, w1t, offs, act, probs)
 
