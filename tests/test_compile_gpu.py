@@ -143,3 +143,27 @@ def test_host_split_sizes_compile(backend):
         host = splits.cpu()
         y = compiled(x, host, probs, host)
         assert_close([y], [mlp(x, host, probs, host)], "output")
+
+
+@pytest.mark.skipif("cute" not in GPU_BACKENDS, reason="needs the cute backend (sm_90 + DSL)")
+@needs_tracing
+def test_fullgraph_non_gated_epilogue_matches_eager():
+    """A row-scaled non-gated activation (ScaledSReLU) in the cute epilogues, traced through the
+    te_seq::act_fc1_forward / act_fc2_dgrad custom ops: compiled equals eager, one graph."""
+    mlp = te_seq.Sequential(
+        ops.GroupedLinear(E, H, F, bias=False, single_grouped_weight=True, device="cuda",
+                          dtype=BF16),
+        ops.ScaledSReLU(),
+        ops.GroupedLinear(E, F, H, bias=False, device="cuda", dtype=BF16),
+    )
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, 0.05)
+    counter = CountingBackend("inductor")
+    compiled = torch.compile(mlp, backend=counter, fullgraph=True)
+    with te_seq.backend("cute"):
+        for seed in range(2):
+            assert_close(step(compiled, mlp, seed), step(mlp, mlp, seed), f"seed {seed}")
+    (fwd,) = mlp.fusion_plan().forward
+    assert "activation fused into the FC1 and FC2-dgrad epilogues" in fwd.backend_reason
+    assert counter.graphs == 1, f"{counter.graphs} compiles for 2 split sizes"

@@ -21,7 +21,7 @@ from op_specs import activation_ops
 
 import te_seq
 from te_seq import ops
-from te_seq.kernels.activations import ACTIVATIONS
+from te_seq.kernels.activations import ACTIVATIONS, act_epilogue_activations
 
 pytestmark = pytest.mark.gpu
 
@@ -243,4 +243,33 @@ def test_grouped_mlp_epilogue_fusion_matches_reference(act, interleave):
         _compare(model, x, extras, "cute", dtype, check_grads=False)
     else:
         plan = _compare(model, x, extras, "cute", dtype)
+    assert "activation fused into the FC1 and FC2-dgrad epilogues" in plan.forward[0].backend_reason
+
+
+# non-gated ops whose activation the cute act epilogue computes (from the activation table)
+NON_GATED = [a for a in ACTS if not a.gated and a().act in act_epilogue_activations()]
+
+
+@pytest.mark.skipif("cute" not in GPU_BACKENDS, reason="needs the cute backend (sm_90 + DSL)")
+@pytest.mark.parametrize("act", NON_GATED, ids=[a.__name__ for a in NON_GATED])
+@pytest.mark.parametrize("ffn", [96, 136])
+def test_grouped_mlp_non_gated_epilogue_fusion_matches_reference(act, ffn):
+    """F a multiple of 8 (136: a partial 32-column block), no FC1 bias: the non-gated activation
+    runs in the cute GEMM epilogues (the plan says so), FC2's bias after its GEMM."""
+    dtype = torch.bfloat16
+    sizes = [0, 37, 128, 3, 0, 91, 250, 7]
+    splits = torch.tensor(sizes, device="cuda")
+    groups = len(sizes)
+    model = te_seq.Sequential(
+        ops.GroupedLinear(groups, 128, ffn, bias=False, device="cuda", dtype=dtype),
+        act(),
+        ops.GroupedLinear(groups, ffn, 128, bias=True, device="cuda", dtype=dtype),
+    )
+    _randomize(model)
+    x = torch.randn(sum(sizes), 128, device="cuda", dtype=dtype)
+    extras = [splits]
+    if act.row_scales:
+        extras.append(torch.rand(sum(sizes), device="cuda", dtype=torch.float32))
+    extras.append(splits)
+    plan = _compare(model, x, extras, "cute", dtype)
     assert "activation fused into the FC1 and FC2-dgrad epilogues" in plan.forward[0].backend_reason

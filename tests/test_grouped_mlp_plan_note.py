@@ -28,7 +28,8 @@ def test_backends_without_epilogues_say_so():
 
 def test_note_names_what_has_no_fused_epilogue():
     cpu = torch.device("cpu")
-    assert "non-gated GELU" in _mlp(ops.GELU).plan_note(CUTE, torch.bfloat16, cpu)
+    erf_gelu = _mlp(lambda: ops.GELU(approximate="none")).plan_note(CUTE, torch.bfloat16, cpu)
+    assert "act 'gelu_erf' has no fused non-gated epilogue" in erf_gelu
     assert "an FC1 bias" in _mlp(ops.SwiGLU, bias=True).plan_note(CUTE, torch.bfloat16, cpu)
 
 

@@ -39,6 +39,8 @@ __all__ = [
     "BackendChoice",
     "GluSpec",
     "KernelNeed",
+    "act_fc1_forward",
+    "act_fc2_dgrad",
     "activation",
     "as_rows",
     "backend_available",
@@ -111,3 +113,26 @@ def glu_fc2_dgrad(
     """(dh, a, dprobs) from dA = dY_e W2_e: the activation gradient, the re-emitted activation
     a (for FC2's wgrad) and d(probs) [M] (None without probs), one kernel."""
     return backend.glu_fc2_dgrad(dy, w2, offs, h, glu, probs)
+
+
+def act_fc1_forward(
+    x: Tensor, w1t: Tensor, offs: Tensor, act: str, probs: Tensor | None, backend: Backend
+) -> tuple[Tensor, Tensor]:
+    """(h, a) for a non-gated activation: h = x_e W1_eᵀ [M, F] (w1t [E, H, F]) and
+    a = act(h) (· probs) [M, F], one kernel."""
+    return backend.act_fc1_forward(x, w1t, offs, act, probs)
+
+
+def act_fc2_dgrad(
+    dy: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    h: Tensor,
+    act: str,
+    probs: Tensor | None,
+    backend: Backend,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(dh, a, dprobs) for a non-gated activation from dA = dY_e W2_e: dh = dA·probs·act'(h),
+    a = act(h)·probs (for FC2's wgrad) and d(probs) = Σ_j dA·act(h) [M] (None without probs),
+    one kernel."""
+    return backend.act_fc2_dgrad(dy, w2, offs, h, act, probs)

@@ -8,7 +8,8 @@ fusions (an activation op whose ``act`` is not here does not fuse) and the tests
 Adding an activation: its f and f' here (torch maths on fp32/fp64 tensors; a gated one may
 also transform its up half, and take float parameters), an op class in
 ``te_seq/ops/basic`` with ``act = "<name>"``, and, to fuse it into the cute GLU epilogue, a DSL
-branch in ``cute/glu_epilogue.py`` plus ``glu_epilogue=True``.
+branch in ``cute/glu_maths.py`` plus ``glu_epilogue=True`` (a parameterless non-gated one then
+runs in the cute non-gated epilogue too, ``cute/act_epilogue.py``).
 """
 
 from __future__ import annotations
@@ -197,6 +198,16 @@ def param_values(name: str, params: tuple[float, ...] = ()) -> tuple[float, ...]
 def epilogue_activations() -> tuple[str, ...]:
     """Names the cute GLU epilogue computes, in table order."""
     return tuple(name for name, spec in ACTIVATIONS.items() if spec.glu_epilogue)
+
+
+def act_epilogue_activations() -> tuple[str, ...]:
+    """Names the cute non-gated epilogue computes (y = f(x)), in table order: the entries the
+    GLU epilogue has (its f and f' are the gate's) that take no parameters."""
+    return tuple(
+        name
+        for name, spec in ACTIVATIONS.items()
+        if spec.glu_epilogue and spec.up is None and not spec.params
+    )
 
 
 @dataclass(frozen=True)

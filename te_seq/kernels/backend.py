@@ -15,6 +15,8 @@ data's dtype, and `device`):
 | grouped_wgrad | out[e] = grad_out[rows of e]ᵀ @ x[rows of e] -> [E, N, K] | k, n |
 | glu_fc1_forward | h = x W1ᵀ, a = act(gate)·up(·probs), one fused kernel | hidden, ffn, glu |
 | glu_fc2_dgrad | dA = dY W2 through the GLU gradient, one fused kernel | hidden, ffn, glu |
+| act_fc1_forward | h = x W1ᵀ, a = act(h)(·probs) (non-gated), one fused kernel | hidden, ffn, act |
+| act_fc2_dgrad | dA = dY W2 through act'(h) (non-gated), one fused kernel | hidden, ffn, act |
 | act_forward, act_backward | y = f(x); dx = dy·f'(x) | act |
 | glu_forward, glu_backward | y = f(gate)·up(·scales); its gradient | glu |
 
@@ -44,8 +46,10 @@ KERNELS = (
     "act_backward",
     "glu_forward",
     "glu_backward",
+    "act_fc1_forward",
+    "act_fc2_dgrad",
 )
-GLU_EPILOGUE_KERNELS = ("glu_fc1_forward", "glu_fc2_dgrad")
+GLU_EPILOGUE_KERNELS = ("glu_fc1_forward", "glu_fc2_dgrad", "act_fc1_forward", "act_fc2_dgrad")
 ELEMENTWISE_KERNELS = ("act_forward", "act_backward", "glu_forward", "glu_backward")
 
 
@@ -128,6 +132,22 @@ class Backend:
         self, x: Tensor, dy: Tensor, glu: GluSpec, scales: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None]:
         raise self._missing("glu_backward")
+
+    def act_fc1_forward(
+        self, x: Tensor, w1t: Tensor, offs: Tensor, act: str, probs: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        raise self._missing("act_fc1_forward")
+
+    def act_fc2_dgrad(
+        self,
+        dy: Tensor,
+        w2: Tensor,
+        offs: Tensor,
+        h: Tensor,
+        act: str,
+        probs: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        raise self._missing("act_fc2_dgrad")
 
     def __repr__(self) -> str:
         return f"<te_seq backend {self.name!r}>"

@@ -1,7 +1,8 @@
 """The "cute" backend: te_seq's CuTe DSL Hopper kernels (``te_seq.kernels.cute``) as a `Backend`.
 
 Only the package's public functionals are used (``available``, ``supports``,
-``supports_wgrad``, ``grouped_mm``, ``grouped_wgrad``, ``glu_fc1_forward``, ``glu_fc2_dgrad``).
+``supports_wgrad``, ``grouped_mm``, ``grouped_wgrad``, ``glu_fc1_forward``, ``glu_fc2_dgrad``,
+``act_fc1_forward``, ``act_fc2_dgrad``).
 Their ``supports`` checks take tensors; at plan time there are none yet, so they get shape
 proxies: tensors of the right dtype, device and trailing sizes with no leading rows (E or M = 0),
 which allocate no device memory.
@@ -46,6 +47,8 @@ class CuteBackend(GpuBackend):
             "grouped_wgrad": self._supports_wgrad,
             "glu_fc1_forward": self._supports_fc1,
             "glu_fc2_dgrad": self._supports_dgrad,
+            "act_fc1_forward": self._supports_act_fc1,
+            "act_fc2_dgrad": self._supports_act_dgrad,
         }.get(kernel)
         return super().supports(kernel, **static) if check is None else check(**static)
 
@@ -67,6 +70,16 @@ class CuteBackend(GpuBackend):
         dy, w2 = _proxy(hidden, **where), _proxy(hidden, ffn, **where)  # [M, H], [E, H, F]
         return cute.glu_fc2_dgrad.supports(dy, w2, glu.act, glu.glu_interleave_size)
 
+    @staticmethod
+    def _supports_act_fc1(*, hidden: int, ffn: int, act: str, **where: Any) -> tuple[bool, str]:
+        x, w1t = _proxy(hidden, **where), _proxy(hidden, ffn, **where)  # [M, H], [E, H, F]
+        return cute.act_fc1_forward.supports(x, w1t, act)
+
+    @staticmethod
+    def _supports_act_dgrad(*, hidden: int, ffn: int, act: str, **where: Any) -> tuple[bool, str]:
+        dy, w2 = _proxy(hidden, **where), _proxy(hidden, ffn, **where)  # [M, H], [E, H, F]
+        return cute.act_fc2_dgrad.supports(dy, w2, act)
+
     # --- kernels ------------------------------------------------------------------------------
     def grouped_mm(self, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
         return cute.grouped_mm(a, b, offs)
@@ -81,6 +94,12 @@ class CuteBackend(GpuBackend):
     def glu_fc2_dgrad(self, dy, w2, offs, h, glu: GluSpec, probs=None):
         il = glu.glu_interleave_size
         return cute.glu_fc2_dgrad(dy, w2, offs, h, glu.act, il, probs, glu.params)
+
+    def act_fc1_forward(self, x, w1t, offs, act: str, probs=None) -> tuple[Tensor, Tensor]:
+        return cute.act_fc1_forward(x, w1t, offs, act, probs)
+
+    def act_fc2_dgrad(self, dy, w2, offs, h, act: str, probs=None):
+        return cute.act_fc2_dgrad(dy, w2, offs, h, act, probs)
 
 
 CUTE = register_backend(CuteBackend())

@@ -60,6 +60,21 @@ def _fake_fc2_dgrad(
     return dy.new_empty(rows, 2 * f), dy.new_empty(rows, f), dprobs
 
 
+def _fake_act_fc1(
+    x: Tensor, w1t: Tensor, offs: Tensor, act: str, probs: Tensor | None, backend: str
+) -> tuple[Tensor, Tensor]:
+    rows, f = x.shape[0], w1t.shape[2]
+    return x.new_empty(rows, f), x.new_empty(rows, f)
+
+
+def _fake_act_fc2_dgrad(
+    dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str, probs: Tensor | None, backend: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    rows, f = dy.shape[0], w2.shape[2]
+    dprobs = dy.new_empty(0) if probs is None else probs.new_empty(rows)
+    return dy.new_empty(rows, f), dy.new_empty(rows, f), dprobs
+
+
 # --- the ops: each runs the named backend's kernel -------------------------------------------
 
 
@@ -106,6 +121,24 @@ def glu_fc2_dgrad_op(
     return dh, a, dy.new_empty(0) if dprobs is None else dprobs
 
 
+@kernel_op("te_seq::act_fc1_forward", fake=_fake_act_fc1)
+def act_fc1_forward_op(
+    x: Tensor, w1t: Tensor, offs: Tensor, act: str, probs: Tensor | None, backend: str
+) -> tuple[Tensor, Tensor]:
+    """(h [M, F], a [M, F]): FC1 with a non-gated activation in its epilogue."""
+    h, a = get_backend(backend).act_fc1_forward(x, w1t, offs, act, probs)
+    return h, a
+
+
+@kernel_op("te_seq::act_fc2_dgrad", fake=_fake_act_fc2_dgrad)
+def act_fc2_dgrad_op(
+    dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str, probs: Tensor | None, backend: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dh [M, F], a [M, F], dprobs [M], or an empty tensor without probs)."""
+    dh, a, dprobs = get_backend(backend).act_fc2_dgrad(dy, w2, offs, h, act, probs)
+    return dh, a, dy.new_empty(0) if dprobs is None else dprobs
+
+
 # --- the backend the fuser hands ops while tracing -------------------------------------------
 
 
@@ -141,6 +174,13 @@ class TracedBackend(Backend):
         act, size = glu.act, glu.glu_interleave_size
         params = list(glu.params)
         dh, a, dprobs = glu_fc2_dgrad_op(dy, w2, offs, h, act, size, probs, params, self.name)
+        return dh, a, None if probs is None else dprobs
+
+    def act_fc1_forward(self, x, w1t, offs, act: str, probs=None) -> tuple[Tensor, Tensor]:
+        return act_fc1_forward_op(x, w1t, offs, act, probs, self.name)
+
+    def act_fc2_dgrad(self, dy, w2, offs, h, act: str, probs=None):
+        dh, a, dprobs = act_fc2_dgrad_op(dy, w2, offs, h, act, probs, self.name)
         return dh, a, None if probs is None else dprobs
 
     def act_forward(self, x: Tensor, act: str) -> Tensor:

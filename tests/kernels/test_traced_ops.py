@@ -88,3 +88,44 @@ def test_glu_ops_carry_the_activation_parameters(monkeypatch):
     wrapped.glu_fc1_forward(a, b, offs, glu)
     wrapped.glu_fc2_dgrad(a, b, offs, a.new_zeros(M, 2 * N), glu)
     assert recorder.specs == [glu, glu]
+
+
+class _ActRecorder:
+    """A stand-in backend that records what its non-gated epilogue kernels get."""
+
+    name = "act_recorder"
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def act_fc1_forward(self, x, w1t, offs, act, probs=None):
+        self.calls.append(("fc1", act, probs))
+        return x.new_zeros(x.shape[0], w1t.shape[2]), x.new_ones(x.shape[0], w1t.shape[2])
+
+    def act_fc2_dgrad(self, dy, w2, offs, h, act, probs=None):
+        self.calls.append(("dgrad", act, probs))
+        rows, f = dy.shape[0], w2.shape[2]
+        dprobs = None if probs is None else probs + 1
+        return dy.new_zeros(rows, f), dy.new_ones(rows, f), dprobs
+
+
+def test_act_epilogue_ops_reach_the_backend(monkeypatch):
+    """The non-gated epilogue kernels go through their custom ops with the activation's name
+    and the probs; a missing d(probs) comes back as None, and a backend without the kernels
+    raises its own error."""
+    a, b, _, offs = _operands()
+    with pytest.raises(NotImplementedError, match="act_fc1_forward"):
+        traced.act_fc1_forward_op(a, b, offs, "gelu", None, "reference")
+    recorder = _ActRecorder()
+    monkeypatch.setattr(traced, "get_backend", lambda name: recorder)
+    wrapped = traced.TracedBackend(recorder)
+    probs = torch.rand(M, dtype=torch.float64)
+    h, act_out = wrapped.act_fc1_forward(a, b, offs, "srelu", probs)
+    assert h.shape == act_out.shape == (M, N) and torch.equal(act_out, torch.ones(M, N))
+    dh, act_out, dprobs = wrapped.act_fc2_dgrad(a, b, offs, h, "relu")
+    assert dh.shape == (M, N) and dprobs is None
+    _, _, dprobs = wrapped.act_fc2_dgrad(a, b, offs, h, "relu", probs)
+    assert torch.equal(dprobs, probs + 1)
+    names = [c[:2] for c in recorder.calls]
+    assert names == [("fc1", "srelu"), ("dgrad", "relu"), ("dgrad", "relu")]
+    assert recorder.calls[0][2] is probs and recorder.calls[1][2] is None

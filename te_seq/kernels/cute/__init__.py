@@ -11,11 +11,14 @@ defines the maths.
 
 Modules: ``launch`` (host helpers every functional shares: tiling, capability, operand views,
 the persistent grid), ``gemm`` (``grouped_mm`` / ``grouped_wgrad``), ``glu`` (the fused GLU
-steps, each with a ``.supports(x, w, act, interleave)``), ``compile`` and ``disk_cache``
-(compiling and caching), and the kernels (``grouped_gemm``, ``glu_epilogue`` and the modules
-they are built from). This file only re-exports.
+steps, each with a ``.supports(x, w, act, interleave)``), ``act`` (the fused non-gated
+activation steps ``act_fc1_forward`` / ``act_fc2_dgrad``, each with a ``.supports(x, w, act)``),
+``compile`` and ``disk_cache`` (compiling and caching), and the kernels (``grouped_gemm``,
+``glu_epilogue``, ``act_epilogue`` and the modules they are built from). This file only
+re-exports.
 """
 
+from .act import act_fc1_forward, act_fc2_dgrad
 from .gemm import grouped_mm, grouped_wgrad, supports, supports_wgrad
 from .glu import glu_fc1_forward, glu_fc2_dgrad
 from .launch import (
@@ -39,6 +42,8 @@ __all__ = [
     "grouped_wgrad",
     "glu_fc1_forward",
     "glu_fc2_dgrad",
+    "act_fc1_forward",
+    "act_fc2_dgrad",
     "MM_TILING",
     "WGRAD_TILING",
     "TILE_WIDTHS",

@@ -205,3 +205,36 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.params,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
+
+
+# ---------------------------------------------------------------- fused non-gated epilogues
+
+
+@dataclass(frozen=True)
+class ActConfig:
+    """A fused non-gated activation GEMM's static config (sizes symbolic):
+    ``act_epilogue.ActGemmKernel``. mode "fc1" (B = W1 as (F, H, E)) or "dgrad" (B = W2 as
+    (F, H, E)); probs_dtype None without router probs. Its tensor arguments are the GLU
+    kernel's (``_fake_glu_args``)."""
+
+    mode: str
+    ab_dtype: torch.dtype
+    b_major: str
+    act: str
+    probs_dtype: torch.dtype | None
+    cluster_mn: tuple[int, int] = (1, 2)
+    store_stages: int | None = None  # dgrad's smem store ring (None: the kernel's default)
+    tile_n: int = 256  # CTA tile width: 256, 192 or 128
+
+
+@functools.lru_cache(maxsize=None)
+def compile_act(cfg: ActConfig) -> CompiledGemm:
+    """A fused non-gated activation GEMM for ``cfg``: compiled once per config, cached in
+    memory and on disk."""
+    from .act_epilogue import ActGemmKernel
+
+    kernel = ActGemmKernel(
+        cfg.mode, cfg.act, cfg.probs_dtype is not None, cfg.cluster_mn, cfg.store_stages,
+        cfg.tile_n,
+    )
+    return _compile("act", cfg, kernel, _fake_glu_args(cfg))

@@ -78,13 +78,16 @@ class GroupedMLP(FusedOperation):
 
     def _epilogue_decision(self, backend: Backend, dtype, device) -> tuple[bool, str]:
         op = self.activation
-        if not backend.implements("glu_fc1_forward"):
+        # gated: the GLU kernels; non-gated (y = f(h)(·probs)): the act kernels
+        fc1_kernel, dgrad_kernel = _EPILOGUE_KERNELS[op.gated]
+        if not backend.implements(fc1_kernel):
             return False, f"the {backend.name} backend has no fused activation epilogue"
-        if not op.gated or self.fc1.has_bias:
-            what = "an FC1 bias" if self.fc1.has_bias else f"non-gated {type(op).__name__}"
-            return False, f"{what} has no fused epilogue"
-        facts = dict(hidden=self.fc1.in_features, ffn=self.fc2.in_features, glu=op.glu_spec)
-        for label, kernel in (("FC1", "glu_fc1_forward"), ("FC2 dgrad", "glu_fc2_dgrad")):
+        if self.fc1.has_bias:
+            return False, "an FC1 bias has no fused epilogue"
+        facts = dict(hidden=self.fc1.in_features, ffn=self.fc2.in_features)
+        key, spec = ("glu", op.glu_spec) if op.gated else ("act", op.act)
+        facts[key] = spec
+        for label, kernel in (("FC1", fc1_kernel), ("FC2 dgrad", dgrad_kernel)):
             ok, why = backend.supports(kernel, dtype=dtype, device=device, **facts)
             if not ok:
                 return False, f"{label}: {why}"
@@ -107,6 +110,8 @@ class GroupedMLP(FusedOperation):
         then the activation."""
         op = self.activation
         if self.epilogue_status(backend, x.dtype, x.device)[0]:
+            if not op.gated:
+                return backend.act_fc1_forward(x, w1.transpose(1, 2), offs, op.act, probs)
             return backend.glu_fc1_forward(x, w1.transpose(1, 2), offs, op.glu_spec, probs)
         h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, backend)  # [T, 2F]
         if op.gated:
@@ -120,6 +125,8 @@ class GroupedMLP(FusedOperation):
         re-emitted for FC2's wgrad (one kernel where the plan fused the epilogue)."""
         op = self.activation
         if self.epilogue_status(backend, dy.dtype, dy.device)[0]:
+            if not op.gated:
+                return backend.act_fc2_dgrad(dy, w2, offs, h, op.act, probs)
             return backend.glu_fc2_dgrad(dy, w2, offs, h, op.glu_spec, probs)
         da = backend.grouped_mm(dy, w2, offs)  # [T, F]
         if op.gated:
@@ -200,6 +207,13 @@ class GroupedMLP(FusedOperation):
         bias_grads, dscales = fc.bias_grads(dout, offs, scales)
         weight_grads = fc.weight_grads(ctx, inp, dout, offs)
         return weight_grads + bias_grads, dscales
+
+
+# (FC1 kernel, FC2-dgrad kernel) with the activation in their epilogues, by `Activation.gated`
+_EPILOGUE_KERNELS = {
+    True: ("glu_fc1_forward", "glu_fc2_dgrad"),
+    False: ("act_fc1_forward", "act_fc2_dgrad"),
+}
 
 
 def _linear(fc: GroupedLinear, x: Tensor, w: Tensor, offs: Tensor, scales, backend) -> Tensor:
