@@ -45,6 +45,7 @@ SOURCE_FILES = (
     "ragged.py",
     "glu_epilogue.py",
     "glu_maths.py",
+    "bias_epilogue.py",
 )
 _VERSIONED_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
