@@ -45,6 +45,9 @@ def _configs() -> dict[str, object]:
         "glu_fc1_relu_il32": GluConfig("fc1", bf16, "k", "relu", 32, None),
         "glu_dgrad_gelu_il64": GluConfig("dgrad", bf16, "n", "gelu", 64, bf16),
         "glu_dgrad_silu192": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=192),
+        # per-expert biases (bias_epilogue.py)
+        "mm256_bias_scaled": GemmConfig("m", bf16, bf16, "k", bias_dtype=fp32, bias_scales=True),
+        "glu_fc1_silu_bias": GluConfig("fc1", bf16, "k", "silu", None, fp32, bias_dtype=bf16),
     }
 
 

@@ -273,3 +273,29 @@ def test_grouped_mlp_non_gated_epilogue_fusion_matches_reference(act, ffn):
     extras.append(splits)
     plan = _compare(model, x, extras, "cute", dtype)
     assert "activation fused into the FC1 and FC2-dgrad epilogues" in plan.forward[0].backend_reason
+
+
+@pytest.mark.skipif("cute" not in GPU_BACKENDS, reason="needs the cute backend (sm_90 + DSL)")
+@pytest.mark.parametrize("interleave", [None, 32])
+@pytest.mark.parametrize("scale_bias", [False, True])
+def test_grouped_mlp_biases_stay_in_the_epilogues(interleave, scale_bias):
+    """FC1 and FC2 biases (FC2's scaled per row by the router probs with scale_bias): FC1's bias
+    is added in the fused FC1 epilogue, FC2's in its GEMM's; everything matches float64."""
+    dtype = torch.bfloat16
+    sizes = [0, 37, 128, 3, 0, 91, 250, 7]
+    splits = torch.tensor(sizes, device="cuda")
+    e, h, f = len(sizes), 128, 256
+    model = te_seq.Sequential(
+        ops.GroupedLinear(e, h, 2 * f, device="cuda", dtype=dtype),
+        ops.ScaledSwiGLU(glu_interleave_size=interleave),
+        ops.GroupedLinear(e, f, h, scale_bias=scale_bias, device="cuda", dtype=dtype),
+    )
+    _randomize(model)
+    with torch.no_grad():  # biases well away from zero: a missing add would show
+        for _, b in model[0].named_biases() + model[2].named_biases():
+            b.copy_(torch.randn_like(b))
+    x = torch.randn(sum(sizes), h, device="cuda", dtype=dtype)
+    probs = torch.rand(sum(sizes), device="cuda", dtype=torch.float32)
+    extras = [splits, probs, splits] + ([probs] if scale_bias else [])
+    plan = _compare(model, x, extras, "cute", dtype)
+    assert "activation fused into the FC1 and FC2-dgrad epilogues" in plan.forward[0].backend_reason

@@ -59,6 +59,9 @@ class ActEpilogueBackend(reference.ReferenceBackend):
         return reference.act_backward(h, da * probs[:, None], act), a * probs[:, None], dprobs
 
 
+_BIAS_DECLINED = "an FC1 bias with a non-gated activation has no fused epilogue"
+
+
 @pytest.fixture
 def act_epi():
     backend = kernels.register_backend(ActEpilogueBackend())
@@ -124,7 +127,7 @@ def test_what_the_backend_declines_runs_after_the_gemms(act_epi):
     says why, and the kernels are not called."""
     erf = functools.partial(ops.GELU, approximate="none")
     for model, why in ((_model(erf), "FC1: no epilogue for 'gelu_erf'"),
-                       (_model(ops.ReLU, bias=True), "an FC1 bias has no fused epilogue")):
+                       (_model(ops.ReLU, bias=True), _BIAS_DECLINED)):
         _, _, plan = _run(model, "act_epi", False)
         assert plan.forward[0].backend_reason.endswith(f"activation after the GEMMs ({why})")
     assert act_epi.calls == []
@@ -144,7 +147,7 @@ def test_cute_plan_notes_give_the_kernel_reasons():
     assert "FC1: act 'gelu_erf' has no fused non-gated epilogue" in _cute_note(erf)
     assert "F=100 must be a multiple of 8" in _cute_note(ops.SiLU, ffn=100)
     assert "needs bf16/fp16" in _cute_note(ops.ReLU, dtype=torch.float32)
-    assert "an FC1 bias has no fused epilogue" in _cute_note(ops.ReLU, bias=True)
+    assert _BIAS_DECLINED in _cute_note(ops.ReLU, bias=True)
 
 
 def test_epilogue_table_covers_the_non_gated_ops():

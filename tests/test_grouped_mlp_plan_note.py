@@ -6,7 +6,7 @@ import torch
 
 import te_seq
 from te_seq import ops
-from te_seq.kernels import get_backend
+from te_seq.kernels import Backend, get_backend
 from te_seq.ops.fused import GroupedMLP
 
 CUTE = get_backend("cute")
@@ -30,7 +30,41 @@ def test_note_names_what_has_no_fused_epilogue():
     cpu = torch.device("cpu")
     erf_gelu = _mlp(lambda: ops.GELU(approximate="none")).plan_note(CUTE, torch.bfloat16, cpu)
     assert "act 'gelu_erf' has no fused non-gated epilogue" in erf_gelu
-    assert "an FC1 bias" in _mlp(ops.SwiGLU, bias=True).plan_note(CUTE, torch.bfloat16, cpu)
+    assert "an FC1 bias with a non-gated activation" in _mlp(ops.GELU, bias=True).plan_note(
+        CUTE, torch.bfloat16, cpu)
+    scaled = GroupedMLP([ops.GroupedLinear(4, 64, 256, scale_bias=True, dtype=torch.bfloat16),
+                         ops.SwiGLU(), ops.GroupedLinear(4, 128, 64, dtype=torch.bfloat16)])
+    note = scaled.plan_note(CUTE, torch.bfloat16, cpu)
+    assert "an FC1 bias scaled per row (scale_bias) has no fused epilogue" in note, note
+
+
+class _EpilogueEverywhere(Backend):
+    """Claims every kernel (records the facts FC1's epilogue is asked with)."""
+
+    name = "epilogue_everywhere"
+
+    def __init__(self):
+        self.asked = []
+
+    def implements(self, kernel):
+        return True
+
+    def supports(self, kernel, **static):
+        self.asked.append((kernel, static))
+        return True, ""
+
+
+def test_fc1_bias_keeps_the_fused_epilogue_and_is_asked_for():
+    backend = _EpilogueEverywhere()
+    cpu = torch.device("cpu")
+    note = _mlp(ops.SwiGLU, bias=True).plan_note(backend, torch.bfloat16, cpu)
+    assert note == "activation fused into the FC1 and FC2-dgrad epilogues", note
+    facts = dict(backend.asked)
+    assert facts["glu_fc1_forward"]["bias"] is True
+    assert "bias" not in facts["glu_fc2_dgrad"]
+    backend.asked.clear()
+    _mlp(ops.SwiGLU).plan_note(backend, torch.bfloat16, cpu)
+    assert "bias" not in dict(backend.asked)["glu_fc1_forward"]
 
 
 def test_note_gives_the_kernel_reason():

@@ -70,9 +70,19 @@ def split_offsets(split_sizes: Tensor, device: torch.device) -> Tensor:
     return torch.cumsum(sizes, 0, dtype=torch.int32)
 
 
-def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, backend: Backend) -> Tensor:
-    """out[rows of e] = a[rows of e] @ b[e]; a [M, K], b [E, K, N] -> [M, N]."""
-    return backend.grouped_mm(a, b, offs)
+def grouped_mm(
+    a: Tensor,
+    b: Tensor,
+    offs: Tensor,
+    backend: Backend,
+    bias: Tensor | None = None,
+    bias_scales: Tensor | None = None,
+) -> Tensor:
+    """out[rows of e] = a[rows of e] @ b[e] (+ s_t · bias[e]); a [M, K], b [E, K, N], bias
+    [E, N], bias_scales [M] -> [M, N]."""
+    if bias is None:
+        return backend.grouped_mm(a, b, offs)
+    return backend.grouped_mm(a, b, offs, bias=bias, bias_scales=bias_scales)
 
 
 def grouped_wgrad(
@@ -95,10 +105,19 @@ def grouped_wgrad(
 
 
 def glu_fc1_forward(
-    x: Tensor, w1t: Tensor, offs: Tensor, glu: GluSpec, probs: Tensor | None, backend: Backend
+    x: Tensor,
+    w1t: Tensor,
+    offs: Tensor,
+    glu: GluSpec,
+    probs: Tensor | None,
+    backend: Backend,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(h, a): h = x_e W1_eᵀ [M, 2F] and a = act(gate) · up (· probs) [M, F], one kernel."""
-    return backend.glu_fc1_forward(x, w1t, offs, glu, probs)
+    """(h, a): h = x_e W1_eᵀ (+ bias[e]) [M, 2F] and a = act(gate) · up (· probs) [M, F], one
+    kernel; bias [E, 2F] in h's columns."""
+    if bias is None:
+        return backend.glu_fc1_forward(x, w1t, offs, glu, probs)
+    return backend.glu_fc1_forward(x, w1t, offs, glu, probs, bias=bias)
 
 
 def glu_fc2_dgrad(

@@ -11,14 +11,19 @@ data's dtype, and `device`):
 
 | kernel | maths | facts |
 |---|---|---|
-| grouped_mm | out[rows of e] = a[rows of e] @ b[e]; a [M, K], b [E, K, N] | k, n |
+| grouped_mm | out[rows of e] = a[rows of e] @ b[e] (+ s_t·bias[e]); a [M, K], b [E, K, N] | k, n |
 | grouped_wgrad | out[e] = grad_out[rows of e]ᵀ @ x[rows of e] -> [E, N, K] | k, n |
-| glu_fc1_forward | h = x W1ᵀ, a = act(gate)·up(·probs), one fused kernel | hidden, ffn, glu |
+| glu_fc1_forward | h = x W1ᵀ (+ b1), a = act(gate)·up(·probs), 1 kernel | hidden, ffn, glu, bias |
 | glu_fc2_dgrad | dA = dY W2 through the GLU gradient, one fused kernel | hidden, ffn, glu |
 | act_fc1_forward | h = x W1ᵀ, a = act(h)(·probs) (non-gated), one fused kernel | hidden, ffn, act |
 | act_fc2_dgrad | dA = dY W2 through act'(h) (non-gated), one fused kernel | hidden, ffn, act |
 | act_forward, act_backward | y = f(x); dx = dy·f'(x) | act |
 | glu_forward, glu_backward | y = f(gate)·up(·scales); its gradient | glu |
+| group_col_sums | db[e] = Σ_{rows t of e} (s_t·) dout_t (bias gradients) | (every backend) |
+
+Biases: `grouped_mm(..., bias=[E, N], bias_scales=[M])` and `glu_fc1_forward(..., bias=[E, 2F])`
+add the per-expert bias to the fp32 accumulator before rounding; `Backend` supplies
+`group_col_sums` in plain PyTorch (``te_seq.kernels.bias``), which a backend may override.
 
 Adding a backend: one module with a `Backend` subclass and one `register_backend(...)` call
 (imported from `te_seq/kernels/__init__.py`, or by the user before use).
@@ -34,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from te_seq.kernels import bias as bias_maths
 from te_seq.kernels.activations import GluSpec
 
 AUTO = "auto"
@@ -90,7 +96,14 @@ class Backend:
         return NotImplementedError(f"backend {self.name!r} has no {kernel} kernel")
 
     # --- kernels ------------------------------------------------------------------------------
-    def grouped_mm(self, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    def grouped_mm(
+        self,
+        a: Tensor,
+        b: Tensor,
+        offs: Tensor,
+        bias: Tensor | None = None,
+        bias_scales: Tensor | None = None,
+    ) -> Tensor:
         raise self._missing("grouped_mm")
 
     def grouped_wgrad(
@@ -104,7 +117,13 @@ class Backend:
         raise self._missing("grouped_wgrad")
 
     def glu_fc1_forward(
-        self, x: Tensor, w1t: Tensor, offs: Tensor, glu: GluSpec, probs: Tensor | None = None
+        self,
+        x: Tensor,
+        w1t: Tensor,
+        offs: Tensor,
+        glu: GluSpec,
+        probs: Tensor | None = None,
+        bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         raise self._missing("glu_fc1_forward")
 
@@ -148,6 +167,11 @@ class Backend:
         probs: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         raise self._missing("act_fc2_dgrad")
+
+    def group_col_sums(self, dout: Tensor, offs: Tensor, scales: Tensor | None = None) -> Tensor:
+        """Per-expert column sums [E, N] (float32; float64 data: float64) of dout [M, N], rows
+        scaled by ``scales`` [M] if given: the bias gradients. Default: ``bias.group_col_sums``."""
+        return bias_maths.group_col_sums(dout, offs, scales)
 
     def __repr__(self) -> str:
         return f"<te_seq backend {self.name!r}>"

@@ -61,9 +61,12 @@ class CuteBackend(GpuBackend):
         return cute.supports_wgrad(_proxy(n, **where), _proxy(k, **where))  # dy [M, N], x [M, K]
 
     @staticmethod
-    def _supports_fc1(*, hidden: int, ffn: int, glu: GluSpec, **where: Any) -> tuple[bool, str]:
+    def _supports_fc1(
+        *, hidden: int, ffn: int, glu: GluSpec, bias: bool = False, **where: Any
+    ) -> tuple[bool, str]:
         x, w1t = _proxy(hidden, **where), _proxy(hidden, 2 * ffn, **where)  # [M, H], [E, H, 2F]
-        return cute.glu_fc1_forward.supports(x, w1t, glu.act, glu.glu_interleave_size)
+        b1 = _proxy(2 * ffn, **where) if bias else None  # [E, 2F] in the data's dtype
+        return cute.glu_fc1_forward.supports(x, w1t, glu.act, glu.glu_interleave_size, bias=b1)
 
     @staticmethod
     def _supports_dgrad(*, hidden: int, ffn: int, glu: GluSpec, **where: Any) -> tuple[bool, str]:
@@ -81,15 +84,15 @@ class CuteBackend(GpuBackend):
         return cute.act_fc2_dgrad.supports(dy, w2, act)
 
     # --- kernels ------------------------------------------------------------------------------
-    def grouped_mm(self, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-        return cute.grouped_mm(a, b, offs)
+    def grouped_mm(self, a, b, offs, bias=None, bias_scales=None) -> Tensor:
+        return cute.grouped_mm(a, b, offs, bias=bias, bias_scales=bias_scales)
 
     def grouped_wgrad(self, grad_out, x, offs, out=None, accumulate=False) -> Tensor:
         return cute.grouped_wgrad(grad_out, x, offs, out=out, accumulate=accumulate)
 
-    def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None) -> tuple[Tensor, Tensor]:
+    def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None, bias=None):
         il = glu.glu_interleave_size
-        return cute.glu_fc1_forward(x, w1t, offs, glu.act, il, probs, glu.params)
+        return cute.glu_fc1_forward(x, w1t, offs, glu.act, il, probs, glu.params, bias=bias)
 
     def glu_fc2_dgrad(self, dy, w2, offs, h, glu: GluSpec, probs=None):
         il = glu.glu_interleave_size

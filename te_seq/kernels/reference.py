@@ -22,20 +22,38 @@ def group_bounds(offs: Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
-    """Varlen-M grouped GEMM: ``out[rows of e] = a[rows of e] @ b[e]``.
+def grouped_mm(
+    a: Tensor,
+    b: Tensor,
+    offs: Tensor,
+    out_dtype: torch.dtype | None = None,
+    bias: Tensor | None = None,
+    bias_scales: Tensor | None = None,
+) -> Tensor:
+    """Varlen-M grouped GEMM: ``out[rows of e] = a[rows of e] @ b[e] (+ s_t · bias[e])``.
 
-    a: [M, K], b: [E, K, N] (any strides), offs: [E] int32 -> out: [M, N] in ``out_dtype``
-    (default ``a.dtype``). Products accumulate in float32 (float64 stays float64), as on the GPU.
-    Rows past ``offs[-1]`` are zero.
+    a: [M, K], b: [E, K, N] (any strides), offs: [E] int32, bias: [E, N] or None, bias_scales:
+    [M] or None (s_t, the bias scaled per row) -> out: [M, N] in ``out_dtype`` (default
+    ``a.dtype``). Products accumulate in float32 (float64 stays float64), as on the GPU; the bias
+    is added to the accumulator, then the sum is rounded once. Rows past ``offs[-1]`` are zero.
     """
     out_dtype = out_dtype or a.dtype
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
     out = torch.zeros(a.shape[0], b.shape[-1], dtype=out_dtype, device=a.device)
     for e, (start, end) in enumerate(group_bounds(offs)):
         if end > start:
-            out[start:end] = (a[start:end].to(acc) @ b[e].to(acc)).to(out_dtype)
+            rows = a[start:end].to(acc) @ b[e].to(acc)
+            if bias is not None:
+                rows = rows + _group_bias(bias[e], bias_scales, start, end, acc)
+            out[start:end] = rows.to(out_dtype)
     return out
+
+
+def _group_bias(bias_e: Tensor, scales: Tensor | None, start: int, end: int, acc) -> Tensor:
+    """b_e [N] (as [1, N]), or s_t · b_e [rows, N] with per-row scales."""
+    if scales is None:
+        return bias_e.to(acc)
+    return scales.reshape(-1)[start:end].to(acc).unsqueeze(-1) * bias_e.to(acc)
 
 
 def grouped_wgrad(
@@ -157,8 +175,8 @@ class ReferenceBackend(Backend):
     auto_device_types = None
     fallback = True
 
-    def grouped_mm(self, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-        return grouped_mm(a, b, offs)
+    def grouped_mm(self, a, b, offs, bias=None, bias_scales=None) -> Tensor:
+        return grouped_mm(a, b, offs, bias=bias, bias_scales=bias_scales)
 
     def grouped_wgrad(self, grad_out, x, offs, out=None, accumulate=False) -> Tensor:
         return grouped_wgrad(grad_out, x, offs, out=out, accumulate=accumulate)

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from te_seq.kernels.backend import register_backend
+from te_seq.kernels.bias import add_group_bias
 from te_seq.kernels.gpu_backend import GpuBackend
 
 _TILE = 64  # rows per tile of the tiled path
@@ -258,8 +259,9 @@ class TorchBackend(GpuBackend):
     def available(self) -> tuple[bool, str]:
         return available()
 
-    def grouped_mm(self, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-        return grouped_mm(a, b, offs)
+    def grouped_mm(self, a, b, offs, bias=None, bias_scales=None) -> Tensor:
+        # the bias goes on after the GEMM (in fp32, one more rounding of the GEMM's output)
+        return add_group_bias(grouped_mm(a, b, offs), bias, offs, bias_scales)
 
     def grouped_wgrad(self, grad_out, x, offs, out=None, accumulate=False) -> Tensor:
         return grouped_wgrad(grad_out, x, offs, out=out, accumulate=accumulate)

@@ -29,7 +29,10 @@ __all__ = ["TracedBackend", "traced"]
 # --- fake implementations: output shapes only ------------------------------------------------
 
 
-def _fake_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, backend: str) -> Tensor:
+def _fake_grouped_mm(
+    a: Tensor, b: Tensor, offs: Tensor, backend: str, bias: Tensor | None = None,
+    bias_scales: Tensor | None = None,
+) -> Tensor:
     return a.new_empty(a.shape[0], b.shape[2])  # [M, N]
 
 
@@ -45,7 +48,7 @@ def _fake_grouped_wgrad_into(
 
 def _fake_fc1(
     x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int | None,
-    probs: Tensor | None, params: list[float], backend: str,
+    probs: Tensor | None, params: list[float], backend: str, bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     width = w1t.shape[2]  # 2F
     return x.new_empty(x.shape[0], width), x.new_empty(x.shape[0], width // 2)
@@ -79,9 +82,15 @@ def _fake_act_fc2_dgrad(
 
 
 @kernel_op("te_seq::grouped_mm", fake=_fake_grouped_mm)
-def grouped_mm_op(a: Tensor, b: Tensor, offs: Tensor, backend: str) -> Tensor:
-    """out[rows of e] = a[rows of e] @ b[e]: a [M, K], b [E, K, N] -> [M, N]."""
-    return get_backend(backend).grouped_mm(a, b, offs)
+def grouped_mm_op(
+    a: Tensor, b: Tensor, offs: Tensor, backend: str, bias: Tensor | None = None,
+    bias_scales: Tensor | None = None,
+) -> Tensor:
+    """out[rows of e] = a[rows of e] @ b[e] (+ s_t·bias[e]): a [M, K], b [E, K, N] -> [M, N]."""
+    inner = get_backend(backend)
+    if bias is None:  # backends without bias support keep their plain signature
+        return inner.grouped_mm(a, b, offs)
+    return inner.grouped_mm(a, b, offs, bias=bias, bias_scales=bias_scales)
 
 
 @kernel_op("te_seq::grouped_wgrad", fake=_fake_grouped_wgrad)
@@ -101,12 +110,16 @@ def grouped_wgrad_into_op(
 @kernel_op("te_seq::glu_fc1_forward", fake=_fake_fc1)
 def glu_fc1_forward_op(
     x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int | None,
-    probs: Tensor | None, params: list[float], backend: str,
+    probs: Tensor | None, params: list[float], backend: str, bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(h [M, 2F], a [M, F]): FC1 with the GLU activation (`params`: its values) in its
-    epilogue."""
+    """(h [M, 2F], a [M, F]): FC1 (+ bias [E, 2F]) with the GLU activation (`params`: its
+    values) in its epilogue."""
     glu = GluSpec(act, interleave, tuple(params))
-    h, a = get_backend(backend).glu_fc1_forward(x, w1t, offs, glu, probs)
+    inner = get_backend(backend)
+    if bias is None:
+        h, a = inner.glu_fc1_forward(x, w1t, offs, glu, probs)
+    else:
+        h, a = inner.glu_fc1_forward(x, w1t, offs, glu, probs, bias=bias)
     return h, a
 
 
@@ -157,8 +170,8 @@ class TracedBackend(Backend):
     def supports(self, kernel: str, **static) -> tuple[bool, str]:
         return self.inner.supports(kernel, **static)
 
-    def grouped_mm(self, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-        return grouped_mm_op(a, b, offs, self.name)
+    def grouped_mm(self, a, b, offs, bias=None, bias_scales=None) -> Tensor:
+        return grouped_mm_op(a, b, offs, self.name, bias, bias_scales)
 
     def grouped_wgrad(self, grad_out, x, offs, out=None, accumulate=False) -> Tensor:
         if out is None:
@@ -166,9 +179,9 @@ class TracedBackend(Backend):
         grouped_wgrad_into_op(grad_out, x, offs, out, accumulate, self.name)
         return out
 
-    def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None) -> tuple[Tensor, Tensor]:
-        act, size = glu.act, glu.glu_interleave_size
-        return glu_fc1_forward_op(x, w1t, offs, act, size, probs, list(glu.params), self.name)
+    def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None, bias=None):
+        act, size, params = glu.act, glu.glu_interleave_size, list(glu.params)
+        return glu_fc1_forward_op(x, w1t, offs, act, size, probs, params, self.name, bias)
 
     def glu_fc2_dgrad(self, dy, w2, offs, h, glu: GluSpec, probs=None):
         act, size = glu.act, glu.glu_interleave_size

@@ -71,6 +71,7 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act) -> None
         fp32_dummy if probs is None else probs,
         fp32_dummy if dprobs is None else dprobs,
         mat_dummy.to(x.dtype) if h_in is None else h_in,
+        mat_dummy,  # no bias
     )
 
 

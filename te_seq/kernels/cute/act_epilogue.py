@@ -56,7 +56,7 @@ class ActGemmKernel(GluGemmKernel):
         # GluGemmKernel's own checks are about gate/up pairing: set its attributes directly
         GroupedGemmKernel.__init__(self, "m", (128, tile_n), cluster_mn)
         self.mode, self.act, self.interleave, self.has_probs = mode, act, None, has_probs
-        self.params = ()
+        self.params, self.has_bias = (), False
         self.epi_store_stages = store_stages
         if mode == "dgrad":  # store ring + one buffer that TMA fills with h, 1 mbarrier
             # the GLU dgrad's ring (2 store buffers): with the h buffer the mainloop keeps 4
@@ -76,9 +76,11 @@ class ActGemmKernel(GluGemmKernel):
         probs: cute.Tensor,  # [M] (unused without probs)
         dprobs: cute.Tensor,  # fp32 [M], accumulated (dgrad with probs)
         h_in: cute.Tensor,  # h [M, F] (dgrad)
+        bias: cute.Tensor,  # unused (the GLU kernel's argument list: no FC1 bias here)
         stream,
     ):
-        self._launch(a, b, c, offs, num_clusters, stream, b, (act_out, probs, dprobs, h_in))
+        epi_inputs = (act_out, probs, dprobs, h_in, bias)
+        self._launch(a, b, c, offs, num_clusters, stream, b, epi_inputs)
 
     # ---------------------------------------------------------------- device side
 
@@ -94,8 +96,9 @@ class ActGemmKernel(GluGemmKernel):
         self._store_group(ep.tiled_r2s, ep.tRS_sC, ep.warp, items, count)
 
     @cute.jit
-    def _fc1_epilogue(self, ep, t, count0):
-        """Per 32-column subtile: h (rounded) and a = f(h)(·p); returns #stores."""
+    def _fc1_epilogue(self, ep, t, count0, bias_tile=None):
+        """Per 32-column subtile: h (rounded) and a = f(h)(·p); returns #stores (``bias_tile``:
+        the GLU kernel's hook argument, always None here: no FC1 bias)."""
         size_rD = cute.size(ep.rD)
         num_sub = self.tile_mnk[1] // 32
         r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)

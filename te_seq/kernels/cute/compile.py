@@ -42,6 +42,8 @@ class GemmConfig:
     """Everything a compiled kernel is specialised on (no sizes: M, N, K, E are symbolic).
 
     varlen: "m" (grouped_mm) or "k" (grouped_wgrad). b_major: "k" or "n" (varlen "m" only).
+    bias_dtype: the per-expert bias [E, N] (varlen "m" only; None: no bias, the plain kernel);
+    bias_scales: the bias is scaled per row by an fp32 [M] tensor.
     """
 
     varlen: str
@@ -51,6 +53,8 @@ class GemmConfig:
     tile_n: int = 256
     cluster_mn: tuple[int, int] = (1, 2)
     accumulate: bool = False
+    bias_dtype: torch.dtype | None = None
+    bias_scales: bool = False
 
 
 @dataclass
@@ -88,7 +92,20 @@ def _fake_args(cfg: GemmConfig) -> tuple:
         out = make_fake_compact_tensor(
             c, (n_out, k_in, groups), stride_order=(1, 0, 2), assumed_align=16
         )
-    return a, b, out, offs, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    if cfg.bias_dtype is None:
+        return a, b, out, offs, cutlass.Int32(1), stream
+    return a, b, out, offs, cutlass.Int32(1), *_fake_bias(cfg.bias_dtype), stream
+
+
+def _fake_bias(dtype: torch.dtype) -> tuple:
+    """A fake bias [E, N] (row-major, element-aligned) and fp32 row scales [M]."""
+    b = _DTYPES[dtype]
+    bias = make_fake_compact_tensor(
+        b, (cute.sym_int32(), cute.sym_int32()), stride_order=(1, 0), assumed_align=b.width // 8
+    )
+    scales = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=4)
+    return bias, scales
 
 
 def tvm_ffi_available() -> bool:
@@ -131,6 +148,13 @@ def _compile(name: str, cfg: object, kernel: object, fake_args: tuple) -> Compil
 @functools.lru_cache(maxsize=None)
 def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     """The grouped GEMM for ``cfg``: compiled once per config, cached in memory and on disk."""
+    if cfg.bias_dtype is not None:
+        from .bias_epilogue import BiasGemmKernel
+
+        if cfg.varlen != "m" or cfg.accumulate:
+            raise ValueError(f"a bias needs varlen 'm' without accumulate, got {cfg}")
+        kernel = BiasGemmKernel((128, cfg.tile_n), cfg.cluster_mn, cfg.bias_scales)
+        return _compile("gemm", cfg, kernel, _fake_args(cfg))
     kernel = GroupedGemmKernel(
         cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, accumulate=cfg.accumulate
     )
@@ -160,6 +184,7 @@ class GluConfig:
     # the activation's float parameters, compile-time constants of the kernel; () is replaced
     # by the table's defaults, so the cache key always names the values compiled in
     params: tuple[float, ...] = ()
+    bias_dtype: torch.dtype | None = None  # fc1's per-expert bias [E, 2F] (None: no bias)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", param_values(self.act, self.params))
@@ -186,7 +211,8 @@ def _fake_glu_args(cfg: GluConfig) -> tuple:
     probs = make_fake_compact_tensor(p_dtype, (cute.sym_int32(),), assumed_align=p_dtype.width // 8)
     dprobs = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    return a, b, c, offs, cutlass.Int32(1), act_out, probs, dprobs, h_in, stream
+    bias = _fake_bias(getattr(cfg, "bias_dtype", None) or torch.bfloat16)[0]  # ActConfig: none
+    return a, b, c, offs, cutlass.Int32(1), act_out, probs, dprobs, h_in, bias, stream
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,6 +229,7 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.store_stages,
         cfg.tile_n,
         cfg.params,
+        cfg.bias_dtype is not None,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 

@@ -46,6 +46,7 @@ SOURCE_FILES = (
     "glu_epilogue.py",
     "glu_maths.py",
     "act_epilogue.py",
+    "bias_epilogue.py",
 )
 _VERSIONED_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 _NAME = re.compile(r"[a-z][a-z0-9_]*")

@@ -21,7 +21,9 @@ from .launch import (
     _num_sms,
     _row_major,
     _row_ok,
+    bias_problem,
     default_tiling,
+    row_scales,
     varlen_k_clusters,
     varlen_m_clusters,
 )
@@ -44,11 +46,16 @@ def _supports(
     return True, ""
 
 
-def supports(a: Tensor, b: Tensor) -> tuple[bool, str]:
-    """Whether ``grouped_mm(a, b, ...)`` can run on this backend, with the reason if not."""
+def supports(a: Tensor, b: Tensor, bias: Tensor | None = None) -> tuple[bool, str]:
+    """Whether ``grouped_mm(a, b, ..., bias=bias)`` can run on this backend, with the reason if
+    not (a bias must be [E, N] in bf16, fp16 or fp32)."""
     shapes_ok = a.dim() == 2 and b.dim() == 3 and a.shape[1] == b.shape[1]
     k, n = (b.shape[1], b.shape[2]) if shapes_ok else (0, 0)
-    return _supports((a, b), shapes_ok, "a [M, K] and b [E, K, N]", k, n)
+    ok, why = _supports((a, b), shapes_ok, "a [M, K] and b [E, K, N]", k, n)
+    if ok and bias is not None:
+        why = bias_problem(bias, b.shape[0], n, a.device)
+        ok = not why
+    return ok, why
 
 
 def supports_wgrad(grad_out: Tensor, x: Tensor) -> tuple[bool, str]:
@@ -59,15 +66,26 @@ def supports_wgrad(grad_out: Tensor, x: Tensor) -> tuple[bool, str]:
 
 
 def grouped_mm(
-    a: Tensor, b: Tensor, offs: Tensor, out: Tensor | None = None, *, tiling: Tiling | None = None
+    a: Tensor,
+    b: Tensor,
+    offs: Tensor,
+    out: Tensor | None = None,
+    *,
+    tiling: Tiling | None = None,
+    bias: Tensor | None = None,
+    bias_scales: Tensor | None = None,
 ) -> Tensor:
-    """Varlen-M grouped GEMM: ``out[rows of e] = a[rows of e] @ b[e]`` (fp32 accumulate).
+    """Varlen-M grouped GEMM: ``out[rows of e] = a[rows of e] @ b[e] (+ s_t · bias[e])``
+    (fp32 accumulate; the bias is added to the accumulator, then rounded once).
 
-    a: [M, K], b: [E, K, N] (either major: ``W.transpose(1, 2)`` or ``W``), offs: int32 [E]
+    a: [M, K], b: [E, K, N] (either major: ``W.transpose(1, 2)`` or ``W``), offs: int32 [E],
+    bias: [E, N] (bf16/fp16/fp32) or None, bias_scales: [M] floats (s_t) or None
     -> out: [M, N] in ``a.dtype``. Rows past ``offs[-1]`` are written as zeros, as in
-    ``reference.grouped_mm``. Raises ValueError when ``supports(a, b)`` is False.
+    ``reference.grouped_mm``. Raises ValueError when ``supports(a, b, bias)`` is False.
     """
-    ok, why = supports(a, b)
+    ok, why = supports(a, b, bias)
+    if bias_scales is not None and bias is None:
+        ok, why = False, "bias_scales given without a bias"
     if not ok:
         raise ValueError(f"cute grouped_mm: a {tuple(a.shape)}, b {tuple(b.shape)}: {why}")
     from .compile import GemmConfig, compile_gemm
@@ -86,9 +104,20 @@ def grouped_mm(
     a = _row_major(a)
     b_view, b_major = _b_view(b)
     t = tiling or default_tiling(n, MM_TILING)
-    kernel = compile_gemm(GemmConfig("m", a.dtype, a.dtype, b_major, t.tile_n, t.cluster_mn)).fn
+    scales = row_scales(bias_scales, rows, "grouped_mm")
+    cfg = GemmConfig(
+        "m", a.dtype, a.dtype, b_major, t.tile_n, t.cluster_mn,
+        bias_dtype=None if bias is None else bias.dtype, bias_scales=scales is not None,
+    )
+    kernel = compile_gemm(cfg).fn
     sms = _num_sms(a.device.index or 0)
-    kernel(a, b_view, out, offs, varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms))
+    clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)
+    if bias is None:
+        kernel(a, b_view, out, offs, clusters)
+    else:
+        if scales is None:  # the kernel reads no scales; its argument still needs a tensor
+            scales = torch.empty(1, dtype=torch.float32, device=a.device)
+        kernel(a, b_view, out, offs, clusters, bias.contiguous(), scales)
     return out
 
 

@@ -22,6 +22,7 @@ from .launch import (
     _num_sms,
     _row_major,
     available,
+    bias_problem,
     tile_n_for,
     varlen_m_clusters,
 )
@@ -33,9 +34,10 @@ _DUMMY: dict = {}
 
 
 def _supports(
-    x: Tensor, w: Tensor, act: str, interleave: int | None, fc1: bool
+    x: Tensor, w: Tensor, act: str, interleave: int | None, fc1: bool, bias: Tensor | None = None
 ) -> tuple[bool, str]:
-    """Shared checks; ``w`` is w1t [E, H, 2F] (fc1) or w2 [E, H, F] (dgrad)."""
+    """Shared checks; ``w`` is w1t [E, H, 2F] (fc1) or w2 [E, H, F] (dgrad); ``bias`` [E, 2F]
+    (fc1 only)."""
     if act not in _ACTS:
         return False, f"act {act!r} has no fused epilogue (only {_ACTS})"
     if x.dtype not in _AB_DTYPES or w.dtype != x.dtype:
@@ -52,6 +54,9 @@ def _supports(
         return False, f"glu_interleave_size={interleave} unsupported with F={f} (32, 64 or 128)"
     if not (x.is_cuda and w.is_cuda):
         return False, "needs CUDA tensors"
+    why = bias_problem(bias, w.shape[0], w.shape[2], x.device)
+    if why:
+        return False, why
     return available()
 
 
@@ -79,7 +84,8 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
     return (probs if probs.dtype in _PROBS_DTYPES else probs.float()).contiguous()
 
 
-def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params):
+def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params,
+            bias=None):
     from .compile import GluConfig, compile_glu
 
     rows, groups = x.shape[0], b.shape[0]
@@ -89,8 +95,10 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
     n = b.shape[2]
     # FC1's tiles pair 128 gate with 128 up columns; dgrad's width is free (N = F)
     tile_n = _FC1_TILE_N if mode == "fc1" else tile_n_for(n, _CLUSTER[1])
+    bias_dtype = None if bias is None else bias.dtype
     cfg = GluConfig(
-        mode, x.dtype, b_major, act, interleave, p_dtype, _CLUSTER, tile_n=tile_n, params=params
+        mode, x.dtype, b_major, act, interleave, p_dtype, _CLUSTER, tile_n=tile_n, params=params,
+        bias_dtype=bias_dtype,
     )
     kernel = compile_glu(cfg).fn
     fp32_dummy, mat_dummy = _dummy(x.device)
@@ -106,6 +114,7 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
         fp32_dummy if probs is None else probs,
         fp32_dummy if dprobs is None else dprobs,
         mat_dummy.to(x.dtype) if h_in is None else h_in,
+        mat_dummy if bias is None else bias,
     )
 
 
@@ -113,9 +122,12 @@ class _Fc1Forward:
     """``glu_fc1_forward(x, w1t, offs, act, interleave, probs, params) -> (h, a)``."""
 
     @staticmethod
-    def supports(x: Tensor, w1t: Tensor, act: str, interleave: int | None) -> tuple[bool, str]:
-        """(True, "") when the fused kernel handles these operands, else (False, why)."""
-        return _supports(x, w1t, act, interleave, fc1=True)
+    def supports(
+        x: Tensor, w1t: Tensor, act: str, interleave: int | None, bias: Tensor | None = None
+    ) -> tuple[bool, str]:
+        """(True, "") when the fused kernel handles these operands (and the bias [E, 2F] in
+        bf16, fp16 or fp32), else (False, why)."""
+        return _supports(x, w1t, act, interleave, fc1=True, bias=bias)
 
     def __call__(
         self,
@@ -126,12 +138,14 @@ class _Fc1Forward:
         interleave: int | None,
         probs: Tensor | None = None,
         params: tuple[float, ...] = (),
+        bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """h = x_e W1_eᵀ [M, 2F] (w1t = W1.transpose(1, 2) [E, H, 2F]) and
+        """h = x_e W1_eᵀ (+ bias[e], added to the fp32 accumulator; bias [E, 2F] in h's
+        columns) [M, 2F] (w1t = W1.transpose(1, 2) [E, H, 2F]) and
         a = act(gate)·up(·probs) [M, F] from the bf16 h, as ``reference.glu_forward(h, ...)``
         (``params``: the activation's float parameters, () for its defaults; each set of values
         compiles its own kernel). Rows past ``offs[-1]`` are zeros in h and a."""
-        ok, why = self.supports(x, w1t, act, interleave)
+        ok, why = self.supports(x, w1t, act, interleave, bias)
         if not ok:
             raise ValueError(
                 f"cute glu_fc1_forward: x {tuple(x.shape)}, w1t {tuple(w1t.shape)}: {why}"
@@ -141,7 +155,8 @@ class _Fc1Forward:
         h = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device)
         a = torch.empty(rows, f, dtype=x.dtype, device=x.device)
         if rows:
-            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params)
+            bias = None if bias is None else bias.contiguous()
+            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params, bias)
         return h, a
 
 

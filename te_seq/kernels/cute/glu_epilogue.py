@@ -10,6 +10,8 @@ with the epilogue hook ``_store_tile`` replaced:
 * ``"fc1"``: acc = x_e W1_eᵀ for 256 GEMM columns that hold 128 gate and the 128 matching up
   columns; writes h (its halves at their own columns of h) and a = act(gate)·up(·probs), the
   activation computed from the bf16-rounded h, as the reference does from the saved h.
+  With a bias (``has_bias``) h = x_e W1_eᵀ + b1_e: the bias [E, 2F] (h's columns) is added to
+  the fp32 accumulator before h is rounded (``bias_epilogue``).
   With halves, W1 is seen through a hierarchical view ((128, 2, F/128), H, E) (no copy) so GEMM
   column 256t + 128q + i is W1 row q·F + 128t + i. With blocks of s in {32, 64, 128} every
   256-column tile of W1 already holds whole gate/up block pairs, so W1 is read as it is.
@@ -37,6 +39,7 @@ from cutlass import Float32, Int32, const_expr
 
 from te_seq.kernels.activations import epilogue_activations, param_values
 
+from .bias_epilogue import BiasEpilogueMixin
 from .glu_maths import act_and_grad, up_and_grad
 from .grouped_gemm import GroupedGemmKernel
 from .ragged import _ragged_group, _ragged_view
@@ -57,7 +60,7 @@ class _GluTile(NamedTuple):
     a_out: tuple  # (TMA atom, smem, gmem) of a's stores
 
 
-class GluGemmKernel(GroupedGemmKernel):
+class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
     """Varlen-M grouped GEMM with a GLU epilogue (``mode`` "fc1" or "dgrad"); see the module."""
 
     def __init__(
@@ -70,6 +73,7 @@ class GluGemmKernel(GroupedGemmKernel):
         store_stages: int | None = None,
         tile_n: int = 256,
         params: tuple[float, ...] = (),
+        has_bias: bool = False,
     ):
         if mode not in ("fc1", "dgrad"):
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
@@ -82,6 +86,10 @@ class GluGemmKernel(GroupedGemmKernel):
         super().__init__("m", (128, tile_n), cluster_mn)
         self.mode, self.act, self.interleave, self.has_probs = mode, act, interleave, has_probs
         self.params = param_values(act, params)  # compile-time constants of the maths
+        if has_bias and mode != "fc1":
+            raise ValueError("GluGemmKernel: a bias is an fc1 option (dgrad has none)")
+        self.has_bias = has_bias
+        self.bias_halves = interleave is None  # GEMM columns are 128-column gate/up pairs
         self.epi_store_stages = store_stages
         if mode == "dgrad":  # store ring + gate/up buffers that TMA fills with h, 1 mbarrier
             # 2 store buffers keep 4 mainloop stages; 4 leave 3 (smem)
@@ -102,6 +110,7 @@ class GluGemmKernel(GroupedGemmKernel):
         probs: cute.Tensor,  # [M] (unused without probs)
         dprobs: cute.Tensor,  # fp32 [M], accumulated (dgrad with probs)
         h_in: cute.Tensor,  # h [M, 2F] (dgrad)
+        bias: cute.Tensor,  # [E, 2F] in h's columns (fc1 with has_bias; else unused)
         stream,
     ):
         b_view = b
@@ -114,10 +123,11 @@ class GluGemmKernel(GroupedGemmKernel):
                 stride=((s0, f * s0, 128 * s0), b.stride[1], b.stride[2]),
             )
             b_view = cute.make_tensor(b.iterator, layout)
-        self._launch(a, b, c, offs, num_clusters, stream, b_view, (act_out, probs, dprobs, h_in))
+        epi_inputs = (act_out, probs, dprobs, h_in, bias)
+        self._launch(a, b, c, offs, num_clusters, stream, b_view, epi_inputs)
 
     def _make_epi(self, c: cute.Tensor, epi_inputs: tuple) -> tuple:
-        act_out, probs, dprobs, h_in = epi_inputs
+        act_out, probs, dprobs, h_in, bias = epi_inputs
         tma_o, m_o = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
             _ragged_view(act_out, 0),
@@ -132,7 +142,9 @@ class GluGemmKernel(GroupedGemmKernel):
                 cute.slice_(self.c_smem, (None, None, 0)),
                 self.epi_tile,
             )
-        return (tma_o, m_o, act_out, probs, dprobs, tma_h, m_h)
+        # the bias goes to the kernel only when used: bias-free configs keep their parameters
+        used_bias = (bias,) if self.has_bias else ()
+        return (tma_o, m_o, act_out, probs, dprobs, tma_h, m_h, *used_bias)
 
     # ---------------------------------------------------------------- device side
 
@@ -160,7 +172,7 @@ class GluGemmKernel(GroupedGemmKernel):
     @cute.jit
     def _store_tile(self, ep, acc, group, m_tile, n_tile, row0, rows, epi_count):
         tm, tn, _ = self.tile_mnk
-        tma_o, m_o, act_out, probs, dprobs, tma_h, m_h = ep.epi
+        tma_o, m_o, act_out, probs, dprobs, tma_h, m_h = ep.epi[:7]
         f_dim = act_out.shape[1]
         # (row, col) in the tile of each accumulator value, in tRS_acc's order
         c_tile = cute.make_identity_tensor((tm, tn))
@@ -180,7 +192,10 @@ class GluGemmKernel(GroupedGemmKernel):
         a_out = (tma_o, *self._partition(tma_o, m_o, ep.sC, row0, rows))
         t = _GluTile(m_tile, n_tile, f_dim, row_base, tRS_c, r_p, h_out, a_out)
         if const_expr(self.mode == "fc1"):
-            count = self._fc1_epilogue(ep, t, epi_count)
+            bt = None
+            if const_expr(self.has_bias):
+                bt = self._bias_tile(ep, ep.epi[7], None, group, m_tile, n_tile, row0, f_dim)
+            count = self._fc1_epilogue(ep, t, epi_count, bt)
         else:
             count = self._dgrad_epilogue(ep, t, r_s, tma_h, m_h, epi_count)
             if const_expr(self.has_probs):
@@ -188,8 +203,9 @@ class GluGemmKernel(GroupedGemmKernel):
         return count
 
     @cute.jit
-    def _fc1_epilogue(self, ep, t, count0):
-        """h subtiles (gate and up of each pair) and the activation subtile; returns #stores."""
+    def _fc1_epilogue(self, ep, t, count0, bt):
+        """h subtiles (gate and up of each pair, + the bias where ``bt`` is its context) and the
+        activation subtile; returns #stores."""
         n_tile, f_dim, r_p = t.n_tile, t.f_dim, t.r_p
         size_rD = cute.size(ep.rD)
         ts = 128 if const_expr(self.interleave is None) else self.interleave
@@ -204,6 +220,9 @@ class GluGemmKernel(GroupedGemmKernel):
                 for v in cutlass.range_constexpr(size_rD):
                     ep.rD[v] = ep.tRS_acc[e * size_rD + v]
                     r_up[v] = ep.tRS_acc[eu * size_rD + v]
+                    if const_expr(bt is not None):
+                        ep.rD[v] = ep.rD[v] + self._bias_at(bt, e * size_rD + v)
+                        r_up[v] = r_up[v] + self._bias_at(bt, eu * size_rD + v)
                 ep.rD_out.store(ep.rD.load().to(self.c_dtype))
                 r_up_out.store(r_up.load().to(self.c_dtype))
                 # activation column block (of 32) and h column blocks of gate and up

@@ -134,3 +134,32 @@ def varlen_k_clusters(
     cm, cn = cluster_mn
     units = groups * -(-n // (_TILE_M * cm)) * -(-k // (tile_n * cn))
     return _persistent(units, cluster_mn, sms)
+
+
+_BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def bias_problem(bias: Tensor | None, groups: int, width: int, device: torch.device) -> str:
+    """Why a per-expert bias cannot go into a GEMM epilogue ("" when it can, or without one):
+    it must be [E, N] (E = ``groups``, N = ``width``) in bf16, fp16 or fp32 on ``device``."""
+    if bias is None:
+        return ""
+    if bias.dtype not in _BIAS_DTYPES:
+        return f"bias dtype {bias.dtype} unsupported (bf16, fp16 or fp32)"
+    if tuple(bias.shape) != (groups, width):
+        return f"bias must be [E, N] = [{groups}, {width}], got {tuple(bias.shape)}"
+    if bias.device != device:
+        return f"bias is on {bias.device}, the operands on {device}"
+    return ""
+
+
+def row_scales(scales: Tensor | None, rows: int, op: str) -> Tensor | None:
+    """Per-row scales as the contiguous fp32 [rows] tensor the kernels read (None stays None)."""
+    if scales is None:
+        return None
+    if scales.numel() != rows or not scales.is_floating_point():
+        raise ValueError(
+            f"cute {op}: bias_scales must hold one float per row ({rows}), "
+            f"got {tuple(scales.shape)} {scales.dtype}"
+        )
+    return scales.reshape(rows).float().contiguous()

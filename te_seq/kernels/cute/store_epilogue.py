@@ -89,11 +89,12 @@ class StoreEpilogueMixin:
             self._load_old_c(ep, loads, 1, epi_count)
 
     @cute.jit
-    def _epilogue(self, ep, gC, epi_count, old):
+    def _epilogue(self, ep, gC, epi_count, old, bias_tile=None):
         """Store the accumulators of one tile: per (tm x 32) subtile, (add the old C subtile,
-        which TMA loads into the extra smem block,) convert to the output type, copy to a ring of
-        smem buffers and TMA-store, ``epi_batch`` subtiles per pair of barriers; returns the
-        number of subtiles."""
+        which TMA loads into the extra smem block,) (add the bias: ``bias_epilogue``,
+        ``bias_tile`` its context,) convert to the output type, copy to a ring of smem buffers
+        and TMA-store, ``epi_batch`` subtiles per pair of barriers; returns the number of
+        subtiles."""
         gC_epi = cute.zipped_divide(gC, self.epi_tile)
         bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
             ep.tma_c, 0, cute.make_layout(1), cute.group_modes(ep.sC, 0, 2), gC_epi
@@ -114,6 +115,9 @@ class StoreEpilogueMixin:
                 e = b * batch + i
                 for v in cutlass.range_constexpr(size_rD):
                     ep.rD[v] = ep.tRS_acc[e * size_rD + v]
+                if const_expr(bias_tile is not None):
+                    for v in cutlass.range_constexpr(size_rD):
+                        ep.rD[v] = ep.rD[v] + self._bias_at(bias_tile, e * size_rD + v)
                 if const_expr(old is not None):
                     self._add_old_c(ep, loads, e, num_epi, epi_count)
                 outs[i].store(ep.rD.load().to(self.c_dtype))

@@ -5,6 +5,11 @@ expert), G experts, H hidden, F ffn width; FC1 maps H -> 2F for gated activation
 Saved for backward: x, the pre-activation h, the weights and the offsets; the activation is
 recomputed from h in backward (so the fused op keeps one [T, F] tensor less than the unfused
 chain, whose FC2 saves its input).
+
+Biases go to the GEMM kernels (``grouped_mm(..., bias=)``, ``glu_fc1_forward(..., bias=)``),
+which add them to the accumulator (the cute kernels in their epilogues); no [T, N] bias rows
+are built (except for scale_bias on backends without a bias epilogue). Bias gradients are
+``backend.group_col_sums`` of dY (FC2) and dH (FC1): one more read of each.
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from te_seq.core import fp8
+from te_seq.core import amp, fp8
 from te_seq.core.context import OperationContext
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.matcher import same_extra_input
 from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.kernels import as_rows
 from te_seq.kernels.backend import Backend, KernelNeed
+from te_seq.kernels.bias import bias_scale_grads
 from te_seq.ops.basic.activation import Activation
 from te_seq.ops.basic.grouped_linear import GroupedLinear
 from te_seq.ops.fused import _grouped_mlp_fp8
@@ -82,13 +88,19 @@ class GroupedMLP(FusedOperation):
         fc1_kernel, dgrad_kernel = _EPILOGUE_KERNELS[op.gated]
         if not backend.implements(fc1_kernel):
             return False, f"the {backend.name} backend has no fused activation epilogue"
-        if self.fc1.has_bias:
-            return False, "an FC1 bias has no fused epilogue"
+        if self.fc1.has_bias and not op.gated:
+            return False, "an FC1 bias with a non-gated activation has no fused epilogue"
+        if self.fc1.has_bias and self.fc1.scale_bias:
+            return False, "an FC1 bias scaled per row (scale_bias) has no fused epilogue"
         facts = dict(hidden=self.fc1.in_features, ffn=self.fc2.in_features)
         key, spec = ("glu", op.glu_spec) if op.gated else ("act", op.act)
         facts[key] = spec
-        for label, kernel in (("FC1", fc1_kernel), ("FC2 dgrad", dgrad_kernel)):
-            ok, why = backend.supports(kernel, dtype=dtype, device=device, **facts)
+        checks = (
+            ("FC1", fc1_kernel, {"bias": True} if self.fc1.has_bias else {}),
+            ("FC2 dgrad", dgrad_kernel, {}),
+        )
+        for label, kernel, extra in checks:
+            ok, why = backend.supports(kernel, dtype=dtype, device=device, **facts, **extra)
             if not ok:
                 return False, f"{label}: {why}"
         return True, ""
@@ -110,9 +122,13 @@ class GroupedMLP(FusedOperation):
         then the activation."""
         op = self.activation
         if self.epilogue_status(backend, x.dtype, x.device)[0]:
+            w1t = w1.transpose(1, 2)
             if not op.gated:
-                return backend.act_fc1_forward(x, w1.transpose(1, 2), offs, op.act, probs)
-            return backend.glu_fc1_forward(x, w1.transpose(1, 2), offs, op.glu_spec, probs)
+                return backend.act_fc1_forward(x, w1t, offs, op.act, probs)
+            bias = _bias(self.fc1, x.dtype)
+            if bias is None:  # backends without bias support keep their plain signature
+                return backend.glu_fc1_forward(x, w1t, offs, op.glu_spec, probs)
+            return backend.glu_fc1_forward(x, w1t, offs, op.glu_spec, probs, bias=bias)
         h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, backend)  # [T, 2F]
         if op.gated:
             return h, backend.glu_forward(h, op.glu_spec, probs)
@@ -183,10 +199,11 @@ class GroupedMLP(FusedOperation):
         probs = None if probs_in is None else probs_in.reshape(-1)
         dy = self.fc2.grad_rows(ctx2, grad_output)  # [T, H] in the GEMMs' compute dtype
         dh, a, dprobs = self._fc2_dgrad_act(dy, w2, offs, h, probs, ctx1.backend)  # [T, 2F], [T, F]
-        fc2_grads, ds2 = self._param_grads(self.fc2, ctx2, a, dy, offs, s2)
+        backend = ctx1.backend
+        fc2_grads, ds2 = self._param_grads(self.fc2, ctx2, a, dy, offs, s2, backend)
         fc1_grads, ds1 = [], None  # FC1's backward does not run: no gradient of it is needed
         if ctx1.requires_grad:
-            fc1_grads, ds1 = self._param_grads(self.fc1, ctx1, x, dh, offs, s1)
+            fc1_grads, ds1 = self._param_grads(self.fc1, ctx1, x, dh, offs, s1, backend)
         dx = None
         if ctx1.input_requires_grad:
             dx = self.fc1.input_grad(ctx1, ctx1.backend.grouped_mm(dh, w1, offs))  # dX = dH W1
@@ -202,9 +219,10 @@ class GroupedMLP(FusedOperation):
         dout: Tensor,
         offs: Tensor,
         scales: Tensor | None,
+        backend: Backend,
     ):
         """Weight grads through the gradient contract (dW_e = dOut_eᵀ In_e), bias grads at once."""
-        bias_grads, dscales = fc.bias_grads(dout, offs, scales)
+        bias_grads, dscales = _bias_grads(fc, dout, offs, scales, backend)
         weight_grads = fc.weight_grads(ctx, inp, dout, offs)
         return weight_grads + bias_grads, dscales
 
@@ -216,11 +234,36 @@ _EPILOGUE_KERNELS = {
 }
 
 
+def _bias(fc: GroupedLinear, dtype: torch.dtype) -> Tensor | None:
+    """The [G, N] bias in the GEMMs' compute dtype (None without bias)."""
+    bias = fc.stacked_bias()
+    return None if bias is None else amp.cast(bias, dtype)
+
+
 def _linear(fc: GroupedLinear, x: Tensor, w: Tensor, offs: Tensor, scales, backend) -> Tensor:
-    """x_e W_eᵀ (+ b_e, · s_t with scale_bias) over the experts' row blocks."""
-    y = backend.grouped_mm(x, w.transpose(1, 2), offs)
-    bias = fc.bias_rows(offs, x.shape[0], scales, x.dtype)
-    return y if bias is None else y + bias
+    """x_e W_eᵀ (+ b_e, · s_t with scale_bias) over the experts' row blocks, the bias added by
+    the GEMM kernel."""
+    bias = _bias(fc, x.dtype)
+    if bias is None:  # backends without bias support keep their plain signature
+        return backend.grouped_mm(x, w.transpose(1, 2), offs)
+    bias_scales = scales.reshape(-1) if fc.scale_bias else None
+    return backend.grouped_mm(x, w.transpose(1, 2), offs, bias=bias, bias_scales=bias_scales)
+
+
+def _bias_grads(fc: GroupedLinear, dout: Tensor, offs: Tensor, scales, backend: Backend):
+    """(grads of the bias parameters, grad of the scales): db_e = Σ_{t in e} dOut_t (· s_t) by
+    one segmented column sum, ds_t = dOut_t · b_e(t) with scale_bias."""
+    if not fc.has_bias:
+        return [], None
+    row_scales = scales.reshape(-1) if fc.scale_bias else None
+    sums = backend.group_col_sums(dout, offs, row_scales)  # [G, N] fp32 (fp64)
+    sums = sums.to(fc.named_biases()[0][1].dtype)
+    grads = [sums] if fc.single_grouped_bias else list(sums.unbind(0))
+    dscales = None
+    if row_scales is not None:
+        dscales = bias_scale_grads(dout, fc.stacked_bias(), offs).to(scales.dtype)
+        dscales = dscales.reshape(scales.shape)
+    return grads, dscales
 
 
 def _extra_grads(fc: GroupedLinear, dscales: Tensor | None) -> tuple:
