@@ -8,7 +8,8 @@ The epilogue adds the bias value of each accumulator to the fp32 accumulator bef
 rounding to the output type. Every thread reads the bias of its own accumulator columns once
 per tile, as the subtiles of the tile come through the epilogue (the same column twice: its
 two rows of an 8-row block, the second an L1 hit); loads past N (or past M for the scales) are
-clamped to the last element, and TMA drops those stores anyway.
+clamped to the last element, and TMA drops those stores anyway. Rows past the last expert (the
+virtual group E, whose output is zeros) get no bias.
 
 ``BiasEpilogueMixin`` holds the lookup (``_bias_at``); ``BiasGemmKernel`` is the plain varlen-M
 ``GroupedGemmKernel`` with the bias (FC2's forward y = a W2ᵀ + b2), and ``glu_epilogue`` uses
@@ -63,7 +64,11 @@ class BiasEpilogueMixin:
         else:
             col = bt.n_tile * self.tile_mnk[1] + c
         last_col = cute.size(bt.bias, mode=[1]) - 1
-        val = bt.bias[bt.group, cutlass.min(col, last_col)].to(Float32)
+        num_experts = cute.size(bt.bias, mode=[0])
+        # rows past offs[-1] form a virtual group E, written as zeros: no bias there
+        group = cutlass.min(bt.group, num_experts - 1)
+        val = bt.bias[group, cutlass.min(col, last_col)].to(Float32)
+        val = cutlass.select_(bt.group < num_experts, val, Float32(0.0))
         if const_expr(bt.scales is not None):
             last_row = cute.size(bt.scales) - 1
             val = val * bt.scales[cutlass.min(bt.row_base + r, last_row)].to(Float32)
