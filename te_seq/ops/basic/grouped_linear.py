@@ -260,6 +260,12 @@ class GroupedLinear(GradContractMixin, BasicOperation):
             checks.check_tensor(self, "scales", extra_inputs[1])
             checks.check_per_row(self, "scales", extra_inputs[1], input_)
 
+    def value_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
+        """Host split sizes' values (they may change in place between calls)."""
+        splits = extra_inputs[0]
+        if splits.device.type == "cpu" and not torch.compiler.is_compiling():
+            _check_host_split_values(checks.op_name(self), splits, rows_of(input_))
+
     def kernel_needs(self) -> list[KernelNeed]:
         """y = x Wᵀ (K=in, N=out), dX = dY W (K=out, N=in) and dW = dYᵀ X [N=out, K=in]."""
         k, n = self.in_features, self.out_features
