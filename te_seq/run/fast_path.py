@@ -49,12 +49,23 @@ def _extra_facts(flat: Sequence[Any]) -> tuple | None:
             fact = (type(item),)
         else:
             return None
-        label = next((i for i, r in enumerate(seen) if same_extra_input(r, item)), None)
-        if label is None:
-            label = len(seen)
-            seen.append(item)
-        facts.append((label, fact))
+        facts.append((_sameness_label(seen, item), fact))
     return tuple(facts)
+
+
+def _sameness_label(seen: list[Any], item: Any) -> int:
+    """The index of `item`'s class under `same_extra_input` among `seen` (one representative
+    per class; appended if new). Identity first: only host integer tensors can be the same
+    without being one object."""
+    for i, r in enumerate(seen):
+        if r is item:
+            return i
+    if isinstance(item, Tensor) and item.device.type == "cpu" and not item.is_floating_point():
+        for i, r in enumerate(seen):
+            if same_extra_input(r, item):
+                return i
+    seen.append(item)
+    return len(seen) - 1
 
 
 def call_signature(

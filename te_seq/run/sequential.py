@@ -108,7 +108,10 @@ class Sequential(torch.nn.Sequential):
                 plans.append(run.last_plan)
             else:
                 x = run(x)
-        self._last_plan = self._joined_plan(plans)
+        joined = self._joined_plan(plans)
+        # nn.Module.__setattr__ costs on every call; a traced call must not read the old one
+        if torch.compiler.is_compiling() or joined is not self._last_plan:
+            self._last_plan = joined
         return (x, *extra_outputs) if extra_outputs else x
 
     def _per_op_extra_inputs(self, extra_inputs: tuple) -> list[tuple]:

@@ -337,13 +337,16 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         return ForwardWeights.take("GroupedLinear", self.named_weights())
 
     def saved_record(
-        self, input_: Tensor, compute_dtype: torch.dtype | None = None
+        self, input_: Tensor, compute_dtype: torch.dtype | None = None,
+        shape: torch.Size | None = None,
     ) -> GroupedLinearSaved:
         """The one definition of the record this op's forward leaves in `ctx.saved` (its
         tensors are x [T, K], the [G, N, K] weight in `compute_dtype`, the offsets and the
-        scales); `input_` (or a stand-in of its shape and dtype) is the op's input."""
+        scales); `input_` (or a stand-in of its shape and dtype) is the op's input; `shape`,
+        if given, is the input's shape (`input_` then only gives its dtype)."""
+        shape = input_.shape if shape is None else shape
         return GroupedLinearSaved(
-            input_.shape, self.forward_weights(), input_.dtype, compute_dtype or input_.dtype
+            shape, self.forward_weights(), input_.dtype, compute_dtype or input_.dtype
         )
 
     def grad_rows(self, ctx: OperationContext, grad_output: Tensor) -> Tensor:

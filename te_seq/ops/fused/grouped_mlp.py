@@ -165,8 +165,8 @@ class GroupedMLP(FusedOperation):
                 x, h, w1, w2, offs, extras.probs, extras.fc1_scales, extras.fc2_scales
             )
             ctx.saved = self.fc1.saved_record(input_, x.dtype)
-            fc2_input = a.new_empty(()).expand(*input_.shape[:-1], self.fc2.in_features)
-            basic_op_ctxs[2].saved = self.fc2.saved_record(fc2_input, x.dtype)
+            fc2_shape = torch.Size((*input_.shape[:-1], self.fc2.in_features))  # a's, unflattened
+            basic_op_ctxs[2].saved = self.fc2.saved_record(a, x.dtype, shape=fc2_shape)
         return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
 
     # --- backward -----------------------------------------------------------------------------
