@@ -6,6 +6,14 @@ it is launched, so the host time before the first kernel is what a single call p
 the kernels; `--first-kernel` reports that directly, from the profiler's first kernel launch.
 
   python benchmarks/profile_host.py --shape Q --backend cute [--compile] [--top 30]
+
+`--device cpu` measures the same Sequential's Python overhead without a GPU: tiny shape "U"
+(E=4, H=32, F=24, 128 rows), float32, the "torch" backend by default, one CPU thread (kernel time
+is small and steady there, so what changes is te_seq's own host time); it prints µs per forward,
+per forward+backward and without grad, cProfile's primitive calls per forward, and the same
+forward written as plain torch ops (the floor no wrapper can beat):
+
+  python benchmarks/profile_host.py --device cpu [--backend reference] [--iters 2000]
 """
 
 from __future__ import annotations
@@ -63,7 +71,8 @@ def profile(fn, iters: int, top: int) -> None:
     prof = cProfile.Profile()
     spent = 0.0
     for _ in range(iters):
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         prof.enable()
         fn()
@@ -74,14 +83,78 @@ def profile(fn, iters: int, top: int) -> None:
     pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
 
 
+def primitive_calls(fn, iters: int = 50) -> float:
+    """Python function calls (cProfile's primitive calls) per call of `fn`."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    return pstats.Stats(prof).prim_calls / iters
+
+
+def plain_torch_forward(case):
+    """The same forward as plain torch ops (offsets, two torch._grouped_mm, the scaled SwiGLU)."""
+    x = case.x.detach().requires_grad_()
+    w1 = case.w1.detach().requires_grad_()
+    w2 = case.w2.detach().requires_grad_()
+    probs = case.probs.detach().requires_grad_()
+
+    def forward():
+        offs = torch.cumsum(case.split_sizes, 0, dtype=torch.int32)
+        gate, up = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        a = torch.nn.functional.silu(gate) * up * probs[:, None]
+        return torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+
+    return forward
+
+
+def main_cpu(args) -> None:
+    """The CPU proxy of the host time (module docstring)."""
+    torch.set_num_threads(1)  # one thread: steady kernel times on a shared machine
+    device = torch.device("cpu")
+    case = make_case(args.shape, device, torch.float32)
+    mlp, forward = build(case, args.backend)
+
+    def forward_backward():
+        forward().sum().backward()
+
+    for _ in range(20):
+        forward_backward()
+    print(mlp.fusion_plan())
+    best = {}
+    for _ in range(5):  # the best of 5 medians: the least disturbed by other processes
+        for name, fn in (("forward", forward), ("forward+backward", forward_backward)):
+            best[name] = min(best.get(name, 1e9), time_host(fn, args.iters, device) * 1e3)
+        with torch.no_grad():
+            best["forward (no_grad)"] = min(best.get("forward (no_grad)", 1e9),
+                                            time_host(forward, args.iters, device) * 1e3)
+        plain = plain_torch_forward(case)
+        best["plain torch forward"] = min(best.get("plain torch forward", 1e9),
+                                          time_host(plain, args.iters, device) * 1e3)
+    for name, us in best.items():
+        print(f"{name:24s} {us:8.1f} us")
+    print(f"calls per forward: {primitive_calls(forward):.0f}, "
+          f"per forward+backward: {primitive_calls(forward_backward):.0f}")
+    profile(forward, args.iters, args.top)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="Q")
-    p.add_argument("--backend", default="cute")
-    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--shape", default=None, help='default "Q" on cuda, "U" on cpu')
+    p.add_argument("--backend", default=None, help='default "cute" on cuda, "torch" on cpu')
+    p.add_argument("--iters", type=int, default=None, help="default 200 on cuda, 2000 on cpu")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) too")
     args = p.parse_args()
+    cpu = args.device == "cpu"
+    args.shape = args.shape or ("U" if cpu else "Q")
+    args.backend = args.backend or ("torch" if cpu else "cute")
+    args.iters = args.iters or (2000 if cpu else 200)
+    if cpu:
+        main_cpu(args)
+        return
     device = torch.device("cuda")
     case = make_case(args.shape, device, torch.bfloat16)
     mlp, forward = build(case, args.backend)

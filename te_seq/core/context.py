@@ -101,6 +101,9 @@ class OperationContext:
         saved_versions: their version counters when saved; the fuser checks them before handing
             them to autograd (an in-place write in between would corrupt the gradient unseen).
         saved_tensors: those tensors again, during backward.
+        signature_checked: this call's signature (shapes, dtypes, devices, requires_grad, the
+            ops' attributes...) passed the input checks before (run/fast_path.py): a fused op
+            checking its inner ops may run only their `value_checks`.
     """
 
     requires_grad: bool = False
@@ -115,6 +118,7 @@ class OperationContext:
     to_save: tuple[Tensor | None, ...] = ()
     saved_versions: tuple[int, ...] = ()
     saved_tensors: tuple[Tensor | None, ...] = ()
+    signature_checked: bool = False
 
     def __post_init__(self) -> None:
         # The default is filled here, not in the field: torch.compile (torch 2.11) cannot trace a

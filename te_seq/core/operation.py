@@ -30,9 +30,22 @@ __all__ = [
     "OperationContext",
     "ParamGrads",
     "is_te_seq_class",
+    "no_value_checks",
+    "op_state_version",
 ]
 
 ParamGrads = Sequence[Tensor | None]
+
+
+# Bumped whenever an attribute of any basic op is set or deleted (its settings, `training`, a
+# Parameter replaced, even its class): the fuser's steady-state fast path (run/fast_path.py)
+# reuses what it validated only while this is unchanged.
+_state_version = [0]
+
+
+def op_state_version() -> int:
+    """The count of attribute writes to basic ops so far (see `_state_version`)."""
+    return _state_version[0]
 
 
 def is_te_seq_class(cls: type) -> bool:
@@ -86,6 +99,25 @@ class FusibleOperation(torch.nn.Module):
         Returns (grad of input, parameter grads per basic op, extra-input grads per basic op).
         """
         raise NotImplementedError(f"{type(self).__name__} has no backward implementation")
+
+
+def no_value_checks(op: BasicOperation, input_: Tensor, extra_inputs: tuple) -> None:
+    """`value_checks` of an op whose checks read only the call's signature: nothing to do."""
+
+
+_SPLIT_CHECKS: dict[type, bool] = {}
+
+
+def _splits_checks(cls: type) -> bool:
+    """Whether `cls`'s `value_checks` comes from the class that defines its `pre_forward_checks`
+    or a subclass of it (so it knows which of those checks read values)."""
+    known = _SPLIT_CHECKS.get(cls)
+    if known is None:
+        mro = cls.__mro__
+        checks_owner = next(c for c in mro if "pre_forward_checks" in c.__dict__)
+        values_owner = next(c for c in mro if "value_checks" in c.__dict__)
+        known = _SPLIT_CHECKS[cls] = issubclass(values_owner, checks_owner)
+    return known
 
 
 class BasicOperation(FusibleOperation):
@@ -144,8 +176,37 @@ class BasicOperation(FusibleOperation):
         module tree (measured: most of the fuser's host time for 128 experts' weights)."""
         return [p for p in self._parameters.values() if p is not None]
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        _state_version[0] += 1
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        _state_version[0] += 1
+        super().__delattr__(name)
+
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple[Tensor, ...]) -> None:
         """Validate the call's input before anything runs; raise ValueError naming the op."""
+
+    def value_checks(self, input_: Tensor, extra_inputs: tuple[Tensor, ...]) -> None:
+        """The part of `pre_forward_checks` that reads more than the call's signature (shapes,
+        dtypes, devices, requires_grad, the op's attributes), e.g. host tensors' values: run on
+        every call, also where the fuser's fast path skips the rest (a call whose signature
+        passed the checks before). Default: all of `pre_forward_checks`."""
+        self.pre_forward_checks(input_, extra_inputs)
+
+    def forward_checks(self, input_: Tensor, extra_inputs: tuple, signature_checked: bool) -> None:
+        """`pre_forward_checks`, or only `value_checks` where this call's signature passed them
+        before and the class that defines `value_checks` also defines the checks it splits (a
+        subclass that overrides `pre_forward_checks` alone is checked in full every call)."""
+        if signature_checked and _splits_checks(type(self)):
+            self.value_checks(input_, extra_inputs)
+        else:
+            self.pre_forward_checks(input_, extra_inputs)
+
+    def checks_read_only_signature(self) -> bool:
+        """Whether all of this op's input checks read only the call's signature (so a call
+        whose signature passed them before needs none: see `forward_checks`)."""
+        return _splits_checks(type(self)) and type(self).value_checks is no_value_checks
 
     def pre_backward_checks(self, ctx: OperationContext) -> None:
         """Validate, before any backward step of the call runs, what this op's backward will

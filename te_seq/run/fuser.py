@@ -26,7 +26,7 @@ from te_seq.fusion.registry import registry_version
 from te_seq.kernels import backend as kernel_backends
 from te_seq.kernels.backend import Backend, BackendChoice
 from te_seq.kernels.traced import traced
-from te_seq.run import compiled
+from te_seq.run import compiled, fast_path
 from te_seq.run.channels import ChannelLink, channel_links, feed_channels, route_channel_grads
 from te_seq.run.op_kwargs import kwargs_signature
 from te_seq.run.step_checks import checked_backward, checked_forward
@@ -109,6 +109,8 @@ class Fuser:
         self.last_plan: FusionPlan | None = None
         self.compiled_plans: list[tuple[tuple, RunPlan]] = []  # (key, plan) found while tracing
         self.compile_token = compiled.token_for(self)
+        self._fast: fast_path.FastEntry | None = None  # the last full-path call's decisions
+        self.fast_calls = 0  # calls that took the fast path (run/fast_path.py)
 
     def __setstate__(self, state: dict) -> None:
         """A copy (deepcopy, pickle) gets a compile token of its own."""
@@ -232,11 +234,31 @@ class Fuser:
         op_kwargs: list[dict] | None = None,
     ) -> tuple[Tensor, list[tuple]]:
         autocast = AutocastState.current(input_.device)
+        signature = None
+        if op_kwargs is None:
+            signature = fast_path.call_signature(self.ops, input_, extra, autocast)
+        entry = self._fast
+        if signature is not None and entry is not None and entry.signature == signature:
+            self.fast_calls += 1
+            self.last_plan = entry.plan.public
+            return self._run(entry.plan, entry.contexts(call_inputs, autocast), input_, extra,
+                             entry.with_backward, False, autocast, None, entry.counts)
         ctxs = new_contexts(self.ops, input_, extra, call_inputs, autocast)
         with_backward = any(ctx.requires_grad for ctx in ctxs)
         plan = self.plan(input_, extra, with_backward, autocast, op_kwargs)
         self.last_plan = plan.public
-        return self._run(plan, ctxs, input_, extra, with_backward, False, autocast, op_kwargs)
+        self._fast = None
+        counts = self._counts(extra)
+        result = self._run(plan, ctxs, input_, extra, with_backward, False, autocast, op_kwargs,
+                           counts)
+        if signature is not None:  # checked and run: the next identical call may reuse it
+            self._fast = fast_path.FastEntry.remember(signature, plan, ctxs, counts)
+        return result
+
+    def _counts(self, extra: list[tuple]) -> tuple[list[int], list[int], list[ChannelLink]]:
+        """(extra inputs per op, parameters per op, channel links) of a call's extra inputs."""
+        return ([len(e) for e in extra], [len(op.fuser_parameters()) for op in self.ops],
+                channel_links(extra, self.offset))
 
     def _run_traced(
         self, input_: Tensor, extra: list[tuple], call_inputs: CallInputs | None = None
@@ -258,20 +280,12 @@ class Fuser:
 
     def _run(
         self, plan: RunPlan, ctxs, input_, extra, with_backward: bool, traced: bool, autocast,
-        op_kwargs: list[dict] | None = None,
+        op_kwargs: list[dict] | None = None, counts: tuple | None = None,
     ):
-        call = _Call(
-            plan,
-            self.ops,
-            ctxs,
-            [len(e) for e in extra],
-            [len(op.fuser_parameters()) for op in self.ops],
-            traced=traced,
-            offset=self.offset,
-            autocast=autocast,
-            links=channel_links(extra, self.offset),
-            op_kwargs=op_kwargs,
-        )
+        """Run `plan`; `counts`: `_counts(extra)` where the caller has it already."""
+        counts = counts or self._counts(extra)
+        call = _Call(plan, self.ops, ctxs, counts[0], counts[1], traced=traced,
+                     offset=self.offset, autocast=autocast, links=counts[2], op_kwargs=op_kwargs)
         extra = [tuple(None if isinstance(t, ChannelRef) else t for t in group)
                  for group in extra]  # bound slots are filled in as their publishers run
         if not with_backward:
@@ -379,7 +393,7 @@ def _forward_step(
     ctxs = _step_contexts(call, seg, backend)
     # The first op of a segment is checked here; a fused op checks its inner ops' inputs.
     first = seg.positions[0]
-    call.ops[first].pre_forward_checks(x, extra[first])
+    call.ops[first].forward_checks(x, extra[first], ctxs[0].signature_checked)
     call.input_shapes[first] = x.shape
     result = seg.op.fuser_forward(
         ctxs,

@@ -68,6 +68,7 @@ class Sequential(torch.nn.Sequential):
             _check_no_forward_override(flat)
             self._channels = resolve_channels([m for m in flat if isinstance(m, BasicOperation)])
             self._runs, self._runs_key = _split_runs(flat), key
+            self._extra_slots = None  # which extra input each op gets: per count, see below
 
     def _current_runs(self) -> list[Run]:
         if torch.compiler.is_compiling():
@@ -86,7 +87,7 @@ class Sequential(torch.nn.Sequential):
                                                    op_kwargs=op_kwargs)
         runs = self._current_runs()
         channels = self._channels
-        per_op = _distribute_extra_inputs(self.basic_ops(), extra_inputs, channels.inputs)
+        per_op = self._per_op_extra_inputs(extra_inputs)
         kwargs = split_op_kwargs(self.basic_ops(), op_kwargs) if op_kwargs else None
         call_inputs = CallInputs(input_, extra_inputs, self.parameters)
         x, extra_outputs, plans, used = input_, [], [], 0
@@ -107,8 +108,26 @@ class Sequential(torch.nn.Sequential):
                 plans.append(run.last_plan)
             else:
                 x = run(x)
-        self._last_plan = self._joined_plan(plans)
+        joined = self._joined_plan(plans)
+        # nn.Module.__setattr__ costs on every call; a traced call must not read the old one
+        if torch.compiler.is_compiling() or joined is not self._last_plan:
+            self._last_plan = joined
         return (x, *extra_outputs) if extra_outputs else x
+
+    def _per_op_extra_inputs(self, extra_inputs: tuple) -> list[tuple]:
+        """`_distribute_extra_inputs` of this call: checked once per structure and count of
+        extra inputs, then reused as the position each op's slot takes (or its ChannelRef)."""
+        count = len(extra_inputs)
+        tracing = torch.compiler.is_compiling()  # then real Python, nothing read or kept
+        slots = None if tracing else getattr(self, "_extra_slots", None)
+        if slots is None or slots[0] != count:
+            layout = _distribute_extra_inputs(self.basic_ops(), tuple(range(count)),
+                                              self._channels.inputs)
+            slots = (count, layout)
+            if not tracing:
+                self._extra_slots = slots
+        return [tuple(extra_inputs[i] if isinstance(i, int) else i for i in op_slots)
+                for op_slots in slots[1]]
 
     def _joined_plan(self, plans: list[FusionPlan]) -> FusionPlan:
         """The whole plan; the same object as last call when no run's cached plan changed.

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from te_seq.core import checks
 from te_seq.core.context import OperationContext
-from te_seq.core.operation import BasicOperation
+from te_seq.core.operation import BasicOperation, no_value_checks
 from te_seq.kernels.activations import ACTIVATIONS, GluSpec
 from te_seq.kernels.backend import KernelNeed
 
@@ -33,6 +33,8 @@ class Activation(BasicOperation):
 
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
         checks.check_floating(self, input_)
+
+    value_checks = no_value_checks  # its checks read only the call's signature
 
     def kernel_needs(self) -> list[KernelNeed]:
         if self.act not in ACTIVATIONS:  # a user op with its own maths: nothing to choose
@@ -102,6 +104,8 @@ class GatedActivation(Activation):
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
         checks.check_floating(self, input_)
         checks.check_even_last_dim(self, input_, self.glu_interleave_size)
+
+    value_checks = no_value_checks  # its checks read only the call's signature
 
     def op_forward(self, ctx: OperationContext, input_: Tensor) -> Tensor:
         if ctx.requires_grad:

@@ -260,6 +260,12 @@ class GroupedLinear(GradContractMixin, BasicOperation):
             checks.check_tensor(self, "scales", extra_inputs[1])
             checks.check_per_row(self, "scales", extra_inputs[1], input_)
 
+    def value_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
+        """Host split sizes' values (they may change in place between calls)."""
+        splits = extra_inputs[0]
+        if splits.device.type == "cpu" and not torch.compiler.is_compiling():
+            _check_host_split_values(checks.op_name(self), splits, rows_of(input_))
+
     def kernel_needs(self) -> list[KernelNeed]:
         """y = x Wᵀ (K=in, N=out), dX = dY W (K=out, N=in) and dW = dYᵀ X [N=out, K=in]."""
         k, n = self.in_features, self.out_features
@@ -331,13 +337,16 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         return ForwardWeights.take("GroupedLinear", self.named_weights())
 
     def saved_record(
-        self, input_: Tensor, compute_dtype: torch.dtype | None = None
+        self, input_: Tensor, compute_dtype: torch.dtype | None = None,
+        shape: torch.Size | None = None,
     ) -> GroupedLinearSaved:
         """The one definition of the record this op's forward leaves in `ctx.saved` (its
         tensors are x [T, K], the [G, N, K] weight in `compute_dtype`, the offsets and the
-        scales); `input_` (or a stand-in of its shape and dtype) is the op's input."""
+        scales); `input_` (or a stand-in of its shape and dtype) is the op's input; `shape`,
+        if given, is the input's shape (`input_` then only gives its dtype)."""
+        shape = input_.shape if shape is None else shape
         return GroupedLinearSaved(
-            input_.shape, self.forward_weights(), input_.dtype, compute_dtype or input_.dtype
+            shape, self.forward_weights(), input_.dtype, compute_dtype or input_.dtype
         )
 
     def grad_rows(self, ctx: OperationContext, grad_output: Tensor) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from te_seq.core import checks
+from te_seq.core.operation import no_value_checks
 from te_seq.ops.basic.swiglu import SwiGLU
 
 
@@ -39,6 +40,8 @@ class ScaledSwiGLU(SwiGLU):
         super().pre_forward_checks(input_, extra_inputs)
         checks.check_tensor(self, "scales", extra_inputs[0])
         checks.check_per_row(self, "scales", extra_inputs[0], input_)
+
+    value_checks = no_value_checks  # its checks read only the call's signature
 
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
         ctx = basic_op_ctxs[0]

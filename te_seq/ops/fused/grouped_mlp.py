@@ -174,10 +174,12 @@ class GroupedMLP(FusedOperation):
                                          basic_op_extra_inputs)
             return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
         probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]
-        h_like = x.new_empty(()).expand(x.shape[0], self.fc1.out_features)  # shape only, no memory
-        self.activation.pre_forward_checks(h_like, basic_op_extra_inputs[1])
+        seen = ctx.signature_checked  # the inner ops' checks that read only it passed before
+        if not (seen and self.activation.checks_read_only_signature()):
+            h_like = x.new_empty(()).expand(x.shape[0], self.fc1.out_features)  # shape only
+            self.activation.forward_checks(h_like, basic_op_extra_inputs[1], seen)
         h, a = self._fc1_act(x, w1, offs, extras, probs, ctx.backend)  # [T, 2F], [T, F]
-        self.fc2.pre_forward_checks(a, basic_op_extra_inputs[2])
+        self.fc2.forward_checks(a, basic_op_extra_inputs[2], seen)
         y = _linear(self.fc2, a, w2, offs, extras.fc2_scales, ctx.backend)  # [T, H]
         # Saved when any of the three ops' backward runs: with FC1 frozen and an input that needs
         # no gradient only the activation (router probs) or FC2 may need one.
@@ -186,8 +188,8 @@ class GroupedMLP(FusedOperation):
                 x, h, w1, w2, offs, extras.probs, extras.fc1_scales, extras.fc2_scales
             )
             ctx.saved = self.fc1.saved_record(input_, x.dtype)
-            fc2_input = a.new_empty(()).expand(*input_.shape[:-1], self.fc2.in_features)
-            basic_op_ctxs[2].saved = self.fc2.saved_record(fc2_input, x.dtype)
+            fc2_shape = torch.Size((*input_.shape[:-1], self.fc2.in_features))  # a's, unflattened
+            basic_op_ctxs[2].saved = self.fc2.saved_record(a, x.dtype, shape=fc2_shape)
         return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
 
     # --- backward -----------------------------------------------------------------------------
