@@ -121,14 +121,13 @@ class ActGemmKernel(GluGemmKernel):
 
         The subtile's block of h arrives by TMA in one smem buffer (one mbarrier phase per
         subtile: 4, 6 or 8 per tile, an even count, so subtile e waits for parity e % 2 on every
-        tile); the first block's load is issued before the tile's mainloop (the GLU kernel's
-        `_before_mainloop`, with this class's `_issue_h`), each next one once every thread has
-        read the current one."""
+        tile); the next block's load is issued once every thread has read the current one."""
         size_rD = cute.size(ep.rD)
         num_sub = self.tile_mnk[1] // 32
         r_h = cute.make_rmem_tensor(ep.rD.shape, Float32)
         r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
-        s_l, g_l = self._h_partitions(ep, tma_h, m_h, t.row_base)  # subtile 0: _before_mainloop
+        s_l, g_l = self._h_partitions(ep, tma_h, m_h, t.row_base)
+        self._issue_h(ep, tma_h, s_l, g_l, t.n_tile, t.f_dim, 0)
         count = count0
         for e in cutlass.range_constexpr(num_sub):
             cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
