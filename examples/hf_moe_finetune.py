@@ -4,14 +4,18 @@
 experts by te_seq's expert block (ExpertDispatch -> fused grouped MLP -> ExpertCombine); the
 router, attention and everything else stay transformers' own modules. The example checks that
 the swapped model gives the original's logits, trains both for a few steps on the same random
-token batches (next-token loss), prints the time per step of each, and restores the original
-experts (holding the trained weights) with `restore_experts`.
+token batch (next-token loss: the model learns it by heart, so the loss must fall), prints the
+time per step of each, and restores the original experts (holding the trained weights) with
+`restore_experts`.
 
     python examples/hf_moe_finetune.py                 # GPU if present (bf16), else CPU
     python examples/hf_moe_finetune.py --steps 5 --device cpu
 
 No download: the model is built from a config. Exit status 1 when the swapped model's logits
-differ from the original's, or when its loss did not fall.
+are off (float32: norm-relative difference to the original over 1e-4; bf16: farther from the
+float32 original than 1.5x the original's own bf16 logits are, since in bf16 a token whose
+top-2 experts nearly tie may be routed differently after the first block by any two
+implementations), or when its loss did not fall.
 """
 
 from __future__ import annotations
@@ -68,6 +72,22 @@ def train(model, batches, lr: float) -> tuple[list[float], float]:
     return losses, sum(times[1:]) / max(len(times) - 1, 1)
 
 
+def logits_match(args: argparse.Namespace, original, swapped, dtype: torch.dtype) -> bool:
+    """The swapped model's logits against the original's (see the module docstring)."""
+    tokens = torch.randint(0, 256, (args.batch, args.seq), device=args.device)
+    with torch.no_grad():
+        want, got = original(input_ids=tokens).logits.float(), swapped(input_ids=tokens).logits
+        exact = build_model(args, torch.float32)(input_ids=tokens).logits  # the same weights
+    err = ((got.float() - want).norm() / want.norm()).item()
+    print(f"logits: norm-relative difference to the original {err:.2e}")
+    if dtype == torch.float32:
+        return err <= 1e-4
+    err_te = ((got.float() - exact).norm() / exact.norm()).item()
+    err_hf = ((want - exact).norm() / exact.norm()).item()
+    print(f"to the float32 original: te_seq {err_te:.2e}, transformers' own {dtype} {err_hf:.2e}")
+    return err_te <= 1.5 * err_hf
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         import transformers
@@ -81,16 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     original = build_model(args, dtype)
     swapped = copy.deepcopy(original)
     print(f"swapped {swap_experts(swapped)} MoE blocks")
-    tokens = torch.randint(0, 256, (args.batch, args.seq), device=args.device)
-    with torch.no_grad():
-        want, got = original(input_ids=tokens).logits, swapped(input_ids=tokens).logits
-    err = (got.float() - want.float()).abs().max().item()
-    print(f"logits: max abs diff {err:.2e} (max {want.abs().max().item():.2e})")
-    if err > (1e-4 if dtype == torch.float32 else 5e-2) * max(want.abs().max().item(), 1.0):
+    if not logits_match(args, original, swapped, dtype):
         return 1
     gen = torch.Generator(device="cpu").manual_seed(1)
-    batches = [torch.randint(0, 256, (args.batch, args.seq), generator=gen).to(args.device)
-               for _ in range(args.steps)]
+    batch = torch.randint(0, 256, (args.batch, args.seq), generator=gen).to(args.device)
+    batches = [batch] * args.steps
     hf_losses, hf_time = train(original, batches, args.lr)
     te_losses, te_time = train(swapped, batches, args.lr)
     print(f"transformers experts: {hf_time * 1e3:.1f} ms/step, loss {hf_losses[0]:.4f} -> "
