@@ -53,3 +53,21 @@ def compile_for_sm90a(script: str, timeout: int) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ALL COMPILED" in proc.stdout
+
+
+def offsets(sizes: list[int]) -> torch.Tensor:
+    """int32 cumulative ends of ``sizes`` on the GPU (the kernels' ``offs``)."""
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Norm-relative error of ``out`` against ``ref`` (a NaN in ``out`` fails: unwritten)."""
+    assert not torch.isnan(out).any(), "output has NaN (unwritten elements?)"
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poison(*shapes_dtypes) -> None:
+    """Fill the caching allocator's next blocks of these sizes with NaN (outputs: torch.empty)."""
+    held = [torch.full(s, float("nan"), dtype=d, device="cuda") for s, d in shapes_dtypes]
+    del held

@@ -12,6 +12,8 @@ import textwrap
 import pytest
 import torch
 from cute_marks import compile_for_sm90a, gpu, needs_cute, needs_dsl
+from cute_marks import offsets as _offs
+from cute_marks import rel_err as _rel_err
 
 from te_seq.kernels import reference
 
@@ -59,14 +61,6 @@ def test_supports_names_bias_problems():
 # ------------------------------------------------------------------ GPU correctness
 
 
-def _offs(sizes: list[int]) -> torch.Tensor:
-    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "output has NaN (unwritten elements?)"
-    ref = ref.double()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 # (name, split sizes, extra rows past offs[-1], K, N)

@@ -12,6 +12,9 @@ import textwrap
 import pytest
 import torch
 from cute_marks import compile_for_sm90a, gpu, needs_cute, needs_dsl
+from cute_marks import offsets as _offs
+from cute_marks import poison as _poison
+from cute_marks import rel_err as _rel_err
 
 from te_seq.kernels import reference
 from te_seq.kernels.activations import epilogue_activations
@@ -106,20 +109,7 @@ def test_probs_are_checked_and_normalised():
 # ------------------------------------------------------------------ GPU correctness
 
 
-def _offs(sizes: list[int]) -> torch.Tensor:
-    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
 
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "output has NaN (unwritten elements?)"
-    ref = ref.double()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def _poison(*shapes_dtypes) -> None:
-    """Fill the caching allocator's next blocks of these sizes with NaN (outputs: torch.empty)."""
-    held = [torch.full(s, float("nan"), dtype=d, device="cuda") for s, d in shapes_dtypes]
-    del held
 
 
 # (name, split sizes, extra rows past offs[-1], H, F). dgrad's tile width follows F

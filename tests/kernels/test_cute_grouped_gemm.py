@@ -14,6 +14,7 @@ import textwrap
 import pytest
 import torch
 from cute_marks import ROOT, compile_for_sm90a, gpu, needs_cute, needs_dsl
+from cute_marks import offsets as _offs
 
 from te_seq.kernels import reference
 
@@ -170,9 +171,6 @@ def test_varlen_k_grid_counts_units():
 
 # ------------------------------------------------------------------ GPU correctness
 
-
-def _offs(sizes: list[int]) -> torch.Tensor:
-    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
