@@ -17,7 +17,7 @@ from torch import Tensor
 
 from te_seq.kernels.activations import act_epilogue_activations
 
-from .glu import _check_probs, _dummy
+from .glu import _check_probs, epilogue_args
 from .launch import (
     _AB_DTYPES,
     _b_view,
@@ -59,20 +59,9 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act) -> None
     tile_n = tile_n_for(n, _CLUSTER[1])
     cfg = ActConfig(mode, x.dtype, b_major, act, p_dtype, _CLUSTER, tile_n=tile_n)
     kernel = compile_act(cfg).fn
-    fp32_dummy, mat_dummy = _dummy(x.device)
     clusters = varlen_m_clusters(rows, groups, n, tile_n, _CLUSTER, _num_sms(x.device.index or 0))
-    kernel(
-        _row_major(x),
-        b_view,
-        c,
-        offs,
-        clusters,
-        act_out,
-        fp32_dummy if probs is None else probs,
-        fp32_dummy if dprobs is None else dprobs,
-        mat_dummy.to(x.dtype) if h_in is None else h_in,
-        mat_dummy,  # no bias
-    )
+    args = epilogue_args(x, act_out, probs, dprobs, h_in, None)  # no FC1 bias here
+    kernel(_row_major(x), b_view, c, offs, clusters, *args)
 
 
 class _Fc1Forward:

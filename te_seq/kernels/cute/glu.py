@@ -60,6 +60,19 @@ def _supports(
     return available()
 
 
+def epilogue_args(x: Tensor, act_out, probs, dprobs, h_in, bias) -> tuple:
+    """The epilogue kernels' trailing arguments (act_out, probs, dprobs, h_in, bias), a small
+    dummy tensor for each one not given (shared by the GLU and the non-gated kernels)."""
+    fp32_dummy, mat_dummy = _dummy(x.device)
+    return (
+        act_out,
+        fp32_dummy if probs is None else probs,
+        fp32_dummy if dprobs is None else dprobs,
+        mat_dummy.to(x.dtype) if h_in is None else h_in,
+        mat_dummy if bias is None else bias,
+    )
+
+
 def _dummy(device: torch.device) -> tuple[Tensor, Tensor]:
     """(fp32 [8], bf16 [8, 8]) placeholders for the kernel's unused tensor arguments."""
     key = (device.type, device.index)
@@ -101,20 +114,11 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
         bias_dtype=bias_dtype,
     )
     kernel = compile_glu(cfg).fn
-    fp32_dummy, mat_dummy = _dummy(x.device)
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, tile_n, _CLUSTER, sms)
     kernel(
-        _row_major(x),
-        b_view,
-        c,
-        offs,
-        clusters,
-        act_out,
-        fp32_dummy if probs is None else probs,
-        fp32_dummy if dprobs is None else dprobs,
-        mat_dummy.to(x.dtype) if h_in is None else h_in,
-        mat_dummy if bias is None else bias,
+        _row_major(x), b_view, c, offs, clusters,
+        *epilogue_args(x, act_out, probs, dprobs, h_in, bias),
     )
 
 
