@@ -48,6 +48,12 @@ def _configs() -> dict[str, object]:
         # per-expert biases (bias_epilogue.py)
         "mm256_bias_scaled": GemmConfig("m", bf16, bf16, "k", bias_dtype=fp32, bias_scales=True),
         "glu_fc1_silu_bias": GluConfig("fc1", bf16, "k", "silu", None, fp32, bias_dtype=bf16),
+        # routed rows (routed.py): A gathered by index, C scattered by index
+        "mm256_gather": GemmConfig("m", bf16, bf16, "k", 256, (1, 1), route="gather"),
+        "mm256_scatter": GemmConfig("m", bf16, bf16, "k", 256, (1, 2), route="scatter"),
+        "mm256_bias_scatter": GemmConfig("m", bf16, bf16, "k", bias_dtype=bf16, route="scatter"),
+        "glu_fc1_silu_gather": GluConfig("fc1", bf16, "k", "silu", None, fp32, (1, 1),
+                                         route="gather"),
     }
 
 

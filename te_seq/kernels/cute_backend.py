@@ -2,7 +2,7 @@
 
 Only the package's public functionals are used (``available``, ``supports``,
 ``supports_wgrad``, ``grouped_mm``, ``grouped_wgrad``, ``glu_fc1_forward``, ``glu_fc2_dgrad``,
-``act_fc1_forward``, ``act_fc2_dgrad``).
+``act_fc1_forward``, ``act_fc2_dgrad``, ``route_problem``).
 Their ``supports`` checks take tensors; at plan time there are none yet, so they get shape
 proxies: tensors of the right dtype, device and trailing sizes with no leading rows (E or M = 0),
 which allocate no device memory.
@@ -35,6 +35,10 @@ class CuteBackend(GpuBackend):
 
     name = "cute"
     auto_priority = 20
+    # routed rows inside the kernels (te_seq/kernels/cute/routed.py): FC1 reads the token rows
+    # by index in its loads; a plain GEMM writes its rows by index in its epilogue
+    gather_kernels = frozenset({"grouped_mm", "glu_fc1_forward", "act_fc1_forward"})
+    scatter_kernels = frozenset({"grouped_mm"})
 
     def available(self) -> tuple[bool, str]:
         return cute.available()
@@ -83,23 +87,37 @@ class CuteBackend(GpuBackend):
         dy, w2 = _proxy(hidden, **where), _proxy(hidden, ffn, **where)  # [M, H], [E, H, F]
         return cute.act_fc2_dgrad.supports(dy, w2, act)
 
+    def routes_natively(self, kernel: str, what: str, **static: Any) -> bool:
+        """Gathered rows need K (``k`` or ``hidden``) to be a multiple of the 64-column
+        k-tile; scattered rows need nothing more than the GEMM itself."""
+        kernels = self.gather_kernels if what == "gather" else self.scatter_kernels
+        if kernel not in kernels:
+            return False
+        k = static.get("k", static.get("hidden"))
+        return k is None or not cute.route_problem(what, k)
+
     # --- kernels ------------------------------------------------------------------------------
-    def grouped_mm(self, a, b, offs, bias=None, bias_scales=None) -> Tensor:
-        return cute.grouped_mm(a, b, offs, bias=bias, bias_scales=bias_scales)
+    def grouped_mm(self, a, b, offs, bias=None, bias_scales=None, *, gather_rows=None,
+                   scatter_rows=None) -> Tensor:
+        return cute.grouped_mm(a, b, offs, bias=bias, bias_scales=bias_scales,
+                               gather_rows=gather_rows, scatter_rows=scatter_rows)
 
     def grouped_wgrad(self, grad_out, x, offs, out=None, accumulate=False) -> Tensor:
         return cute.grouped_wgrad(grad_out, x, offs, out=out, accumulate=accumulate)
 
-    def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None, bias=None):
+    def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None, bias=None, *,
+                        gather_rows=None):
         il = glu.glu_interleave_size
-        return cute.glu_fc1_forward(x, w1t, offs, glu.act, il, probs, glu.params, bias=bias)
+        return cute.glu_fc1_forward(x, w1t, offs, glu.act, il, probs, glu.params, bias=bias,
+                                    gather_rows=gather_rows)
 
     def glu_fc2_dgrad(self, dy, w2, offs, h, glu: GluSpec, probs=None):
         il = glu.glu_interleave_size
         return cute.glu_fc2_dgrad(dy, w2, offs, h, glu.act, il, probs, glu.params)
 
-    def act_fc1_forward(self, x, w1t, offs, act: str, probs=None) -> tuple[Tensor, Tensor]:
-        return cute.act_fc1_forward(x, w1t, offs, act, probs)
+    def act_fc1_forward(self, x, w1t, offs, act: str, probs=None, *,
+                        gather_rows=None) -> tuple[Tensor, Tensor]:
+        return cute.act_fc1_forward(x, w1t, offs, act, probs, gather_rows=gather_rows)
 
     def act_fc2_dgrad(self, dy, w2, offs, h, act: str, probs=None):
         return cute.act_fc2_dgrad(dy, w2, offs, h, act, probs)

@@ -28,6 +28,7 @@ from .launch import (
     Tiling,
     available,
     default_tiling,
+    route_problem,
     tile_n_for,
 )
 
@@ -36,6 +37,7 @@ __all__ = [
     "tile_n_for",
     "default_tiling",
     "available",
+    "route_problem",
     "supports",
     "supports_wgrad",
     "grouped_mm",

@@ -20,11 +20,15 @@ from te_seq.kernels.activations import act_epilogue_activations
 from .glu import _check_probs, epilogue_args
 from .launch import (
     _AB_DTYPES,
+    GATHER_CLUSTER,
     _b_view,
     _check_offs,
     _num_sms,
     _row_major,
     available,
+    no_route,
+    route_problem,
+    route_rows,
     tile_n_for,
     varlen_m_clusters,
 )
@@ -49,46 +53,61 @@ def _supports(x: Tensor, w: Tensor, act: str) -> tuple[bool, str]:
     return available()
 
 
-def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act) -> None:
+def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, gather=None) -> None:
+    """Compile (once) and launch over c's M rows (``gather``: int32 [M], x's row of each
+    GEMM row; x is then the [T, H] token matrix)."""
     from .compile import ActConfig, compile_act
 
-    rows, groups, n = x.shape[0], b.shape[0], b.shape[2]
+    rows, groups, n = c.shape[0], b.shape[0], b.shape[2]
     offs = _check_offs(offs, groups, x.device)
     b_view, b_major = _b_view(b)
     p_dtype = None if probs is None else probs.dtype
-    tile_n = tile_n_for(n, _CLUSTER[1])
-    cfg = ActConfig(mode, x.dtype, b_major, act, p_dtype, _CLUSTER, tile_n=tile_n)
+    cluster = _CLUSTER if gather is None else GATHER_CLUSTER
+    tile_n = tile_n_for(n, cluster[1])
+    cfg = ActConfig(mode, x.dtype, b_major, act, p_dtype, cluster, tile_n=tile_n,
+                    route=None if gather is None else "gather")
     kernel = compile_act(cfg).fn
-    clusters = varlen_m_clusters(rows, groups, n, tile_n, _CLUSTER, _num_sms(x.device.index or 0))
+    clusters = varlen_m_clusters(rows, groups, n, tile_n, cluster, _num_sms(x.device.index or 0))
     args = epilogue_args(x, act_out, probs, dprobs, h_in, None)  # no FC1 bias here
-    kernel(_row_major(x), b_view, c, offs, clusters, *args)
+    route = no_route(x.device) if gather is None else gather
+    kernel(_row_major(x), b_view, c, offs, clusters, *args, route)
 
 
 class _Fc1Forward:
     """``act_fc1_forward(x, w1t, offs, act, probs) -> (h, a)``."""
 
     @staticmethod
-    def supports(x: Tensor, w1t: Tensor, act: str) -> tuple[bool, str]:
-        """(True, "") when the fused kernel handles these operands, else (False, why)."""
-        return _supports(x, w1t, act)
+    def supports(x: Tensor, w1t: Tensor, act: str, gather: bool = False) -> tuple[bool, str]:
+        """(True, "") when the fused kernel handles these operands (``gather``: x's rows read
+        by index), else (False, why)."""
+        ok, why = _supports(x, w1t, act)
+        if ok and gather:
+            why = route_problem("gather", x.shape[1])
+            ok = not why
+        return ok, why
 
     def __call__(
-        self, x: Tensor, w1t: Tensor, offs: Tensor, act: str, probs: Tensor | None = None
+        self, x: Tensor, w1t: Tensor, offs: Tensor, act: str, probs: Tensor | None = None,
+        gather_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """h = x_e W1_eᵀ [M, F] (w1t = W1.transpose(1, 2) [E, H, F]) and a = act(h)(·probs)
         [M, F] from the bf16 h, as ``reference.act_forward(h, act)`` (times probs). Rows past
-        ``offs[-1]`` get h = 0 and a = act(0)(·probs), as that composition gives them."""
-        ok, why = self.supports(x, w1t, act)
+        ``offs[-1]`` get h = 0 and a = act(0)(·probs), as that composition gives them.
+        ``gather_rows`` int [M]: GEMM row r is ``x[gather_rows[r]]`` (as ``glu_fc1_forward``)."""
+        gather = gather_rows is not None
+        ok, why = self.supports(x, w1t, act, gather)
         if not ok:
             raise ValueError(
                 f"cute act_fc1_forward: x {tuple(x.shape)}, w1t {tuple(w1t.shape)}: {why}"
             )
-        rows, f = x.shape[0], w1t.shape[2]
+        rows, f = (gather_rows.shape[0] if gather else x.shape[0]), w1t.shape[2]
+        if gather:
+            gather_rows = route_rows(gather_rows, None, x.shape[0], "act_fc1_forward", "gather")
         probs = _check_probs(probs, rows, "act_fc1_forward")
         h = torch.empty(rows, f, dtype=x.dtype, device=x.device)
         a = torch.empty(rows, f, dtype=x.dtype, device=x.device)
         if rows:
-            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act)
+            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, gather_rows)
         return h, a
 
 

@@ -46,6 +46,7 @@ class ActGemmKernel(GluGemmKernel):
         cluster_mn: tuple[int, int] = (1, 2),
         store_stages: int | None = None,
         tile_n: int = 256,
+        route: str | None = None,
     ):
         if mode not in ("fc1", "dgrad"):
             raise ValueError(f"ActGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
@@ -54,7 +55,7 @@ class ActGemmKernel(GluGemmKernel):
         if tile_n not in (128, 192, 256):
             raise ValueError(f"ActGemmKernel: tile_n must be 128, 192 or 256, got {tile_n}")
         # GluGemmKernel's own checks are about gate/up pairing: set its attributes directly
-        GroupedGemmKernel.__init__(self, "m", (128, tile_n), cluster_mn)
+        GroupedGemmKernel.__init__(self, "m", (128, tile_n), cluster_mn, route=route)
         self.mode, self.act, self.interleave, self.has_probs = mode, act, None, has_probs
         self.params, self.has_bias = (), False
         self.epi_store_stages = store_stages
@@ -77,10 +78,11 @@ class ActGemmKernel(GluGemmKernel):
         dprobs: cute.Tensor,  # fp32 [M], accumulated (dgrad with probs)
         h_in: cute.Tensor,  # h [M, F] (dgrad)
         bias: cute.Tensor,  # unused (the GLU kernel's argument list: no FC1 bias here)
+        route: cute.Tensor,  # int32 [M]: x's row of each GEMM row (``route="gather"``)
         stream,
     ):
         epi_inputs = (act_out, probs, dprobs, h_in, bias)
-        self._launch(a, b, c, offs, num_clusters, stream, b, epi_inputs)
+        self._launch(a, b, c, offs, num_clusters, stream, b, epi_inputs, route)
 
     # ---------------------------------------------------------------- device side
 

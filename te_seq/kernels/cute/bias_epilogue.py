@@ -84,8 +84,9 @@ class BiasGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         tile_mn: tuple[int, int] = (128, 256),
         cluster_mn: tuple[int, int] = (1, 2),
         has_scales: bool = False,
+        route: str | None = None,
     ):
-        super().__init__("m", tile_mn, cluster_mn)
+        super().__init__("m", tile_mn, cluster_mn, route=route)
         self.has_scales = has_scales
 
     @cute.jit
@@ -98,9 +99,10 @@ class BiasGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         num_clusters: Int32,
         bias: cute.Tensor,  # [E, N]
         scales: cute.Tensor,  # fp32 [M] (unused without scales)
+        route: cute.Tensor,  # int32 [M] (``route``: routed.py; else unused)
         stream,
     ):
-        self._launch(a, b, c, offs, num_clusters, stream, b, (bias, scales))
+        self._launch(a, b, c, offs, num_clusters, stream, b, (bias, scales), route)
 
     def _make_epi(self, c: cute.Tensor, epi_inputs: tuple) -> tuple:
         bias, scales = epi_inputs
@@ -112,4 +114,5 @@ class BiasGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         scales = ep.epi[1] if const_expr(self.has_scales) else None
         bt = self._bias_tile(ep, ep.epi[0], scales, group, m_tile, n_tile, row0, None)
         gC = cute.local_tile(_ragged_group(ep.mC, 0, row0, rows), (tm, tn), (m_tile, n_tile))
-        return self._epilogue(ep, gC, epi_count, None, bt)
+        sc = self._scatter_tile(ep, row0 + m_tile * tm, rows - m_tile * tm, n_tile)
+        return self._epilogue(ep, gC, epi_count, None, bt, scatter=sc)

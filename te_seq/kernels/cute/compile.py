@@ -55,6 +55,7 @@ class GemmConfig:
     accumulate: bool = False
     bias_dtype: torch.dtype | None = None
     bias_scales: bool = False
+    route: str | None = None  # "gather" (A's rows) or "scatter" (C's rows) by index (routed.py)
 
 
 @dataclass
@@ -80,7 +81,8 @@ def _fake_args(cfg: GemmConfig) -> tuple:
     offs = make_fake_compact_tensor(cutlass.Int32, (groups,), assumed_align=4)
     if cfg.varlen == "m":
         k, n = cute.sym_int32(divisibility=div), cute.sym_int32(divisibility=div)
-        a = make_fake_compact_tensor(ab, (rows, k), stride_order=(1, 0), assumed_align=16)
+        a_rows = cute.sym_int32() if cfg.route == "gather" else rows  # gather: T token rows
+        a = make_fake_compact_tensor(ab, (a_rows, k), stride_order=(1, 0), assumed_align=16)
         s1, s2 = cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div)
         b_stride = (s1, 1, s2) if cfg.b_major == "k" else (1, s1, s2)
         b = make_fake_tensor(ab, (n, k, groups), stride=b_stride, assumed_align=16)
@@ -93,9 +95,15 @@ def _fake_args(cfg: GemmConfig) -> tuple:
             c, (n_out, k_in, groups), stride_order=(1, 0, 2), assumed_align=16
         )
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    route = _fake_route()
     if cfg.bias_dtype is None:
-        return a, b, out, offs, cutlass.Int32(1), stream
-    return a, b, out, offs, cutlass.Int32(1), *_fake_bias(cfg.bias_dtype), stream
+        return a, b, out, offs, cutlass.Int32(1), route, stream
+    return a, b, out, offs, cutlass.Int32(1), *_fake_bias(cfg.bias_dtype), route, stream
+
+
+def _fake_route():
+    """A fake int32 [M] row index (gathered A or scattered C rows; a dummy when unused)."""
+    return make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),), assumed_align=4)
 
 
 def _fake_bias(dtype: torch.dtype) -> tuple:
@@ -153,10 +161,10 @@ def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
 
         if cfg.varlen != "m" or cfg.accumulate:
             raise ValueError(f"a bias needs varlen 'm' without accumulate, got {cfg}")
-        kernel = BiasGemmKernel((128, cfg.tile_n), cfg.cluster_mn, cfg.bias_scales)
+        kernel = BiasGemmKernel((128, cfg.tile_n), cfg.cluster_mn, cfg.bias_scales, cfg.route)
         return _compile("gemm", cfg, kernel, _fake_args(cfg))
     kernel = GroupedGemmKernel(
-        cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, accumulate=cfg.accumulate
+        cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, accumulate=cfg.accumulate, route=cfg.route
     )
     return _compile("gemm", cfg, kernel, _fake_args(cfg))
 
@@ -185,6 +193,7 @@ class GluConfig:
     # by the table's defaults, so the cache key always names the values compiled in
     params: tuple[float, ...] = ()
     bias_dtype: torch.dtype | None = None  # fc1's per-expert bias [E, 2F] (None: no bias)
+    route: str | None = None  # "gather": fc1 reads x's rows by index (routed.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", param_values(self.act, self.params))
@@ -212,7 +221,8 @@ def _fake_glu_args(cfg: GluConfig) -> tuple:
     dprobs = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     bias = _fake_bias(getattr(cfg, "bias_dtype", None) or torch.bfloat16)[0]  # ActConfig: none
-    return a, b, c, offs, cutlass.Int32(1), act_out, probs, dprobs, h_in, bias, stream
+    route = _fake_route()
+    return a, b, c, offs, cutlass.Int32(1), act_out, probs, dprobs, h_in, bias, route, stream
 
 
 @functools.lru_cache(maxsize=None)
@@ -230,6 +240,7 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.tile_n,
         cfg.params,
         cfg.bias_dtype is not None,
+        cfg.route,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 
@@ -252,6 +263,7 @@ class ActConfig:
     cluster_mn: tuple[int, int] = (1, 2)
     store_stages: int | None = None  # dgrad's smem store ring (None: the kernel's default)
     tile_n: int = 256  # CTA tile width: 256, 192 or 128
+    route: str | None = None  # "gather": fc1 reads x's rows by index (routed.py)
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,6 +274,6 @@ def compile_act(cfg: ActConfig) -> CompiledGemm:
 
     kernel = ActGemmKernel(
         cfg.mode, cfg.act, cfg.probs_dtype is not None, cfg.cluster_mn, cfg.store_stages,
-        cfg.tile_n,
+        cfg.tile_n, cfg.route,
     )
     return _compile("act", cfg, kernel, _fake_glu_args(cfg))

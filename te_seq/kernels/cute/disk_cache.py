@@ -43,6 +43,7 @@ SOURCE_FILES = (
     "mainloop.py",
     "store_epilogue.py",
     "ragged.py",
+    "routed.py",
     "glu_epilogue.py",
     "glu_maths.py",
     "act_epilogue.py",

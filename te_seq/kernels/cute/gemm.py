@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .launch import (
     _AB_DTYPES,
+    GATHER_CLUSTER,
     MM_TILING,
     WGRAD_TILING,
     Tiling,
@@ -23,7 +24,11 @@ from .launch import (
     _row_ok,
     bias_problem,
     default_tiling,
+    no_route,
+    route_problem,
+    route_rows,
     row_scales,
+    tile_n_for,
     varlen_k_clusters,
     varlen_m_clusters,
 )
@@ -74,6 +79,8 @@ def grouped_mm(
     tiling: Tiling | None = None,
     bias: Tensor | None = None,
     bias_scales: Tensor | None = None,
+    gather_rows: Tensor | None = None,
+    scatter_rows: Tensor | None = None,
 ) -> Tensor:
     """Varlen-M grouped GEMM: ``out[rows of e] = a[rows of e] @ b[e] (+ s_t · bias[e])``
     (fp32 accumulate; the bias is added to the accumulator, then rounded once).
@@ -82,15 +89,28 @@ def grouped_mm(
     bias: [E, N] (bf16/fp16/fp32) or None, bias_scales: [M] floats (s_t) or None
     -> out: [M, N] in ``a.dtype``. Rows past ``offs[-1]`` are written as zeros, as in
     ``reference.grouped_mm``. Raises ValueError when ``supports(a, b, bias)`` is False.
+
+    Routed rows (one of the two; ``routed.py``): ``gather_rows`` int [M] reads GEMM row r
+    from ``a[gather_rows[r]]`` (a is then a [T, K] token matrix; K a multiple of 64);
+    ``scatter_rows`` (a permutation of the M rows) writes GEMM row r to
+    ``out[scatter_rows[r]]``.
     """
     ok, why = supports(a, b, bias)
     if bias_scales is not None and bias is None:
         ok, why = False, "bias_scales given without a bias"
+    route, what = _route_of(gather_rows, scatter_rows)
+    if ok and route is not None:
+        why = route_problem(what, a.shape[1])
+        ok = not why
     if not ok:
         raise ValueError(f"cute grouped_mm: a {tuple(a.shape)}, b {tuple(b.shape)}: {why}")
     from .compile import GemmConfig, compile_gemm
 
     rows, groups, n = a.shape[0], b.shape[0], b.shape[2]
+    if route is not None:
+        rows = route.shape[0] if what == "gather" else rows
+        route = route_rows(route, rows, a.shape[0], "grouped_mm", what)
+        tiling = tiling or (Tiling(tile_n_for(n, 1), GATHER_CLUSTER) if what == "gather" else None)
     offs = _check_offs(offs, groups, a.device)
     if out is None:
         out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
@@ -108,17 +128,28 @@ def grouped_mm(
     cfg = GemmConfig(
         "m", a.dtype, a.dtype, b_major, t.tile_n, t.cluster_mn,
         bias_dtype=None if bias is None else bias.dtype, bias_scales=scales is not None,
+        route=what,
     )
     kernel = compile_gemm(cfg).fn
     sms = _num_sms(a.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)
+    route = no_route(a.device) if route is None else route
     if bias is None:
-        kernel(a, b_view, out, offs, clusters)
+        kernel(a, b_view, out, offs, clusters, route)
     else:
         if scales is None:  # the kernel reads no scales; its argument still needs a tensor
             scales = torch.empty(1, dtype=torch.float32, device=a.device)
-        kernel(a, b_view, out, offs, clusters, bias.contiguous(), scales)
+        kernel(a, b_view, out, offs, clusters, bias.contiguous(), scales, route)
     return out
+
+
+def _route_of(gather_rows: Tensor | None, scatter_rows: Tensor | None):
+    """(the route tensor, "gather" / "scatter") of a call, (None, None) without one."""
+    if gather_rows is not None and scatter_rows is not None:
+        raise ValueError("cute grouped_mm: gather_rows and scatter_rows cannot be combined")
+    if gather_rows is not None:
+        return gather_rows, "gather"
+    return (None, None) if scatter_rows is None else (scatter_rows, "scatter")
 
 
 def grouped_wgrad(
@@ -165,5 +196,5 @@ def grouped_wgrad(
     ).fn
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_k_clusters(groups, n, k, t.tile_n, t.cluster_mn, sms)
-    kernel(grad_out.t(), x.t(), out.permute(1, 2, 0), offs, clusters)
+    kernel(grad_out.t(), x.t(), out.permute(1, 2, 0), offs, clusters, no_route(x.device))
     return out

@@ -17,12 +17,16 @@ from te_seq.kernels.activations import epilogue_activations
 
 from .launch import (
     _AB_DTYPES,
+    GATHER_CLUSTER,
     _b_view,
     _check_offs,
     _num_sms,
     _row_major,
     available,
     bias_problem,
+    no_route,
+    route_problem,
+    route_rows,
     tile_n_for,
     varlen_m_clusters,
 )
@@ -98,27 +102,31 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
 
 
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params,
-            bias=None):
+            bias=None, gather=None):
+    """Compile (once) and launch the GLU kernel over c's M rows (``gather``: int32 [M], x's
+    row of each GEMM row; x is then the [T, H] token matrix)."""
     from .compile import GluConfig, compile_glu
 
-    rows, groups = x.shape[0], b.shape[0]
+    rows, groups = c.shape[0], b.shape[0]
     offs = _check_offs(offs, groups, x.device)
     b_view, b_major = _b_view(b)
     p_dtype = None if probs is None else probs.dtype
     n = b.shape[2]
+    cluster = _CLUSTER if gather is None else GATHER_CLUSTER
     # FC1's tiles pair 128 gate with 128 up columns; dgrad's width is free (N = F)
-    tile_n = _FC1_TILE_N if mode == "fc1" else tile_n_for(n, _CLUSTER[1])
+    tile_n = _FC1_TILE_N if mode == "fc1" else tile_n_for(n, cluster[1])
     bias_dtype = None if bias is None else bias.dtype
     cfg = GluConfig(
-        mode, x.dtype, b_major, act, interleave, p_dtype, _CLUSTER, tile_n=tile_n, params=params,
-        bias_dtype=bias_dtype,
+        mode, x.dtype, b_major, act, interleave, p_dtype, cluster, tile_n=tile_n, params=params,
+        bias_dtype=bias_dtype, route=None if gather is None else "gather",
     )
     kernel = compile_glu(cfg).fn
     sms = _num_sms(x.device.index or 0)
-    clusters = varlen_m_clusters(rows, groups, n, tile_n, _CLUSTER, sms)
+    clusters = varlen_m_clusters(rows, groups, n, tile_n, cluster, sms)
     kernel(
         _row_major(x), b_view, c, offs, clusters,
         *epilogue_args(x, act_out, probs, dprobs, h_in, bias),
+        no_route(x.device) if gather is None else gather,
     )
 
 
@@ -127,11 +135,16 @@ class _Fc1Forward:
 
     @staticmethod
     def supports(
-        x: Tensor, w1t: Tensor, act: str, interleave: int | None, bias: Tensor | None = None
+        x: Tensor, w1t: Tensor, act: str, interleave: int | None, bias: Tensor | None = None,
+        gather: bool = False,
     ) -> tuple[bool, str]:
         """(True, "") when the fused kernel handles these operands (and the bias [E, 2F] in
-        bf16, fp16 or fp32), else (False, why)."""
-        return _supports(x, w1t, act, interleave, fc1=True, bias=bias)
+        bf16, fp16 or fp32; ``gather``: x's rows read by index), else (False, why)."""
+        ok, why = _supports(x, w1t, act, interleave, fc1=True, bias=bias)
+        if ok and gather:
+            why = route_problem("gather", x.shape[1])
+            ok = not why
+        return ok, why
 
     def __call__(
         self,
@@ -143,24 +156,31 @@ class _Fc1Forward:
         probs: Tensor | None = None,
         params: tuple[float, ...] = (),
         bias: Tensor | None = None,
+        gather_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """h = x_e W1_eᵀ (+ bias[e], added to the fp32 accumulator; bias [E, 2F] in h's
         columns) [M, 2F] (w1t = W1.transpose(1, 2) [E, H, 2F]) and
         a = act(gate)·up(·probs) [M, F] from the bf16 h, as ``reference.glu_forward(h, ...)``
         (``params``: the activation's float parameters, () for its defaults; each set of values
-        compiles its own kernel). Rows past ``offs[-1]`` are zeros in h and a."""
-        ok, why = self.supports(x, w1t, act, interleave, bias)
+        compiles its own kernel). Rows past ``offs[-1]`` are zeros in h and a.
+        ``gather_rows`` int [M]: row r of the GEMM is ``x[gather_rows[r]]`` (x a [T, H] token
+        matrix, H a multiple of 64), read by the kernel's loads (no [M, H] copy)."""
+        gather = gather_rows is not None
+        ok, why = self.supports(x, w1t, act, interleave, bias, gather)
         if not ok:
             raise ValueError(
                 f"cute glu_fc1_forward: x {tuple(x.shape)}, w1t {tuple(w1t.shape)}: {why}"
             )
-        rows, f = x.shape[0], w1t.shape[2] // 2
+        rows, f = (gather_rows.shape[0] if gather else x.shape[0]), w1t.shape[2] // 2
+        if gather:
+            gather_rows = route_rows(gather_rows, None, x.shape[0], "glu_fc1_forward", "gather")
         probs = _check_probs(probs, rows, "glu_fc1_forward")
         h = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device)
         a = torch.empty(rows, f, dtype=x.dtype, device=x.device)
         if rows:
             bias = None if bias is None else bias.contiguous()
-            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params, bias)
+            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params, bias,
+                    gather_rows)
         return h, a
 
 

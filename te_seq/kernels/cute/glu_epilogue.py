@@ -74,6 +74,7 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         tile_n: int = 256,
         params: tuple[float, ...] = (),
         has_bias: bool = False,
+        route: str | None = None,
     ):
         if mode not in ("fc1", "dgrad"):
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
@@ -83,7 +84,7 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
             raise ValueError(f"GluGemmKernel: unsupported interleave {interleave} for {mode}")
         if tile_n != 256 and (mode == "fc1" or tile_n not in (128, 192)):
             raise ValueError(f"GluGemmKernel: tile_n {tile_n} unsupported for {mode} (fc1: 256)")
-        super().__init__("m", (128, tile_n), cluster_mn)
+        super().__init__("m", (128, tile_n), cluster_mn, route=route)
         self.mode, self.act, self.interleave, self.has_probs = mode, act, interleave, has_probs
         self.params = param_values(act, params)  # compile-time constants of the maths
         if has_bias and mode != "fc1":
@@ -111,6 +112,7 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         dprobs: cute.Tensor,  # fp32 [M], accumulated (dgrad with probs)
         h_in: cute.Tensor,  # h [M, 2F] (dgrad)
         bias: cute.Tensor,  # [E, 2F] in h's columns (fc1 with has_bias; else unused)
+        route: cute.Tensor,  # int32 [M]: x's row of each GEMM row (``route="gather"``)
         stream,
     ):
         b_view = b
@@ -124,7 +126,7 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
             )
             b_view = cute.make_tensor(b.iterator, layout)
         epi_inputs = (act_out, probs, dprobs, h_in, bias)
-        self._launch(a, b, c, offs, num_clusters, stream, b_view, epi_inputs)
+        self._launch(a, b, c, offs, num_clusters, stream, b_view, epi_inputs, route)
 
     def _make_epi(self, c: cute.Tensor, epi_inputs: tuple) -> tuple:
         act_out, probs, dprobs, h_in, bias = epi_inputs

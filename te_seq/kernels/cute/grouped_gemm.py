@@ -49,11 +49,12 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .mainloop import MainloopMixin
 from .ragged import _ragged_view
+from .routed import RoutedMixin
 from .store_epilogue import StoreEpilogueMixin
 from .tile_scheduler import TileSchedulerMixin, _Schedule
 
 
-class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
+class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, RoutedMixin):
     """CuTe DSL kernel: a persistent grouped GEMM over varlen M (``"m"``) or varlen K (``"k"``)."""
 
     num_mma_warpgroups = 2
@@ -77,9 +78,17 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
         cluster_mn: tuple[int, int] = (1, 2),
         accumulate: bool = False,
         store_stages: int | None = None,
+        route: str | None = None,
     ):
         if varlen not in ("m", "k"):
             raise ValueError(f"GroupedGemmKernel: varlen must be 'm' or 'k', got {varlen!r}")
+        if route not in (None, "gather", "scatter") or (route and varlen != "m"):
+            raise ValueError(f"GroupedGemmKernel: route {route!r} unsupported (varlen {varlen!r})")
+        if route == "gather" and cluster_mn[1] != 1:
+            raise ValueError(
+                f"GroupedGemmKernel: gathered A is not multicast: cluster {cluster_mn}"
+            )
+        self.route = route
         if tile_mn[0] != 128 or tile_mn[1] not in (64, 128, 192, 256):
             raise ValueError(f"GroupedGemmKernel: unsupported tile {tile_mn}")
         if cluster_mn not in ((1, 1), (2, 1), (1, 2)):
@@ -152,13 +161,16 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
         c: cute.Tensor,
         offs: cute.Tensor,
         num_clusters: Int32,
+        route: cute.Tensor,  # int32 [M]: gathered A rows or scattered C rows (unused without)
         stream,
     ):
-        self._launch(a, b, c, offs, num_clusters, stream, b, ())
+        self._launch(a, b, c, offs, num_clusters, stream, b, (), route)
 
     @cute.jit
-    def _launch(self, a, b, c, offs, num_clusters, stream, b_tma_view, epi_inputs):
-        """Set up, build the TMA atoms (B through ``b_tma_view``, a view of ``b``) and launch."""
+    def _launch(self, a, b, c, offs, num_clusters, stream, b_tma_view, epi_inputs, route):
+        """Set up, build the TMA atoms (B through ``b_tma_view``, a view of ``b``) and launch.
+        ``route`` (int32 [M]) gives A's rows (``route="gather"``: a is the [T, K] token matrix)
+        or C's rows (``"scatter"``); other kernels ignore it."""
         self._setup(a, b, c)
         tm, tn, tk = self.tile_mnk
         a_tma_src, b_tma_src, c_tma_src = a, b_tma_view, c
@@ -167,7 +179,16 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
         else:
             a_tma_src = _ragged_view(a, 1)
             b_tma_src = _ragged_view(b, 1)
-        tma_a, mA = self._tma_load(a_tma_src, self.a_smem, (tm, tk), self.cluster_n)
+        num_rows = a.shape[0]
+        routes = ()
+        if const_expr(self.route == "gather"):
+            tma_a, mA = None, a  # cp.async reads the token rows
+            num_rows = route.shape[0]
+            routes = (route,)
+        else:
+            tma_a, mA = self._tma_load(a_tma_src, self.a_smem, (tm, tk), self.cluster_n)
+        if const_expr(self.route == "scatter"):
+            routes = (route, c)
         tma_b, mB = self._tma_load(b_tma_src, self.b_smem, (tn, tk), self.cluster_m)
         tma_c, mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
@@ -201,13 +222,14 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
             tma_c,
             mC,
             offs,
-            a.shape[0],
+            num_rows,
             a.shape[1],
             self.tiled_mma,
             self.a_smem,
             self.b_smem,
             self.c_smem,
             epi,
+            routes,
         ).launch(
             grid=(self.cluster_m, self.cluster_n, num_clusters),
             block=(self.threads, 1, 1),
@@ -235,11 +257,13 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
         b_smem: cute.ComposedLayout,
         c_smem: cute.ComposedLayout,
         epi,
+        routes,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            if const_expr(self.route != "gather"):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
         tm, tn, tk = self.tile_mnk
@@ -250,11 +274,16 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
         storage = memory.SmemAllocator().allocate(self.shared_storage)
         a_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0)))
         b_bytes = cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
+        # A gathered by cp.async: a stage is full after B's TMA bytes and one arrival of each
+        # producer thread (routed.py); otherwise after the TMA bytes of A and B.
+        producers = 1
+        if const_expr(self.route == "gather"):
+            producers, a_bytes = 1 + self.threads_per_warpgroup, 0
         # Each consumer warp releases a stage to every CTA that wrote into it (B is multicast).
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread,
                 (self.cluster_m + self.cluster_n - 1) * self.num_mma_warpgroups * 4,
@@ -288,8 +317,12 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin):
         wg = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.load_registers)
-            if warp == self.load_warp:
+            if const_expr(self.route == "gather"):
+                self._producer_gather(mA, routes[0], tma_b, mB, sA, sB, ab_pipe, sched, tidx)
+            elif warp == self.load_warp:
                 self._producer(tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched)
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
-            self._consumer(tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar)
+            self._consumer(
+                tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar, routes
+            )

@@ -163,3 +163,48 @@ def row_scales(scales: Tensor | None, rows: int, op: str) -> Tensor | None:
             f"got {tuple(scales.shape)} {scales.dtype}"
         )
     return scales.reshape(rows).float().contiguous()
+
+
+# ---------------------------------------------------------------- routed rows (routed.py)
+
+GATHER_CLUSTER = (1, 1)  # gathered A rows are loaded per CTA (no multicast of A)
+_GATHER_K_TILE = 64  # the k-tile: gathered rows are copied in whole 64-column chunks
+
+
+def route_problem(what: str, k: int) -> str:
+    """Why rows cannot be routed inside the kernel ("" when they can): ``what`` is "gather"
+    (A's rows by index; K = ``k`` must be a multiple of the 64-column k-tile) or "scatter"."""
+    if what == "gather" and k % _GATHER_K_TILE:
+        return f"gathered rows need K={k} to be a multiple of {_GATHER_K_TILE}"
+    if what not in ("gather", "scatter"):
+        return f"unknown route {what!r}"
+    return ""
+
+
+def route_rows(route: Tensor, rows: int | None, source_rows: int | None, op: str,
+               what: str) -> Tensor:
+    """``route`` as the contiguous int32 [M] tensor the kernel reads, checked: 1-D integer on
+    the operands' device, with ``rows`` entries when given. ``source_rows`` (gather): the token
+    rows it indexes, which must fit int32. Values are not read on the host (no sync)."""
+    if route.dim() != 1 or route.is_floating_point() or route.dtype == torch.bool:
+        raise ValueError(
+            f"cute {op}: {what}_rows must be a 1-D integer tensor, got {route.dtype} "
+            f"{tuple(route.shape)}"
+        )
+    if rows is not None and route.shape[0] != rows:
+        raise ValueError(f"cute {op}: {what}_rows has {route.shape[0]} entries, expected {rows}")
+    if source_rows is not None and source_rows >= 2**31:
+        raise ValueError(f"cute {op}: {source_rows} token rows do not fit int32 indices")
+    return route if route.dtype == torch.int32 and route.is_contiguous() else (
+        route.to(torch.int32).contiguous())
+
+
+_NO_ROUTE: dict = {}
+
+
+def no_route(device: torch.device) -> Tensor:
+    """The int32 placeholder for the kernels' route argument when rows are not routed."""
+    key = (device.type, device.index)
+    if key not in _NO_ROUTE:
+        _NO_ROUTE[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _NO_ROUTE[key]

@@ -136,7 +136,9 @@ class MainloopMixin:
         return read, release
 
     @cute.jit
-    def _consumer(self, tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar):
+    def _consumer(
+        self, tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar, routes
+    ):
         offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
         tm, tn, tk = self.tile_mnk
         mma_tidx = tidx - self.threads_per_warpgroup
@@ -186,6 +188,7 @@ class MainloopMixin:
             mma_tidx,
             epi,
             extra_bar,
+            routes,
         )
         valid, group, m_unit, n_unit, row0, rows, st = self._work(
             offs, num_rows, n_tiles, m_units_k, unit, st

@@ -37,6 +37,7 @@ class _EpilogueState(NamedTuple):
     mma_tidx: object
     epi: tuple
     extra_bar: object  # pointer to the subclass's extra mbarriers (smem)
+    routes: tuple  # scatter: (route [M], C [M, N]) (routed.py); else unused
 
 
 class StoreEpilogueMixin:
@@ -70,7 +71,8 @@ class StoreEpilogueMixin:
         old = None
         if const_expr(self.accumulate):
             old = self._old_tile(ep, group, m_tile, n_tile)
-        return self._epilogue(ep, gC, epi_count, old)
+        sc = self._scatter_tile(ep, row0 + m_tile * tm, rows - m_tile * tm, n_tile)
+        return self._epilogue(ep, gC, epi_count, old, scatter=sc)
 
     @cute.jit
     def _old_tile(self, ep, group, m_tile, n_tile):
@@ -89,12 +91,12 @@ class StoreEpilogueMixin:
             self._load_old_c(ep, loads, 1, epi_count)
 
     @cute.jit
-    def _epilogue(self, ep, gC, epi_count, old, bias_tile=None):
+    def _epilogue(self, ep, gC, epi_count, old, bias_tile=None, scatter=None):
         """Store the accumulators of one tile: per (tm x 32) subtile, (add the old C subtile,
         which TMA loads into the extra smem block,) (add the bias: ``bias_epilogue``,
         ``bias_tile`` its context,) convert to the output type, copy to a ring of smem buffers
-        and TMA-store, ``epi_batch`` subtiles per pair of barriers; returns the number of
-        subtiles."""
+        and TMA-store (``scatter``: the threads store the rows, ``routed``), ``epi_batch``
+        subtiles per pair of barriers; returns the number of subtiles."""
         gC_epi = cute.zipped_divide(gC, self.epi_tile)
         bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
             ep.tma_c, 0, cute.make_layout(1), cute.group_modes(ep.sC, 0, 2), gC_epi
@@ -122,7 +124,9 @@ class StoreEpilogueMixin:
                     self._add_old_c(ep, loads, e, num_epi, epi_count)
                 outs[i].store(ep.rD.load().to(self.c_dtype))
                 items.append((outs[i], ep.tma_c, bSG_sC, bSG_gC, epi_layout.get_hier_coord(e)))
-            self._store_group(ep.tiled_r2s, ep.tRS_sC, ep.warp, items, epi_count + b * batch)
+            self._store_group(
+                ep.tiled_r2s, ep.tRS_sC, ep.warp, items, epi_count + b * batch, scatter
+            )
         return num_epi
 
     @cute.jit
@@ -185,10 +189,11 @@ class StoreEpilogueMixin:
         return batch
 
     @cute.jit
-    def _store_group(self, tiled_r2s, tRS_sC, warp, items: list, count):
+    def _store_group(self, tiled_r2s, tRS_sC, warp, items: list, count, scatter=None):
         """Stage and TMA-store subtiles in ring slots ``count``, ``count + 1``, ..., ``_batch``
         of them per pair of barriers. ``items``: (registers in the output type, TMA atom, smem
-        partition, gmem partition, gmem coordinate)."""
+        partition, gmem partition, gmem coordinate). ``scatter``: the routed store's context
+        (``routed._ScatterTile``) instead of TMA."""
         batch = self._batch(len(items))
         for b in cutlass.range_constexpr(len(items) // batch):
             self._ring_reserve(warp, batch)
@@ -198,7 +203,12 @@ class StoreEpilogueMixin:
                 slot = (count + b * batch + i) % self.epi_stage
                 cute.copy(tiled_r2s, r_out, tRS_sC[(None, None, None, slot)])
                 stores.append((tma, s_part, g_part, slot, coord))
-            self._ring_flush(warp, stores)
+            if const_expr(scatter is None):
+                self._ring_flush(warp, stores)
+            else:
+                self.epi_barrier.arrive_and_wait()  # the staged subtiles are visible
+                for i in cutlass.range_constexpr(len(stores)):
+                    self._scatter_subtile(scatter, stores[i][3], stores[i][4][1])
 
     @cute.jit
     def _ring_reserve(self, warp, n: int):
