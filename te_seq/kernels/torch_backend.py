@@ -19,12 +19,12 @@ Which path runs (decided from dtypes, device and strides only):
   a multiple of 16/itemsize elements, or whose layout is not 16-byte aligned, is first copied
   into a zero-padded buffer (costs one copy of that operand, weights included, per call; real
   model widths are multiples of 8, so te_seq's MLPs never pay it).
-  The 2D×2D (wgrad) form on CUDA also needs every group to start on a 16-byte boundary. We cannot
-  read ``offs``, so on CUDA every wgrad scatters ``grad_out`` and ``x`` into zero buffers of
-  P = M + 7E rows (A = 8 for bf16) where each group starts at a multiple of A rows, with padded
-  offsets from ``cumsum`` on the device. Cost: one extra read and write of both operands
-  (≈ 2·(M + 7E)·(N + K)·2 bytes; for FC1 of shape Q, M=32768, N=1536, K=2048, ≈ 0.5 GB or
-  ~0.13 ms at 4 TB/s, against ~0.35 ms for the GEMM). The CPU kernel takes any boundary.
+  The 2D×2D (wgrad) form takes groups that start on any row: its operands ``grad_out.t()`` and
+  ``x`` are strided along the rows by N and K elements, so every group start is 16-byte aligned
+  once the widths are (verified on an H100 with torch 2.11, ``tests/kernels/
+  test_torch_backend.py``; it is what autograd's own ``_grouped_mm`` backward runs). An earlier
+  version scattered both operands into zero buffers with 8-row group boundaries first, one extra
+  read and write of both per wgrad (``_padded_layout``, kept for unaligned widths).
   A wgrad written into a float32 ``out`` (``main_grad``) is rounded to the input dtype first,
   since ``torch._grouped_mm`` only writes bf16 on CUDA: one bf16 rounding per call that the
   reference does not make.
@@ -209,8 +209,7 @@ def grouped_wgrad(
     """
     offs = offs.to(torch.int32)
     if _native_ok((grad_out.dtype, x.dtype), x.dtype, x.device):
-        row_align = 16 // x.element_size() if x.device.type == "cuda" else 1
-        result = _native_wgrad(grad_out, x, offs, row_align)
+        result = _native_wgrad(grad_out, x, offs, 1)
     else:
         result = _tiled_wgrad(grad_out, x, offs)
     if out is None:
@@ -221,7 +220,8 @@ def grouped_wgrad(
 
 
 def _native_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, row_align: int) -> Tensor:
-    """``row_align`` > 1 moves every group to a multiple of that many rows (CUDA needs 16 bytes)."""
+    """``row_align`` > 1 moves every group to a multiple of that many rows (unaligned widths are
+    padded in the same pass)."""
     align = 16 // x.element_size()
     n, k = grad_out.shape[1], x.shape[1]
     np_, kp = _round_up(n, align), _round_up(k, align)

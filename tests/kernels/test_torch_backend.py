@@ -275,3 +275,20 @@ def test_cpu_path_choice(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) ->
     torch_backend.grouped_mm(a, w.transpose(1, 2), offs)
     torch_backend.grouped_wgrad(dy, a, offs)
     assert len(calls) == (0 if dtype == torch.float64 else 2)
+
+
+@gpu
+@requires_sm90
+def test_cuda_wgrad_groups_start_on_any_row() -> None:
+    """The wgrad runs torch._grouped_mm on groups that start on odd rows (no row padding):
+    many 128-row tiles, group starts at every residue mod 8, an empty group, fresh data."""
+    sizes = [1, 3, 129, 0, 255, 257, 7, 513]
+    gen = torch.Generator().manual_seed(21)
+    m, k, n = sum(sizes), 192, 136
+    a = _randn(m, k, gen=gen, dtype=torch.bfloat16, device="cuda")
+    dy = _randn(m, n, gen=gen, dtype=torch.bfloat16, device="cuda")
+    offs = _offs(sizes).cuda()
+    ours = torch_backend.grouped_wgrad(dy, a, offs)
+    ref = reference.grouped_wgrad(dy.double(), a.double(), offs)
+    assert ((ours.double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert (ours[3] == 0).all()  # the empty group
