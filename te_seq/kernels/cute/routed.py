@@ -169,7 +169,7 @@ class RoutedMixin:
         for j in cutlass.range_constexpr(2):
             r = sc.row + j * (self.num_mma_threads // per_row)
             if (sc.dst[j] >= 0) & (col < n_dim):
-                for v in cutlass.range_constexpr(vec):
-                    regs[v] = sc.sC[r, sc.chunk * vec + v, slot]
+                row_s = cute.zipped_divide(sc.sC[r, None, slot], (vec,))
+                cute.autovec_copy(row_s[(None, sc.chunk)], regs)
                 out = cute.zipped_divide(sc.mC[sc.dst[j], None], (vec,))
                 cute.autovec_copy(regs, out[(None, col // vec)])
