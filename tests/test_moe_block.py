@@ -272,3 +272,75 @@ def test_compiled_block_matches_eager() -> None:
     want = torch.autograd.grad(eager.sum(), [x, *block.parameters()])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _assert_same(fused: list, unfused: list) -> None:
+    for i, (a, b) in enumerate(zip(fused, unfused, strict=True)):
+        assert (a is None) == (b is None), f"tensor {i}"
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"tensor {i}: {m}")
+
+
+def test_gpt_oss_layout_fc1_bias_interleaved_clamped_glu_fc2_scaled_bias() -> None:
+    torch.manual_seed(12)
+    block = te_seq.Sequential(
+        ops.ExpertDispatch(4),
+        ops.GroupedLinear(4, 8, 12, bias=True, dtype=DT),
+        ops.ScaledClampedQGeGLU(glu_interleave_size=1),
+        ops.GroupedLinear(4, 6, 8, bias=True, scale_bias=True, dtype=DT),
+        ops.ExpertCombine(),
+    )
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    indices, probs = _routing(9, 2, experts=4)
+    _assert_fused_equals_unfused(block, torch.randn(9, 8, dtype=DT), indices, probs)
+
+
+def test_autocast_bf16_matches_unfused() -> None:
+    torch.manual_seed(13)
+    block = _block(h=8, f=6).float()
+    indices, probs = _routing(9, 2)
+    x = torch.randn(9, 8)
+    results = []
+    for disabled in (False, True):
+        scope = te_seq.fusions_disabled("moe_block") if disabled else contextlib.nullcontext()
+        with scope, torch.autocast("cpu", dtype=torch.bfloat16):
+            out, plan = _run(block, x, indices, probs.float())
+        assert ("MoeBlock" in [s.name for s in plan.forward]) == (not disabled)
+        assert out[0].dtype == torch.bfloat16 and out[1].dtype == torch.float32  # y, dx
+        results.append(out)
+    _assert_same(*results)
+
+
+def test_repeated_calls_with_new_routings_reuse_the_plan() -> None:
+    """The steady-state fast path (same signature, new routing values) stays exact."""
+    torch.manual_seed(14)
+    block = _block(h=8, f=6)
+    x = torch.randn(9, 8, dtype=DT)
+    for _ in range(3):
+        indices, probs = _routing(9, 2)
+        fused, plan = _run(block, x, indices, probs)
+        assert [s.name for s in plan.forward] == ["MoeBlock"]
+        with te_seq.fusions_disabled("moe_block"):
+            unfused, _ = _run(block, x, indices, probs)
+        _assert_same(fused, unfused)
+
+
+def test_delayed_wgrad_matches_unfused() -> None:
+    """delay_wgrad_compute: the wgrads (FC1's on gathered x rows) run at backward_dw()."""
+    results = []
+    for disabled in (False, True):
+        torch.manual_seed(15)
+        block = _block(h=8, f=6, delay_wgrad_compute=True)
+        indices, probs = _routing(9, 2)
+        x = torch.randn(9, 8, dtype=DT, requires_grad=True)
+        scope = te_seq.fusions_disabled("moe_block") if disabled else contextlib.nullcontext()
+        with scope:
+            y = block(x, indices, probs)
+            y.backward(torch.randn_like(y))
+        assert all(p.grad is None for p in block.parameters())  # nothing before backward_dw
+        block[1].backward_dw()
+        block[3].backward_dw()
+        results.append([x.grad] + [p.grad for p in block.parameters()])
+    _assert_same(*results)

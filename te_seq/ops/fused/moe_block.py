@@ -8,7 +8,7 @@ in slot order (`scatter_rows = order`), so neither [N, H] permuted copy exists w
 gathers / scatters inside its GEMMs (te_seq.kernels.routed; elsewhere each is one separate pass).
 y = y_slots.view(T, k, H).sum(1): the k-sum in choice order, as ExpertCombine (no atomics).
 The grouped MLP's maths is GroupedMLP's (held by composition, its helpers given the routes).
-Saved for backward: x [T, H] (not the [N, H] rows), order, row_of_slot, token_of_row, h, the
+Saved for backward: x [T, H] (not the [N, H] rows), order, the routing map, token_of_row, h, the
 weights, the offsets and the row probabilities; FC1's wgrad gathers its x rows just before.
 """
 
