@@ -333,3 +333,23 @@ def test_torchao_skips_on_the_cpu_and_for_unaligned_groups(fake_torchao):
     assert "CUDA" in peers.torchao_fp8_unavailable(case)
     case.x = types.SimpleNamespace(device=torch.device("cuda"))  # only the device is read
     assert "multiples of 16" in peers.torchao_fp8_unavailable(case)
+
+
+def test_bench_moe_block_dry_run(tmp_path):
+    """The fused-vs-unfused MoE block benchmark on the CPU: both variants timed per shape and
+    mode, the fused plan one MoeBlock step, the unfused one the dispatch / MLP / combine chain,
+    and the two agree."""
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, "benchmarks/bench_moe_block.py", "--device", "cpu", "--dry-run",
+           "--json", str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    got = {(r["shape"], r["mode"], r["variant"]) for r in results if r["status"] == "ok"}
+    for shape in ("T", "U"):
+        for mode in ("fwd", "fwd+bwd"):
+            assert {(shape, mode, "fused:reference"), (shape, mode, "unfused:reference")} <= got
+    for r in results:
+        assert r["max_rel_err"] < 1e-5, r
+        plan = "MoeBlock@reference" if r["variant"].startswith("fused") else "GroupedMLP@reference"
+        assert plan in r["note"], r

@@ -99,7 +99,7 @@ def test_two_blocks_in_one_sequential_each_read_their_own_dispatch() -> None:
     want = loop_reference(second, loop_reference(first, x, i1, p1), i2, p2)
     torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
     names = [s.name for s in both.fusion_plan().forward]
-    assert names.count("GroupedMLP") == 2, names
+    assert names.count("MoeBlock") == 2, names  # each block fused with its own dispatch
 
 
 def test_unbinding_a_default_makes_the_slot_positional_and_the_plan_says_why() -> None:
@@ -111,13 +111,15 @@ def test_unbinding_a_default_makes_the_slot_positional_and_the_plan_says_why() -
     y = block(x, indices, probs, splits)  # FC2's split sizes now come from the caller
     torch.testing.assert_close(y, loop_reference(block, x, indices, probs), rtol=1e-12, atol=1e-12)
     plan = block.fusion_plan()
-    assert "GroupedMLP" not in [s.name for s in plan.forward]
+    assert not {"GroupedMLP", "MoeBlock"} & {s.name for s in plan.forward}
     miss = next(m for m in plan.misses if m.fusion == "grouped_mlp")
     assert "different split_sizes" in miss.reason
+    miss = next(m for m in plan.misses if m.fusion == "moe_block")
+    assert "(FC2) split_sizes is not bound" in miss.reason
     # Binding it again re-resolves the structure: fused, and the caller passes two inputs.
     block[3].set_extra_input_channel("split_sizes", "split_sizes")
     block(x, indices, probs)
-    assert "GroupedMLP" in [s.name for s in block.fusion_plan().forward]
+    assert "MoeBlock" in [s.name for s in block.fusion_plan().forward]
 
 
 def test_positional_extra_inputs_are_unchanged_without_publishers() -> None:

@@ -57,12 +57,21 @@ def _rand_rows(shared: dict) -> torch.Tensor:
 def _grouped(cls, w, nxt) -> Built:
     out = _linear_out(nxt)
     return Built(cls(GROUPS, w, out, bias=True, dtype=torch.float64), out,
-                 lambda shared: (_splits(shared),))
+                 lambda shared: () if "dispatch" in shared else (_splits(shared),))
 
 
 def _gated(cls, w, nxt) -> Built:
-    extras = (lambda shared: (_rand_rows(shared),)) if cls.num_extra_inputs else (lambda s: ())
+    def extras(shared: dict) -> tuple:  # after a dispatch the scales come from its channel
+        return (_rand_rows(shared),) if cls.num_extra_inputs and "dispatch" not in shared else ()
     return Built(cls(), w // 2, extras)
+
+
+def _dispatch_extras(shared: dict) -> tuple:
+    """Top-2 routing of the T tokens over GROUPS experts (marks the window as dispatched: the
+    later ops' split sizes, scales and routing map come from its channels)."""
+    shared["dispatch"] = True
+    indices = torch.randn(T, GROUPS).topk(2).indices
+    return indices, torch.rand(T, 2, dtype=shared["dtype"]) + 0.5
 
 
 def _same_width(make: Callable[[int], torch.nn.Module], extras=lambda shared: ()):
@@ -93,7 +102,10 @@ FACTORIES: dict[str, Callable[[type, int, type | None], Built]] = {
     "QGELU": _same_width(lambda w: ops.QGELU()),
     "SReLU": _same_width(lambda w: ops.SReLU()),
     "ScaledSReLU": _same_width(lambda w: ops.ScaledSReLU(),
-                               lambda shared: (_rand_rows(shared),)),
+                               lambda shared: () if "dispatch" in shared
+                               else (_rand_rows(shared),)),
+    "ExpertDispatch": _same_width(lambda w: ops.ExpertDispatch(GROUPS), _dispatch_extras),
+    "ExpertCombine": _same_width(lambda w: ops.ExpertCombine()),
 }
 
 

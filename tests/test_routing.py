@@ -88,7 +88,10 @@ def test_the_block_fuses_the_grouped_mlp_through_channels() -> None:
     block = moe_block()
     indices, probs = routing_case("topk")
     block(torch.randn(T, H, dtype=DT, requires_grad=True), indices, probs)
-    plan = block.fusion_plan()
+    assert [s.name for s in block.fusion_plan().forward] == ["MoeBlock"]  # the whole block
+    with te_seq.fusions_disabled("moe_block"):
+        block(torch.randn(T, H, dtype=DT, requires_grad=True), indices, probs)
+        plan = block.fusion_plan()
     assert [s.name for s in plan.forward] == ["ExpertDispatch", "GroupedMLP", "ExpertCombine"]
     assert plan.forward[1].basic_op_indices == (1, 2, 3)
     assert [s.name for s in plan.backward] == ["ExpertCombine", "GroupedMLP", "ExpertDispatch"]

@@ -25,6 +25,11 @@ Biases: `grouped_mm(..., bias=[E, N], bias_scales=[M])` and `glu_fc1_forward(...
 add the per-expert bias to the fp32 accumulator before rounding; `Backend` supplies
 `group_col_sums` in plain PyTorch (``te_seq.kernels.bias``), which a backend may override.
 
+Routed rows (the fused MoE block, ``te_seq.kernels.routed``): `grouped_mm`, `glu_fc1_forward` and
+`act_fc1_forward` may take `gather_rows=` [M] (A's row r is x[gather_rows[r]], x of any row count)
+and `grouped_mm` `scatter_rows=` [M] (result row r written to out[scatter_rows[r]]), each only
+where the backend lists the kernel in `gather_kernels` / `scatter_kernels` (`routes_natively`).
+
 Adding a backend: one module with a `Backend` subclass and one `register_backend(...)` call
 (imported from `te_seq/kernels/__init__.py`, or by the user before use).
 """
@@ -68,6 +73,10 @@ class Backend:
     auto_priority: int = 0  # "auto" tries higher first
     auto_device_types: frozenset[str] | None = frozenset({"cuda"})  # None: any device
     fallback: bool = False  # runs every kernel on any device: auto's last resort, pure ops' home
+    # Kernels that take `gather_rows=` (A row r is x[gather_rows[r]]) / `scatter_rows=` (result
+    # row r goes to out[scatter_rows[r]]) natively; te_seq.kernels.routed falls back for the rest.
+    gather_kernels: frozenset[str] = frozenset()
+    scatter_kernels: frozenset[str] = frozenset()
 
     def available(self) -> tuple[bool, str]:
         """Whether this backend can run on this machine, and why not."""
@@ -87,6 +96,15 @@ class Backend:
         if kernel in GLU_EPILOGUE_KERNELS:
             return False, f"the {self.name} backend has no fused activation epilogue"
         return False, f"the {self.name} backend has no {kernel} kernel"
+
+    def routes_natively(self, kernel: str, what: str, **static: Any) -> bool:
+        """Whether `kernel` takes `gather_rows` (what="gather") or `scatter_rows` ("scatter")
+        itself for the static facts (those of `supports`); te_seq.kernels.routed gathers or
+        scatters in a separate pass otherwise. Default: the kernel is in `gather_kernels` /
+        `scatter_kernels`; a backend that accepts them only for some shapes overrides this."""
+        if what not in ("gather", "scatter"):
+            raise ValueError(f"routes_natively: what must be 'gather' or 'scatter', got {what!r}")
+        return kernel in (self.gather_kernels if what == "gather" else self.scatter_kernels)
 
     def auto_eligible(self, device: torch.device) -> bool:
         """Whether "auto" considers this backend for data on `device`."""

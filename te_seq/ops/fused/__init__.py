@@ -6,6 +6,7 @@ from te_seq.ops.fused.grouped_mlp import GroupedMLP
 from te_seq.ops.fused.linear_bias_activation import LinearBiasActivation
 from te_seq.ops.fused.linear_bias_add import LinearBiasAdd
 from te_seq.ops.fused.make_extra_output_linear_backward import MakeExtraOutputLinearBackward
+from te_seq.ops.fused.moe_block import MoeBlock
 
 __all__ = [
     "ActivationBiasBackward",
@@ -14,4 +15,5 @@ __all__ = [
     "LinearBiasActivation",
     "LinearBiasAdd",
     "MakeExtraOutputLinearBackward",
+    "MoeBlock",
 ]

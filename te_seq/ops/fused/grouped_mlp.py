@@ -25,9 +25,10 @@ from te_seq.core.context import OperationContext
 from te_seq.core.operation import BasicOperation, FusedOperation
 from te_seq.fusion.matcher import same_extra_input
 from te_seq.fusion.registry import NoMatch, register_fusion
-from te_seq.kernels import as_rows
+from te_seq.kernels import as_rows, routed
 from te_seq.kernels.backend import Backend, KernelNeed
 from te_seq.kernels.bias import bias_scale_grads
+from te_seq.kernels.routed import Route
 from te_seq.ops.basic.activation import Activation
 from te_seq.ops.basic.grouped_linear import GroupedLinear
 from te_seq.ops.fused import _grouped_mlp_fp8
@@ -115,21 +116,25 @@ class GroupedMLP(FusedOperation):
         return f"activation after the GEMMs ({why})"
 
     # --- activation ---------------------------------------------------------------------------
-    def _fc1_act(self, x: Tensor, w1: Tensor, offs: Tensor, extras: _Extras, probs, backend):
+    def _fc1_act(self, x: Tensor, w1: Tensor, offs: Tensor, extras: _Extras, probs, backend,
+                 gather: Route | None = None):
         """(h, a): FC1's pre-activation [T, 2F] and the activation [T, F] (· probs).
 
         One kernel where the plan fused the activation into FC1's epilogue; else the GEMM,
-        then the activation."""
+        then the activation. `gather`: FC1's rows are x[gather.rows] (te_seq.kernels.routed)."""
         op = self.activation
         if self.epilogue_status(backend, x.dtype, x.device)[0]:
             w1t = w1.transpose(1, 2)
             if not op.gated:
-                return backend.act_fc1_forward(x, w1t, offs, op.act, probs)
+                return routed.call(backend, "act_fc1_forward", x, w1t, offs, op.act, probs,
+                                   gather=gather)
             bias = _bias(self.fc1, x.dtype)
             if bias is None:  # backends without bias support keep their plain signature
-                return backend.glu_fc1_forward(x, w1t, offs, op.glu_spec, probs)
-            return backend.glu_fc1_forward(x, w1t, offs, op.glu_spec, probs, bias=bias)
-        h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, backend)  # [T, 2F]
+                return routed.call(backend, "glu_fc1_forward", x, w1t, offs, op.glu_spec, probs,
+                                   gather=gather)
+            return routed.call(backend, "glu_fc1_forward", x, w1t, offs, op.glu_spec, probs,
+                               bias=bias, gather=gather)
+        h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, backend, gather=gather)  # [T, 2F]
         if op.gated:
             return h, backend.glu_forward(h, op.glu_spec, probs)
         if probs is not None:  # a row-scaled elementwise activation (ScaledSReLU)
@@ -173,14 +178,7 @@ class GroupedMLP(FusedOperation):
             y = _grouped_mlp_fp8.forward(self, basic_op_ctxs, input_, x, w1, w2, offs, extras,
                                          basic_op_extra_inputs)
             return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
-        probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]
-        seen = ctx.signature_checked  # the inner ops' checks that read only it passed before
-        if not (seen and self.activation.checks_read_only_signature()):
-            h_like = x.new_empty(()).expand(x.shape[0], self.fc1.out_features)  # shape only
-            self.activation.forward_checks(h_like, basic_op_extra_inputs[1], seen)
-        h, a = self._fc1_act(x, w1, offs, extras, probs, ctx.backend)  # [T, 2F], [T, F]
-        self.fc2.forward_checks(a, basic_op_extra_inputs[2], seen)
-        y = _linear(self.fc2, a, w2, offs, extras.fc2_scales, ctx.backend)  # [T, H]
+        h, a, y = self.forward_rows(ctx, x, w1, w2, offs, extras, basic_op_extra_inputs[1:])
         # Saved when any of the three ops' backward runs: with FC1 frozen and an input that needs
         # no gradient only the activation (router probs) or FC2 may need one.
         if any(c.requires_grad for c in basic_op_ctxs):
@@ -192,26 +190,53 @@ class GroupedMLP(FusedOperation):
             basic_op_ctxs[2].saved = self.fc2.saved_record(a, x.dtype, shape=fc2_shape)
         return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
 
+    def forward_rows(self, ctx: OperationContext, x: Tensor, w1: Tensor, w2: Tensor,
+                     offs: Tensor, extras: _Extras, inner_extra: Sequence[tuple],
+                     gather: Route | None = None, scatter: Route | None = None):
+        """(h [T, 2F], a [T, F], y [T, H]) of rows x (with `gather`: rows x[gather.rows]; with
+        `scatter`: y's row r written to row scatter.rows[r]), the activation's and FC2's input
+        checks included (`inner_extra`: their extra inputs as the call gave them)."""
+        probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]
+        seen = ctx.signature_checked  # the inner ops' checks that read only it passed before
+        rows = x.shape[0] if gather is None else gather.rows.shape[0]
+        if not (seen and self.activation.checks_read_only_signature()):
+            h_like = x.new_empty(()).expand(rows, self.fc1.out_features)  # shape only
+            self.activation.forward_checks(h_like, inner_extra[0], seen)
+        h, a = self._fc1_act(x, w1, offs, extras, probs, ctx.backend, gather)  # [T, 2F], [T, F]
+        self.fc2.forward_checks(a, inner_extra[1], seen)
+        y = _linear(self.fc2, a, w2, offs, extras.fc2_scales, ctx.backend, scatter=scatter)
+        return h, a, y  # y [T, H]
+
     # --- backward -----------------------------------------------------------------------------
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx1, ctx_act, ctx2 = basic_op_ctxs
         if ctx1.recipe is not None:
             return _grouped_mlp_fp8.backward(self, basic_op_ctxs, grad_output)
         x, h, w1, w2, offs, probs_in, s1, s2 = ctx1.saved_tensors
-        probs = None if probs_in is None else probs_in.reshape(-1)
         dy = self.fc2.grad_rows(ctx2, grad_output)  # [T, H] in the GEMMs' compute dtype
-        dh, a, dprobs = self._fc2_dgrad_act(dy, w2, offs, h, probs, ctx1.backend)  # [T, 2F], [T, F]
-        backend = ctx1.backend
-        fc2_grads, ds2 = self._param_grads(self.fc2, ctx2, a, dy, offs, s2, backend)
-        fc1_grads, ds1 = [], None  # FC1's backward does not run: no gradient of it is needed
-        if ctx1.requires_grad:
-            fc1_grads, ds1 = self._param_grads(self.fc1, ctx1, x, dh, offs, s1, backend)
+        g = self.backward_rows(basic_op_ctxs, dy, lambda: x, w2, offs, h, probs_in, (s1, s2))
+        dh, dprobs, fc1_grads, ds1, fc2_grads, ds2 = g
         dx = None
         if ctx1.input_requires_grad:
             dx = self.fc1.input_grad(ctx1, ctx1.backend.grouped_mm(dh, w1, offs))  # dX = dH W1
         act_extra = () if probs_in is None else (dprobs.reshape(probs_in.shape),)
         extra = [_extra_grads(self.fc1, ds1), act_extra, _extra_grads(self.fc2, ds2)]
         return dx, [fc1_grads, [], fc2_grads], extra
+
+    def backward_rows(self, basic_op_ctxs, dy: Tensor, x_rows, w2: Tensor, offs: Tensor,
+                      h: Tensor, probs_in: Tensor | None, scales: tuple):
+        """(dh, dprobs, FC1 grads, d FC1 scales, FC2 grads, d FC2 scales) from dY rows [T, H];
+        `x_rows()` gives FC1's input rows when its wgrad needs them (made just then)."""
+        ctx1, _, ctx2 = basic_op_ctxs
+        s1, s2 = scales
+        probs = None if probs_in is None else probs_in.reshape(-1)
+        dh, a, dprobs = self._fc2_dgrad_act(dy, w2, offs, h, probs, ctx1.backend)  # [T, 2F], [T, F]
+        backend = ctx1.backend
+        fc2_grads, ds2 = self._param_grads(self.fc2, ctx2, a, dy, offs, s2, backend)
+        fc1_grads, ds1 = [], None  # FC1's backward does not run: no gradient of it is needed
+        if ctx1.requires_grad:
+            fc1_grads, ds1 = self._param_grads(self.fc1, ctx1, x_rows(), dh, offs, s1, backend)
+        return dh, dprobs, fc1_grads, ds1, fc2_grads, ds2
 
     def _param_grads(
         self,
@@ -242,14 +267,16 @@ def _bias(fc: GroupedLinear, dtype: torch.dtype) -> Tensor | None:
     return None if bias is None else amp.cast(bias, dtype)
 
 
-def _linear(fc: GroupedLinear, x: Tensor, w: Tensor, offs: Tensor, scales, backend) -> Tensor:
+def _linear(fc: GroupedLinear, x: Tensor, w: Tensor, offs: Tensor, scales, backend,
+            gather: Route | None = None, scatter: Route | None = None) -> Tensor:
     """x_e W_eᵀ (+ b_e, · s_t with scale_bias) over the experts' row blocks, the bias added by
-    the GEMM kernel."""
+    the GEMM kernel; `gather` / `scatter`: routed rows (te_seq.kernels.routed.mm)."""
     bias = _bias(fc, x.dtype)
     if bias is None:  # backends without bias support keep their plain signature
-        return backend.grouped_mm(x, w.transpose(1, 2), offs)
+        return routed.mm(backend, x, w.transpose(1, 2), offs, gather=gather, scatter=scatter)
     bias_scales = scales.reshape(-1) if fc.scale_bias else None
-    return backend.grouped_mm(x, w.transpose(1, 2), offs, bias=bias, bias_scales=bias_scales)
+    return routed.mm(backend, x, w.transpose(1, 2), offs, gather=gather, scatter=scatter,
+                     bias=bias, bias_scales=bias_scales)
 
 
 def _bias_grads(fc: GroupedLinear, dout: Tensor, offs: Tensor, scales, backend: Backend):
