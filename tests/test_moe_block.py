@@ -274,6 +274,23 @@ def test_compiled_block_matches_eager() -> None:
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_compiled_block_routes_rows_natively(recording_router) -> None:
+    """Under torch.compile the te_seq:: custom ops carry gather_rows / scatter_rows to the
+    backend's kernels: FC1 still gets the [T, H] token matrix, FC2 still scatters."""
+    torch.manual_seed(9)
+    tokens, k = 9, 2
+    block = _block(h=8, f=6)
+    indices, probs = _routing(tokens, k)
+    x = torch.randn(tokens, 8, dtype=DT)
+    with te_seq.backend(recording_router.name):
+        eager = block(x, indices, probs)
+        recording_router.calls.clear()
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(x, indices, probs)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    assert ("grouped_mm", tokens, True, False) in recording_router.calls
+    assert ("grouped_mm", tokens * k, False, True) in recording_router.calls
+
+
 def _assert_same(fused: list, unfused: list) -> None:
     for i, (a, b) in enumerate(zip(fused, unfused, strict=True)):
         assert (a is None) == (b is None), f"tensor {i}"

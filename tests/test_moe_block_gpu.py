@@ -32,15 +32,15 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _block(dtype: torch.dtype, device: str, act: str) -> te_seq.Sequential:
+def _block(dtype: torch.dtype, device: str, act: str, f: int = F) -> te_seq.Sequential:
     activation = {"scaled_swiglu": ops.ScaledSwiGLU, "swiglu": ops.SwiGLU,
                   "scaled_srelu": ops.ScaledSReLU}[act]()
-    width = 2 * F if activation.gated else F
+    width = 2 * f if activation.gated else f
     return te_seq.Sequential(
         ops.ExpertDispatch(E),
         ops.GroupedLinear(E, H, width, bias=False, dtype=dtype, device=device),
         activation,
-        ops.GroupedLinear(E, F, H, bias=False, dtype=dtype, device=device),
+        ops.GroupedLinear(E, f, H, bias=False, dtype=dtype, device=device),
         ops.ExpertCombine(),
     )
 
@@ -73,13 +73,14 @@ def gpu_backend(request):
     return request.param
 
 
+@pytest.mark.parametrize("ffn", [F, 256])  # 256: the GLU epilogue (F % 128 == 0) on cute
 @pytest.mark.parametrize("act", ["scaled_swiglu", "swiglu", "scaled_srelu"])
-def test_fused_block_matches_unfused_and_float64(gpu_backend: str, act: str) -> None:
-    block = _block(torch.bfloat16, "cuda", act)
+def test_fused_block_matches_unfused_and_float64(gpu_backend: str, act: str, ffn: int) -> None:
+    block = _block(torch.bfloat16, "cuda", act, ffn)
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-    ref = _block(torch.float64, "cpu", act)
+    ref = _block(torch.float64, "cpu", act, ffn)
     ref.load_state_dict({k: v.double().cpu() for k, v in block.state_dict().items()})
     indices, probs = _routing()
     x, dout = torch.randn(T, H), torch.randn(T, H)

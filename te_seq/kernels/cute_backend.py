@@ -99,6 +99,11 @@ class CuteBackend(GpuBackend):
     # --- kernels ------------------------------------------------------------------------------
     def grouped_mm(self, a, b, offs, bias=None, bias_scales=None, *, gather_rows=None,
                    scatter_rows=None) -> Tensor:
+        if gather_rows is not None and scatter_rows is not None:
+            # one routed side per kernel: gather in the loads, then place the rows
+            res = cute.grouped_mm(a, b, offs, bias=bias, bias_scales=bias_scales,
+                                  gather_rows=gather_rows)
+            return torch.empty_like(res).index_copy_(0, scatter_rows, res)
         return cute.grouped_mm(a, b, offs, bias=bias, bias_scales=bias_scales,
                                gather_rows=gather_rows, scatter_rows=scatter_rows)
 

@@ -31,9 +31,15 @@ __all__ = ["TracedBackend", "traced"]
 
 def _fake_grouped_mm(
     a: Tensor, b: Tensor, offs: Tensor, backend: str, bias: Tensor | None = None,
-    bias_scales: Tensor | None = None,
+    bias_scales: Tensor | None = None, gather_rows: Tensor | None = None,
+    scatter_rows: Tensor | None = None,
 ) -> Tensor:
-    return a.new_empty(a.shape[0], b.shape[2])  # [M, N]
+    return a.new_empty(_rows(a, gather_rows), b.shape[2])  # [M, N]
+
+
+def _rows(x: Tensor, gather_rows: Tensor | None) -> int:
+    """M: x's rows, or the gathered rows' count (x is then the [T, K] token matrix)."""
+    return x.shape[0] if gather_rows is None else gather_rows.shape[0]
 
 
 def _fake_grouped_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, backend: str) -> Tensor:
@@ -49,9 +55,10 @@ def _fake_grouped_wgrad_into(
 def _fake_fc1(
     x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int | None,
     probs: Tensor | None, params: list[float], backend: str, bias: Tensor | None = None,
+    gather_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    width = w1t.shape[2]  # 2F
-    return x.new_empty(x.shape[0], width), x.new_empty(x.shape[0], width // 2)
+    width, rows = w1t.shape[2], _rows(x, gather_rows)  # 2F, M
+    return x.new_empty(rows, width), x.new_empty(rows, width // 2)
 
 
 def _fake_fc2_dgrad(
@@ -64,9 +71,10 @@ def _fake_fc2_dgrad(
 
 
 def _fake_act_fc1(
-    x: Tensor, w1t: Tensor, offs: Tensor, act: str, probs: Tensor | None, backend: str
+    x: Tensor, w1t: Tensor, offs: Tensor, act: str, probs: Tensor | None, backend: str,
+    gather_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    rows, f = x.shape[0], w1t.shape[2]
+    rows, f = _rows(x, gather_rows), w1t.shape[2]
     return x.new_empty(rows, f), x.new_empty(rows, f)
 
 
@@ -84,13 +92,20 @@ def _fake_act_fc2_dgrad(
 @kernel_op("te_seq::grouped_mm", fake=_fake_grouped_mm)
 def grouped_mm_op(
     a: Tensor, b: Tensor, offs: Tensor, backend: str, bias: Tensor | None = None,
-    bias_scales: Tensor | None = None,
+    bias_scales: Tensor | None = None, gather_rows: Tensor | None = None,
+    scatter_rows: Tensor | None = None,
 ) -> Tensor:
-    """out[rows of e] = a[rows of e] @ b[e] (+ s_t·bias[e]): a [M, K], b [E, K, N] -> [M, N]."""
+    """out[rows of e] = a[rows of e] @ b[e] (+ s_t·bias[e]): a [M, K], b [E, K, N] -> [M, N]
+    (routed rows, te_seq.kernels.routed: A rows a[gather_rows], result rows at scatter_rows)."""
     inner = get_backend(backend)
-    if bias is None:  # backends without bias support keep their plain signature
-        return inner.grouped_mm(a, b, offs)
-    return inner.grouped_mm(a, b, offs, bias=bias, bias_scales=bias_scales)
+    kw = _given(bias=bias, bias_scales=bias_scales, gather_rows=gather_rows,
+                scatter_rows=scatter_rows)
+    return inner.grouped_mm(a, b, offs, **kw)  # backends without these keep their signature
+
+
+def _given(**kw) -> dict:
+    """The keyword arguments that are not None."""
+    return {k: v for k, v in kw.items() if v is not None}
 
 
 @kernel_op("te_seq::grouped_wgrad", fake=_fake_grouped_wgrad)
@@ -111,15 +126,13 @@ def grouped_wgrad_into_op(
 def glu_fc1_forward_op(
     x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int | None,
     probs: Tensor | None, params: list[float], backend: str, bias: Tensor | None = None,
+    gather_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(h [M, 2F], a [M, F]): FC1 (+ bias [E, 2F]) with the GLU activation (`params`: its
-    values) in its epilogue."""
+    values) in its epilogue (x's rows gathered by `gather_rows`, te_seq.kernels.routed)."""
     glu = GluSpec(act, interleave, tuple(params))
-    inner = get_backend(backend)
-    if bias is None:
-        h, a = inner.glu_fc1_forward(x, w1t, offs, glu, probs)
-    else:
-        h, a = inner.glu_fc1_forward(x, w1t, offs, glu, probs, bias=bias)
+    kw = _given(bias=bias, gather_rows=gather_rows)
+    h, a = get_backend(backend).glu_fc1_forward(x, w1t, offs, glu, probs, **kw)
     return h, a
 
 
@@ -136,10 +149,13 @@ def glu_fc2_dgrad_op(
 
 @kernel_op("te_seq::act_fc1_forward", fake=_fake_act_fc1)
 def act_fc1_forward_op(
-    x: Tensor, w1t: Tensor, offs: Tensor, act: str, probs: Tensor | None, backend: str
+    x: Tensor, w1t: Tensor, offs: Tensor, act: str, probs: Tensor | None, backend: str,
+    gather_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(h [M, F], a [M, F]): FC1 with a non-gated activation in its epilogue."""
-    h, a = get_backend(backend).act_fc1_forward(x, w1t, offs, act, probs)
+    """(h [M, F], a [M, F]): FC1 with a non-gated activation in its epilogue (x's rows
+    gathered by `gather_rows`)."""
+    kw = _given(gather_rows=gather_rows)
+    h, a = get_backend(backend).act_fc1_forward(x, w1t, offs, act, probs, **kw)
     return h, a
 
 
@@ -163,6 +179,12 @@ class TracedBackend(Backend):
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
         self.name = inner.name
+        # the custom ops pass routed rows through to the kernels that take them
+        self.gather_kernels = getattr(inner, "gather_kernels", frozenset())
+        self.scatter_kernels = getattr(inner, "scatter_kernels", frozenset())
+
+    def routes_natively(self, kernel: str, what: str, **static) -> bool:
+        return self.inner.routes_natively(kernel, what, **static)
 
     def implements(self, kernel: str) -> bool:
         return self.inner.implements(kernel)
@@ -170,8 +192,9 @@ class TracedBackend(Backend):
     def supports(self, kernel: str, **static) -> tuple[bool, str]:
         return self.inner.supports(kernel, **static)
 
-    def grouped_mm(self, a, b, offs, bias=None, bias_scales=None) -> Tensor:
-        return grouped_mm_op(a, b, offs, self.name, bias, bias_scales)
+    def grouped_mm(self, a, b, offs, bias=None, bias_scales=None, *, gather_rows=None,
+                   scatter_rows=None) -> Tensor:
+        return grouped_mm_op(a, b, offs, self.name, bias, bias_scales, gather_rows, scatter_rows)
 
     def grouped_wgrad(self, grad_out, x, offs, out=None, accumulate=False) -> Tensor:
         if out is None:
@@ -179,9 +202,11 @@ class TracedBackend(Backend):
         grouped_wgrad_into_op(grad_out, x, offs, out, accumulate, self.name)
         return out
 
-    def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None, bias=None):
+    def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None, bias=None, *,
+                        gather_rows=None):
         act, size, params = glu.act, glu.glu_interleave_size, list(glu.params)
-        return glu_fc1_forward_op(x, w1t, offs, act, size, probs, params, self.name, bias)
+        return glu_fc1_forward_op(x, w1t, offs, act, size, probs, params, self.name, bias,
+                                  gather_rows)
 
     def glu_fc2_dgrad(self, dy, w2, offs, h, glu: GluSpec, probs=None):
         act, size = glu.act, glu.glu_interleave_size
@@ -189,8 +214,9 @@ class TracedBackend(Backend):
         dh, a, dprobs = glu_fc2_dgrad_op(dy, w2, offs, h, act, size, probs, params, self.name)
         return dh, a, None if probs is None else dprobs
 
-    def act_fc1_forward(self, x, w1t, offs, act: str, probs=None) -> tuple[Tensor, Tensor]:
-        return act_fc1_forward_op(x, w1t, offs, act, probs, self.name)
+    def act_fc1_forward(self, x, w1t, offs, act: str, probs=None, *,
+                        gather_rows=None) -> tuple[Tensor, Tensor]:
+        return act_fc1_forward_op(x, w1t, offs, act, probs, self.name, gather_rows)
 
     def act_fc2_dgrad(self, dy, w2, offs, h, act: str, probs=None):
         dh, a, dprobs = act_fc2_dgrad_op(dy, w2, offs, h, act, probs, self.name)
