@@ -89,6 +89,8 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
                 f"GroupedGemmKernel: gathered A is not multicast: cluster {cluster_mn}"
             )
         self.route = route
+        if route == "gather":  # the cp.async producer keeps 8 row addresses per thread
+            self.load_registers, self.mma_registers = 56, 224
         if tile_mn[0] != 128 or tile_mn[1] not in (64, 128, 192, 256):
             raise ValueError(f"GroupedGemmKernel: unsupported tile {tile_mn}")
         if cluster_mn not in ((1, 1), (2, 1), (1, 2)):

@@ -167,7 +167,7 @@ def row_scales(scales: Tensor | None, rows: int, op: str) -> Tensor | None:
 
 # ---------------------------------------------------------------- routed rows (routed.py)
 
-GATHER_CLUSTER = (1, 1)  # gathered A rows are loaded per CTA (no multicast of A)
+GATHER_CLUSTER = (2, 1)  # A gathered per CTA (no multicast of A); B multicast to 2 m-tiles
 _GATHER_K_TILE = 64  # the k-tile: gathered rows are copied in whole 64-column chunks
 
 
