@@ -16,6 +16,10 @@ shape Z it runs on zero-padded groups, whose padding is not counted.
 torch._grouped_mm + the reference elementwise maths (eager, fp32 upcast), cute grouped_mm + the
 same, cute grouped_mm + the same maths compiled by torch.compile (te_seq's unfused GPU path), and
 the fused cute kernel. FLOPs are the GEMM's only.
+
+``--fp8`` times the forward GEMMs (FC1, FC2) on E4M3 operands with row-wise scales: cute
+``scaled_grouped_mm``, ``torch._scaled_grouped_mm`` and cute bf16 ``grouped_mm`` in one run
+(``bench_fp8_gemm.py``).
 """
 
 from __future__ import annotations
@@ -316,6 +320,21 @@ def main_glu(args) -> None:
             json.dump({"rows": rows}, fh, indent=1)
 
 
+def main_fp8(args) -> None:
+    from bench_fp8_gemm import print_table, run_fp8_shape
+
+    rows = []
+    for name in args.shapes.split(","):
+        e, h, f, m = SHAPES[name]
+        sizes = split_sizes(name, e, m, torch.Generator().manual_seed(0))
+        rows += run_fp8_shape(name, SHAPES[name], sizes, args.iters, time_ms, rel_err)
+        torch.cuda.empty_cache()
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"rows": rows}, fh, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="A,B,Q,Z")
@@ -323,7 +342,11 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--tilings", default="256:1x2,256:2x1")
     p.add_argument("--glu", action="store_true", help="time the fused GLU steps instead")
+    p.add_argument("--fp8", action="store_true", help="time the FP8 forward GEMMs instead")
     args = p.parse_args()
+    if args.fp8:
+        main_fp8(args)
+        return
     if args.glu:
         main_glu(args)
         return

@@ -54,6 +54,8 @@ def _configs() -> dict[str, object]:
         "mm256_bias_scatter": GemmConfig("m", bf16, bf16, "k", bias_dtype=bf16, route="scatter"),
         "glu_fc1_silu_gather": GluConfig("fc1", bf16, "k", "silu", None, fp32, (1, 1),
                                          route="gather"),
+        # FP8 operands, row-wise dequantization scales in the epilogue (scale_epilogue.py)
+        "fp8_rowwise": GemmConfig("m", torch.float8_e4m3fn, bf16, "k", 256, (1, 2), scaled=True),
     }
 
 

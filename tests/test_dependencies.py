@@ -34,6 +34,7 @@ _LOCAL = {
     "test_fp8",  # its independent FP8 emulation serves tests/test_fp8_torch.py
     # benchmarks/ (tests/test_benchmark_dry_run.py puts it on the path)
     "_common", "grad_modes", "mlp_case", "mlp_measure", "mlp_report", "peers", "peer_quack",
+    "bench_fp8_gemm",  # tests/test_bench_fp8_gemm.py
 }
 
 

@@ -34,6 +34,7 @@ _DTYPES = {
     torch.bfloat16: cutlass.BFloat16,
     torch.float16: cutlass.Float16,
     torch.float32: cutlass.Float32,
+    torch.float8_e4m3fn: cutlass.Float8E4M3FN,
 }
 
 
@@ -44,6 +45,8 @@ class GemmConfig:
     varlen: "m" (grouped_mm) or "k" (grouped_wgrad). b_major: "k" or "n" (varlen "m" only).
     bias_dtype: the per-expert bias [E, N] (varlen "m" only; None: no bias, the plain kernel);
     bias_scales: the bias is scaled per row by an fp32 [M] tensor.
+    scaled: the FP8 kernel (``scale_epilogue``): E4M3 operands, K-major B, the accumulators
+    times fp32 scales [M] (rows) and [E, N] (expert columns) (varlen "m", no bias, no route).
     """
 
     varlen: str
@@ -56,6 +59,7 @@ class GemmConfig:
     bias_dtype: torch.dtype | None = None
     bias_scales: bool = False
     route: str | None = None  # "gather" (A's rows) or "scatter" (C's rows) by index (routed.py)
+    scaled: bool = False
 
 
 @dataclass
@@ -96,6 +100,14 @@ def _fake_args(cfg: GemmConfig) -> tuple:
         )
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     route = _fake_route()
+    if cfg.scaled:
+        # own symbolic sizes (as the bias's): the kernel clamps its reads to them
+        scale_a = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=4)
+        scale_b = make_fake_compact_tensor(
+            cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), stride_order=(1, 0),
+            assumed_align=4,
+        )
+        return a, b, out, offs, cutlass.Int32(1), scale_a, scale_b, route, stream
     if cfg.bias_dtype is None:
         return a, b, out, offs, cutlass.Int32(1), route, stream
     return a, b, out, offs, cutlass.Int32(1), *_fake_bias(cfg.bias_dtype), route, stream
@@ -156,6 +168,8 @@ def _compile(name: str, cfg: object, kernel: object, fake_args: tuple) -> Compil
 @functools.lru_cache(maxsize=None)
 def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     """The grouped GEMM for ``cfg``: compiled once per config, cached in memory and on disk."""
+    if cfg.scaled:
+        return _compile_scaled(cfg)
     if cfg.bias_dtype is not None:
         from .bias_epilogue import BiasGemmKernel
 
@@ -166,6 +180,16 @@ def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     kernel = GroupedGemmKernel(
         cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, accumulate=cfg.accumulate, route=cfg.route
     )
+    return _compile("gemm", cfg, kernel, _fake_args(cfg))
+
+
+def _compile_scaled(cfg: GemmConfig) -> CompiledGemm:
+    """The FP8 grouped GEMM with row-wise dequantization scales (``scale_epilogue``)."""
+    from .scale_epilogue import ScaledGemmKernel
+
+    if cfg.varlen != "m" or cfg.accumulate or cfg.bias_dtype or cfg.route or cfg.b_major != "k":
+        raise ValueError(f"scaled GEMMs are varlen 'm', K-major B, no bias or route: {cfg}")
+    kernel = ScaledGemmKernel((128, cfg.tile_n), cfg.cluster_mn)
     return _compile("gemm", cfg, kernel, _fake_args(cfg))
 
 

@@ -48,6 +48,7 @@ SOURCE_FILES = (
     "glu_maths.py",
     "act_epilogue.py",
     "bias_epilogue.py",
+    "scale_epilogue.py",
 )
 _VERSIONED_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 _NAME = re.compile(r"[a-z][a-z0-9_]*")

@@ -119,6 +119,8 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         self.a_layout = LayoutEnum.from_tensor(a)
         self.b_layout = LayoutEnum.from_tensor(b)
         self.c_layout = LayoutEnum.from_tensor(c)
+        # k-tile: 128-byte smem rows (the 128B swizzle), 64 elements of 16-bit, 128 of FP8
+        self.tile_mnk = (*self.tile_mnk[:2], 1024 // self.a_dtype.width)
         tm, tn, tk = self.tile_mnk
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype,

@@ -91,10 +91,11 @@ class StoreEpilogueMixin:
             self._load_old_c(ep, loads, 1, epi_count)
 
     @cute.jit
-    def _epilogue(self, ep, gC, epi_count, old, bias_tile=None, scatter=None):
+    def _epilogue(self, ep, gC, epi_count, old, bias_tile=None, scatter=None, scale_tile=None):
         """Store the accumulators of one tile: per (tm x 32) subtile, (add the old C subtile,
         which TMA loads into the extra smem block,) (add the bias: ``bias_epilogue``,
-        ``bias_tile`` its context,) convert to the output type, copy to a ring of smem buffers
+        ``bias_tile`` its context,) (multiply by the row and column scales: ``scale_epilogue``,
+        ``scale_tile`` its context,) convert to the output type, copy to a ring of smem buffers
         and TMA-store (``scatter``: the threads store the rows, ``routed``), ``epi_batch``
         subtiles per pair of barriers; returns the number of subtiles."""
         gC_epi = cute.zipped_divide(gC, self.epi_tile)
@@ -120,6 +121,9 @@ class StoreEpilogueMixin:
                 if const_expr(bias_tile is not None):
                     for v in cutlass.range_constexpr(size_rD):
                         ep.rD[v] = ep.rD[v] + self._bias_at(bias_tile, e * size_rD + v)
+                if const_expr(scale_tile is not None):  # dequantization scales (scale_epilogue)
+                    for v in cutlass.range_constexpr(size_rD):
+                        ep.rD[v] = self._scaled_at(scale_tile, e * size_rD + v, ep.rD[v])
                 if const_expr(old is not None):
                     self._add_old_c(ep, loads, e, num_epi, epi_count)
                 outs[i].store(ep.rD.load().to(self.c_dtype))

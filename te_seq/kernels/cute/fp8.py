@@ -1,0 +1,119 @@
+"""The FP8 grouped GEMM on the CuTe DSL backend: ``scaled_grouped_mm`` (varlen M, row-wise
+dequantization scales) and its ``supports_scaled`` check. Kernel: ``scale_epilogue``.
+
+Shape legend: M routed rows (tokens), E groups (experts), K reduction dim, N output dim.
+The maths is ``torch._scaled_grouped_mm``'s (te_seq's ``fp8_torch.scaled_grouped_mm``):
+
+    out[m, n] = a_scale[m] · b_scale[g(m), n] · Σ_k fp32(a[m, k]) · fp32(b[g(m), n, k])
+
+accumulated in fp32 and rounded once to bf16; g(m) is the group whose rows (``offs``) hold m.
+The scales are *dequantization* scales (``scale_inv``: te_seq quantizes q = fp8(v · scale)).
+Imports no cutlass until a kernel is first compiled; no host reads of ``offs``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .launch import (
+    MM_TILING,
+    Tiling,
+    _check_offs,
+    _num_sms,
+    _row_major,
+    default_tiling,
+    no_route,
+    varlen_m_clusters,
+)
+
+FP8_DTYPE = torch.float8_e4m3fn
+_ALIGN = 16  # K and N in elements: 16-byte TMA strides of 1-byte data
+_OP = "cute scaled_grouped_mm"
+
+
+def _shape_problem(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> str:
+    """Why the operands' dtypes or shapes are unsupported ("" when they are supported)."""
+    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
+        return f"needs float8_e4m3fn operands, got {a.dtype} and {b.dtype}"
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2]:
+        return f"needs a [M, K] and b [E, N, K], got {tuple(a.shape)} and {tuple(b.shape)}"
+    (m, k), (e, n, _) = a.shape, b.shape
+    if e == 0 or k == 0 or n == 0:
+        return f"needs E, K and N > 0, got E={e}, K={k}, N={n}"
+    if k % _ALIGN or n % _ALIGN:
+        return f"K={k} and N={n} must be multiples of {_ALIGN} (TMA rows are 16-byte aligned)"
+    for name, s, shape in (("a_scale", a_scale, (m,)), ("b_scale", b_scale, (e, n))):
+        if s.dtype != torch.float32 or tuple(s.shape) != shape:
+            return f"{name} must be float32 {list(shape)}, got {s.dtype} {list(s.shape)}"
+    return ""
+
+
+def _device_problem(tensors: tuple[Tensor, ...]) -> str:
+    """Why the tensors' device cannot run the kernel ("" when it can): one CUDA device of
+    compute capability 9.x (the kernel is sm_90a WGMMA code)."""
+    device = tensors[0].device
+    if device.type != "cuda" or any(t.device != device for t in tensors):
+        return f"needs CUDA tensors on one device, got {sorted({str(t.device) for t in tensors})}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"needs compute capability 9.x (sm_90a), found {major}.{minor}"
+    return ""
+
+
+def supports_scaled(
+    a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[bool, str]:
+    """Whether ``scaled_grouped_mm(a, b, a_scale, b_scale, offs, out_dtype)`` can run here, with
+    the reason if not: E4M3 a [M, K] and b [E, N, K], fp32 a_scale [M] and b_scale [E, N],
+    K and N multiples of 16, a bf16 output, CUDA tensors on an sm_90 GPU."""
+    if out_dtype != torch.bfloat16:
+        return False, f"outputs bfloat16 only, got out_dtype={out_dtype}"
+    why = _shape_problem(a, b, a_scale, b_scale) or _device_problem((a, b, a_scale, b_scale))
+    return not why, why
+
+
+def scaled_grouped_mm(
+    a: Tensor,
+    b: Tensor,
+    a_scale: Tensor,
+    b_scale: Tensor,
+    offs: Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    tiling: Tiling | None = None,
+) -> Tensor:
+    """Varlen-M FP8 grouped GEMM with row-wise scales:
+    ``out[rows of g] = diag(a_scale[rows of g]) · (a[rows of g] @ b[g]ᵀ) · diag(b_scale[g])``.
+
+    a: [M, K] float8_e4m3fn, b: [E, N, K] float8_e4m3fn (a weight stack, K contiguous),
+    a_scale: float32 [M], b_scale: float32 [E, N], offs: int32 [E] cumulative row ends
+    -> out [M, N] bf16 (fp32 accumulation, one rounding). Rows past ``offs[-1]`` are zeros.
+    Sync-free and CUDA-graph capturable. Raises ValueError when ``supports_scaled`` is False.
+    """
+    ok, why = supports_scaled(a, b, a_scale, b_scale, out_dtype)
+    if not ok:
+        shown = f"a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype}"
+        raise ValueError(f"{_OP}: {shown}: {why}")
+    from .compile import GemmConfig, compile_gemm
+
+    (rows, _), (groups, n, _) = a.shape, b.shape
+    offs = _check_offs(offs, groups, a.device)
+    out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
+    if rows == 0:
+        return out
+    t = tiling or default_tiling(n, MM_TILING)
+    cfg = GemmConfig("m", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, scaled=True)
+    kernel = compile_gemm(cfg).fn
+    sms = _num_sms(a.device.index or 0)
+    clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)
+    b_view = _aligned(b.contiguous()).permute(1, 2, 0)  # (N, K, E), K-major
+    kernel(_aligned(_row_major(a)), b_view, out, offs, clusters, a_scale.contiguous(),
+           b_scale.contiguous(), no_route(a.device))
+    return out
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` (contiguous) or a copy of it whose data starts on a 16-byte boundary (TMA)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
