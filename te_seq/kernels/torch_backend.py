@@ -19,12 +19,14 @@ Which path runs (decided from dtypes, device and strides only):
   a multiple of 16/itemsize elements, or whose layout is not 16-byte aligned, is first copied
   into a zero-padded buffer (costs one copy of that operand, weights included, per call; real
   model widths are multiples of 8, so te_seq's MLPs never pay it).
-  The 2D×2D (wgrad) form takes groups that start on any row: its operands ``grad_out.t()`` and
-  ``x`` are strided along the rows by N and K elements, so every group start is 16-byte aligned
-  once the widths are (verified on an H100 with torch 2.11, ``tests/kernels/
-  test_torch_backend.py``; it is what autograd's own ``_grouped_mm`` backward runs). An earlier
-  version scattered both operands into zero buffers with 8-row group boundaries first, one extra
-  read and write of both per wgrad (``_padded_layout``, kept for unaligned widths).
+  The 2D×2D (wgrad) form takes groups that start on any row when both operands are row-major
+  (``grad_out.t()`` and ``x`` are then strided along the rows by N and K elements, so every
+  group start is 16-byte aligned once the widths are; verified on an H100 with torch 2.11,
+  ``tests/kernels/test_torch_backend.py``; it is what autograd's own ``_grouped_mm`` backward
+  runs). An operand contiguous along the rows (a transposed view) makes torch's kernel assert on
+  the device that every group spans a multiple of 16 bytes, so then both operands are first
+  scattered into zero buffers with 8-row group boundaries (``_padded_layout``: one extra read
+  and write of both; also the path for unaligned widths).
   A wgrad written into a float32 ``out`` (``main_grad``) is rounded to the input dtype first,
   since ``torch._grouped_mm`` only writes bf16 on CUDA: one bf16 rounding per call that the
   reference does not make.
@@ -209,7 +211,7 @@ def grouped_wgrad(
     """
     offs = offs.to(torch.int32)
     if _native_ok((grad_out.dtype, x.dtype), x.dtype, x.device):
-        result = _native_wgrad(grad_out, x, offs, 1)
+        result = _native_wgrad(grad_out, x, offs, _wgrad_row_align(grad_out, x))
     else:
         result = _tiled_wgrad(grad_out, x, offs)
     if out is None:
@@ -217,6 +219,16 @@ def grouped_wgrad(
     if accumulate:
         return out.add_(result)
     return out.copy_(result)
+
+
+def _wgrad_row_align(grad_out: Tensor, x: Tensor) -> int:
+    """Rows per group boundary the CUDA wgrad needs: 1 for row-major operands (a group start
+    moves the pointer by whole rows, 16-byte aligned with the widths), else 16 bytes of rows
+    (torch's kernel asserts on the device that a group spans a multiple of 16 bytes along a
+    contiguous token dim)."""
+    if x.device.type != "cuda" or (grad_out.stride(-1) == 1 and x.stride(-1) == 1):
+        return 1
+    return 16 // x.element_size()
 
 
 def _native_wgrad(grad_out: Tensor, x: Tensor, offs: Tensor, row_align: int) -> Tensor:

@@ -292,3 +292,23 @@ def test_cuda_wgrad_groups_start_on_any_row() -> None:
     ref = reference.grouped_wgrad(dy.double(), a.double(), offs)
     assert ((ours.double() - ref).norm() / ref.norm()).item() < 1e-2
     assert (ours[3] == 0).all()  # the empty group
+
+
+def test_wgrad_pads_rows_only_for_column_major_operands() -> None:
+    """Row-major operands run unpadded; an operand contiguous along the rows (where torch's CUDA
+    kernel asserts 16-byte group spans) takes the 8-row padded layout; CPU never pads."""
+    rows = torch.empty(10, 16, dtype=torch.bfloat16, device="meta")
+    cols = torch.empty(16, 10, dtype=torch.bfloat16, device="meta").t()
+    fake_cuda = type("T", (), {})  # stride/element_size/device as a CUDA tensor reports them
+
+    def cuda_like(t):
+        obj = fake_cuda()
+        obj.stride, obj.element_size = t.stride, t.element_size
+        obj.device = torch.device("cuda")
+        return obj
+
+    assert torch_backend._wgrad_row_align(cuda_like(rows), cuda_like(rows)) == 1
+    assert torch_backend._wgrad_row_align(cuda_like(cols), cuda_like(rows)) == 8
+    assert torch_backend._wgrad_row_align(cuda_like(rows), cuda_like(cols)) == 8
+    cpu_cols = torch.empty(16, 10, dtype=torch.bfloat16).t()
+    assert torch_backend._wgrad_row_align(cpu_cols, cpu_cols) == 1
