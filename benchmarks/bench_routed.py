@@ -6,8 +6,9 @@ routing does) it times, interleaved, with CUDA events:
 * FC1 + SwiGLU (probs), M rows gathered from x [T, H]: the fused kernel on rows copied first
   (``index_select`` + kernel), the kernel alone on pre-copied rows, and the kernel gathering
   them itself (``gather_rows``);
-* the plain FC1 GEMM the same three ways, and on pre-copied rows with a 1x1 cluster (what the
-  gathering kernel runs: isolates the lost A multicast from the cp.async loads);
+* the plain FC1 GEMM the same three ways, on pre-copied rows with a 1x1 cluster, and gathering
+  on 1x1 clusters (128 or 256 wide) and with rows in order (the default gathers on 2x1 clusters:
+  B multicast to two m-tiles);
 * FC2 with its rows placed by a permutation: the plain kernel then ``index_copy_``, the plain
   kernel alone, and the kernel scattering them itself (``scatter_rows``).
 
@@ -49,7 +50,7 @@ def _cases(d: dict):
     rows = x.index_select(0, idx)
     seq = torch.arange(d["m"], device="cuda") % x.shape[0]  # consecutive rows (twice)
     one = cute.Tiling(cute.tile_n_for(2 * d["f"], 1), (1, 1))
-    two, narrow = cute.Tiling(one.tile_n, (2, 1)), cute.Tiling(128, (1, 1))
+    narrow = cute.Tiling(128, (1, 1))
 
     def glu(xx, **kw):
         return cute.glu_fc1_forward(xx, w1t, offs, "silu", None, probs, **kw)
@@ -67,7 +68,7 @@ def _cases(d: dict):
         "kernel(copied rows)": lambda: cute.grouped_mm(rows, w1t, offs),
         "kernel 1x1(copied rows)": lambda: cute.grouped_mm(rows, w1t, offs, tiling=one),
         "gather": lambda: cute.grouped_mm(x, w1t, offs, gather_rows=idx),
-        "gather 2x1": lambda: cute.grouped_mm(x, w1t, offs, gather_rows=idx, tiling=two),
+        "gather 1x1": lambda: cute.grouped_mm(x, w1t, offs, gather_rows=idx, tiling=one),
         "gather n128": lambda: cute.grouped_mm(x, w1t, offs, gather_rows=idx, tiling=narrow),
         "gather in order": lambda: cute.grouped_mm(x, w1t, offs, gather_rows=seq),
     }
