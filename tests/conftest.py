@@ -40,3 +40,15 @@ def _restore_te_seq_state() -> Iterator[None]:
         else:
             te_seq.disable_fusion(record.name)
     te_seq.set_backend(backend_before)
+
+
+@pytest.fixture(params=["torch", "cute"])
+def gpu_backend(request: pytest.FixtureRequest) -> str:
+    """The GPU backends by name, each test run once per backend; skipped (with the reason)
+    where a backend cannot run (no CUDA, no CuTe DSL)."""
+    from te_seq.kernels.backend import backend_available
+
+    available, reason = backend_available(request.param)
+    if not available:
+        pytest.skip(f"{request.param} backend unavailable: {reason}")
+    return request.param

@@ -65,13 +65,6 @@ def _run(block, x, indices, probs, dout, backend: str | None, disabled: bool):
     return [y.detach(), *grads], block.fusion_plan()
 
 
-@pytest.fixture(params=["torch", "cute"])
-def gpu_backend(request):
-    available, reason = te_seq.kernels.backend.backend_available(request.param)
-    if not available:
-        pytest.skip(f"{request.param} backend unavailable: {reason}")
-    return request.param
-
 
 @pytest.mark.parametrize("ffn", [F, 256])  # 256: the GLU epilogue (F % 128 == 0) on cute
 @pytest.mark.parametrize("act", ["scaled_swiglu", "swiglu", "scaled_srelu"])

@@ -41,13 +41,6 @@ def _routing(device):
     return indices, probs
 
 
-@pytest.fixture(params=["torch", "cute"])
-def gpu_backend(request):
-    available, reason = te_seq.kernels.backend.backend_available(request.param)
-    if not available:
-        pytest.skip(f"{request.param} backend unavailable: {reason}")
-    return request.param
-
 
 def test_block_on_the_gpu_matches_the_float64_loop(gpu_backend: str) -> None:
     block = _block(torch.bfloat16, "cuda")

@@ -51,6 +51,17 @@ class MainloopMixin:
         return k_tiles
 
     @cute.jit
+    def _b_partition(self, tma_b, sB, gB, cluster_coord):
+        """(smem, gmem) TMA partitions of a B tile, multicast across the cluster's m-tiles."""
+        return cute.nvgpu.cpasync.tma_partition(
+            tma_b,
+            cluster_coord[0],
+            cute.make_layout(self.cluster_m),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
+
+    @cute.jit
     def _producer(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched):
         offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
         a_mask, b_mask = None, None
@@ -79,13 +90,7 @@ class MainloopMixin:
                 cute.group_modes(sA, 0, 2),
                 cute.group_modes(gA, 0, 2),
             )
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_b,
-                cluster_coord[0],
-                cute.make_layout(self.cluster_m),
-                cute.group_modes(sB, 0, 2),
-                cute.group_modes(gB, 0, 2),
-            )
+            tBsB, tBgB = self._b_partition(tma_b, sB, gB, cluster_coord)
             for k in range(k_tiles):
                 ab_pipe.producer_acquire(state)
                 bar = ab_pipe.producer_get_barrier(state)

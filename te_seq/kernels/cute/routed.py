@@ -107,13 +107,7 @@ class RoutedMixin:
             m_tile = m_unit * self.cluster_m + cluster_coord[0]
             n_tile = n_unit * self.cluster_n + cluster_coord[1]
             gB = cute.local_tile(mB[None, None, group], (tn, tk), (n_tile, None))
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_b,
-                cluster_coord[0],
-                cute.make_layout(self.cluster_m),
-                cute.group_modes(sB, 0, 2),
-                cute.group_modes(gB, 0, 2),
-            )
+            tBsB, tBgB = self._b_partition(tma_b, sB, gB, cluster_coord)
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
             src = self._gather_sources(route, coords, row0 + m_tile * tm, rows - m_tile * tm)
             for k in range(k_tiles):
