@@ -242,13 +242,14 @@ def clear_weight_cache(op: torch.nn.Module) -> None:
     op.__dict__.pop("_fp8_weight_cache", None)
 
 
-def with_recipe(needs: list) -> list:
+def with_recipe(needs: list, grouped: bool = True) -> list:
     """An op's kernel needs (`KernelNeed`s) with the active recipe as a fact (unchanged outside
     te_seq.autocast): backends without FP8 kernels decline them in `supports`. Plans are built
-    inside the call, so the active recipe is the call's (and the plan key holds it)."""
+    inside the call, so the active recipe is the call's (and the plan key holds it). `grouped`
+    (a fact too): whether the op's forward is a grouped GEMM (False: BasicLinear / Linear)."""
     recipe = active_recipe()
     if recipe is None:
         return needs
-    return [type(n)(n.kernel, {**n.facts, "recipe": recipe}) for n in needs]
+    return [type(n)(n.kernel, {**n.facts, "recipe": recipe, "grouped": grouped}) for n in needs]
 
 

@@ -1,12 +1,15 @@
 """The forward GEMM of a linear op under an FP8 recipe: real FP8 on the torch backend where
-PyTorch's scaled matmuls take the recipe, the hardware and the shapes; emulated otherwise.
+PyTorch's scaled matmuls take the recipe, the hardware and the shapes, and on the cute backend
+(grouped GEMMs only) where its FP8 kernel does; emulated otherwise.
 
 Per GEMM (x [T, K], W [N, K], dy [T, N]):
 
     forward  y = x Wᵀ    torch backend, CUDA sm_90+, bf16, K and N multiples of 16, per-tensor
                          or row-wise scales: `torch._scaled_mm` (BasicLinear / Linear) or
                          `torch._scaled_grouped_mm` (GroupedLinear, the fused GroupedMLP; sm_90
-                         only). Else emulated: quantize -> dequantize in fp32, fp32 GEMM.
+                         only). Cute backend, same conditions (sm_90), grouped GEMMs:
+                         `cute.scaled_grouped_mm` (te_seq/kernels/fp8_cute.py). Else
+                         emulated: quantize -> dequantize in fp32, fp32 GEMM.
     dgrad    dx = dy W   emulated everywhere (its operands would need W re-laid out K-major
                          per call and E5M2 dy under "HYBRID", which the grouped kernel refuses)
     wgrad    dW = dyᵀ x  emulated everywhere (operands quantized along tokens per expert: no
@@ -23,7 +26,7 @@ import torch
 from torch import Tensor
 
 from te_seq.core import amp, fp8
-from te_seq.kernels import fp8_torch
+from te_seq.kernels import fp8_cute, fp8_torch
 from te_seq.recipe import Recipe
 
 
@@ -31,11 +34,28 @@ def forward_reason(backend_name: str, recipe: Recipe, dtype: torch.dtype,
                    device: torch.device, dims: list[tuple[int, int]], grouped: bool) -> str:
     """Why the forward GEMMs ((K, N) each in `dims`) under `recipe` are emulated on
     `backend_name` for `dtype` data on `device` ("" when they run in real FP8)."""
+    if backend_name == "cute":
+        if not grouped:  # the cute backend does not take BasicLinear / Linear under a recipe
+            return "the cute backend's FP8 kernel is a grouped GEMM only"
+        return fp8_cute.recipe_reason(recipe, dtype, device, dims)
     if backend_name != "torch":
         return f"the {backend_name} backend emulates FP8"
     blocks = (recipe.block("input"), recipe.block("weight"))
     formats = (recipe.rule("input").dtype, recipe.rule("weight").dtype)
     return fp8_torch.forward_reason(blocks, formats, dtype, device, dims, grouped)
+
+
+def _kernel_name(backend_name: str, grouped: bool) -> str:
+    """The real FP8 forward kernel a backend runs (where `forward_reason` is "")."""
+    if backend_name == "cute":
+        return "cute scaled_grouped_mm"
+    return "torch._scaled_grouped_mm" if grouped else "torch._scaled_mm"
+
+
+def _scaled_grouped_mm(backend_name: str):
+    """The real FP8 grouped GEMM functional of a backend (fp8_torch's / fp8_cute's
+    `scaled_grouped_mm`: same operands, same maths)."""
+    return fp8_cute.scaled_grouped_mm if backend_name == "cute" else fp8_torch.scaled_grouped_mm
 
 
 def _gemm_shapes(op: object) -> tuple[list[tuple[int, int]], bool]:
@@ -58,7 +78,7 @@ def step_note(recipe: Recipe | None, backend_name: str, op: object, dtype: torch
     if why:
         return (f"FP8 {recipe}: GEMM operands quantized -> dequantized in fp32, fp32 GEMMs "
                 f"(emulated on {backend_name}: {why})")
-    name = "torch._scaled_grouped_mm" if grouped else "torch._scaled_mm"
+    name = _kernel_name(backend_name, grouped)
     return (f"FP8 {recipe}: forward GEMMs via {name} (real FP8, fp32 accumulation); dgrad and "
             f"wgrad emulated (quantize -> dequantize, fp32 GEMMs)")
 
@@ -100,6 +120,6 @@ def grouped_forward(
         return amp.cast(y, x.dtype), x_wgrad, weights.dgrad
     x_q = fp8.input_quantized(recipe, input_, x)
     w_data, w_scale_inv = weights.fp8
-    y = fp8_torch.scaled_grouped_mm(x_q, w_data, w_scale_inv, offs, x.dtype)
+    y = _scaled_grouped_mm(ctx.backend.name)(x_q, w_data, w_scale_inv, offs, x.dtype)
     x_wgrad = fp8.input_wgrad(recipe, input_, x, bounds, x_q) if need_wgrad else None
     return y, x_wgrad, weights.dgrad

@@ -7,6 +7,14 @@ Their ``supports`` checks take tensors; at plan time there are none yet, so they
 proxies: tensors of the right dtype, device and trailing sizes with no leading rows (E or M = 0),
 which allocate no device memory.
 
+Under an FP8 recipe (te_seq.autocast) the backend takes the grouped GEMMs of GroupedLinear and
+the fused GroupedMLP where its FP8 kernel runs their forward (``te_seq.kernels.fp8_cute``:
+row-wise or per-tensor E4M3 operands, bf16, sm_90, K and N multiples of 16; core/fp8_gemm.py
+calls it). Their dgrad and wgrad GEMMs are emulated on fp32 operands, which the cute kernels
+(16-bit only) do not take: ``grouped_mm`` and ``grouped_wgrad`` run those on the torch
+backend's functions (``_on_torch``; its exact tiled path on CUDA), as the torch backend itself
+does, so the gradients are the torch backend's.
+
 Shape legend: M rows, E experts, K reduction dim, N output dim, H hidden, F ffn width.
 """
 
@@ -17,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from te_seq.kernels import cute
+from te_seq.kernels import cute, fp8_cute, torch_backend
 from te_seq.kernels.activations import GluSpec
 from te_seq.kernels.backend import register_backend
 from te_seq.kernels.gpu_backend import GpuBackend
@@ -27,6 +35,16 @@ def _proxy(*sizes: int, dtype: torch.dtype, device: torch.device, **_: Any) -> T
     """An empty [0, *sizes] tensor: what a `supports` check reads (dtype, device, the trailing
     sizes), without data. Facts the check does not read are ignored."""
     return torch.empty(0, *sizes, dtype=dtype, device=device)
+
+
+_CUTE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _on_torch(*operands: Tensor) -> bool:
+    """Whether a GEMM's operands are not 16-bit (the fp32 dequantized operands of the emulated
+    FP8 dgrad / wgrad, or of a forward the FP8 kernel does not take): the cute kernels refuse
+    them, so the torch backend's functions run that GEMM."""
+    return any(t.dtype not in _CUTE_DTYPES for t in operands)
 
 
 class CuteBackend(GpuBackend):
@@ -44,8 +62,8 @@ class CuteBackend(GpuBackend):
         return cute.available()
 
     def supports(self, kernel: str, **static: Any) -> tuple[bool, str]:
-        if static.get("recipe") is not None:  # FP8 kernels come later: never run bf16 instead
-            return False, f"the cute backend has no FP8 kernels yet (recipe {static['recipe']})"
+        if static.get("recipe") is not None:
+            return self._supports_fp8(kernel, **static)
         check = {
             "grouped_mm": self._supports_mm,
             "grouped_wgrad": self._supports_wgrad,
@@ -55,6 +73,22 @@ class CuteBackend(GpuBackend):
             "act_fc2_dgrad": self._supports_act_dgrad,
         }.get(kernel)
         return super().supports(kernel, **static) if check is None else check(**static)
+
+    @staticmethod
+    def _supports_fp8(kernel: str, *, recipe: Any, dtype: torch.dtype, device: torch.device,
+                      k: int | None = None, n: int | None = None, grouped: bool = True,
+                      **_: Any) -> tuple[bool, str]:
+        """Under `recipe`: the GEMMs of a grouped op whose forward the cute FP8 kernel runs
+        (the dgrad / wgrad GEMMs then run emulated, see the module docstring). Anything else is
+        declined with the reason, so the plan runs torch or the reference: never bf16 in
+        place of FP8."""
+        where = f"the cute backend has no FP8 kernels for {recipe}"
+        if kernel not in ("grouped_mm", "grouped_wgrad") or k is None or n is None:
+            return False, f"{where}: {kernel} under a recipe"
+        if not grouped:
+            return False, f"{where}: a plain linear (its FP8 kernel is grouped only)"
+        why = fp8_cute.recipe_reason(recipe, dtype, device, [(k, n)])
+        return (False, f"{where}: {why}") if why else (True, "")
 
     @staticmethod
     def _supports_mm(*, k: int, n: int, **where: Any) -> tuple[bool, str]:
@@ -99,6 +133,8 @@ class CuteBackend(GpuBackend):
     # --- kernels ------------------------------------------------------------------------------
     def grouped_mm(self, a, b, offs, bias=None, bias_scales=None, *, gather_rows=None,
                    scatter_rows=None) -> Tensor:
+        if _on_torch(a, b) and gather_rows is None and scatter_rows is None:
+            return torch_backend.TORCH.grouped_mm(a, b, offs, bias, bias_scales)
         if gather_rows is not None and scatter_rows is not None:
             # one routed side per kernel: gather in the loads, then place the rows
             res = cute.grouped_mm(a, b, offs, bias=bias, bias_scales=bias_scales,
@@ -108,6 +144,8 @@ class CuteBackend(GpuBackend):
                                gather_rows=gather_rows, scatter_rows=scatter_rows)
 
     def grouped_wgrad(self, grad_out, x, offs, out=None, accumulate=False) -> Tensor:
+        if _on_torch(grad_out, x):
+            return torch_backend.grouped_wgrad(grad_out, x, offs, out=out, accumulate=accumulate)
         return cute.grouped_wgrad(grad_out, x, offs, out=out, accumulate=accumulate)
 
     def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None, bias=None, *,

@@ -101,6 +101,16 @@ def scaled_mm(x: QuantizedTensor, w: QuantizedTensor, out_dtype: torch.dtype) ->
                             scale_b=scale_b, out_dtype=out_dtype)
 
 
+def rowwise_scales(x: QuantizedTensor, w_scale_inv: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """The grouped kernels' dequantization scales: (x's [M] fp32, W's [G, N] fp32), contiguous,
+    from per-tensor or per-row `scale_inv`s (x's [1, 1] or [M, 1], W's [G, 1, 1] or [G, N, 1]);
+    a per-tensor scale is repeated along its rows (the same product)."""
+    m, g = x.data.shape[0], w_scale_inv.shape[0]
+    scale_a = x.scale_inv.reshape(-1).expand(m).contiguous()  # [M]
+    scale_b = w_scale_inv.reshape(g, -1).expand(g, n).contiguous()  # [G, N]
+    return scale_a, scale_b
+
+
 def scaled_grouped_mm(
     x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
     out_dtype: torch.dtype,
@@ -108,11 +118,10 @@ def scaled_grouped_mm(
     """y [M, N]: rows of group g = x[rows of g] w_data[g]ᵀ, on FP8 data. x [M, K] (per-tensor or
     per-row `scale_inv`), w_data [G, N, K] E4M3 with w_scale_inv [G, 1, 1] (per tensor) or
     [G, N, 1] (per row), offs [G] cumulative row ends. Checked by `forward_reason` first."""
-    m, (g, n, _) = x.data.shape[0], w_data.shape
+    m, n = x.data.shape[0], w_data.shape[1]
     if m == 0:
         return torch.zeros(0, n, dtype=out_dtype, device=w_data.device)
-    scale_a = x.scale_inv.reshape(-1).expand(m).contiguous()  # [M]
-    scale_b = w_scale_inv.reshape(g, -1).expand(g, n).contiguous()  # [G, N]
+    scale_a, scale_b = rowwise_scales(x, w_scale_inv, n)
     return torch._scaled_grouped_mm(
         x.data.contiguous(), w_data.contiguous().transpose(1, 2), scale_a, scale_b,
         offs=offs.to(torch.int32), out_dtype=out_dtype,

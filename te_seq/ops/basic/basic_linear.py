@@ -139,7 +139,7 @@ class BasicLinear(GradContractMixin, BasicOperation):
             return []
         k, n = self.local_in_features, self.local_out_features
         return fp8.with_recipe([KernelNeed("grouped_mm", {"k": k, "n": n}),
-                                KernelNeed("grouped_mm", {"k": n, "n": k})])
+                                KernelNeed("grouped_mm", {"k": n, "n": k})], grouped=False)
 
     def op_forward(
         self, ctx: OperationContext, input_: Tensor, *, out: Tensor | None = None,

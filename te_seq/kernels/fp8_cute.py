@@ -1,0 +1,78 @@
+"""Real FP8 forward GEMMs on the cute backend: ``te_seq.kernels.cute.scaled_grouped_mm``.
+
+The cute backend runs the forward GEMM y = x Wᵀ of a GroupedLinear and of the fused
+GroupedMLP's FC1 / FC2 on FP8 operands with its own Hopper kernel (`forward_reason` says where
+it cannot; the plan then runs torch or the reference). The operand and scale conventions are
+`fp8_torch.scaled_grouped_mm`'s (the same quantized tensors go in):
+
+    y[m, n] = scale_inv_x[m] · scale_inv_w[g(m), n] · Σ_k fp32(q_x[m, k]) · fp32(q_w[g(m), n, k])
+
+accumulated in fp32 and rounded once to bf16; g(m) is the group holding row m. x [M, K] and the
+weight stack [G, N, K] are E4M3; per-tensor scales are passed as row-wise ones (each row repeats
+its tensor's scale). The dgrad and wgrad GEMMs stay emulated (fp32 operands; see
+`CuteBackend.grouped_mm`).
+
+What the kernel takes (``cute.supports_scaled``): E4M3 operands, fp32 dequantization scales
+[M] and [G, N], K and N multiples of 16, a bf16 output, CUDA data on an sm_90 GPU. There is no
+plain (one-matrix) FP8 kernel: BasicLinear / Linear take ``torch._scaled_mm`` on the torch
+backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from te_seq.kernels import cute, fp8_torch
+from te_seq.kernels.fp8_reference import QuantBlock, QuantizedTensor
+
+_ALIGN = 16  # K and N in elements: 16-byte TMA rows of 1-byte FP8 data
+_KERNEL = "cute scaled_grouped_mm"
+
+
+def forward_reason(
+    blocks: tuple[QuantBlock, QuantBlock], dtypes: tuple[torch.dtype, torch.dtype],
+    gemm_dtype: torch.dtype, device: torch.device, dims: list[tuple[int, int]],
+) -> str:
+    """Why the grouped forward GEMMs of shapes `dims` ((K, N) each) cannot run on the cute FP8
+    kernel for operands quantized with `blocks` (x's, W's) into FP8 `dtypes`, in `gemm_dtype`
+    on `device` ("" when they can). Never raises, never touches a GPU that is not there."""
+    if blocks[0] != blocks[1] or blocks[0] not in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR):
+        shown = "/".join(f"{b.rows or 'all'}x{b.cols or 'all'}" for b in blocks)
+        return (f"{_KERNEL} takes per-tensor or row-wise scales, not {shown} blocks (no "
+                f"block-scaled FP8 kernel)")
+    if any(d != torch.float8_e4m3fn for d in dtypes):
+        return f"{_KERNEL} takes E4M3 operands, got {dtypes[0]}/{dtypes[1]}"
+    if device.type != "cuda":
+        return f"data on {device.type}, not CUDA"
+    major, minor = fp8_torch.cuda_capability(device)
+    if major != 9:
+        return f"{_KERNEL} needs sm_90 (Hopper WGMMA), the GPU is sm_{major}{minor}"
+    if gemm_dtype != torch.bfloat16:
+        return f"the GEMM dtype is {gemm_dtype}, {_KERNEL} outputs bfloat16 only"
+    for k, n in dims:
+        if k % _ALIGN or n % _ALIGN:
+            return f"K={k}, N={n}: both must be multiples of {_ALIGN} for {_KERNEL}"
+    return ""
+
+
+def recipe_reason(recipe, gemm_dtype: torch.dtype, device: torch.device,
+                  dims: list[tuple[int, int]]) -> str:
+    """`forward_reason` for the forward operands of `recipe` (x: role "input", W: "weight")."""
+    blocks = (recipe.block("input"), recipe.block("weight"))
+    formats = (recipe.rule("input").dtype, recipe.rule("weight").dtype)
+    return forward_reason(blocks, formats, gemm_dtype, device, dims)
+
+
+def scaled_grouped_mm(
+    x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """y [M, N]: rows of group g = x[rows of g] w_data[g]ᵀ on FP8 data, by the cute kernel.
+    x [M, K] (per-tensor or per-row `scale_inv`), w_data [G, N, K] E4M3 with w_scale_inv
+    [G, 1, 1] (per tensor) or [G, N, 1] (per row), offs [G] cumulative row ends. Checked by
+    `forward_reason` first."""
+    scale_a, scale_b = fp8_torch.rowwise_scales(x, w_scale_inv, w_data.shape[1])
+    # looked up on the package at call time: the one place the cute FP8 kernel is called
+    return cute.scaled_grouped_mm(x.data.contiguous(), w_data.contiguous(), scale_a, scale_b,
+                                  offs.to(torch.int32), out_dtype)
