@@ -1,0 +1,105 @@
+"""GPU: the cute backend's real FP8 forward GEMMs (`cute.scaled_grouped_mm`) in GroupedLinear and
+the fused GroupedMLP, against the torch backend (`torch._scaled_grouped_mm`) and the reference
+(the emulation) on the same data and weights.
+
+Bounds: both kernels multiply the same FP8 operands with the same scales and differ only in
+summation order (Hopper FP8 WGMMA accumulates below fp32 precision: tests/kernels/test_cute_fp8.py
+holds both kernels to one element bound), so their bf16 outputs agree to a norm-relative 4e-3, and
+each is within 1e-2 of the emulation (tests/test_fp8_torch.py's bound; twice that through the
+MLP, whose FC2 quantizes FC1's bf16 output). The backward is the same emulated one on both
+backends (fp32 operands on the torch backend's functions): dx equal bitwise for GroupedLinear;
+weight gradients up to the fp32 order of the wgrad's per-tile sums (index_add_ on CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fp8_torch import rel_err
+
+import te_seq
+from te_seq import ops, recipe
+from te_seq.kernels.backend import backend_available
+
+RECIPES, IDS = [recipe.Float8RowwiseScaling(), recipe.Float8CurrentScaling()], ["rowwise", "tensor"]
+KERNEL_TOL = 4e-3  # cute vs torch real FP8 outputs (norm-relative)
+EMU_TOL = 1e-2  # a real FP8 GEMM vs the emulation
+WGRAD_TOL = 1e-6  # same fp32 operands, atomics order of the per-tile sums only
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not backend_available("cute")[0],
+                       reason="needs the cute backend (CUDA sm_90 and the CuTe DSL)"),
+]
+
+
+def _on_backends(build, run) -> dict:
+    """`run(model)` (outputs, then grads) and the plan on the reference, torch and cute backends,
+    each with the same freshly seeded weights."""
+    results = {}
+    for name in ("reference", "torch", "cute"):
+        torch.manual_seed(11)
+        model = build().cuda()
+        with te_seq.backend(name):
+            results[name] = run(model)
+        results[name + "_plan"] = model.fusion_plan()
+    return results
+
+
+def _assert_forward(res, kernel_tol=KERNEL_TOL, emu_tol=EMU_TOL):
+    step = res["cute_plan"].forward[0]
+    assert step.backend == "cute" and "via cute scaled_grouped_mm" in step.backend_reason
+    assert "via torch._scaled_grouped_mm" in res["torch_plan"].forward[0].backend_reason
+    y_cute, y_torch, y_ref = res["cute"][0], res["torch"][0], res["reference"][0]
+    assert y_cute.dtype == torch.bfloat16 and torch.isfinite(y_cute).all()
+    assert rel_err(y_cute, y_torch) < kernel_tol, rel_err(y_cute, y_torch)
+    assert rel_err(y_cute, y_ref) < emu_tol and rel_err(y_torch, y_ref) < emu_tol
+
+
+@pytest.mark.parametrize("r", RECIPES, ids=IDS)
+def test_grouped_linear_cute_fp8_on_gpu(r):
+    splits = torch.tensor([37, 0, 91, 5], device="cuda")  # an empty group, unaligned sizes
+    x = torch.randn(133, 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(133, 128, device="cuda", dtype=torch.bfloat16)
+
+    def run(model):
+        xi = x.clone().requires_grad_()
+        with te_seq.autocast(recipe=r):
+            y = model(xi, splits)
+        y.backward(dy)
+        return (y.detach(), xi.grad, *[p.grad for p in model.parameters()])
+
+    res = _on_backends(
+        lambda: te_seq.Sequential(ops.GroupedLinear(4, 256, 128, dtype=torch.bfloat16)), run)
+    _assert_forward(res)
+    assert torch.equal(res["cute"][1], res["torch"][1])  # dx: the same emulated dgrad
+    for got, want in zip(res["cute"][2:], res["torch"][2:]):
+        assert rel_err(got, want) < WGRAD_TOL
+
+
+@pytest.mark.parametrize("r", RECIPES, ids=IDS)
+def test_fused_grouped_mlp_cute_fp8_on_gpu(r):
+    splits = torch.tensor([70, 0, 133], device="cuda")
+    x = torch.randn(203, 256, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(203, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(203, 256, device="cuda", dtype=torch.bfloat16)
+
+    def build():
+        return te_seq.Sequential(ops.GroupedLinear(3, 256, 512, dtype=torch.bfloat16),
+                                 ops.ScaledSwiGLU(),
+                                 ops.GroupedLinear(3, 256, 256, dtype=torch.bfloat16))
+
+    def run(model):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        with te_seq.autocast(recipe=r):
+            y = model(xi, splits, pi, splits)
+        y.backward(dy)
+        return (y.detach(), xi.grad, pi.grad, *[p.grad for p in model.parameters()])
+
+    res = _on_backends(build, run)
+    assert res["cute_plan"].forward[0].name == "GroupedMLP"
+    _assert_forward(res, emu_tol=2 * EMU_TOL)
+    # the backward is the same emulated one, from FC1's output h, which the two forward kernels
+    # round to bf16 alike up to summation order: the gradients agree to the kernels' bound
+    for got, want in zip(res["cute"][1:], res["torch"][1:]):
+        assert rel_err(got, want) < KERNEL_TOL, rel_err(got, want)
