@@ -54,7 +54,7 @@ from mlp_case import (  # noqa: E402
 from mlp_measure import check_variants, free_memory, measure_case, progress, why  # noqa: E402
 from mlp_report import annotate, bytes_bound, print_table  # noqa: E402
 from peer_quack import QuackPeer  # noqa: E402
-from peers import GroupedMMPeer, LoopPeer, SharedWeights, TorchaoFP8Peer  # noqa: E402
+from peers import FP8_TOL, GroupedMMPeer, LoopPeer, SharedWeights, TorchaoFP8Peer  # noqa: E402
 
 try:  # without te_seq the te_seq variants are skipped, said why
     import te_seq
@@ -163,6 +163,27 @@ class TeSeqVariant(AutogradVariant):
         return " ".join(f"{st.name}@{st.backend}" for st in steps)
 
 
+class TeSeqFP8Variant(TeSeqVariant):
+    """TeSeqVariant under te_seq.autocast(recipe=Float8RowwiseScaling()): the forward GEMMs in
+    real FP8 where the backend has them (cute: scaled_grouped_mm; torch: _scaled_grouped_mm),
+    dgrad and wgrad emulated (docs/fp8.md). Checked with the FP8 tolerance; never a bf16 peer."""
+
+    precision, check_tol = "fp8", FP8_TOL
+
+    def __init__(self, case: Case, backend: str, grad_mode: str) -> None:
+        super().__init__(case, backend, grad_mode)
+        self.name = f"te_seq:{backend}:fp8"
+        self.recipe = te_seq.recipe.Float8RowwiseScaling()
+
+    def run(self, x: Tensor, probs: Tensor | None) -> Tensor:
+        with te_seq.autocast(recipe=self.recipe):
+            return super().run(x, probs)
+
+    def forward_backward(self) -> None:
+        with te_seq.backend(self.backend), te_seq.autocast(recipe=self.recipe):
+            AutogradVariant.forward_backward(self)
+
+
 class CompiledTeSeqVariant(TeSeqVariant):
     """TeSeqVariant through torch.compile(fullgraph=True): mode "default" with the `compiler`
     backend (--compile-backend), "reduce-overhead" inductor with CUDA graphs, where every call
@@ -228,6 +249,7 @@ class _Builder:
 
     def __init__(self, case: Case, grad_mode: str) -> None:
         self.case, self.grad_mode = case, grad_mode
+        self.fp8 = False  # also te_seq:<backend>:fp8 (--fp8)
         self.variants: list[Variant] = []
         self.skipped: list[Result] = []
 
@@ -246,6 +268,7 @@ def build_variants(
 ) -> tuple[list[Variant], list[Result]]:
     """The variants that can run here, and a skipped Result (with the reason) for the others."""
     b = _Builder(case, grad_mode)
+    b.fp8 = args.fp8
     _build_te_seq(b, args.backends)
     _build_compiled_te_seq(b, args)
     _build_peers(b, args)
@@ -270,6 +293,9 @@ def _build_te_seq(b: _Builder, backends: list[str]) -> None:
             if backend == "cute":
                 name = "te_seq:cute:per-group"
                 b.attempt(name, lambda: TeSeqVariant(case, "cute", b.grad_mode, per_group=True))
+            if b.fp8:
+                b.attempt(f"te_seq:{backend}:fp8",
+                          lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode))
         if b.grad_mode == "fresh":  # raw kernels own no parameters: no grad modes
             b.attempt(f"kernels:{backend}", lambda k=backend: _kernels_variant(case, k))
 
@@ -387,6 +413,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quack-tuned", action="store_true", help="also quack with its autotuner")
     p.add_argument("--act", default="scaled_swiglu", choices=ACTS, help="swiglu: no router probs")
+    p.add_argument("--fp8", action="store_true",
+                   help="also te_seq:<backend>:fp8, the MLP under Float8RowwiseScaling")
     p.add_argument(
         "--grad-mode",
         default="fresh",
