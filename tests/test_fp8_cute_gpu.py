@@ -98,8 +98,15 @@ def test_fused_grouped_mlp_cute_fp8_on_gpu(r):
 
     res = _on_backends(build, run)
     assert res["cute_plan"].forward[0].name == "GroupedMLP"
-    _assert_forward(res, emu_tol=2 * EMU_TOL)
-    # the backward is the same emulated one, from FC1's output h, which the two forward kernels
-    # round to bf16 alike up to summation order: the gradients agree to the kernels' bound
+    # FC2's input is the activation re-quantized to E4M3 (3 mantissa bits): where the two FC1
+    # kernels' bf16 h differ by an ulp (summation order), an element near an FP8 rounding
+    # boundary moves by a whole FP8 step, so cute and torch differ through the MLP by up to the
+    # FP8 quantization error itself (2.1 % cute vs torch with row-wise scales, 2.09 % cute vs the
+    # emulation with per-tensor scales, measured on an H100), not by the single GEMM's 4e-3.
+    # Both kernels are held to that bound against the emulation and against each other; the
+    # backward (the same emulated one, from each forward's h) likewise. A wrong scale or row is
+    # off by far more.
+    mlp_tol = 3 * EMU_TOL
+    _assert_forward(res, kernel_tol=mlp_tol, emu_tol=mlp_tol)
     for got, want in zip(res["cute"][1:], res["torch"][1:]):
-        assert rel_err(got, want) < KERNEL_TOL, rel_err(got, want)
+        assert rel_err(got, want) < mlp_tol, rel_err(got, want)
