@@ -26,11 +26,11 @@ from .launch import (
     _num_sms,
     _row_major,
     available,
+    gathered_rows,
     no_route,
-    route_problem,
-    route_rows,
     tile_n_for,
     varlen_m_clusters,
+    with_route,
 )
 
 _ACTS = act_epilogue_activations()
@@ -80,11 +80,7 @@ class _Fc1Forward:
     def supports(x: Tensor, w1t: Tensor, act: str, gather: bool = False) -> tuple[bool, str]:
         """(True, "") when the fused kernel handles these operands (``gather``: x's rows read
         by index), else (False, why)."""
-        ok, why = _supports(x, w1t, act)
-        if ok and gather:
-            why = route_problem("gather", x.shape[1])
-            ok = not why
-        return ok, why
+        return with_route(_supports(x, w1t, act), "gather" if gather else None, x.shape[1])
 
     def __call__(
         self, x: Tensor, w1t: Tensor, offs: Tensor, act: str, probs: Tensor | None = None,
@@ -100,9 +96,7 @@ class _Fc1Forward:
             raise ValueError(
                 f"cute act_fc1_forward: x {tuple(x.shape)}, w1t {tuple(w1t.shape)}: {why}"
             )
-        rows, f = (gather_rows.shape[0] if gather else x.shape[0]), w1t.shape[2]
-        if gather:
-            gather_rows = route_rows(gather_rows, None, x.shape[0], "act_fc1_forward", "gather")
+        (rows, gather_rows), f = gathered_rows(x, gather_rows, "act_fc1_forward"), w1t.shape[2]
         probs = _check_probs(probs, rows, "act_fc1_forward")
         h = torch.empty(rows, f, dtype=x.dtype, device=x.device)
         a = torch.empty(rows, f, dtype=x.dtype, device=x.device)

@@ -25,12 +25,12 @@ from .launch import (
     bias_problem,
     default_tiling,
     no_route,
-    route_problem,
     route_rows,
     row_scales,
     tile_n_for,
     varlen_k_clusters,
     varlen_m_clusters,
+    with_route,
 )
 
 
@@ -99,9 +99,7 @@ def grouped_mm(
     if bias_scales is not None and bias is None:
         ok, why = False, "bias_scales given without a bias"
     route, what = _route_of(gather_rows, scatter_rows)
-    if ok and route is not None:
-        why = route_problem(what, a.shape[1])
-        ok = not why
+    ok, why = with_route((ok, why), what, a.shape[1])
     if not ok:
         raise ValueError(f"cute grouped_mm: a {tuple(a.shape)}, b {tuple(b.shape)}: {why}")
     from .compile import GemmConfig, compile_gemm

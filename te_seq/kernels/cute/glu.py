@@ -24,11 +24,11 @@ from .launch import (
     _row_major,
     available,
     bias_problem,
+    gathered_rows,
     no_route,
-    route_problem,
-    route_rows,
     tile_n_for,
     varlen_m_clusters,
+    with_route,
 )
 
 _PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -140,11 +140,8 @@ class _Fc1Forward:
     ) -> tuple[bool, str]:
         """(True, "") when the fused kernel handles these operands (and the bias [E, 2F] in
         bf16, fp16 or fp32; ``gather``: x's rows read by index), else (False, why)."""
-        ok, why = _supports(x, w1t, act, interleave, fc1=True, bias=bias)
-        if ok and gather:
-            why = route_problem("gather", x.shape[1])
-            ok = not why
-        return ok, why
+        check = _supports(x, w1t, act, interleave, fc1=True, bias=bias)
+        return with_route(check, "gather" if gather else None, x.shape[1])
 
     def __call__(
         self,
@@ -171,9 +168,7 @@ class _Fc1Forward:
             raise ValueError(
                 f"cute glu_fc1_forward: x {tuple(x.shape)}, w1t {tuple(w1t.shape)}: {why}"
             )
-        rows, f = (gather_rows.shape[0] if gather else x.shape[0]), w1t.shape[2] // 2
-        if gather:
-            gather_rows = route_rows(gather_rows, None, x.shape[0], "glu_fc1_forward", "gather")
+        (rows, gather_rows), f = gathered_rows(x, gather_rows, "glu_fc1_forward"), w1t.shape[2] // 2
         probs = _check_probs(probs, rows, "glu_fc1_forward")
         h = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device)
         a = torch.empty(rows, f, dtype=x.dtype, device=x.device)

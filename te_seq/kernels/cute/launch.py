@@ -199,6 +199,24 @@ def route_rows(route: Tensor, rows: int | None, source_rows: int | None, op: str
         route.to(torch.int32).contiguous())
 
 
+def with_route(check: tuple[bool, str], what: str | None, k: int) -> tuple[bool, str]:
+    """A kernel's ``supports`` answer ``check``, narrowed by ``route_problem(what, k)`` when its
+    rows are routed (``what`` "gather" / "scatter"; None: not routed)."""
+    ok, why = check
+    if ok and what:
+        why = route_problem(what, k)
+        ok = not why
+    return ok, why
+
+
+def gathered_rows(x: Tensor, gather_rows: Tensor | None, op: str) -> tuple[int, Tensor | None]:
+    """(M, the int32 index) of an FC1 call: x's rows, or the gathered rows' count and their
+    checked index (x is then the [T, K] token matrix)."""
+    if gather_rows is None:
+        return x.shape[0], None
+    return gather_rows.shape[0], route_rows(gather_rows, None, x.shape[0], op, "gather")
+
+
 _NO_ROUTE: dict = {}
 
 
