@@ -179,6 +179,29 @@ def test_non_finite_poisons_its_block_only(bad):
     assert torch.isfinite(got[0, 128:]).all() and torch.isfinite(got[1]).all()
 
 
+@pytest.mark.parametrize("rule", [ref.ScaleRule(), ref.ScaleRule("E5M2", 1, True)], ids=str)
+@pytest.mark.parametrize("sizes, extra", [([5, 0, 17, 1, 40], 3), ([64], 0), ([0, 0, 9], 2)])
+def test_grouped_rowwise_wgrad_operand_equals_the_per_group_quantization(rule, sizes, extra):
+    """The wgrad operand quantized along the rows within each group, all groups at once: bitwise
+    what quantizing each group's slice on its own gives (extreme magnitudes, a zero column, a
+    nan and an inf poisoning only their own (group, column) block, empty groups, rows in no
+    group left zero)."""
+    m = sum(sizes) + extra
+    t = torch.randn(m, 24, dtype=torch.bfloat16) * torch.logspace(-30, 30, 24)
+    t[0, 3], t[7, 5], t[:, 7] = float("nan"), float("inf"), 0.0
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    bounds = list(zip([0, *ends[:-1]], ends))
+    block = ref.QuantBlock(1, None)
+    got = ref.qdq_columns_per_group(t, bounds, block, rule)
+    want = torch.zeros(m, 24)
+    for start, end in bounds:
+        if end > start:
+            want[start:end] = ref.qdq(t[start:end].t(), block, rule).t()
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    assert (got[ends[-1]:] == 0).all()
+
+
 def test_power_of_two_rounds_down_even_just_below_a_power():
     amax = torch.tensor([448.0 / (2**10 * (1 - 2**-23))])  # scale just below 2**10
     scale = ref.scales_from_amax(amax, ref.ScaleRule(power_of_two=True))
