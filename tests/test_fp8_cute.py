@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_fp8 import bounds_of, emu_grouped
-from test_fp8_torch import rel_err
+from test_fp8_torch import fc2_input, rel_err, small_mlp
 
 import te_seq
 from te_seq import ops, recipe
@@ -201,12 +201,7 @@ def test_basic_linear_is_not_taken_by_cute(fake_cute_gpu):
 
 @pytest.mark.parametrize("r", REAL_RECIPES, ids=REAL_IDS)
 def test_fused_mlp_runs_the_cute_kernel_for_fc1_and_fc2(fake_cute_gpu, r):
-    torch.manual_seed(9)
-    fc1 = ops.GroupedLinear(3, 128, 512, dtype=torch.bfloat16)
-    fc2 = ops.GroupedLinear(3, 256, 128, dtype=torch.bfloat16)
-    model = te_seq.Sequential(fc1, ops.ScaledSwiGLU(), fc2)
-    splits, probs = torch.tensor([50, 0, 77]), torch.rand(127, dtype=torch.bfloat16)
-    x = torch.randn(127, 128, dtype=torch.bfloat16).requires_grad_()
+    fc1, fc2, model, splits, probs, x = small_mlp()
     with te_seq.backend("cute"), te_seq.autocast(recipe=r):
         y = model(x, splits, probs, splits)
     y.backward(torch.randn_like(y))
@@ -217,13 +212,10 @@ def test_fused_mlp_runs_the_cute_kernel_for_fc1_and_fc2(fake_cute_gpu, r):
     assert len(calls) == 2  # FC1 then FC2 forward
     _assert_call(calls[0], r, x.detach(), fc1.stacked_weight().detach(), splits)
     assert calls[1][0].shape == (127, 256) and calls[1][1].shape == (3, 128, 256)
-    bounds = bounds_of(splits)
-    h = emu_grouped(r, x.detach(), fc1.stacked_weight().detach(), torch.zeros(127, 512),
-                    bounds)[0]
-    gate, up = h.float().chunk(2, dim=-1)
-    a = (torch.nn.functional.silu(gate) * up * probs.float()[:, None]).to(torch.bfloat16)
+    a = fc2_input(r, x, fc1, probs, splits)
     _assert_call(calls[1], r, a, fc2.stacked_weight().detach(), splits)
-    want_y = emu_grouped(r, a, fc2.stacked_weight().detach(), torch.zeros(127, 128), bounds)[0]
+    want_y = emu_grouped(r, a, fc2.stacked_weight().detach(), torch.zeros(127, 128),
+                         bounds_of(splits))[0]
     assert rel_err(y, want_y) < 2 * TOL  # h's bf16 rounding feeds FC2's quantization
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fp8_torch import rel_err
+from test_fp8_torch import gpu_mlp_case, rel_err
 
 import te_seq
 from te_seq import ops, recipe
@@ -79,23 +79,7 @@ def test_grouped_linear_cute_fp8_on_gpu(r):
 
 @pytest.mark.parametrize("r", RECIPES, ids=IDS)
 def test_fused_grouped_mlp_cute_fp8_on_gpu(r):
-    splits = torch.tensor([70, 0, 133], device="cuda")
-    x = torch.randn(203, 256, device="cuda", dtype=torch.bfloat16)
-    probs = torch.rand(203, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(203, 256, device="cuda", dtype=torch.bfloat16)
-
-    def build():
-        return te_seq.Sequential(ops.GroupedLinear(3, 256, 512, dtype=torch.bfloat16),
-                                 ops.ScaledSwiGLU(),
-                                 ops.GroupedLinear(3, 256, 256, dtype=torch.bfloat16))
-
-    def run(model):
-        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
-        with te_seq.autocast(recipe=r):
-            y = model(xi, splits, pi, splits)
-        y.backward(dy)
-        return (y.detach(), xi.grad, pi.grad, *[p.grad for p in model.parameters()])
-
+    build, run = gpu_mlp_case(r)
     res = _on_backends(build, run)
     assert res["cute_plan"].forward[0].name == "GroupedMLP"
     # FC2's input is the activation re-quantized to E4M3 (3 mantissa bits): where the two FC1

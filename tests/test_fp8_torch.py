@@ -216,14 +216,52 @@ def test_basic_linear_native_wiring(forced_native, r):
     assert torch.equal(op.weight.grad, want_dw)
 
 
-@pytest.mark.parametrize("r", REAL_RECIPES, ids=REAL_IDS)
-def test_fused_mlp_native_wiring(forced_native, r):
+def small_mlp():
+    """The small fused-MLP case of the CPU wiring tests: (fc1, fc2, the Sequential, split sizes,
+    router probs, x [127, 128] requiring grad), seeded."""
     torch.manual_seed(9)
     fc1 = ops.GroupedLinear(3, 128, 512, dtype=torch.bfloat16)
     fc2 = ops.GroupedLinear(3, 256, 128, dtype=torch.bfloat16)
     model = te_seq.Sequential(fc1, ops.ScaledSwiGLU(), fc2)
     splits, probs = torch.tensor([50, 0, 77]), torch.rand(127, dtype=torch.bfloat16)
     x = torch.randn(127, 128, dtype=torch.bfloat16).requires_grad_()
+    return fc1, fc2, model, splits, probs, x
+
+
+def fc2_input(r, x, fc1, probs, splits):
+    """What FC2 quantizes in `small_mlp` under `r`: silu(gate)·up·probs of FC1's emulated h."""
+    h = emu_grouped(r, x.detach(), fc1.stacked_weight().detach(), torch.zeros(127, 512),
+                    bounds_of(splits))[0]
+    gate, up = h.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up * probs.float()[:, None]).to(torch.bfloat16)
+
+
+def gpu_mlp_case(r):
+    """(build, run) of the GPU fused-MLP case under recipe `r`: run(model) returns y, dx,
+    d probs and every parameter's gradient."""
+    splits = torch.tensor([70, 0, 133], device="cuda")
+    x = torch.randn(203, 256, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(203, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(203, 256, device="cuda", dtype=torch.bfloat16)
+
+    def build():
+        return te_seq.Sequential(ops.GroupedLinear(3, 256, 512, dtype=torch.bfloat16),
+                                 ops.ScaledSwiGLU(),
+                                 ops.GroupedLinear(3, 256, 256, dtype=torch.bfloat16))
+
+    def run(model):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        with te_seq.autocast(recipe=r):
+            y = model(xi, splits, pi, splits)
+        y.backward(dy)
+        return (y.detach(), xi.grad, pi.grad, *[p.grad for p in model.parameters()])
+
+    return build, run
+
+
+@pytest.mark.parametrize("r", REAL_RECIPES, ids=REAL_IDS)
+def test_fused_mlp_native_wiring(forced_native, r):
+    fc1, fc2, model, splits, probs, x = small_mlp()
     dy = torch.randn(127, 128, dtype=torch.bfloat16)
     with te_seq.backend("torch"), te_seq.autocast(recipe=r):
         y = model(x, splits, probs, splits)
@@ -232,10 +270,7 @@ def test_fused_mlp_native_wiring(forced_native, r):
     assert step.name == "GroupedMLP" and "torch._scaled_grouped_mm" in step.backend_reason
     assert emulated_scaled_grouped_mm.calls == 2  # FC1 and FC2 forward
     bounds = bounds_of(splits)
-    h = emu_grouped(r, x.detach(), fc1.stacked_weight().detach(), torch.zeros(127, 512),
-                    bounds)[0]
-    gate, up = h.float().chunk(2, dim=-1)
-    a = (torch.nn.functional.silu(gate) * up * probs.float()[:, None]).to(torch.bfloat16)
+    a = fc2_input(r, x, fc1, probs, splits)
     want_y = emu_grouped(r, a, fc2.stacked_weight().detach(), torch.zeros(127, 128), bounds)[0]
     assert rel_err(y, want_y) < 2 * TOL  # h's bf16 rounding feeds FC2's quantization
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
@@ -305,23 +340,7 @@ def test_grouped_linear_scaled_grouped_mm_on_gpu(r):
 @pytest.mark.gpu
 @pytest.mark.parametrize("r", REAL_RECIPES, ids=REAL_IDS)
 def test_fused_mlp_scaled_grouped_mm_on_gpu(r):
-    splits = torch.tensor([70, 0, 133], device="cuda")
-    x = torch.randn(203, 256, device="cuda", dtype=torch.bfloat16)
-    probs = torch.rand(203, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(203, 256, device="cuda", dtype=torch.bfloat16)
-
-    def build():
-        return te_seq.Sequential(ops.GroupedLinear(3, 256, 512, dtype=torch.bfloat16),
-                                 ops.ScaledSwiGLU(),
-                                 ops.GroupedLinear(3, 256, 256, dtype=torch.bfloat16))
-
-    def run(model):
-        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
-        with te_seq.autocast(recipe=r):
-            y = model(xi, splits, pi, splits)
-        y.backward(dy)
-        return (y, xi.grad, pi.grad, *[p.grad for p in model.parameters()])
-
+    build, run = gpu_mlp_case(r)
     res = _on_gpu_both_backends(build, run)
     step = res["torch_plan"].forward[0]
     assert step.name == "GroupedMLP" and step.backend == "torch"

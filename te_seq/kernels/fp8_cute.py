@@ -37,14 +37,9 @@ def forward_reason(
     """Why the grouped forward GEMMs of shapes `dims` ((K, N) each) cannot run on the cute FP8
     kernel for operands quantized with `blocks` (x's, W's) into FP8 `dtypes`, in `gemm_dtype`
     on `device` ("" when they can). Never raises, never touches a GPU that is not there."""
-    if blocks[0] != blocks[1] or blocks[0] not in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR):
-        shown = "/".join(f"{b.rows or 'all'}x{b.cols or 'all'}" for b in blocks)
-        return (f"{_KERNEL} takes per-tensor or row-wise scales, not {shown} blocks (no "
-                f"block-scaled FP8 kernel)")
-    if any(d != torch.float8_e4m3fn for d in dtypes):
-        return f"{_KERNEL} takes E4M3 operands, got {dtypes[0]}/{dtypes[1]}"
-    if device.type != "cuda":
-        return f"data on {device.type}, not CUDA"
+    why = fp8_torch.operands_reason(_KERNEL, blocks, dtypes, device)
+    if why:
+        return why
     major, minor = fp8_torch.cuda_capability(device)
     if major != 9:
         return f"{_KERNEL} needs sm_90 (Hopper WGMMA), the GPU is sm_{major}{minor}"

@@ -60,14 +60,9 @@ def forward_reason(
     name = "_scaled_grouped_mm" if grouped else "_scaled_mm"
     if not hasattr(torch, name):
         return f"torch {torch.__version__} has no torch.{name}"
-    if blocks[0] != blocks[1] or blocks[0] not in (ROWWISE, PER_TENSOR):
-        shown = "/".join(f"{b.rows or 'all'}x{b.cols or 'all'}" for b in blocks)
-        return (f"torch.{name} takes per-tensor or row-wise scales, not {shown} blocks (no "
-                f"block-scaled FP8 kernel for sm_90 in torch 2.11)")
-    if any(d != torch.float8_e4m3fn for d in dtypes):
-        return f"torch.{name} takes E4M3 operands, got {dtypes[0]}/{dtypes[1]}"
-    if device.type != "cuda":
-        return f"data on {device.type}, not CUDA"
+    why = operands_reason(f"torch.{name}", blocks, dtypes, device, " for sm_90 in torch 2.11")
+    if why:
+        return why
     if torch.version.hip is not None:  # ROCm's FP8 GEMMs take other formats (e4m3fnuz)
         return "ROCm: te_seq's FP8 formats are NVIDIA's (E4M3/E5M2 fn)"
     major, minor = cuda_capability(device)
@@ -79,6 +74,23 @@ def forward_reason(
     for k, n in dims:
         if k % _ALIGN or n % _ALIGN:
             return f"K={k}, N={n}: both must be multiples of {_ALIGN} for torch.{name}"
+    return ""
+
+
+def operands_reason(kernel: str, blocks: tuple[QuantBlock, QuantBlock],
+                    dtypes: tuple[torch.dtype, torch.dtype], device: torch.device,
+                    where: str = "") -> str:
+    """What every row-wise FP8 GEMM here needs of its operands ("" when met): the same
+    per-tensor or row-wise blocks on both (`where`: the context of the missing block-scaled
+    kernel), E4M3 data, CUDA. `kernel` names the kernel in the reason."""
+    if blocks[0] != blocks[1] or blocks[0] not in (ROWWISE, PER_TENSOR):
+        shown = "/".join(f"{b.rows or 'all'}x{b.cols or 'all'}" for b in blocks)
+        return (f"{kernel} takes per-tensor or row-wise scales, not {shown} blocks (no "
+                f"block-scaled FP8 kernel{where})")
+    if any(d != torch.float8_e4m3fn for d in dtypes):
+        return f"{kernel} takes E4M3 operands, got {dtypes[0]}/{dtypes[1]}"
+    if device.type != "cuda":
+        return f"data on {device.type}, not CUDA"
     return ""
 
 
