@@ -1,0 +1,88 @@
+"""Where the grouped MLP's device time goes: a kernel table of one forward+backward.
+
+Runs the same Sequential as profile_host.py (GroupedLinear -> ScaledSwiGLU -> GroupedLinear,
+split sizes on the device) a few times to warm up, then profiles `--iters` forward+backward
+calls with torch.profiler (CPU and CUDA) and prints, per kernel name: calls per step, device
+ms per step and share; then the step's wall time, summed kernel time and launches per step.
+`--fp8 ROWWISE|CURRENT|BLOCK` runs it under te_seq.autocast with that recipe.
+
+  python benchmarks/profile_kernels.py --shape Q --backend cute --fp8 ROWWISE [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from mlp_case import make_case
+from profile_host import build
+
+import te_seq
+
+RECIPES = {
+    "ROWWISE": te_seq.recipe.Float8RowwiseScaling,
+    "CURRENT": te_seq.recipe.Float8CurrentScaling,
+    "BLOCK": te_seq.recipe.Float8BlockScaling,
+}
+
+
+def step_fn(forward, recipe):
+    def step():
+        with te_seq.autocast(enabled=recipe is not None, recipe=recipe):
+            y = forward()
+        y.backward(torch.ones_like(y))
+    return step
+
+
+def kernel_table(step, iters: int):
+    """{kernel name: (calls, device µs)} summed over `iters` steps, and the wall µs per step."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / iters * 1e6
+    table = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            row = table[e.name]
+            row[0] += 1
+            row[1] += e.device_time
+    return table, wall
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="Q")
+    p.add_argument("--backend", default="cute")
+    p.add_argument("--fp8", default=None, choices=sorted(RECIPES))
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    case = make_case(args.shape, torch.device("cuda"), torch.bfloat16)
+    mlp, forward = build(case, args.backend)
+    recipe = RECIPES[args.fp8]() if args.fp8 else None
+    step = step_fn(forward, recipe)
+    for _ in range(3):
+        step()
+    with te_seq.backend(args.backend), te_seq.autocast(enabled=recipe is not None,
+                                                       recipe=recipe):
+        print(mlp.fusion_plan())
+    table, wall = kernel_table(step, args.iters)
+    total = sum(us for _, us in table.values())
+    launches = sum(n for n, _ in table.values())
+    print(f"shape {args.shape} backend {args.backend} fp8 {args.fp8}: wall {wall / 1e3:.2f} ms "
+          f"per fwd+bwd, kernels {total / args.iters / 1e3:.2f} ms, "
+          f"{launches / args.iters:.0f} launches")
+    rows = sorted(table.items(), key=lambda kv: -kv[1][1])[: args.top]
+    for name, (n, us) in rows:
+        print(f"{n / args.iters:7.1f}x {us / args.iters / 1e3:8.3f} ms {us / total:6.1%}  "
+              f"{name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
