@@ -1,10 +1,13 @@
 """The FP8 mode of bench_grouped_gemm.py (``--fp8``): the grouped MLP's forward GEMMs (FC1
-y1 = x W1ᵀ, FC2 y2 = a W2ᵀ) on E4M3 operands with row-wise dequantization scales.
+y1 = x W1ᵀ, FC2 y2 = a W2ᵀ) on E4M3 operands with row-wise dequantization scales, and its
+weight gradients (dW1 = dHᵀ x, dW2 = dYᵀ a) on token-major E4M3 operands with one scale per
+(expert, column) along the tokens.
 
-Per shape and GEMM it times, interleaved in one run: ``cute.scaled_grouped_mm`` (te_seq's FP8
-kernel), ``torch._scaled_grouped_mm`` (the peer, same operands and scales) and
-``cute.grouped_mm`` on the bf16 operands the FP8 ones were quantized from; it prints TFLOP/s,
-cute FP8 vs the peer and vs cute bf16, and the relative difference of the two FP8 outputs.
+Per shape and GEMM it times, interleaved in one run: ``cute.scaled_grouped_mm`` /
+``cute.scaled_grouped_wgrad`` (te_seq's FP8 kernels), ``torch._scaled_grouped_mm`` (the peer,
+same operands and scales; forward only) and ``cute.grouped_mm`` / ``cute.grouped_wgrad`` on the
+bf16 operands the FP8 ones were quantized from; it prints TFLOP/s, cute FP8 vs the peer and vs
+cute bf16, and the relative difference of the two FP8 outputs.
 
     python benchmarks/bench_grouped_gemm.py --fp8 [--shapes A,B,Q,Z] [--iters 20] [--json f]
 """
@@ -22,7 +25,7 @@ E4M3_MAX = 448.0
 def quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale_inv): q = fp8(t · s) per row of the last dim, s = 448 / amax (1 where the row
     is zero), scale_inv = 1 / s of shape t.shape[:-1] in fp32."""
-    amax = t.float().abs().amax(dim=-1)
+    amax = t.float().abs().amax(dim=-1) if t.shape[-1] else t.new_zeros(t.shape[:-1]).float()
     scale = torch.where(amax > 0, E4M3_MAX / amax.clamp_min(1e-30), torch.ones_like(amax))
     q = (t.float() * scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, (1.0 / scale).contiguous()
@@ -52,11 +55,48 @@ def fp8_cases(e: int, h: int, f: int, m: int, sizes: list[int], device: str = "c
         yield label, 2 * m * a.shape[1] * w.shape[1], fns
 
 
+def token_major(t: torch.Tensor, sizes: list[int], span: int = 128):
+    """(q [C, P], scale_inv [G, C], padded ends [G] int32): t [M, C] quantized per (group,
+    column) along the tokens, each group's tokens at the start of a span rounded up to
+    ``span`` tokens (zeros after), as ``cute.scaled_grouped_wgrad`` takes them."""
+    spans = [-(-c // span) * span for c in sizes]
+    q = torch.zeros(t.shape[1], sum(spans) + span, dtype=torch.float8_e4m3fn, device=t.device)
+    scale_inv, start, dst = [], 0, 0
+    for c, width in zip(sizes, spans):
+        qg, sg = quantize_rowwise(t[start:start + c].t())
+        q[:, dst:dst + c] = qg
+        scale_inv.append(sg)
+        start, dst = start + c, dst + width
+    ends = torch.tensor(spans).cumsum(0).to(torch.int32).to(t.device)
+    return q, torch.stack(scale_inv), ends
+
+
+def fp8_wgrad_cases(e: int, h: int, f: int, m: int, sizes: list[int], device: str = "cuda"):
+    """(label, flops, {variant: fn}) for FC1 and FC2 weight gradients (bf16 outputs)."""
+    from te_seq.kernels import cute
+
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    gemms = {
+        "fc1_wgrad": (torch.randn(m, 2 * f, **bf), torch.randn(m, h, **bf)),  # dH, x
+        "fc2_wgrad": (torch.randn(m, h, **bf), torch.randn(m, f, **bf)),  # dY, a
+    }
+    for label, (dout, x) in gemms.items():
+        (qd, sd, ends), (qx, sx, _) = token_major(dout, sizes), token_major(x, sizes)
+        fns = {
+            "cute_fp8": lambda qd=qd, qx=qx, sd=sd, sx=sx, ends=ends: cute.scaled_grouped_wgrad(
+                qd, qx, sd, sx, ends),
+            "cute_bf16": lambda dout=dout, x=x: cute.grouped_wgrad(dout, x, offs),
+        }
+        yield label, 2 * m * dout.shape[1] * x.shape[1], fns
+
+
 def run_fp8_shape(name: str, shape: tuple, sizes: list[int], iters: int, time_ms, rel_err):
     """Rows of one shape: ms, TFLOP/s, ratios and the FP8 outputs' relative difference."""
     e, h, f, m = shape
     rows = []
-    for label, flops, fns in fp8_cases(e, h, f, m, sizes):
+    cases = [*fp8_cases(e, h, f, m, sizes), *fp8_wgrad_cases(e, h, f, m, sizes)]
+    for label, flops, fns in cases:
         first = {}
         for key, fn in fns.items():
             t0 = time.perf_counter()
@@ -79,11 +119,11 @@ def run_fp8_shape(name: str, shape: tuple, sizes: list[int], iters: int, time_ms
 def print_table(rows: list[dict]) -> None:
     day = time.strftime("%Y-%m-%d")
     print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {day}")
-    print(f"{'shape':5} {'gemm':8} {'cute fp8':>8} {'torch fp8':>9} {'cute bf16':>9} "
+    print(f"{'shape':5} {'gemm':9} {'cute fp8':>8} {'torch fp8':>9} {'cute bf16':>9} "
           "vs torch  vs bf16  rel diff")
     for r in rows:
         t = r["tflops"]
-        print(f"{r['shape']:5} {r['gemm']:8} {t['cute_fp8']:8.0f} {t.get('torch_fp8', 0):9.0f} "
+        print(f"{r['shape']:5} {r['gemm']:9} {t['cute_fp8']:8.0f} {t.get('torch_fp8', 0):9.0f} "
               f"{t['cute_bf16']:9.0f} {r.get('fp8_vs_torch', 0):8.2f} {r['fp8_vs_bf16']:7.2f} "
               f"{r.get('rel_diff_vs_torch', float('nan')):9.1e}")
     print("(TFLOP/s of real rows; ratios = their time / cute FP8 time)")

@@ -56,6 +56,8 @@ def _configs() -> dict[str, object]:
                                          route="gather"),
         # FP8 operands, row-wise dequantization scales in the epilogue (scale_epilogue.py)
         "fp8_rowwise": GemmConfig("m", torch.float8_e4m3fn, bf16, "k", 256, (1, 2), scaled=True),
+        "fp8_wgrad_fp32_acc": GemmConfig("k", torch.float8_e4m3fn, fp32, "k", 256, (1, 2),
+                                         accumulate=True, scaled=True),
     }
 
 

@@ -31,6 +31,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
     for tile_n, cluster in [(256, (1, 2)), (192, (1, 2)), (128, (2, 1))]:
         cfg = GemmConfig("m", fp8, bf16, "k", tile_n, cluster, scaled=True)
         print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
+    for out, acc in [(bf16, False), (torch.float32, True), (torch.float32, False)]:  # wgrad
+        cfg = GemmConfig("k", fp8, out, "k", 256, (1, 2), acc, scaled=True)
+        print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
     try:
         compile_gemm(GemmConfig("m", fp8, bf16, "n", scaled=True))
     except ValueError as exc:

@@ -13,14 +13,15 @@ Modules: ``launch`` (host helpers every functional shares: tiling, capability, o
 the persistent grid), ``gemm`` (``grouped_mm`` / ``grouped_wgrad``), ``glu`` (the fused GLU
 steps, each with a ``.supports(x, w, act, interleave)``), ``act`` (the fused non-gated
 activation steps ``act_fc1_forward`` / ``act_fc2_dgrad``, each with a ``.supports(x, w, act)``),
-``fp8`` (the FP8 grouped GEMM ``scaled_grouped_mm`` with row-wise scales, ``supports_scaled``),
+``fp8`` (the FP8 grouped GEMMs ``scaled_grouped_mm`` and ``scaled_grouped_wgrad`` with row-wise
+scales, ``supports_scaled`` / ``supports_scaled_wgrad``),
 ``compile`` and ``disk_cache`` (compiling and caching), and the kernels (``grouped_gemm``,
 ``glu_epilogue``, ``act_epilogue`` and the modules they are built from). This file only
 re-exports.
 """
 
 from .act import act_fc1_forward, act_fc2_dgrad
-from .fp8 import scaled_grouped_mm, supports_scaled
+from .fp8 import scaled_grouped_mm, scaled_grouped_wgrad, supports_scaled, supports_scaled_wgrad
 from .gemm import grouped_mm, grouped_wgrad, supports, supports_wgrad
 from .glu import glu_fc1_forward, glu_fc2_dgrad
 from .launch import (
@@ -50,6 +51,8 @@ __all__ = [
     "act_fc2_dgrad",
     "scaled_grouped_mm",
     "supports_scaled",
+    "scaled_grouped_wgrad",
+    "supports_scaled_wgrad",
     "MM_TILING",
     "WGRAD_TILING",
     "TILE_WIDTHS",

@@ -46,7 +46,9 @@ class GemmConfig:
     bias_dtype: the per-expert bias [E, N] (varlen "m" only; None: no bias, the plain kernel);
     bias_scales: the bias is scaled per row by an fp32 [M] tensor.
     scaled: the FP8 kernel (``scale_epilogue``): E4M3 operands, K-major B, the accumulators
-    times fp32 scales [M] (rows) and [E, N] (expert columns) (varlen "m", no bias, no route).
+    times fp32 scales [M] (rows) and [E, N] (expert columns) (varlen "m", no bias, no route);
+    varlen "k": token-major (K-major) operands in zero-padded, k-tile aligned spans, scales
+    [E, N] and [E, K], ``accumulate`` allowed.
     """
 
     varlen: str
@@ -91,10 +93,13 @@ def _fake_args(cfg: GemmConfig) -> tuple:
         b_stride = (s1, 1, s2) if cfg.b_major == "k" else (1, s1, s2)
         b = make_fake_tensor(ab, (n, k, groups), stride=b_stride, assumed_align=16)
         out = make_fake_compact_tensor(c, (rows, n), stride_order=(1, 0), assumed_align=16)
-    else:
+    else:  # dY and X token-major (K-major: the FP8 wgrad's padded spans) or M-major
         n_out, k_in = cute.sym_int32(divisibility=div), cute.sym_int32(divisibility=div)
-        a = make_fake_compact_tensor(ab, (n_out, rows), stride_order=(0, 1), assumed_align=16)
-        b = make_fake_compact_tensor(ab, (k_in, rows), stride_order=(0, 1), assumed_align=16)
+        order = (0, 1)
+        if cfg.scaled:
+            rows, order = cute.sym_int32(divisibility=div), (1, 0)
+        a = make_fake_compact_tensor(ab, (n_out, rows), stride_order=order, assumed_align=16)
+        b = make_fake_compact_tensor(ab, (k_in, rows), stride_order=order, assumed_align=16)
         out = make_fake_compact_tensor(
             c, (n_out, k_in, groups), stride_order=(1, 0, 2), assumed_align=16
         )
@@ -102,15 +107,18 @@ def _fake_args(cfg: GemmConfig) -> tuple:
     route = _fake_route()
     if cfg.scaled:
         # own symbolic sizes (as the bias's): the kernel clamps its reads to them
-        scale_a = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=4)
-        scale_b = make_fake_compact_tensor(
-            cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), stride_order=(1, 0),
-            assumed_align=4,
-        )
-        return a, b, out, offs, cutlass.Int32(1), scale_a, scale_b, route, stream
+        scale_a = _fake_scales(1 if cfg.varlen == "m" else 2)
+        return a, b, out, offs, cutlass.Int32(1), scale_a, _fake_scales(2), route, stream
     if cfg.bias_dtype is None:
         return a, b, out, offs, cutlass.Int32(1), route, stream
     return a, b, out, offs, cutlass.Int32(1), *_fake_bias(cfg.bias_dtype), route, stream
+
+
+def _fake_scales(rank: int):
+    """Fake fp32 scales: [M] (rank 1) or row-major [E, C] (rank 2), symbolic sizes."""
+    shape = tuple(cute.sym_int32() for _ in range(rank))
+    order = (0,) if rank == 1 else (1, 0)
+    return make_fake_compact_tensor(cutlass.Float32, shape, stride_order=order, assumed_align=4)
 
 
 def _fake_route():
@@ -187,9 +195,10 @@ def _compile_scaled(cfg: GemmConfig) -> CompiledGemm:
     """The FP8 grouped GEMM with row-wise dequantization scales (``scale_epilogue``)."""
     from .scale_epilogue import ScaledGemmKernel
 
-    if cfg.varlen != "m" or cfg.accumulate or cfg.bias_dtype or cfg.route or cfg.b_major != "k":
-        raise ValueError(f"scaled GEMMs are varlen 'm', K-major B, no bias or route: {cfg}")
-    kernel = ScaledGemmKernel((128, cfg.tile_n), cfg.cluster_mn)
+    if (cfg.varlen == "m" and cfg.accumulate) or cfg.bias_dtype or cfg.route or cfg.b_major != "k":
+        raise ValueError(f"scaled GEMMs take K-major B, no bias or route (varlen 'm': no "
+                         f"accumulate): {cfg}")
+    kernel = ScaledGemmKernel(cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, cfg.accumulate)
     return _compile("gemm", cfg, kernel, _fake_args(cfg))
 
 

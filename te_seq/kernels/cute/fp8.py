@@ -1,5 +1,6 @@
-"""The FP8 grouped GEMM on the CuTe DSL backend: ``scaled_grouped_mm`` (varlen M, row-wise
-dequantization scales) and its ``supports_scaled`` check. Kernel: ``scale_epilogue``.
+"""The FP8 grouped GEMMs on the CuTe DSL backend: ``scaled_grouped_mm`` (varlen M, row-wise
+dequantization scales) and ``scaled_grouped_wgrad`` (varlen K, per-group row-wise scales), with
+their ``supports_scaled`` / ``supports_scaled_wgrad`` checks. Kernel: ``scale_epilogue``.
 
 Shape legend: M routed rows (tokens), E groups (experts), K reduction dim, N output dim.
 The maths is ``torch._scaled_grouped_mm``'s (te_seq's ``fp8_torch.scaled_grouped_mm``):
@@ -18,12 +19,14 @@ from torch import Tensor
 
 from .launch import (
     MM_TILING,
+    WGRAD_TILING,
     Tiling,
     _check_offs,
     _num_sms,
     _row_major,
     default_tiling,
     no_route,
+    varlen_k_clusters,
     varlen_m_clusters,
 )
 
@@ -117,3 +120,83 @@ def scaled_grouped_mm(
 def _aligned(t: Tensor) -> Tensor:
     """``t`` (contiguous) or a copy of it whose data starts on a 16-byte boundary (TMA)."""
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+# ---------------------------------------------------------------- varlen K (weight gradient)
+
+WGRAD_SPAN = 128  # tokens: the 8-bit k-tile; every group's span in P is a multiple of it
+_WGRAD_OP = "cute scaled_grouped_wgrad"
+
+
+def _wgrad_problem(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, groups: int) -> str:
+    """Why the wgrad operands' dtypes or shapes are unsupported ("" when they are supported)."""
+    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
+        return f"needs float8_e4m3fn operands, got {a.dtype} and {b.dtype}"
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        return f"needs a [N, P] and b [K, P], got {tuple(a.shape)} and {tuple(b.shape)}"
+    (n, p), k = a.shape, b.shape[0]
+    if groups == 0 or n == 0 or k == 0:
+        return f"needs E, N and K > 0, got E={groups}, N={n}, K={k}"
+    if n % _ALIGN or k % _ALIGN or p % WGRAD_SPAN:
+        return (f"N={n} and K={k} must be multiples of {_ALIGN}, P={p} of {WGRAD_SPAN} (padded "
+                f"token spans)")
+    for name, s, shape in (("a_scale", a_scale, (groups, n)), ("b_scale", b_scale, (groups, k))):
+        if s.dtype != torch.float32 or tuple(s.shape) != shape:
+            return f"{name} must be float32 {list(shape)}, got {s.dtype} {list(s.shape)}"
+    return ""
+
+
+def supports_scaled_wgrad(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
+                          offs: Tensor) -> tuple[bool, str]:
+    """Whether ``scaled_grouped_wgrad(a, b, a_scale, b_scale, offs)`` can run here, with the
+    reason if not: E4M3 a [N, P] and b [K, P] (tokens contiguous), fp32 scales [E, N] and
+    [E, K], N and K multiples of 16, P of 128, CUDA tensors on an sm_90 GPU."""
+    why = (_wgrad_problem(a, b, a_scale, b_scale, offs.shape[0])
+           or _device_problem((a, b, a_scale, b_scale, offs)))
+    return not why, why
+
+
+def scaled_grouped_wgrad(
+    a: Tensor,
+    b: Tensor,
+    a_scale: Tensor,
+    b_scale: Tensor,
+    offs: Tensor,
+    out: Tensor | None = None,
+    accumulate: bool = False,
+    *,
+    tiling: Tiling | None = None,
+) -> Tensor:
+    """Varlen-K FP8 grouped GEMM (the weight gradient) with per-group row-wise scales:
+    ``out[e] = diag(a_scale[e]) · (a[:, span e] @ b[:, span e]ᵀ) · diag(b_scale[e])``.
+
+    a: [N, P] float8_e4m3fn (dY token-major), b: [K, P] float8_e4m3fn (X token-major), spans
+    given by offs: int32 [E] cumulative span ends in P; each span starts on a multiple of 128
+    and is zero-padded to whole multiples of 128 (``te_seq.kernels.fp8_wgrad.TokenMajor``; not
+    checked on the host: no sync); a_scale fp32 [E, N], b_scale fp32 [E, K] (dequantization
+    scales). -> [E, N, K]: a new bf16 tensor, or written into (``accumulate=True``: added to)
+    ``out``, contiguous bf16 or fp32. fp32 accumulation, sync-free, CUDA-graph capturable.
+    """
+    ok, why = supports_scaled_wgrad(a, b, a_scale, b_scale, offs)
+    if not ok:
+        raise ValueError(f"{_WGRAD_OP}: a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} "
+                         f"{b.dtype}: {why}")
+    from .compile import GemmConfig, compile_gemm
+
+    groups, n, k = offs.shape[0], a.shape[0], b.shape[0]
+    offs = _check_offs(offs, groups, a.device)
+    if out is None:
+        out, accumulate = torch.empty(groups, n, k, dtype=torch.bfloat16, device=a.device), False
+    if (tuple(out.shape) != (groups, n, k) or out.dtype not in (torch.float32, torch.bfloat16)
+            or not out.is_contiguous()):
+        raise ValueError(f"{_WGRAD_OP}: out must be a contiguous [{groups}, {n}, {k}] float32 or "
+                         f"bfloat16 tensor, got {tuple(out.shape)} {out.dtype}")
+    t = tiling or default_tiling(k, WGRAD_TILING)
+    cfg = GemmConfig("k", FP8_DTYPE, out.dtype, "k", t.tile_n, t.cluster_mn, accumulate,
+                     scaled=True)
+    kernel = compile_gemm(cfg).fn
+    sms = _num_sms(a.device.index or 0)
+    clusters = varlen_k_clusters(groups, n, k, t.tile_n, t.cluster_mn, sms)
+    kernel(_aligned(_row_major(a)), _aligned(_row_major(b)), out.permute(1, 2, 0), offs, clusters,
+           a_scale.contiguous(), b_scale.contiguous(), no_route(a.device))
+    return out

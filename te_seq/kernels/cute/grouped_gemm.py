@@ -70,6 +70,12 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     epi_batch: int | None = 1
     epi_extra_buffers = 0
     extra_barriers = 0
+    # Varlen K: clip each group's loads by ragged TMA views (True), or take every group's span as
+    # whole k-tiles of zero-padded operands (False: the FP8 wgrad, whose operands are K-major,
+    # and ragged views need a 16-byte stride along the ragged mode).
+    ragged_k = True
+    # fp32 words of smem scratch the epilogue hooks use (``_epi_scratch``), after the buffers
+    epi_scratch_words = 0
 
     def __init__(
         self,
@@ -137,7 +143,9 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8
         epi_bytes = tm * 32 * self.c_dtype.width // 8 * epi_buffers
         smem = memory.get_smem_capacity_in_bytes("sm_90")
-        self.ab_stage = (smem - 2048 - epi_bytes) // ab_bytes
+        # barriers and the padding to sA's 1024-byte alignment take < 1 KB; the scratch after
+        reserve = max(2048, 1024 + 4 * self.epi_scratch_words)
+        self.ab_stage = (smem - reserve - epi_bytes) // ab_bytes
         self.a_smem = sm90_utils.make_smem_layout_a(
             self.a_layout, self.tile_mnk, self.a_dtype, self.ab_stage
         )
@@ -180,7 +188,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         a_tma_src, b_tma_src, c_tma_src = a, b_tma_view, c
         if const_expr(self.varlen == "m"):
             c_tma_src = _ragged_view(c, 0)
-        else:
+        elif const_expr(self.ragged_k):
             a_tma_src = _ragged_view(a, 1)
             b_tma_src = _ragged_view(b, 1)
         num_rows = a.shape[0]
@@ -242,6 +250,12 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             stream=stream,
         )
 
+    def _epi_scratch(self, allocator):
+        """The epilogue's fp32 smem scratch of ``epi_scratch_words`` (None without one)."""
+        if self.epi_scratch_words == 0:
+            return None
+        return allocator.allocate_tensor(Float32, cute.make_layout(self.epi_scratch_words), 16)
+
     # ---------------------------------------------------------------- device kernel
 
     @cute.kernel
@@ -275,7 +289,9 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
         cluster_coord = cta_layout.get_flat_coord(cta_rank)
 
-        storage = memory.SmemAllocator().allocate(self.shared_storage)
+        allocator = memory.SmemAllocator()
+        storage = allocator.allocate(self.shared_storage)
+        scratch = self._epi_scratch(allocator)
         a_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0)))
         b_bytes = cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
         # A gathered by cp.async: a stage is full after B's TMA bytes and one arrival of each
@@ -328,5 +344,6 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
             self._consumer(
-                tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar, routes
+                tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar, routes,
+                scratch,
             )

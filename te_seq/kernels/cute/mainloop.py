@@ -31,9 +31,12 @@ class MainloopMixin:
         if const_expr(self.varlen == "m"):
             mA_g = cute.domain_offset((row0, 0), mA)
             mB_g = mB[None, None, group]
-        else:
+        elif const_expr(self.ragged_k):
             mA_g = _ragged_group(mA, 1, row0, rows)
             mB_g = _ragged_group(mB, 1, row0, rows)
+        else:  # zero-padded spans that start on a k-tile
+            mA_g = cute.domain_offset((0, row0), mA)
+            mB_g = cute.domain_offset((0, row0), mB)
         gA = cute.local_tile(mA_g, (tm, tk), (m_tile, None))
         gB = cute.local_tile(mB_g, (tn, tk), (n_tile, None))
         return gA, gB
@@ -142,7 +145,8 @@ class MainloopMixin:
 
     @cute.jit
     def _consumer(
-        self, tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar, routes
+        self, tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar, routes,
+        scratch,
     ):
         offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
         tm, tn, tk = self.tile_mnk
@@ -194,6 +198,7 @@ class MainloopMixin:
             epi,
             extra_bar,
             routes,
+            scratch,
         )
         valid, group, m_unit, n_unit, row0, rows, st = self._work(
             offs, num_rows, n_tiles, m_units_k, unit, st

@@ -1,5 +1,5 @@
-"""The FP8 grouped GEMM (sm_90a): E4M3 operands, fp32 accumulation, row-wise dequantization
-scales applied in the store epilogue.
+"""The FP8 grouped GEMMs (sm_90a): E4M3 operands, fp32 accumulation, row-wise dequantization
+scales applied in the store epilogue. Varlen M (forward, dgrad) and varlen K (wgrad).
 
 Shape legend: M routed rows, E experts, K reduction dim, N output columns. A [M, K] and
 B = W [E, N, K] seen as (N, K, E) are both K-major (FP8 WGMMA reads only K-major smem
@@ -13,10 +13,24 @@ kernel's with a 128-element k-tile (128-byte smem rows, as the 16-bit kernels' 6
 ``GroupedGemmKernel._setup``); the K tail (K a multiple of 16, not of 128) is zero-filled by the
 TMA loads of both operands.
 
-The epilogue multiplies each fp32 accumulator by its row's and column's scales (read per value
-from global memory, L1-cached; loads past M or N are clamped to the last element, and TMA drops
-those stores anyway) before the rounding. Rows past offs[-1] form the virtual group E: their
+The epilogue multiplies each fp32 accumulator by its row's and column's scales before the
+rounding. A tile's tm row scales and tn column scales are copied into an smem scratch by
+cp.async before its mainloop (one 4-byte copy per consumer thread and kind), so their latency
+hides behind the MMAs; reading them per value from global memory (L1-cached) made each of the
+eight epilogue subtiles wait for a load round trip, and the FP8 GEMMs slower than the bf16 ones
+on fine-grained experts. Loads past M, N or K are clamped to the last element (TMA drops those
+stores anyway). Rows past offs[-1] form the virtual group E: their
 accumulators are zero and they are written as zeros whatever the scales hold (no NaN · 0).
+
+Varlen K (the weight gradient, ``fp8.scaled_grouped_wgrad``): A = dY token-major (N, P) and
+B = X token-major (K, P), both K-major (tokens contiguous), each group's tokens a span of P
+that starts on a 128-token k-tile and is zero-padded to whole k-tiles (so the loads need no
+ragged views: ``GroupedGemmKernel.ragged_k`` is off); scale_a fp32 [E, N], scale_b fp32 [E, K]:
+
+    C[e][n, k] = scale_a[e, n] · scale_b[e, k] · Σ_{t in span e} fp32(a[n, t]) · fp32(b[k, t])
+
+written to C (E, N, K) or, with ``accumulate``, added to the old C after the scaling (the store
+epilogue's old-C loads). An empty span writes zeros (adds nothing) whatever its scales hold.
 """
 
 from __future__ import annotations
@@ -25,7 +39,7 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from .grouped_gemm import GroupedGemmKernel
 from .ragged import _ragged_group
@@ -34,59 +48,103 @@ from .ragged import _ragged_group
 class ScaleTile(NamedTuple):
     """One tile's scale context (trace-time bundle)."""
 
-    scale_a: object  # fp32 [M]
-    scale_b: object  # fp32 [E, N]
+    scratch: object  # fp32 smem [tm + tn]: the tile's row scales, then its column scales
     coords: object  # (row, col) in the tile of each accumulator value, in tRS_acc's order
-    group: object  # the tile's expert (E: the virtual group past offs[-1])
-    col_base: object  # first column of the tile in N
-    row_base: object  # first row of the tile in M
+    live: object  # False: write zeros (the virtual group, an empty span)
 
 
 class ScaledGemmKernel(GroupedGemmKernel):
-    """Varlen-M grouped GEMM whose epilogue applies per-row (A) and per-expert, per-column (B)
-    scales to the fp32 accumulators: ``C[rows of e] = diag(sa) (A[rows of e] @ B[e]) diag(sb[e])``.
+    """Grouped GEMM whose epilogue applies row and column dequantization scales to the fp32
+    accumulators. Varlen M: ``C[rows of e] = diag(sa) (A[rows of e] @ B[e]) diag(sb[e])``;
+    varlen K: ``C[e] = diag(sa[e]) (A[:, span e] @ B[:, span e]ᵀ) diag(sb[e])`` (+ old C).
     """
 
-    def __init__(self, tile_mn: tuple[int, int] = (128, 256), cluster_mn: tuple[int, int] = (1, 2)):
-        super().__init__("m", tile_mn, cluster_mn)
+    ragged_k = False  # varlen K: zero-padded, k-tile aligned token spans (module docstring)
+    epi_scratch_words = 128 + 256  # a tile's row and column scales (tm + the widest tn)
+
+    def __init__(
+        self,
+        varlen: str = "m",
+        tile_mn: tuple[int, int] = (128, 256),
+        cluster_mn: tuple[int, int] = (1, 2),
+        accumulate: bool = False,
+    ):
+        super().__init__(varlen, tile_mn, cluster_mn, accumulate)
 
     @cute.jit
     def __call__(
         self,
-        a: cute.Tensor,  # [M, K] E4M3, K-major
-        b: cute.Tensor,  # (N, K, E) E4M3, K-major
-        c: cute.Tensor,  # [M, N] bf16, written
-        offs: cute.Tensor,  # int32 [E] cumulative row ends
+        a: cute.Tensor,  # [M, K] (varlen M) or (N, P) (varlen K) E4M3, K-major
+        b: cute.Tensor,  # (N, K, E) (varlen M) or (K, P) (varlen K) E4M3, K-major
+        c: cute.Tensor,  # [M, N] bf16 (varlen M) or (N, K, E) bf16 / fp32 (varlen K)
+        offs: cute.Tensor,  # int32 [E] cumulative row ends (varlen K: padded span ends)
         num_clusters: Int32,
-        scale_a: cute.Tensor,  # fp32 [M]
-        scale_b: cute.Tensor,  # fp32 [E, N]
+        scale_a: cute.Tensor,  # fp32 [M] (varlen M) or [E, N] (varlen K)
+        scale_b: cute.Tensor,  # fp32 [E, N] (varlen M) or [E, K] (varlen K)
         route: cute.Tensor,  # unused (no routed rows): a dummy, as the other GEMM kernels take
         stream,
     ):
         self._launch(a, b, c, offs, num_clusters, stream, b, (scale_a, scale_b), route)
 
     def _make_epi(self, c: cute.Tensor, epi_inputs: tuple) -> tuple:
-        return epi_inputs
+        """(scale_a, scale_b) and, with ``accumulate``, the old C's TMA atom and tensor."""
+        old = super()._make_epi(c, epi_inputs)
+        return (*epi_inputs, *old) if self.accumulate else epi_inputs
+
+    @cute.jit
+    def _old_tile(self, ep, group, m_tile, n_tile):
+        tm, tn, _ = self.tile_mnk
+        tma_old, m_old = ep.epi[2], ep.epi[3]
+        return tma_old, cute.local_tile(m_old[None, None, group], (tm, tn), (m_tile, n_tile))
+
+    @cute.jit
+    def _before_mainloop(self, ep, group, m_tile, n_tile, row0, epi_count):
+        """Start copying the tile's row and column scales into the smem scratch (cp.async, one
+        4-byte copy per consumer thread and kind); ``_store_tile`` waits for them."""
+        super()._before_mainloop(ep, group, m_tile, n_tile, row0, epi_count)
+        tm, tn, _ = self.tile_mnk
+        scale_a, scale_b, t = ep.epi[0], ep.epi[1], ep.mma_tidx
+        g = cutlass.min(group, cute.size(scale_b, mode=[0]) - 1)
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        dst = cute.zipped_divide(ep.scratch, (1,))
+        if t < tn:
+            col = cutlass.min(n_tile * tn + t, cute.size(scale_b, mode=[1]) - 1)
+            cols = cute.zipped_divide(scale_b[g, None], (1,))
+            cute.copy(atom, cols[(None, col)], dst[(None, tm + t)])
+        if t < tm:
+            if const_expr(self.varlen == "m"):
+                row = cutlass.min(row0 + m_tile * tm + t, cute.size(scale_a) - 1)
+                rows = cute.zipped_divide(scale_a, (1,))
+            else:
+                row = cutlass.min(m_tile * tm + t, cute.size(scale_a, mode=[1]) - 1)
+                rows = cute.zipped_divide(scale_a[g, None], (1,))
+            cute.copy(atom, rows[(None, row)], dst[(None, t)])
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _store_tile(self, ep, acc, group, m_tile, n_tile, row0, rows, epi_count):
         tm, tn, _ = self.tile_mnk
         c_tile = cute.make_identity_tensor((tm, tn))
         coords = ep.tiled_r2s.retile(ep.tiled_mma.get_slice(ep.mma_tidx).partition_C(c_tile))
-        st = ScaleTile(ep.epi[0], ep.epi[1], coords, group, n_tile * tn, row0 + m_tile * tm)
-        gC = cute.local_tile(_ragged_group(ep.mC, 0, row0, rows), (tm, tn), (m_tile, n_tile))
-        return self._epilogue(ep, gC, epi_count, None, scale_tile=st)
+        cute.arch.cp_async_wait_group(0)  # this thread's scale copies landed
+        self.epi_barrier.arrive_and_wait()  # and every other thread's
+        old = None
+        if const_expr(self.varlen == "m"):
+            st = ScaleTile(ep.scratch, coords, group < cute.size(ep.epi[1], mode=[0]))
+            mC_g = _ragged_group(ep.mC, 0, row0, rows)
+        else:
+            st = ScaleTile(ep.scratch, coords, rows > 0)
+            mC_g = ep.mC[None, None, group]
+            if const_expr(self.accumulate):
+                old = self._old_tile(ep, group, m_tile, n_tile)
+        gC = cute.local_tile(mC_g, (tm, tn), (m_tile, n_tile))
+        return self._epilogue(ep, gC, epi_count, old, scale_tile=st)
 
     # Plain Python (inlined while the kernel is traced): no dynamic control flow below.
 
     def _scaled_at(self, st: ScaleTile, i: int, value):
         """``value`` (accumulator value ``i`` of this thread) times its row's and column's
-        scales; 0 in the virtual group past offs[-1]."""
+        scales (the smem scratch); 0 where the tile is not live."""
         r, c = st.coords[i]
-        num_experts = cute.size(st.scale_b, mode=[0])
-        last_col = cute.size(st.scale_b, mode=[1]) - 1
-        last_row = cute.size(st.scale_a) - 1
-        group = cutlass.min(st.group, num_experts - 1)
-        sb = st.scale_b[group, cutlass.min(st.col_base + c, last_col)]
-        sa = st.scale_a[cutlass.min(st.row_base + r, last_row)]
-        return cutlass.select_(st.group < num_experts, value * (sa * sb), Float32(0.0))
+        scale = st.scratch[r] * st.scratch[self.tile_mnk[0] + c]
+        return cutlass.select_(st.live, value * scale, Float32(0.0))

@@ -38,6 +38,7 @@ class _EpilogueState(NamedTuple):
     epi: tuple
     extra_bar: object  # pointer to the subclass's extra mbarriers (smem)
     routes: tuple  # scatter: (route [M], C [M, N]) (routed.py); else unused
+    scratch: object  # the subclass's fp32 smem scratch (``epi_scratch_words``); else None
 
 
 class StoreEpilogueMixin:

@@ -1,0 +1,142 @@
+"""The FP8 weight-gradient GEMM of the CuTe DSL backend: ``cute.scaled_grouped_wgrad`` (varlen
+K over zero-padded, 128-token aligned spans of token-major E4M3 operands, per-group row-wise
+dequantization scales in the epilogue, written or accumulated into bf16 / fp32). CPU tests
+check the refusals; GPU tests compare with the float64 maths on the same FP8 data (empty
+groups, a one-token group, spans of one and several k-tiles, N and K multiples of 16 but not of
+the tile, fp32 accumulation into an existing buffer, NaN scales of an empty group) and across
+CUDA-graph replays with new spans. The compile-only check is in test_cute_fp8.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cute_marks import gpu, needs_cute, poison
+from cute_marks import rel_err as _rel_err
+
+from te_seq.kernels import cute
+
+FP8 = torch.float8_e4m3fn
+SPAN = 128
+
+
+def _operands(counts, n, k, device="cpu", seed=0):
+    """Token-major a [N, P], b [K, P] with group g's counts[g] tokens at the start of its span
+    (spans rounded up to 128, zeros in the padding), scales [G, N] / [G, K], padded ends."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    spans = [-(-c // SPAN) * SPAN for c in counts]
+    p = max(SPAN, sum(spans) + SPAN)  # one spare tile past the last span, as a bound leaves
+    a = torch.zeros(n, p, device=device)
+    b = torch.zeros(k, p, device=device)
+    start = 0
+    for c, s in zip(counts, spans):
+        a[:, start:start + c] = torch.randn(n, c, device=device, generator=gen) * 40
+        b[:, start:start + c] = torch.randn(k, c, device=device, generator=gen) * 40
+        start += s
+    a[:, start:] = 7.0  # past the last span: never read
+    b[:, start:] = 7.0
+    g = len(counts)
+    sa = torch.rand(g, n, device=device, generator=gen) + 0.5
+    sb = torch.rand(g, k, device=device, generator=gen) + 0.5
+    ends = torch.tensor(spans, device=device).cumsum(0).to(torch.int32)
+    return a.to(FP8), b.to(FP8), sa, sb, ends
+
+
+def _spans(ends):
+    """[G, 2] (start, end) of each span from the padded cumulative ends [G]."""
+    return torch.stack([torch.cat([ends.new_zeros(1), ends[:-1]]), ends], 1)
+
+
+def _ref(a, b, sa, sb, spans, absolute=False):
+    """float64 out[g] = diag(sa[g]) a[:, span g] b[:, span g]ᵀ diag(sb[g]), spans [G, 2]
+    (``absolute``: the same of |terms|, the magnitude the accumulation error scales with)."""
+    out = torch.zeros(len(spans), a.shape[0], b.shape[0], dtype=torch.float64, device=a.device)
+    for g, (start, end) in enumerate(spans.tolist()):
+        aa, bb = a[:, start:end].double(), b[:, start:end].double()
+        fa, fb = sa[g].double(), sb[g].double()
+        if absolute:
+            aa, bb, fa, fb = aa.abs(), bb.abs(), fa.abs(), fb.abs()
+        out[g] = fa[:, None] * (aa @ bb.t()) * fb[None, :]
+    return out
+
+
+def _check(out, operands, old=None):
+    """Norm-relative error below 4e-3 and, per element, within 2^-8 |ref| (one bf16 rounding)
+    plus 2^-11 of Σ|terms| (FP8 WGMMA accumulates below fp32 precision: test_cute_fp8.py)."""
+    ref, mag = _ref(*operands), _ref(*operands, absolute=True)
+    if old is not None:
+        ref = ref + old.double()
+    assert _rel_err(out, ref) < 4e-3
+    bound = 2**-8 * ref.abs() + 2**-11 * mag + 1e-6
+    worst = ((out.double() - ref).abs() - bound).max().item()
+    assert worst <= 0, f"element error exceeds the bound by {worst}"
+
+
+def test_supports_scaled_wgrad_names_the_problem():
+    a, b, sa, sb, ends = _operands([5, 130], 32, 48)
+    assert "needs CUDA tensors" in cute.supports_scaled_wgrad(a, b, sa, sb, ends)[1]
+    why = cute.supports_scaled_wgrad(a[:, :200], b[:, :200], sa, sb, ends)[1]
+    assert "P=200 of 128" in why
+    why = cute.supports_scaled_wgrad(a, b, sa[:1], sb, ends)[1]
+    assert "a_scale must be float32 [2, 32]" in why
+    with pytest.raises(ValueError, match="cute scaled_grouped_wgrad: .*float8_e5m2"):
+        cute.scaled_grouped_wgrad(a, b.to(torch.float8_e5m2), sa, sb, ends)
+
+
+# (name, token counts per group, N, K)
+_CASES = [
+    ("one_group", [300], 256, 256),
+    ("empty_and_one_token", [0, 1, 77, 0, 129], 128, 384),
+    ("n_k_tails", [200, 0, 411, 64], 144, 208),  # multiples of 16, not of the tiles
+    ("many_groups", [37 * g % 301 for g in range(24)], 512, 768),
+]
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def test_scaled_grouped_wgrad_matches_float64(case):
+    _, counts, n, k = case
+    a, b, sa, sb, ends = _operands(counts, n, k, "cuda")
+    for g, c in enumerate(counts):
+        if c == 0:  # an empty span writes zeros whatever its scales hold
+            sa[g], sb[g] = float("nan"), float("inf")
+    assert cute.supports_scaled_wgrad(a, b, sa, sb, ends) == (True, "")
+    poison(((len(counts), n, k), torch.bfloat16))
+    out = cute.scaled_grouped_wgrad(a, b, sa, sb, ends)
+    assert out.shape == (len(counts), n, k) and out.dtype == torch.bfloat16
+    ok = [g for g, c in enumerate(counts) if c]
+    _check(out[ok], (a, b, sa[ok], sb[ok], _spans(ends)[ok]))
+    assert all((out[g] == 0).all() for g, c in enumerate(counts) if c == 0)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_scaled_grouped_wgrad_accumulates(out_dtype):
+    counts, n, k = [130, 0, 256, 3], 256, 512
+    a, b, sa, sb, ends = _operands(counts, n, k, "cuda", seed=3)
+    old = torch.randn(len(counts), n, k, device="cuda").to(out_dtype)
+    out = old.clone()
+    cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=out, accumulate=True)
+    _check(out, (a, b, sa, sb, _spans(ends)), old=old)
+    written = torch.full_like(old, float("nan"))
+    cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=written)
+    _check(written, (a, b, sa, sb, _spans(ends)))
+
+
+@gpu
+@needs_cute
+def test_scaled_grouped_wgrad_cuda_graph_replays_with_new_spans():
+    n, k = 256, 256
+    a, b, sa, sb, ends = _operands([256, 256, 256, 256], n, k, "cuda", seed=5)
+    out = torch.empty(4, n, k, device="cuda", dtype=torch.float32)
+    cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=out)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=out)
+    for spans in ([768, 0, 128, 128], [0, 0, 0, 1024], [128, 384, 384, 128]):
+        ends.copy_(torch.tensor(spans, device="cuda").cumsum(0))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, (a, b, sa, sb, _spans(ends)))
