@@ -1,6 +1,6 @@
-"""The forward GEMM of a linear op under an FP8 recipe: real FP8 on the torch backend where
-PyTorch's scaled matmuls take the recipe, the hardware and the shapes, and on the cute backend
-(grouped GEMMs only) where its FP8 kernel does; emulated otherwise.
+"""The GEMMs of a linear op under an FP8 recipe: real FP8 on the torch backend where PyTorch's
+scaled matmuls take the recipe, the hardware and the shapes, and on the cute backend (grouped
+GEMMs only) where its FP8 kernels do; emulated otherwise.
 
 Per GEMM (x [T, K], W [N, K], dy [T, N]):
 
@@ -10,14 +10,20 @@ Per GEMM (x [T, K], W [N, K], dy [T, N]):
                          only). Cute backend, same conditions (sm_90), grouped GEMMs:
                          `cute.scaled_grouped_mm` (te_seq/kernels/fp8_cute.py). Else
                          emulated: quantize -> dequantize in fp32, fp32 GEMM.
-    dgrad    dx = dy W   emulated everywhere (its operands would need W re-laid out K-major
-                         per call and E5M2 dy under "HYBRID", which the grouped kernel refuses)
-    wgrad    dW = dyᵀ x  emulated everywhere (operands quantized along tokens per expert: no
-                         varlen-K FP8 kernel with row-wise scales along K on sm_90)
+    dgrad    dx = dy W   grouped ops whose forward is real FP8 and whose dy is E4M3 (not
+                         "HYBRID"'s E5M2) with per-tensor or row-wise scales ("native
+                         backward", `backward_reason`): the forward's kernel on dy quantized
+                         along N and Wᵀ [G, K, N] quantized along N (kept in the weight cache).
+                         Else emulated.
+    wgrad    dW = dyᵀ x  under the native backward: dy and x quantized along each group's tokens,
+                         token-major (kernels/fp8_wgrad.py), `cute.scaled_grouped_wgrad` on the
+                         cute backend, its fp32 emulation on torch (`_wgrad_kernel` decides).
+                         Else emulated on fp32 operands.
 
-`forward_reason` decides (static facts: backend, recipe, dtype, device, widths); the plan step
-says which (`step_note`). Both paths quantize exactly the same operands (core/fp8.py), so the
-real GEMM differs from the emulation only by summation order and the single bf16 rounding.
+`forward_reason` / `backward_reason` decide (static facts: backend, recipe, dtype, device,
+widths); the plan step says which (`step_note`). Both paths quantize exactly the same operands
+(core/fp8.py), so a real GEMM differs from the emulation only by summation order and the single
+bf16 rounding.
 """
 
 from __future__ import annotations
