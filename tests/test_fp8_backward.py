@@ -316,3 +316,32 @@ def test_cute_without_the_wgrad_kernel_emulates_it(fake_cute_gpu, monkeypatch): 
     _, want_dx, want_dw = emu_grouped(ROWWISE, x, op.stacked_weight().detach(), dy,
                                       bounds_of(splits))
     assert rel_err(dx, want_dx) < TOL and rel_err(_stacked_grads(op), want_dw) < TOL
+
+
+# --- the torch backend on a faked sm_90: dgrad on torch._scaled_grouped_mm, wgrad emulated ------
+
+def test_torch_backend_native_dgrad_and_emulated_fp8_wgrad(monkeypatch):
+    from test_fp8_torch import emulated_scaled_grouped_mm
+
+    from te_seq.kernels import fp8_torch
+
+    emulated_scaled_grouped_mm.calls = 0
+    monkeypatch.setattr(fp8_torch, "forward_reason", lambda *a: "")
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", emulated_scaled_grouped_mm)
+    real_wgrad, calls = fp8_wgrad.scaled_grouped_wgrad_emulated, []
+
+    def recorded(*args, **kw):
+        calls.append(args)
+        return real_wgrad(*args, **kw)
+
+    monkeypatch.setattr(fp8_wgrad, "scaled_grouped_wgrad_emulated", recorded)
+    op, splits, x, dy = _linear(seed=12)
+    model, dx = _run(op, splits, x, dy, ROWWISE, backend="torch")
+    note = model.fusion_plan().forward[0].backend_reason
+    assert "forward and dgrad GEMMs via torch._scaled_grouped_mm" in note
+    assert "wgrad emulated (FP8 operands along the tokens" in note
+    assert emulated_scaled_grouped_mm.calls == 2 and len(calls) == 1
+    _assert_wgrad_call(calls[0], ROWWISE, x, dy, splits)
+    _, want_dx, want_dw = emu_grouped(ROWWISE, x, op.stacked_weight().detach(), dy,
+                                      bounds_of(splits))
+    assert rel_err(dx, want_dx) < TOL and rel_err(_stacked_grads(op), want_dw) < TOL

@@ -372,13 +372,14 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         `wgrad_fn(out, accumulate)` (the native FP8 wgrad: core/fp8_gemm.py) that runs the GEMM
         into `out` [G, N, K] instead of `backend.grouped_wgrad(dy, x, offs)`."""
         G, N, K = self.num_groups, self.out_features, self.in_features
-        if wgrad_fn is None:
+        fp8_wgrad = wgrad_fn is not None
+        if not fp8_wgrad:
             def wgrad_fn(out: Tensor | None, accumulate: bool) -> Tensor:
                 return backend.grouped_wgrad(dy, x, offs, out=out, accumulate=accumulate)
 
         def compute() -> Sequence[Tensor]:
             out = None
-            if x is None:  # FP8: computed in the weights' dtype (fp32 unless bf16)
+            if fp8_wgrad:  # into a buffer in the weights' dtype (fp32 unless bf16)
                 dtype = self.named_weights()[0][1].dtype
                 dtype = dtype if dtype == torch.bfloat16 else torch.float32
                 out = torch.empty(G, N, K, device=offs.device, dtype=dtype)
