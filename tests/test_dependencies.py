@@ -33,6 +33,7 @@ _LOCAL = {
     "test_hf_moe",  # its block builders serve tests/test_hf_moe_gpu.py
     "test_fp8",  # its independent FP8 emulation serves tests/test_fp8_torch.py
     "test_fp8_torch",  # its relative-error helper serves tests/test_fp8_cute*.py
+    "test_fp8_cute",  # its faked Hopper GPU and kernel recorder serve tests/test_fp8_backward.py
     # benchmarks/ (tests/test_benchmark_dry_run.py puts it on the path)
     "_common", "grad_modes", "mlp_case", "mlp_measure", "mlp_report", "peers", "peer_quack",
     "bench_fp8_gemm",  # tests/test_bench_fp8_gemm.py

@@ -6,9 +6,12 @@ Bounds: both kernels multiply the same FP8 operands with the same scales and dif
 summation order (Hopper FP8 WGMMA accumulates below fp32 precision: tests/kernels/test_cute_fp8.py
 holds both kernels to one element bound), so their bf16 outputs agree to a norm-relative 4e-3, and
 each is within 1e-2 of the emulation (tests/test_fp8_torch.py's bound; twice that through the
-MLP, whose FC2 quantizes FC1's bf16 output). The backward is the same emulated one on both
-backends (fp32 operands on the torch backend's functions): dx equal bitwise for GroupedLinear;
-weight gradients up to the fp32 order of the wgrad's per-tile sums (index_add_ on CUDA).
+MLP, whose FC2 quantizes FC1's bf16 output). Backward: under Float8RowwiseScaling (E4M3 dy) both
+backends run a real FP8 dgrad (cute's kernel vs torch._scaled_grouped_mm: the forward's bound
+between them, 1e-2 to the emulation); cute's wgrad is its `scaled_grouped_wgrad` kernel, torch's
+the fp32 emulation of the same FP8 operands (1e-2). Under Float8CurrentScaling ("HYBRID", E5M2
+dy) the backward is the same emulated one on both: dx equal bitwise for GroupedLinear, weight
+gradients up to the fp32 order of the wgrad's per-tile sums (index_add_ on CUDA).
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from test_fp8_torch import gpu_mlp_case, rel_err
 
 import te_seq
 from te_seq import ops, recipe
+from te_seq.kernels import cute
 from te_seq.kernels.backend import backend_available
 
-RECIPES, IDS = [recipe.Float8RowwiseScaling(), recipe.Float8CurrentScaling()], ["rowwise", "tensor"]
+RECIPES = [recipe.Float8RowwiseScaling(), recipe.Float8CurrentScaling(),
+           recipe.Float8CurrentScaling(fp8_format="E4M3")]
+IDS = ["rowwise", "tensor", "tensor-e4m3"]
 KERNEL_TOL = 4e-3  # cute vs torch real FP8 outputs (norm-relative)
 EMU_TOL = 1e-2  # a real FP8 GEMM vs the emulation
 WGRAD_TOL = 1e-6  # same fp32 operands, atomics order of the per-tile sums only
@@ -72,9 +78,22 @@ def test_grouped_linear_cute_fp8_on_gpu(r):
     res = _on_backends(
         lambda: te_seq.Sequential(ops.GroupedLinear(4, 256, 128, dtype=torch.bfloat16)), run)
     _assert_forward(res)
-    assert torch.equal(res["cute"][1], res["torch"][1])  # dx: the same emulated dgrad
-    for got, want in zip(res["cute"][2:], res["torch"][2:]):
-        assert rel_err(got, want) < WGRAD_TOL
+    if r.rule("grad").fmt != "E4M3":  # HYBRID: the same emulated backward on both
+        assert "grad format E5M2" in res["cute_plan"].forward[0].backend_reason
+        assert torch.equal(res["cute"][1], res["torch"][1])  # dx: the same emulated dgrad
+        for got, want in zip(res["cute"][2:], res["torch"][2:]):
+            assert rel_err(got, want) < WGRAD_TOL
+        return
+    note = res["cute_plan"].forward[0].backend_reason
+    assert "forward and dgrad GEMMs via cute scaled_grouped_mm" in note
+    dx_cute, dx_torch, dx_ref = res["cute"][1], res["torch"][1], res["reference"][1]
+    assert rel_err(dx_cute, dx_torch) < KERNEL_TOL  # two real FP8 dgrad kernels
+    assert rel_err(dx_cute, dx_ref) < EMU_TOL and rel_err(dx_torch, dx_ref) < EMU_TOL
+    # weight grads: cute's wgrad kernel (or its emulation while the kernel is missing) vs torch's
+    # emulation and the reference
+    wgrad_tol = EMU_TOL if hasattr(cute, "scaled_grouped_wgrad") else WGRAD_TOL
+    for got, want, ref_ in zip(res["cute"][2:], res["torch"][2:], res["reference"][2:]):
+        assert rel_err(got, want) < wgrad_tol and rel_err(got, ref_) < EMU_TOL
 
 
 @pytest.mark.parametrize("r", RECIPES, ids=IDS)

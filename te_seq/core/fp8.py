@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from te_seq.kernels import fp8_reference as ref
+from te_seq.kernels import fp8_wgrad
 from te_seq.recipe import Float8CurrentScaling, Recipe
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -185,34 +186,103 @@ def grad_operands(recipe: Recipe, dy: Tensor, bounds) -> tuple[Tensor, Tensor]:
     return dgrad, _along_tokens(recipe, "grad", dy, bounds, lambda: dgrad)
 
 
-def _weight_pair(recipe: Recipe, w: Tensor) -> tuple[ref.QuantizedTensor, Tensor]:
-    """(W quantized along K for the forward, W along N for the dgrad [N, K] fp32)."""
+def input_token_major(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor,
+                      forward: ref.QuantizedTensor) -> fp8_wgrad.TokenMajor:
+    """x [T, K] along the tokens of each group as the FP8 wgrad's operand, token-major (row-wise
+    or per-tensor recipes; the values of `input_wgrad`): per tensor the forward operand
+    `forward` itself laid out, else quantized from x (or from an `ops.Quantize` source)."""
+    if recipe.block("input") == ref.QuantBlock(None, None):
+        return fp8_wgrad.token_major_from(forward, offs)
+    marker = _marker(recipe, input_)
+    source = x if marker is None else marker.source.reshape(x.shape)
+    return fp8_wgrad.quantize_token_major(source, offs, recipe.rule("input"))
+
+
+def grad_token_major(recipe: Recipe, dy: Tensor, offs: Tensor,
+                     along_n: ref.QuantizedTensor) -> fp8_wgrad.TokenMajor:
+    """dy [T, N] along the tokens of each group, token-major (the values of `grad_operands`'
+    wgrad operand); `along_n` is dy quantized for the dgrad (per tensor: the same data)."""
+    if recipe.block("grad") == ref.QuantBlock(None, None):
+        return fp8_wgrad.token_major_from(along_n, offs)
+    return fp8_wgrad.quantize_token_major(dy, offs, recipe.rule("grad"))
+
+
+@dataclass
+class GradOperands:
+    """What one grouped GEMM's FP8 backward reads of its forward: x along the tokens (the
+    wgrad's operand; None where the caller recomputes it) and W along N (the dgrad's).
+    Emulated: `x` [T, K] fp32 and `w` [G, N, K] fp32, dequantized. Native (`w_scale_inv` set):
+    `x` a `TokenMajor`, `w` the FP8 data of Wᵀ [G, K, N] with `w_scale_inv` [G, K, 1] (row-wise)
+    or [G, 1, 1] (per tensor). `tensors()` / `load()`: as five saved tensors (None-padded)."""
+
+    x: Tensor | fp8_wgrad.TokenMajor | None
+    w: Tensor
+    w_scale_inv: Tensor | None = None
+
+    @property
+    def native(self) -> bool:
+        return self.w_scale_inv is not None
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        x = self.x
+        if not self.native or x is None:
+            return (x, None, None, self.w, self.w_scale_inv)
+        return (x.data, x.scale_inv, x.offs, self.w, self.w_scale_inv)
+
+    @classmethod
+    def load(cls, tensors: tuple[Tensor | None, ...]) -> GradOperands:
+        x, x_scale_inv, x_offs, w, w_scale_inv = tensors
+        if w_scale_inv is None:
+            return cls(x, w)
+        token_major = None if x is None else fp8_wgrad.TokenMajor(x, x_scale_inv, x_offs)
+        return cls(token_major, w, w_scale_inv)
+
+
+def _weight_pair(recipe: Recipe, w: Tensor) -> tuple[ref.QuantizedTensor, ref.QuantizedTensor]:
+    """(W [N, K] quantized along K for the forward, Wᵀ [K, N] quantized along N for the
+    dgrad). Per-tensor and 128x128 blocks are the same for W and Wᵀ: the dgrad operand is then
+    the forward one transposed (no second quantization)."""
     block, rule = recipe.block("weight"), recipe.rule("weight")
     forward = ref.quantize(w, block, rule)
-    symmetric = block.rows == block.cols  # per tensor, 128x128: Wᵀ has the same blocks
-    dgrad = forward.dequantize() if symmetric else ref.qdq(w.t(), block, rule).t()
-    return forward, dgrad
+    if block.rows == block.cols:
+        return forward, ref.QuantizedTensor(forward.data.t(), forward.scale_inv.t(), block, rule)
+    return forward, ref.quantize(w.t(), block, rule)
 
 
 class WeightOperands:
-    """A weight's FP8 operands: `quantized` (W along K for the forward, one `QuantizedTensor`
-    per [N, K] matrix: one for a 2-D W, G for [G, N, K]) and `dgrad` (W along N, fp32, W's
-    shape). The fp32 forward operand and the stacked FP8 data are made on first use."""
+    """A weight's FP8 operands, one `QuantizedTensor` per [N, K] matrix (one for a 2-D W, G for
+    [G, N, K]): `quantized` (W along K for the forward) and `dgrad_quantized` (Wᵀ [K, N] along
+    N for the dgrad). The fp32 and the stacked forms are made on first use only."""
 
-    def __init__(self, quantized: list[ref.QuantizedTensor], dgrad: Tensor, stacked: bool):
-        self.quantized, self.dgrad, self.stacked = quantized, dgrad, stacked
+    def __init__(self, quantized: list[ref.QuantizedTensor],
+                 dgrad_quantized: list[ref.QuantizedTensor], stacked: bool):
+        self.quantized, self.dgrad_quantized, self.stacked = quantized, dgrad_quantized, stacked
+
+    def _stack(self, values: list[Tensor]) -> Tensor:
+        return torch.stack(values) if self.stacked else values[0]
 
     @functools.cached_property
     def forward(self) -> Tensor:
         """W along K dequantized, fp32, W's shape (what an emulated forward GEMM reads)."""
-        values = [q.dequantize() for q in self.quantized]
-        return torch.stack(values) if self.stacked else values[0]
+        return self._stack([q.dequantize() for q in self.quantized])
+
+    @functools.cached_property
+    def dgrad(self) -> Tensor:
+        """W along N dequantized, fp32, W's shape (what an emulated dgrad GEMM reads)."""
+        return self._stack([q.dequantize().t() for q in self.dgrad_quantized])
 
     @functools.cached_property
     def fp8(self) -> tuple[Tensor, Tensor]:
         """(data [G, N, K] FP8, scale_inv [G, Nb, Kb] fp32) of a stacked weight."""
         return (torch.stack([q.data for q in self.quantized]),
                 torch.stack([q.scale_inv for q in self.quantized]))
+
+    @functools.cached_property
+    def dgrad_fp8(self) -> tuple[Tensor, Tensor]:
+        """(data [G, K, N] FP8, scale_inv [G, K, 1] row-wise or [G, 1, 1] per tensor) of a
+        stacked weight: the dgrad GEMM's second operand, Wᵀ along N."""
+        return (torch.stack([q.data for q in self.dgrad_quantized]),
+                torch.stack([q.scale_inv for q in self.dgrad_quantized]))
 
 
 def cached_weights(
@@ -230,8 +300,7 @@ def cached_weights(
     if cache is not None and cache[0] == key:
         return cache[1]
     pairs = [_weight_pair(recipe, w_g) for w_g in ([w] if w.dim() == 2 else w.unbind(0))]
-    dgrad = pairs[0][1] if w.dim() == 2 else torch.stack([p[1] for p in pairs])
-    weights = WeightOperands([p[0] for p in pairs], dgrad, stacked=w.dim() == 3)
+    weights = WeightOperands([p[0] for p in pairs], [p[1] for p in pairs], stacked=w.dim() == 3)
     if recipe.cache_weights and not torch.compiler.is_compiling():
         op.__dict__["_fp8_weight_cache"] = (key, weights)
     return weights

@@ -1,6 +1,6 @@
-"""The forward GEMM of a linear op under an FP8 recipe: real FP8 on the torch backend where
-PyTorch's scaled matmuls take the recipe, the hardware and the shapes, and on the cute backend
-(grouped GEMMs only) where its FP8 kernel does; emulated otherwise.
+"""The GEMMs of a linear op under an FP8 recipe: real FP8 on the torch backend where PyTorch's
+scaled matmuls take the recipe, the hardware and the shapes, and on the cute backend (grouped
+GEMMs only) where its FP8 kernels do; emulated otherwise.
 
 Per GEMM (x [T, K], W [N, K], dy [T, N]):
 
@@ -10,14 +10,20 @@ Per GEMM (x [T, K], W [N, K], dy [T, N]):
                          only). Cute backend, same conditions (sm_90), grouped GEMMs:
                          `cute.scaled_grouped_mm` (te_seq/kernels/fp8_cute.py). Else
                          emulated: quantize -> dequantize in fp32, fp32 GEMM.
-    dgrad    dx = dy W   emulated everywhere (its operands would need W re-laid out K-major
-                         per call and E5M2 dy under "HYBRID", which the grouped kernel refuses)
-    wgrad    dW = dyᵀ x  emulated everywhere (operands quantized along tokens per expert: no
-                         varlen-K FP8 kernel with row-wise scales along K on sm_90)
+    dgrad    dx = dy W   grouped ops whose forward is real FP8 and whose dy is E4M3 (not
+                         "HYBRID"'s E5M2) with per-tensor or row-wise scales ("native
+                         backward", `backward_reason`): the forward's kernel on dy quantized
+                         along N and Wᵀ [G, K, N] quantized along N (kept in the weight cache).
+                         Else emulated.
+    wgrad    dW = dyᵀ x  under the native backward: dy and x quantized along each group's tokens,
+                         token-major (kernels/fp8_wgrad.py), `cute.scaled_grouped_wgrad` on the
+                         cute backend, its fp32 emulation on torch (`_wgrad_kernel` decides).
+                         Else emulated on fp32 operands.
 
-`forward_reason` decides (static facts: backend, recipe, dtype, device, widths); the plan step
-says which (`step_note`). Both paths quantize exactly the same operands (core/fp8.py), so the
-real GEMM differs from the emulation only by summation order and the single bf16 rounding.
+`forward_reason` / `backward_reason` decide (static facts: backend, recipe, dtype, device,
+widths); the plan step says which (`step_note`). Both paths quantize exactly the same operands
+(core/fp8.py), so a real GEMM differs from the emulation only by summation order and the single
+bf16 rounding.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import torch
 from torch import Tensor
 
 from te_seq.core import amp, fp8
-from te_seq.kernels import fp8_cute, fp8_torch
+from te_seq.kernels import cute, fp8_cute, fp8_torch, fp8_wgrad
+from te_seq.kernels import fp8_reference as ref
 from te_seq.recipe import Recipe
 
 
@@ -68,6 +75,33 @@ def _gemm_shapes(op: object) -> tuple[list[tuple[int, int]], bool]:
     return [(k, n)], hasattr(op, "num_groups")
 
 
+def backward_reason(backend_name: str, recipe: Recipe, dtype: torch.dtype,
+                    device: torch.device, dims: list[tuple[int, int]], grouped: bool) -> str:
+    """Why the dgrad and wgrad GEMMs of a linear under `recipe` are emulated ("" when they run
+    natively: a grouped op whose forward runs in real FP8 and whose gradient operand is E4M3
+    with per-tensor or row-wise scales)."""
+    if not grouped:
+        return "BasicLinear / Linear have no FP8 backward kernels"
+    why = forward_reason(backend_name, recipe, dtype, device, dims, grouped)
+    if why:
+        return why
+    rule, block = recipe.rule("grad"), recipe.block("grad")
+    if rule.dtype != torch.float8_e4m3fn:
+        return f"grad format {rule.fmt} ({recipe.fp8_format}): the FP8 kernels take E4M3"
+    if block not in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR):
+        return "the gradient's blocks are not per-tensor or row-wise"
+    return ""
+
+
+def _wgrad_kernel(backend_name: str):
+    """(the FP8 wgrad functional of a backend, its name for the plan): the cute kernel on the
+    cute backend (looked up at call time, so tests can replace it), the fp32 emulation of the
+    same maths elsewhere. The one place that decides."""
+    if backend_name == "cute" and hasattr(cute, "scaled_grouped_wgrad"):
+        return cute.scaled_grouped_wgrad, "cute scaled_grouped_wgrad"
+    return fp8_wgrad.scaled_grouped_wgrad_emulated, ""
+
+
 def step_note(recipe: Recipe | None, backend_name: str, op: object, dtype: torch.dtype,
               device: torch.device) -> str:
     """The plan's line on how a step with FP8 GEMMs runs under `recipe` ("" without one)."""
@@ -79,13 +113,25 @@ def step_note(recipe: Recipe | None, backend_name: str, op: object, dtype: torch
         return (f"FP8 {recipe}: GEMM operands quantized -> dequantized in fp32, fp32 GEMMs "
                 f"(emulated on {backend_name}: {why})")
     name = _kernel_name(backend_name, grouped)
-    return (f"FP8 {recipe}: forward GEMMs via {name} (real FP8, fp32 accumulation); dgrad and "
-            f"wgrad emulated (quantize -> dequantize, fp32 GEMMs)")
+    why_bwd = backward_reason(backend_name, recipe, dtype, device, dims, grouped)
+    if why_bwd:
+        return (f"FP8 {recipe}: forward GEMMs via {name} (real FP8, fp32 accumulation); dgrad "
+                f"and wgrad emulated (quantize -> dequantize, fp32 GEMMs: {why_bwd})")
+    wgrad = _wgrad_kernel(backend_name)[1]
+    wgrad = (f"wgrad via {wgrad} (real FP8, fp32 accumulation)" if wgrad else
+             "wgrad emulated (FP8 operands along the tokens dequantized, fp32 GEMMs)")
+    return (f"FP8 {recipe}: forward and dgrad GEMMs via {name} (real FP8, fp32 "
+            f"accumulation); {wgrad}")
 
 
 def _runs_native(ctx, x: Tensor, w: Tensor, grouped: bool) -> bool:
     dims = [(w.shape[-1], w.shape[-2])]
     return not forward_reason(ctx.backend.name, ctx.recipe, x.dtype, x.device, dims, grouped)
+
+
+def _backward_native(ctx, x: Tensor, w: Tensor) -> bool:
+    dims = [(w.shape[-1], w.shape[-2])]
+    return not backward_reason(ctx.backend.name, ctx.recipe, x.dtype, x.device, dims, True)
 
 
 def linear_forward(op, ctx, input_: Tensor, x: Tensor, w: Tensor, params: list[Tensor],
@@ -107,19 +153,77 @@ def linear_forward(op, ctx, input_: Tensor, x: Tensor, w: Tensor, params: list[T
 def grouped_forward(
     op, ctx, input_: Tensor, x: Tensor, w: Tensor, params: list[Tensor], offs: Tensor,
     bounds: list[tuple[int, int]], need_wgrad: bool = True,
-) -> tuple[Tensor, Tensor | None, Tensor]:
+) -> tuple[Tensor, fp8.GradOperands]:
     """Rows of group g: y = Q(x) Q(W_g)ᵀ under ctx.recipe, without bias: (y [T, N] in x's
-    dtype, x along T [T, K] fp32 for the wgrad (None unless `need_wgrad`), W along N
-    [G, N, K] fp32 for the dgrad). `offs` [G] group ends, `bounds` their (start, end) rows."""
+    dtype, what the backward reads: x along T (None unless `need_wgrad`) and W along N, in
+    fp32 for the emulated backward, FP8 for the native one; see `fp8.GradOperands`). `offs`
+    [G] group ends, `bounds` their (start, end) rows."""
     recipe = ctx.recipe
     fp8.check_operands(op, recipe, x, w, w.shape[-1], w.shape[-2])
     weights = fp8.cached_weights(op, recipe, w, params)
     if not _runs_native(ctx, x, w, grouped=True):
         x_fwd, x_wgrad = fp8.input_operands(recipe, input_, x, bounds)
         y = ctx.backend.grouped_mm(x_fwd, weights.forward.transpose(1, 2), offs)
-        return amp.cast(y, x.dtype), x_wgrad, weights.dgrad
+        return amp.cast(y, x.dtype), fp8.GradOperands(x_wgrad if need_wgrad else None,
+                                                      weights.dgrad)
     x_q = fp8.input_quantized(recipe, input_, x)
     w_data, w_scale_inv = weights.fp8
     y = _scaled_grouped_mm(ctx.backend.name)(x_q, w_data, w_scale_inv, offs, x.dtype)
+    if _backward_native(ctx, x, w):
+        x_tm = fp8.input_token_major(recipe, input_, x, offs, x_q) if need_wgrad else None
+        return y, fp8.GradOperands(x_tm, *weights.dgrad_fp8)
     x_wgrad = fp8.input_wgrad(recipe, input_, x, bounds, x_q) if need_wgrad else None
-    return y, x_wgrad, weights.dgrad
+    return y, fp8.GradOperands(x_wgrad, weights.dgrad)
+
+
+class GroupedGrads:
+    """The dgrad and wgrad GEMMs of one grouped linear's FP8 backward, from dY [T, N] (in the
+    forward GEMM's compute dtype) and the forward's `fp8.GradOperands`; `backend_name` the
+    step's backend. Native: dY quantized along N (the dgrad's operand) and along the tokens,
+    token-major (the wgrad's), real FP8 GEMMs. Emulated: the fp32 operands of
+    `fp8.grad_operands` on the backend's grouped GEMMs."""
+
+    def __init__(self, ctx, dy: Tensor, operands: fp8.GradOperands, offs: Tensor,
+                 bounds: list[tuple[int, int]]):
+        self.ctx, self.dy, self.operands, self.offs = ctx, dy, operands, offs
+        recipe = ctx.recipe
+        if operands.native:
+            self.dy_q = ref.quantize(dy, recipe.block("grad"), recipe.rule("grad"))
+        else:
+            self.dy_d, self.dy_w = fp8.grad_operands(recipe, dy, bounds)
+
+    def dgrad(self) -> Tensor:
+        """dX [T, K] = dY_g W_g per group, in dY's dtype."""
+        ops = self.operands
+        if not ops.native:
+            return amp.cast(self.ctx.backend.grouped_mm(self.dy_d, ops.w, self.offs),
+                            self.dy.dtype)
+        gemm = _scaled_grouped_mm(self.ctx.backend.name)
+        return gemm(self.dy_q, ops.w, ops.w_scale_inv, self.offs, self.dy.dtype)
+
+    def with_input(self, x_w: Tensor | fp8_wgrad.TokenMajor) -> GroupedGrads:
+        """Sets the wgrad's x operand where the forward saved none (the fused MLP recomputes
+        its activation): `fp8.input_token_major`'s or `fp8.input_operands`' form."""
+        self.operands = fp8.GradOperands(x_w, self.operands.w, self.operands.w_scale_inv)
+        return self
+
+    def wgrad_operands(self) -> tuple[Tensor | None, Tensor | None, object]:
+        """(x, dy, wgrad_fn) for `GroupedLinear.weight_grads`: the fp32 operands (emulated), or
+        None, None and `wgrad_fn(out, accumulate)` running the FP8 wgrad into `out` [G, N, K]
+        (native)."""
+        if not self.operands.native:
+            return self.operands.x, self.dy_w, None
+        recipe, dy, offs, dy_q, x_tm = self.ctx.recipe, self.dy, self.offs, self.dy_q, \
+            self.operands.x
+        kernel = _wgrad_kernel(self.ctx.backend.name)[0]
+
+        def wgrad_fn(out: Tensor, accumulate: bool) -> Tensor:
+            dy_tm = fp8.grad_token_major(recipe, dy, offs, dy_q)  # only when dW is computed
+            operands = (dy_tm.data, x_tm.data, dy_tm.scale_inv, x_tm.scale_inv, dy_tm.offs)
+            if out.dtype in (torch.bfloat16, torch.float32):
+                return kernel(*operands, out=out, accumulate=accumulate)
+            result = kernel(*operands, out=torch.empty(out.shape, dtype=torch.float32,
+                                                       device=out.device))
+            return out.add_(result) if accumulate else out.copy_(result)
+
+        return None, None, wgrad_fn

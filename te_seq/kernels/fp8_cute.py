@@ -9,8 +9,9 @@ it cannot; the plan then runs torch or the reference). The operand and scale con
 
 accumulated in fp32 and rounded once to bf16; g(m) is the group holding row m. x [M, K] and the
 weight stack [G, N, K] are E4M3; per-tensor scales are passed as row-wise ones (each row repeats
-its tensor's scale). The dgrad and wgrad GEMMs stay emulated (fp32 operands; see
-`CuteBackend.grouped_mm`).
+its tensor's scale). The dgrad GEMM of the native FP8 backward (E4M3 dy) runs here too, on dy
+[T, N] and Wᵀ [G, K, N] quantized along N; its wgrad is ``cute.scaled_grouped_wgrad``
+(core/fp8_gemm.py); otherwise they are emulated (fp32 operands; see `CuteBackend.grouped_mm`).
 
 What the kernel takes (``cute.supports_scaled``): E4M3 operands, fp32 dequantization scales
 [M] and [G, N], K and N multiples of 16, a bf16 output, CUDA data on an sm_90 GPU. There is no

@@ -153,13 +153,27 @@ def qdq_columns_per_group(
 
 
 def _qdq_group_columns(t: Tensor, bounds: list[tuple[int, int]], rule: ScaleRule) -> Tensor:
-    """`qdq_columns_per_group` for row-wise blocks, all groups at once: the scale of column c in
-    group g comes from max |t[rows of g, c]|, a segmented max over the rows (a block holding an
-    inf or a nan is nan, as `block_amax` + `scales_from_amax` make it); then the same
-    elementwise maths as `quantize` / `dequantize`, so the values are bitwise those of the
-    per-group loop, with a constant number of kernels instead of ~20 per group."""
-    g, (m, c) = len(bounds), t.shape
+    """`qdq_columns_per_group` for row-wise blocks, all groups at once (`quantize_group_columns`
+    on the host `bounds`), bitwise the values of the per-group loop with a constant number of
+    kernels instead of ~20 per group."""
     edges = torch.tensor(bounds, dtype=torch.long).to(t.device)  # [G, 2] (start, end)
+    data, scale, group, inside = quantize_group_columns(t, edges, rule)
+    out = torch.reciprocal(scale)[group] * data.float()
+    return torch.where(inside[:, None], out, torch.zeros_like(out))
+
+
+def quantize_group_columns(
+    t: Tensor, edges: Tensor, rule: ScaleRule
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`t` [M, C] quantized along its rows with one scale per (group, column), no host sync:
+    (data [M, C] in the rule's FP8 dtype, scale [G, C] fp32, group [M] long, inside [M] bool).
+    `edges` [G, 2] long on t's device holds each group's (start, end) row, ends ascending.
+
+    The scale of column c in group g comes from max |t[rows of g, c]|, a segmented max over the
+    rows (a block holding an inf or a nan is nan, as `block_amax` + `scales_from_amax` make
+    it); the data is `quantize`'s elementwise maths with the row's group scale. A row in no
+    group has inside False, its group clamped to G-1 and meaningless data."""
+    g, (m, c) = edges.shape[0], t.shape
     rows = torch.arange(m, device=t.device)
     group = torch.searchsorted(edges[:, 1].contiguous(), rows, right=True)  # first end > row
     clamped = group.clamp(max=g - 1)
@@ -173,5 +187,4 @@ def _qdq_group_columns(t: Tensor, bounds: list[tuple[int, int]], rule: ScaleRule
     amax = torch.where(bad, torch.full_like(amax, float("nan")), amax)[:g]  # [G, C]
     scale = scales_from_amax(amax, rule)
     data = (tf * scale[clamped]).clamp(-rule.fp8_max, rule.fp8_max).to(rule.dtype)
-    out = torch.reciprocal(scale)[clamped] * data.float()
-    return torch.where(inside[:, None], out, torch.zeros_like(out))
+    return data, scale, clamped, inside

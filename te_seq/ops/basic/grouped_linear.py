@@ -321,16 +321,19 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         return grads, dscales
 
     def weight_grads(
-        self, ctx: OperationContext, x: Tensor, dy: Tensor, offs: Tensor
+        self, ctx: OperationContext, x: Tensor | None, dy: Tensor | None, offs: Tensor,
+        wgrad_fn: Callable[[Tensor, bool], Tensor] | None = None,
     ) -> list[Tensor | None]:
-        """What autograd gets for the weights (the fused GroupedMLP calls this too)."""
+        """What autograd gets for the weights (the fused GroupedMLP calls this too); `wgrad_fn`
+        as in `wgrad_request`."""
         count = 1 if self.single_grouped_weight else self.num_groups
         if not ctx.weight_requires_grad:
             return [None] * count
         weights = ctx.saved_as(GroupedLinearSaved).weights
         if not weights.any_needs_grad:
             return [None] * count
-        return self.grad_policy.backward(self.wgrad_request(weights, x, dy, offs, ctx.backend))
+        request = self.wgrad_request(weights, x, dy, offs, ctx.backend, wgrad_fn)
+        return self.grad_policy.backward(request)
 
     def forward_weights(self) -> ForwardWeights:
         """The weights of this forward call, weakly held, for the gradient contract."""
@@ -362,22 +365,34 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         return amp.cast(dx.reshape(saved.input_shape), saved.input_dtype)
 
     def wgrad_request(
-        self, weights: ForwardWeights, x: Tensor, dy: Tensor, offs: Tensor, backend: Backend
+        self, weights: ForwardWeights, x: Tensor | None, dy: Tensor | None, offs: Tensor,
+        backend: Backend, wgrad_fn: Callable[[Tensor, bool], Tensor] | None = None,
     ) -> WgradRequest:
-        """dW_g = dY_gᵀ X_g (varlen-K grouped GEMM), routed by the gradient contract."""
+        """dW_g = dY_gᵀ X_g (varlen-K grouped GEMM), routed by the gradient contract. With
+        `wgrad_fn(out, accumulate)` (the native FP8 wgrad: core/fp8_gemm.py) that runs the GEMM
+        into `out` [G, N, K] instead of `backend.grouped_wgrad(dy, x, offs)`."""
+        G, N, K = self.num_groups, self.out_features, self.in_features
+        fp8_wgrad = wgrad_fn is not None
+        if not fp8_wgrad:
+            def wgrad_fn(out: Tensor | None, accumulate: bool) -> Tensor:
+                return backend.grouped_wgrad(dy, x, offs, out=out, accumulate=accumulate)
 
         def compute() -> Sequence[Tensor]:
-            grads = backend.grouped_wgrad(dy, x, offs)  # [G, N, K]
+            out = None
+            if fp8_wgrad:  # into a buffer in the weights' dtype (fp32 unless bf16)
+                dtype = self.named_weights()[0][1].dtype
+                dtype = dtype if dtype == torch.bfloat16 else torch.float32
+                out = torch.empty(G, N, K, device=offs.device, dtype=dtype)
+            grads = wgrad_fn(out, False)  # [G, N, K]
             return [grads] if self.single_grouped_weight else list(grads.unbind(0))
 
         def compute_into(outs: Sequence[Tensor], accumulate: bool) -> None:
             block = outs[0] if self.single_grouped_weight else block_of(outs)
             if block is not None:  # one [G, N, K] buffer (Megatron's main_grad buckets are)
-                backend.grouped_wgrad(dy, x, offs, out=block, accumulate=accumulate)
+                wgrad_fn(block, accumulate)
                 return
-            G, N, K = self.num_groups, self.out_features, self.in_features
-            tmp = torch.empty(G, N, K, device=x.device, dtype=outs[0].dtype)
-            backend.grouped_wgrad(dy, x, offs, out=tmp, accumulate=False)
+            tmp = torch.empty(G, N, K, device=outs[0].device, dtype=outs[0].dtype)
+            wgrad_fn(tmp, False)
             for out, grad in zip(outs, tmp.unbind(0)):
                 out.add_(grad) if accumulate else out.copy_(grad)
 
@@ -391,32 +406,41 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         x, weight = self.operands(ctx, as_rows(input_, self.in_features))  # [T, K], [G, N, K]
         offs = self.offsets(splits, input_)
         out_dtype = x.dtype
+        saved = (x, weight)
         if ctx.recipe is not None:  # FP8 (core/fp8_gemm.py); x along T, W along N kept for grads
             params = [p for _, p in self.named_weights()]
-            y, x, weight = fp8_gemm.grouped_forward(self, ctx, input_, x, weight, params, offs,
-                                                    group_bounds(offs))
+            y, grad_operands = fp8_gemm.grouped_forward(self, ctx, input_, x, weight, params,
+                                                        offs, group_bounds(offs))
+            saved = grad_operands.tensors()
         else:
             y = amp.cast(ctx.backend.grouped_mm(x, weight.transpose(1, 2), offs), out_dtype)
         bias = self.bias_rows(offs, x.shape[0], scales, out_dtype)
         if bias is not None:
             y = y + bias
         if ctx.requires_grad:
-            ctx.save_for_backward(x, weight, offs, scales)
+            ctx.save_for_backward(*saved, offs, scales)
             ctx.saved = self.saved_record(input_, out_dtype)
         return y.reshape(*input_.shape[:-1], self.out_features), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx = basic_op_ctxs[0]
-        x, weight, offs, scales = ctx.saved_tensors
+        *saved, offs, scales = ctx.saved_tensors
         dy = self.grad_rows(ctx, grad_output)  # [T, N]
-        dy_dgrad = dy_wgrad = dy
-        if ctx.recipe is not None:  # FP8: dy along N for dgrad, along tokens for wgrad
-            dy_dgrad, dy_wgrad = fp8.grad_operands(ctx.recipe, dy, group_bounds(offs))
+        if ctx.recipe is not None:  # FP8 (core/fp8_gemm.py): real FP8 or emulated
+            operands = fp8.GradOperands.load(tuple(saved))
+            grads = fp8_gemm.GroupedGrads(ctx, dy, operands, offs, group_bounds(offs))
+            dgrad, (x, dy_wgrad, wgrad_fn) = grads.dgrad, grads.wgrad_operands()
+        else:
+            (x, weight), dy_wgrad, wgrad_fn = saved, dy, None
+
+            def dgrad() -> Tensor:
+                return ctx.backend.grouped_mm(dy, weight, offs)
+
         dx = None
         if ctx.input_requires_grad:  # dX_g = dY_g W_g
-            dx = self.input_grad(ctx, ctx.backend.grouped_mm(dy_dgrad, weight, offs))
+            dx = self.input_grad(ctx, dgrad())
         bias_grads, dscales = self.bias_grads(dy, offs, scales)
-        weight_grads = self.weight_grads(ctx, x, dy_wgrad, offs)
+        weight_grads = self.weight_grads(ctx, x, dy_wgrad, offs, wgrad_fn)
         extra_grads = (None, dscales) if self.num_extra_inputs == 2 else (None,)
         return dx, [weight_grads + bias_grads], [extra_grads]
 

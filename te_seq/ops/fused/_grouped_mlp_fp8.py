@@ -4,8 +4,10 @@ Each GEMM quantizes exactly what the unfused GroupedLinear would (core/fp8.py: x
 activation along K and along tokens, dy and dh along N and along tokens, the cached weights), and
 every intermediate has the dtype it has between the unfused ops (h and the activation in the
 GEMMs' compute dtype), so fused equals unfused bitwise on the reference backend. The activation
-always runs after the GEMMs here (no FP8 epilogue kernels yet). Saved: x along tokens, h, both
-weights in their dgrad layout, the offsets; the activation is recomputed from h in backward.
+always runs after the GEMMs here (no FP8 epilogue kernels yet). Saved: h, the offsets and
+each FC's `fp8.GradOperands` (x along tokens, the weight along N: fp32 for the emulated
+backward, FP8 token-major / quantized for the native one, core/fp8_gemm.py); the activation is
+recomputed from h in backward and quantized along the tokens there.
 Shape legend as in grouped_mlp.py (T tokens, G experts, H hidden, F ffn width).
 """
 
@@ -25,11 +27,11 @@ def _params(fc: GroupedLinear) -> list[Tensor]:
 def _gemm(fc: GroupedLinear, ctx, input_: Tensor, x: Tensor, w: Tensor, offs, bounds, scales,
           need_wgrad: bool = True):
     """As GroupedLinear's forward (core/fp8_gemm.py: real FP8 or emulated), + bias:
-    (y in x's dtype, x along tokens or None, W along N)."""
-    y, x_w, w_d = fp8_gemm.grouped_forward(fc, ctx, input_, x, w, _params(fc), offs, bounds,
+    (y in x's dtype, the backward's `fp8.GradOperands`)."""
+    y, operands = fp8_gemm.grouped_forward(fc, ctx, input_, x, w, _params(fc), offs, bounds,
                                            need_wgrad)
     bias = fc.bias_rows(offs, y.shape[0], scales, x.dtype)
-    return (y if bias is None else y + bias), x_w, w_d
+    return (y if bias is None else y + bias), operands
 
 
 def _activation(mlp, h: Tensor, probs, backend) -> Tensor:
@@ -48,16 +50,15 @@ def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: 
     fp8.check_operands(mlp.fc1, recipe, x, w1, w1.shape[-1], w1.shape[-2])
     h_like = x.new_empty(()).expand(x.shape[0], mlp.fc1.out_features)  # shape only
     mlp.activation.pre_forward_checks(h_like, extra_inputs[1])
-    h, x_w, w1_d = _gemm(mlp.fc1, ctx, input_, x, w1, offs, bounds, extras.fc1_scales)  # [T, 2F]
+    h, ops1 = _gemm(mlp.fc1, ctx, input_, x, w1, offs, bounds, extras.fc1_scales)  # [T, 2F]
     a = _activation(mlp, h, probs, backend)  # [T, F]
     mlp.fc2.pre_forward_checks(a, extra_inputs[2])
     # FC2's wgrad operand is recomputed from h in backward: not quantized along tokens here
-    y, _, w2_d = _gemm(mlp.fc2, ctx, a, a, w2, offs, bounds, extras.fc2_scales,
+    y, ops2 = _gemm(mlp.fc2, ctx, a, a, w2, offs, bounds, extras.fc2_scales,
                        need_wgrad=False)  # [T, H]
     if any(c.requires_grad for c in ctxs):
-        ctx.save_for_backward(
-            x_w, h, w1_d, w2_d, offs, extras.probs, extras.fc1_scales, extras.fc2_scales
-        )
+        ctx.save_for_backward(h, offs, extras.probs, extras.fc1_scales, extras.fc2_scales,
+                              *ops1.tensors(), *ops2.tensors())
         ctx.saved = mlp.fc1.saved_record(input_, dtype)
         fc2_input = a.new_empty(()).expand(*input_.shape[:-1], mlp.fc2.in_features)
         ctxs[2].saved = mlp.fc2.saved_record(fc2_input, dtype)
@@ -68,21 +69,22 @@ def backward(mlp, ctxs, grad_output: Tensor):
     """(dx, param grads per op, extra grads per op) of `forward`, as the unfused chain's."""
     ctx1, _, ctx2 = ctxs
     recipe, backend = ctx1.recipe, ctx1.backend
-    x_w, h, w1_d, w2_d, offs, probs_in, s1, s2 = ctx1.saved_tensors
+    h, offs, probs_in, s1, s2, *operands = ctx1.saved_tensors
+    ops1, ops2 = fp8.GradOperands.load(operands[:5]), fp8.GradOperands.load(operands[5:])
     bounds, probs = group_bounds(offs), None if probs_in is None else probs_in.reshape(-1)
     dy = mlp.fc2.grad_rows(ctx2, grad_output)  # [T, H]
-    dy_d, dy_w = fp8.grad_operands(recipe, dy, bounds)
-    da = amp.cast(backend.grouped_mm(dy_d, w2_d, offs), h.dtype)  # [T, F], as FC2's dX
+    fc2 = fp8_gemm.GroupedGrads(ctx1, dy, ops2, offs, bounds)
+    da = amp.cast(fc2.dgrad(), h.dtype)  # [T, F], as FC2's dX
     dh, dprobs = _activation_backward(mlp, h, da, probs, backend)  # [T, 2F]
     a = _activation(mlp, h, probs, backend)  # recomputed: FC2's wgrad operand
-    a_w = fp8.input_operands(recipe, a, a, bounds)[1]
-    fc2_grads, ds2 = _grads(mlp.fc2, ctx2, a_w, dy, dy_w, offs, s2)
+    fc2.with_input(_fc2_wgrad_input(recipe, a, offs, bounds, ops2.native))
+    fc2_grads, ds2 = _grads(mlp.fc2, ctx2, dy, fc2, offs, s2)
     fc1_grads, ds1, dx = [], None, None
     if ctx1.requires_grad:
-        dh_d, dh_w = fp8.grad_operands(recipe, dh, bounds)
-        fc1_grads, ds1 = _grads(mlp.fc1, ctx1, x_w, dh, dh_w, offs, s1)
+        fc1 = fp8_gemm.GroupedGrads(ctx1, dh, ops1, offs, bounds)
+        fc1_grads, ds1 = _grads(mlp.fc1, ctx1, dh, fc1, offs, s1)
         if ctx1.input_requires_grad:  # dX = dH W1
-            dx = mlp.fc1.input_grad(ctx1, backend.grouped_mm(dh_d, w1_d, offs))
+            dx = mlp.fc1.input_grad(ctx1, fc1.dgrad())
     act_extra = () if probs_in is None else (dprobs.reshape(probs_in.shape),)
     extra = [_extra(mlp.fc1, ds1), act_extra, _extra(mlp.fc2, ds2)]
     return dx, [fc1_grads, [], fc2_grads], extra
@@ -95,10 +97,19 @@ def _activation_backward(mlp, h: Tensor, da: Tensor, probs, backend):
     return backend.act_backward(h, da, op.act), None
 
 
-def _grads(fc: GroupedLinear, ctx, x_w: Tensor, dout: Tensor, dout_w: Tensor, offs, scales):
+def _fc2_wgrad_input(recipe, a: Tensor, offs: Tensor, bounds, native: bool):
+    """FC2's wgrad operand from the recomputed activation a [T, F]: token-major FP8 (native)
+    or fp32 along the tokens (emulated), quantized as an unfused FC2 would."""
+    if not native:
+        return fp8.input_operands(recipe, a, a, bounds)[1]
+    return fp8.input_token_major(recipe, a, a, offs, fp8.input_quantized(recipe, a, a))
+
+
+def _grads(fc: GroupedLinear, ctx, dout: Tensor, gemms: fp8_gemm.GroupedGrads, offs, scales):
     """Bias grads from the unquantized dOut, weight grads from the quantized operands."""
     bias_grads, dscales = fc.bias_grads(dout, offs, scales)
-    return fc.weight_grads(ctx, x_w, dout_w, offs) + bias_grads, dscales
+    x_w, dout_w, wgrad_fn = gemms.wgrad_operands()
+    return fc.weight_grads(ctx, x_w, dout_w, offs, wgrad_fn) + bias_grads, dscales
 
 
 def _extra(fc: GroupedLinear, dscales: Tensor | None) -> tuple:

@@ -1,0 +1,160 @@
+"""The FP8 wgrad's operands along the tokens, laid out token-major, and its emulated GEMM.
+
+A grouped linear's weight gradient dW_g = dY_gᵀ X_g reduces over the tokens of group g, so
+both operands are quantized along the tokens within each group (one scale per (group, column):
+row-wise recipes; per tensor: the forward operand itself) and laid out with the tokens
+contiguous, every group's span padded to a multiple of `WGRAD_PAD` tokens (zeros), which is
+what a varlen-K FP8 GEMM reads (`te_seq.kernels.cute.scaled_grouped_wgrad`):
+
+    out[g] = diag(a_scale[g]) · (a[:, span g] @ b[:, span g]ᵀ) · diag(b_scale[g])
+
+with a = dY token-major [N, P], b = X token-major [K, P], fp32 accumulation. The numbers are
+exactly `fp8_reference.qdq_columns_per_group`'s (row-wise blocks): only the layout differs.
+
+Everything here runs without reading the group offsets on the host (P is a bound known from
+the shapes), with a handful of large torch ops: the quantization, one scatter of the rows to
+their token-major columns and one transpose. A single fused pass (quantize and transpose in
+one kernel) is later work. `scaled_grouped_wgrad_emulated` is the kernel's maths in fp32 (the
+torch backend's FP8 wgrad and the tests' oracle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from te_seq.kernels import torch_backend
+from te_seq.kernels.fp8_reference import (
+    QuantBlock,
+    QuantizedTensor,
+    ScaleRule,
+    quantize_group_columns,
+)
+
+WGRAD_PAD = 128  # tokens: the cute FP8 kernel's k-tile; every group's span is a multiple
+
+
+@dataclass
+class TokenMajor:
+    """t [T, C] quantized along its tokens within each group (one scale per (group, column)),
+    laid out for a varlen-K FP8 GEMM: data [C, P] (tokens contiguous, row-major) in the
+    rule's FP8 dtype, group g's tokens at columns [pstart_g, pstart_g + count_g) in their
+    order, zeros elsewhere; offs int32 [G] the padded cumulative span ends (pstart_g =
+    offs[g-1], each span = round_up(count_g, WGRAD_PAD), so every span starts on a multiple
+    of WGRAD_PAD); scale_inv fp32 [G, C] the dequantization scales."""
+
+    data: Tensor
+    scale_inv: Tensor
+    offs: Tensor
+
+    def dequantize(self) -> Tensor:
+        """The represented values, fp32 [C, P] (padding columns zero)."""
+        groups = _column_groups(self.offs, self.data.shape[1])  # [P]
+        return self.data.float() * self.scale_inv[groups].t()
+
+    def to_rows(self, row_offs: Tensor, rows: int) -> Tensor:
+        """The represented values back in the row layout, fp32 [rows, C] (`row_offs` the
+        unpadded group ends this was made from; rows in no group are zero)."""
+        dest, _ = _layout(row_offs, rows)
+        values = torch.cat([self.dequantize(), self.data.new_zeros(self.data.shape[0], 1,
+                                                                  dtype=torch.float32)], 1)
+        return values[:, dest].t()
+
+
+def padded_width(rows: int, groups: int) -> int:
+    """P: the token-major width for `rows` tokens in `groups` groups, an upper bound of the
+    padded spans known without reading the offsets: round_up(rows, 128) + groups · 128."""
+    return _round_up(rows, WGRAD_PAD) + groups * WGRAD_PAD
+
+
+def _round_up(v, multiple: int):
+    return (v + multiple - 1) // multiple * multiple
+
+
+def _layout(offs: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """(dest [rows] long: each row's token-major column, P for rows in no group; the padded
+    span ends int32 [G]), computed on offs' device."""
+    ends = offs.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    spans = _round_up(counts, WGRAD_PAD)
+    padded_ends = torch.cumsum(spans, 0)
+    row = torch.arange(rows, device=offs.device)
+    group = torch.searchsorted(ends, row, right=True)
+    inside = group < ends.shape[0]
+    g = group.clamp(max=ends.shape[0] - 1)
+    dest = (padded_ends - spans)[g] + row - (ends - counts)[g]
+    width = padded_width(rows, ends.shape[0])
+    return torch.where(inside, dest, width), padded_ends.to(torch.int32)
+
+
+def _column_groups(padded_offs: Tensor, width: int) -> Tensor:
+    """The group of each token-major column [width] (clamped: padding past the last span
+    reads the last group's scale, times zero data)."""
+    cols = torch.arange(width, device=padded_offs.device, dtype=padded_offs.dtype)
+    return torch.searchsorted(padded_offs, cols, right=True).clamp(max=padded_offs.shape[0] - 1)
+
+
+def _scatter_token_major(data: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    """(data [T, C] FP8 laid out token-major [C, P], zeros outside the spans; padded offs)."""
+    rows, cols = data.shape
+    dest, padded_offs = _layout(offs, rows)
+    width = padded_width(rows, offs.shape[0])
+    buffer = torch.zeros(width + 1, cols, dtype=torch.uint8, device=data.device)  # +1: junk row
+    buffer.index_copy_(0, dest, data.reshape(rows, cols).view(torch.uint8))
+    return buffer[:width].t().contiguous().view(data.dtype), padded_offs
+
+
+def quantize_token_major(t: Tensor, offs: Tensor, rule: ScaleRule) -> TokenMajor:
+    """t [T, C] (any float dtype, any strides) quantized along the tokens of each group, one
+    scale per (group, column), as a `TokenMajor`. `offs` int32 [G] the cumulative row ends on
+    t's device; rows past offs[-1] belong to no group (ignored). Bitwise the values of
+    `qdq_columns_per_group(t, bounds, QuantBlock(1, None), rule)`, nan/inf policy included."""
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    data, scale, _, _ = quantize_group_columns(t, torch.stack([starts, ends], 1), rule)
+    tm_data, padded_offs = _scatter_token_major(data, offs)
+    return TokenMajor(tm_data, torch.reciprocal(scale), padded_offs)
+
+
+def token_major_from(q: QuantizedTensor, offs: Tensor) -> TokenMajor:
+    """A per-tensor quantized q [T, C] (its data already what the wgrad reads: per-tensor
+    scaling does not depend on the layout) laid out as a `TokenMajor`, its one scale expanded
+    to [G, C]."""
+    if q.block != QuantBlock(None, None):
+        raise ValueError(f"token_major_from: needs a per-tensor QuantizedTensor, got {q.block}")
+    tm_data, padded_offs = _scatter_token_major(q.data, offs)
+    scale_inv = q.scale_inv.reshape(1, 1).expand(offs.shape[0], q.data.shape[1]).contiguous()
+    return TokenMajor(tm_data, scale_inv, padded_offs)
+
+
+def scaled_grouped_wgrad_emulated(
+    a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
+    out: Tensor | None = None, accumulate: bool = False,
+) -> Tensor:
+    """`cute.scaled_grouped_wgrad`'s maths on dequantized operands in fp32: a [N, P] and b
+    [K, P] FP8 token-major (`TokenMajor.data`), a_scale [G, N] and b_scale [G, K] fp32, offs
+    int32 [G] padded span ends (shared). out[g] [N, K] = Σ_{p in span g} a_scale[g, n]·a[n, p]
+    · b_scale[g, k]·b[k, p]; written into `out` (bf16 or fp32; `accumulate` adds) or returned
+    as a new bf16 tensor. The fp32 grouped GEMM is the torch backend's (it reads the offsets
+    on the host)."""
+    groups = _column_groups(offs, a.shape[1])  # [P]
+    a_rows = (a.float() * a_scale[groups].t()).t()  # [P, N]
+    b_rows = (b.float() * b_scale[groups].t()).t()  # [P, K]
+    if out is None:
+        return torch_backend.grouped_wgrad(a_rows, b_rows, offs).to(torch.bfloat16)
+    if out.dtype == torch.float32:
+        return torch_backend.grouped_wgrad(a_rows, b_rows, offs, out=out, accumulate=accumulate)
+    result = torch_backend.grouped_wgrad(a_rows, b_rows, offs)  # fp32, one rounding into out
+    return out.add_(result) if accumulate else out.copy_(result)
+
+
+__all__ = [
+    "WGRAD_PAD",
+    "TokenMajor",
+    "padded_width",
+    "quantize_token_major",
+    "scaled_grouped_wgrad_emulated",
+    "token_major_from",
+]
