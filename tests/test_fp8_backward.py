@@ -17,13 +17,17 @@ from __future__ import annotations
 import pytest
 import torch
 from test_fp8 import bounds_of, emu_grouped
-from test_fp8_cute import fake_cute_gpu, recording_scaled_grouped_mm  # noqa: F401 (fixture)
+from test_fp8_cute import (  # noqa: F401 (fixture)
+    fake_cute_gpu,
+    recording_scaled_grouped_mm,
+    recording_scaled_grouped_wgrad,
+)
 from test_fp8_torch import rel_err, small_mlp
 
 import te_seq
 from te_seq import ops, recipe
-from te_seq.kernels import cute, fp8_wgrad
 from te_seq.kernels import fp8_reference as ref
+from te_seq.kernels import fp8_wgrad
 
 ROWWISE = recipe.Float8RowwiseScaling()
 HYBRID_TENSOR = recipe.Float8CurrentScaling()  # default "HYBRID": E5M2 dy, emulated backward
@@ -141,34 +145,9 @@ def test_emulated_wgrad_matches_a_float64_loop():
 
 # --- the ops on a faked Hopper GPU, cute backend -----------------------------------------------
 
-def recording_scaled_grouped_wgrad(a, b, a_scale, b_scale, offs, out=None, accumulate=False):
-    """`cute.scaled_grouped_wgrad`'s contract checked, its maths in fp32, the call recorded."""
-    assert a.dtype == b.dtype == torch.float8_e4m3fn
-    assert a.is_contiguous() and b.is_contiguous() and a.shape[1] == b.shape[1]
-    (n, p), k, g = a.shape, b.shape[0], offs.shape[0]
-    assert offs.dtype == torch.int32 and (offs % fp8_wgrad.WGRAD_PAD == 0).all()
-    assert a_scale.shape == (g, n) and b_scale.shape == (g, k) and offs[-1] <= p
-    assert a_scale.dtype == b_scale.dtype == torch.float32
-    used = torch.zeros(p, dtype=torch.bool)
-    used[: int(offs[-1])] = True
-    assert (a.view(torch.uint8)[:, ~used] == 0).all() and (b.view(torch.uint8)[:, ~used] == 0).all()
-    result, start = torch.zeros(g, n, k), 0
-    for e, end in enumerate(offs.tolist()):
-        prod = a[:, start:end].float() @ b[:, start:end].float().t()
-        result[e] = a_scale[e][:, None] * prod * b_scale[e][None, :]
-        start = end
-    recording_scaled_grouped_wgrad.calls.append((a, b, a_scale, b_scale, offs))
-    if out is None:
-        return result.to(torch.bfloat16)
-    assert out.shape == (g, n, k) and out.dtype in (torch.bfloat16, torch.float32)
-    return out.add_(result) if accumulate else out.copy_(result)
-
-
 @pytest.fixture
-def fake_kernels(fake_cute_gpu, monkeypatch):  # noqa: F811 (the imported fixture)
-    recording_scaled_grouped_wgrad.calls = []
-    monkeypatch.setattr(cute, "scaled_grouped_wgrad", recording_scaled_grouped_wgrad,
-                        raising=False)
+def fake_kernels(fake_cute_gpu):  # noqa: F811 (the imported fixture: both kernels recorded)
+    return fake_cute_gpu
 
 
 def _linear(seed=7, **kw):
@@ -305,17 +284,6 @@ def test_fused_mlp_native_backward_on_cute(fake_kernels, r):
     assert wgrads[0][1].shape[0] == 256 and wgrads[1][1].shape[0] == 128  # K: F, then H
     for got, want in zip(results["cute"], results["reference"]):
         assert got.shape == want.shape and rel_err(got, want) < 2 * TOL, rel_err(got, want)
-
-
-def test_cute_without_the_wgrad_kernel_emulates_it(fake_cute_gpu, monkeypatch):  # noqa: F811
-    monkeypatch.delattr(cute, "scaled_grouped_wgrad", raising=False)
-    op, splits, x, dy = _linear()
-    model, dx = _run(op, splits, x, dy, ROWWISE)
-    note = model.fusion_plan().forward[0].backend_reason
-    assert "dgrad GEMMs via cute scaled_grouped_mm" in note and "wgrad emulated" in note
-    _, want_dx, want_dw = emu_grouped(ROWWISE, x, op.stacked_weight().detach(), dy,
-                                      bounds_of(splits))
-    assert rel_err(dx, want_dx) < TOL and rel_err(_stacked_grads(op), want_dw) < TOL
 
 
 # --- the torch backend on a faked sm_90: dgrad on torch._scaled_grouped_mm, wgrad emulated ------

@@ -23,6 +23,7 @@ from te_seq.kernels import backend as backend_registry
 from te_seq.kernels import cute, fp8_cute, fp8_torch, torch_backend
 from te_seq.kernels import fp8_reference as ref
 from te_seq.kernels.cute_backend import CUTE
+from te_seq.kernels.fp8_wgrad import WGRAD_PAD
 
 ROWWISE, TENSOR, BLOCK = (recipe.Float8RowwiseScaling(), recipe.Float8CurrentScaling(),
                           recipe.Float8BlockScaling())
@@ -48,10 +49,34 @@ def recording_scaled_grouped_mm(a, b, a_scale, b_scale, offs, out_dtype=torch.bf
     return out.to(out_dtype)
 
 
+def recording_scaled_grouped_wgrad(a, b, a_scale, b_scale, offs, out=None, accumulate=False):
+    """`cute.scaled_grouped_wgrad`'s contract checked, its maths in fp32, the call recorded."""
+    assert a.dtype == b.dtype == torch.float8_e4m3fn
+    assert a.is_contiguous() and b.is_contiguous() and a.shape[1] == b.shape[1]
+    (n, p), k, g = a.shape, b.shape[0], offs.shape[0]
+    assert offs.dtype == torch.int32 and (offs % WGRAD_PAD == 0).all()
+    assert a_scale.shape == (g, n) and b_scale.shape == (g, k) and offs[-1] <= p
+    assert a_scale.dtype == b_scale.dtype == torch.float32
+    used = torch.zeros(p, dtype=torch.bool)
+    used[: int(offs[-1])] = True
+    assert (a.view(torch.uint8)[:, ~used] == 0).all() and (b.view(torch.uint8)[:, ~used] == 0).all()
+    result, start = torch.zeros(g, n, k), 0
+    for e, end in enumerate(offs.tolist()):
+        prod = a[:, start:end].float() @ b[:, start:end].float().t()
+        result[e] = a_scale[e][:, None] * prod * b_scale[e][None, :]
+        start = end
+    recording_scaled_grouped_wgrad.calls.append((a, b, a_scale, b_scale, offs))
+    if out is None:
+        return result.to(torch.bfloat16)
+    assert out.shape == (g, n, k) and out.dtype in (torch.bfloat16, torch.float32)
+    return out.add_(result) if accumulate else out.copy_(result)
+
+
 @pytest.fixture
 def fake_cute_gpu(monkeypatch):
     """sm_90, cute available, CPU data checked as if on CUDA, the kernel recorded."""
     recording_scaled_grouped_mm.calls = []
+    recording_scaled_grouped_wgrad.calls = []
     monkeypatch.setattr(fp8_torch, "cuda_capability", lambda device: (9, 0))
     monkeypatch.setitem(backend_registry._availability, "cute", (True, ""))
     real_reason = fp8_cute.forward_reason
@@ -59,6 +84,7 @@ def fake_cute_gpu(monkeypatch):
                         lambda blocks, dtypes, gemm_dtype, device, dims:
                         real_reason(blocks, dtypes, gemm_dtype, CUDA, dims))
     monkeypatch.setattr(cute, "scaled_grouped_mm", recording_scaled_grouped_mm)
+    monkeypatch.setattr(cute, "scaled_grouped_wgrad", recording_scaled_grouped_wgrad)
 
 
 def _supports(kernel="grouped_mm", r=ROWWISE, dtype=torch.bfloat16, k=128, n=256, **facts):

@@ -97,7 +97,7 @@ def _wgrad_kernel(backend_name: str):
     """(the FP8 wgrad functional of a backend, its name for the plan): the cute kernel on the
     cute backend (looked up at call time, so tests can replace it), the fp32 emulation of the
     same maths elsewhere. The one place that decides."""
-    if backend_name == "cute" and hasattr(cute, "scaled_grouped_wgrad"):
+    if backend_name == "cute":
         return cute.scaled_grouped_wgrad, "cute scaled_grouped_wgrad"
     return fp8_wgrad.scaled_grouped_wgrad_emulated, ""
 

@@ -20,12 +20,7 @@ from te_seq.kernels import fp8_reference as ref
 
 KERNEL_TOL = 4e-3
 
-pytestmark = [
-    gpu,
-    needs_cute,
-    pytest.mark.skipif(not hasattr(cute, "scaled_grouped_wgrad"),
-                       reason="te_seq.kernels.cute has no scaled_grouped_wgrad yet"),
-]
+pytestmark = [gpu, needs_cute]
 
 
 def _operands(sizes, n=256, k=192, seed=0):
