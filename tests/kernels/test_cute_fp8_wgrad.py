@@ -9,7 +9,6 @@ Bound: both multiply the same FP8 values with the same scales; only the summatio
 
 from __future__ import annotations
 
-import pytest
 import torch
 from cute_marks import gpu, needs_cute
 from cute_marks import offsets as _offs
