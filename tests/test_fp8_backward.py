@@ -90,6 +90,21 @@ def test_token_major_of_a_non_contiguous_input_with_an_inf():
     assert tm.scale_inv[1, 3].isnan() and torch.isfinite(tm.scale_inv[[0, 2]]).all()
 
 
+def test_token_major_nan_and_negative_inf_in_bf16():
+    """A nan and a -inf poison only their (group, column) scales, as in the per-group loop
+    (the block maxima keep a nan as non-finite through the max over a span's blocks)."""
+    torch.manual_seed(4)
+    sizes = [20, 0, 33, 7]
+    t = torch.randn(69, 32).bfloat16()
+    t[25, 3], t[2, 5] = float("nan"), -float("inf")
+    tm = fp8_wgrad.quantize_token_major(t, _offs(sizes), ref.ScaleRule())
+    want = ref.qdq_columns_per_group(t, bounds_of(torch.tensor(sizes)), ROW, ref.ScaleRule())
+    got = tm.to_rows(_offs(sizes), 69)
+    assert torch.equal(got.isnan(), want.isnan()) and got[20:53, 3].isnan().all()
+    assert got[:20, 5].isnan().all() and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert tm.scale_inv.isnan().sum() == 2
+
+
 def test_token_major_from_a_per_tensor_operand():
     torch.manual_seed(2)
     sizes = [3, 0, 140]

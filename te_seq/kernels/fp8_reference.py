@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from te_seq.kernels import compiled_maths
+
 FP8_FORMATS = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
 _FP32_MAX = torch.finfo(torch.float32).max
 
@@ -124,10 +126,40 @@ def quantize(t: Tensor, block: QuantBlock, rule: ScaleRule) -> QuantizedTensor:
     """Quantize a 2-D tensor [R, C] with one scale per `block` under `rule`."""
     if t.dim() != 2:
         raise ValueError(f"quantize: expected a 2-D tensor, got shape {tuple(t.shape)}")
+    if block in (ROWWISE, PER_TENSOR) and t.numel() > 0:
+        return _quantize_broadcast(t, block, rule)
     scale = scales_from_amax(block_amax(t, block), rule)
     size = block.size(tuple(t.shape))
     scaled = t.float() * _expand(scale, size, t.shape)
     data = scaled.clamp(-rule.fp8_max, rule.fp8_max).to(rule.dtype)
+    return QuantizedTensor(data, torch.reciprocal(scale), block, rule)
+
+
+ROWWISE = QuantBlock(1, None)
+PER_TENSOR = QuantBlock(None, None)
+
+
+def abs_max(t: Tensor, dim: int | None) -> Tensor:
+    """max |t| along `dim` (None: all; kept as a size-1 dim), in fp32; nan propagates. |t| and
+    max are exact in t's dtype, so this is `block_amax`'s value without its fp32 copies."""
+    if dim is None:
+        return t.abs().amax().float().reshape(1, 1)
+    return t.abs().amax(dim=dim, keepdim=True).float()
+
+
+def scaled_cast(t: Tensor, scale: Tensor, fp8_max: float, dtype: torch.dtype) -> Tensor:
+    """fp8(clamp(t · scale, ±fp8_max)) in fp32, `scale` broadcast against t: `quantize`'s
+    elementwise maths."""
+    return (t.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
+
+
+def _quantize_broadcast(t: Tensor, block: QuantBlock, rule: ScaleRule) -> QuantizedTensor:
+    """`quantize` for row-wise and per-tensor blocks with the scales broadcast, never expanded
+    to t's shape (bitwise the same values); on CUDA both passes are compiled kernels
+    (`compiled_maths`): one read for the amax, one read and one FP8 write for the data."""
+    amax = compiled_maths.for_data(abs_max, t)(t, 1 if block == ROWWISE else None)
+    scale = scales_from_amax(amax, rule)  # [R, 1] or [1, 1]
+    data = compiled_maths.for_data(scaled_cast, t)(t, scale, rule.fp8_max, rule.dtype)
     return QuantizedTensor(data, torch.reciprocal(scale), block, rule)
 
 

@@ -12,10 +12,11 @@ with a = dY token-major [N, P], b = X token-major [K, P], fp32 accumulation. The
 exactly `fp8_reference.qdq_columns_per_group`'s (row-wise blocks): only the layout differs.
 
 Everything here runs without reading the group offsets on the host (P is a bound known from
-the shapes), with a handful of large torch ops: the quantization, one scatter of the rows to
-their token-major columns and one transpose. A single fused pass (quantize and transpose in
-one kernel) is later work. `scaled_grouped_wgrad_emulated` is the kernel's maths in fp32 (the
-torch backend's FP8 wgrad and the tests' oracle).
+the shapes), with a handful of large passes (`quantize_token_major`: a scatter of the rows into
+their padded spans, a block amax and a cast, both compiled kernels on CUDA, a transpose of the
+FP8 bytes). A single fused pass (quantize and transpose in one kernel, or in the epilogue that
+produces the operand) is later work. `scaled_grouped_wgrad_emulated` is the kernel's maths in
+fp32 (the torch backend's FP8 wgrad and the tests' oracle).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from te_seq.kernels import torch_backend
+from te_seq.kernels import compiled_maths, torch_backend
 from te_seq.kernels.fp8_reference import (
     QuantBlock,
     QuantizedTensor,
     ScaleRule,
-    quantize_group_columns,
+    abs_max,
+    scaled_cast,
+    scales_from_amax,
 )
 
 WGRAD_PAD = 128  # tokens: the cute FP8 kernel's k-tile; every group's span is a multiple
@@ -110,12 +113,33 @@ def quantize_token_major(t: Tensor, offs: Tensor, rule: ScaleRule) -> TokenMajor
     """t [T, C] (any float dtype, any strides) quantized along the tokens of each group, one
     scale per (group, column), as a `TokenMajor`. `offs` int32 [G] the cumulative row ends on
     t's device; rows past offs[-1] belong to no group (ignored). Bitwise the values of
-    `qdq_columns_per_group(t, bounds, QuantBlock(1, None), rule)`, nan/inf policy included."""
-    ends = offs.long()
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    data, scale, _, _ = quantize_group_columns(t, torch.stack([starts, ends], 1), rule)
-    tm_data, padded_offs = _scatter_token_major(data, offs)
-    return TokenMajor(tm_data, torch.reciprocal(scale), padded_offs)
+    `qdq_columns_per_group(t, bounds, QuantBlock(1, None), rule)`, nan/inf policy included
+    (padding tokens are zeros, except inside a span whose scale is nan: its gradient is nan).
+
+    The rows are first laid out in their padded spans (one scatter, zeros between), so the
+    segmented amax is a plain max over 128-token blocks (one read; on CUDA a compiled kernel)
+    followed by a max over each span's blocks (a small tensor), and the cast is one compiled
+    pass over the blocks; the transpose to token-major is one copy of the FP8 bytes."""
+    rows, cols = t.shape
+    groups = offs.shape[0]
+    dest, padded_offs = _layout(offs, rows)
+    width = padded_width(rows, groups)
+    spans = t.new_zeros(width + 1, cols)  # + 1: the junk row of tokens in no group
+    spans.index_copy_(0, dest, t)
+    blocks = spans[:width].view(width // WGRAD_PAD, WGRAD_PAD, cols)
+    block_amax = compiled_maths.for_data(abs_max, blocks)(blocks, 1)[:, 0]  # [NB, C]
+    block_group = _column_groups(padded_offs, width)[::WGRAD_PAD]  # [NB]; past the spans: G
+    past = torch.arange(width // WGRAD_PAD, device=t.device) * WGRAD_PAD >= padded_offs[-1]
+    block_group = torch.where(past, groups, block_group)
+    block_amax = torch.where(block_amax.isnan(), float("inf"), block_amax)  # stays non-finite
+    amax = block_amax.new_zeros(groups + 1, cols).scatter_reduce_(
+        0, block_group[:, None].expand(-1, cols), block_amax, "amax")
+    scale = scales_from_amax(amax[:groups], rule)  # [G, C]
+    block_scale = torch.cat([scale, scale.new_ones(1, cols)])[block_group][:, None]  # [NB, 1, C]
+    data = compiled_maths.for_data(scaled_cast, blocks)(blocks, block_scale, rule.fp8_max,
+                                                        rule.dtype)
+    token_major = data.view(torch.uint8).view(width, cols).t().contiguous().view(data.dtype)
+    return TokenMajor(token_major, torch.reciprocal(scale), padded_offs)
 
 
 def token_major_from(q: QuantizedTensor, offs: Tensor) -> TokenMajor:

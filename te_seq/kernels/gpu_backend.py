@@ -8,7 +8,6 @@ reference function compiled into one kernel (TorchInductor) on CUDA data while
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,40 +18,16 @@ from te_seq import config
 from te_seq.kernels import reference
 from te_seq.kernels.activations import GluSpec
 from te_seq.kernels.backend import ELEMENTWISE_KERNELS, Backend
-
-
-class _CompiledElementwise:
-    """A reference function compiled by `torch.compile` into one fused kernel (TorchInductor).
-
-    The reference computes in fp32 over several passes (upcast, split, activation, product,
-    cast); compiled, it is one read of its inputs and one write of its outputs (measured on an
-    H200, 2026-11-22: the unfused SwiGLU forward+backward cost more than the FC GEMMs on shape
-    Q). Same maths, so results match the reference to rounding. If compiling fails (no Triton,
-    say), it warns once and runs the reference.
-    """
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=True)
-        self.broken: Exception | None = None
-
-    def __call__(self, *args):
-        if self.broken is None:
-            try:
-                return self.compiled(*args)
-            except Exception as exc:  # noqa: BLE001 - any compiler failure falls back
-                self.broken = exc
-                warnings.warn(
-                    f"te_seq: torch.compile of {self.fn.__name__} failed ({exc}); "
-                    "running the uncompiled reference",
-                    stacklevel=2,
-                )
-        return self.fn(*args)
+from te_seq.kernels.compiled_maths import CompiledMaths
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str) -> _CompiledElementwise:
-    return _CompiledElementwise(getattr(reference, name))
+def _compiled(name: str) -> CompiledMaths:
+    """The reference function `name` compiled into one fused kernel (TorchInductor): the
+    reference computes in fp32 over several passes (upcast, split, activation, product, cast);
+    compiled, it is one read of its inputs and one write of its outputs (measured on an H200,
+    2026-11-22: the unfused SwiGLU forward+backward cost more than the FC GEMMs on shape Q)."""
+    return CompiledMaths(getattr(reference, name))
 
 
 def _maths(name: str, x: Tensor) -> Callable:
