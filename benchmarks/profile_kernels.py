@@ -28,8 +28,11 @@ RECIPES = {
 }
 
 
-def step_fn(forward, recipe):
+def step_fn(mlp, forward, recipe):
+    """One fwd+bwd with fresh gradients (set to None first, as the benchmark's default mode:
+    no gradient-accumulation adds)."""
     def step():
+        mlp.zero_grad(set_to_none=True)
         with te_seq.autocast(enabled=recipe is not None, recipe=recipe):
             y = forward()
         y.backward(torch.ones_like(y))
@@ -66,7 +69,7 @@ def main() -> None:
     case = make_case(args.shape, torch.device("cuda"), torch.bfloat16)
     mlp, forward = build(case, args.backend)
     recipe = RECIPES[args.fp8]() if args.fp8 else None
-    step = step_fn(forward, recipe)
+    step = step_fn(mlp, forward, recipe)
     for _ in range(3):
         step()
     with te_seq.backend(args.backend), te_seq.autocast(enabled=recipe is not None,

@@ -116,18 +116,18 @@ def quantize_token_major(t: Tensor, offs: Tensor, rule: ScaleRule) -> TokenMajor
     `qdq_columns_per_group(t, bounds, QuantBlock(1, None), rule)`, nan/inf policy included
     (padding tokens are zeros, except inside a span whose scale is nan: its gradient is nan).
 
-    The rows are first laid out in their padded spans (one scatter, zeros between), so the
-    segmented amax is a plain max over 128-token blocks (one read; on CUDA a compiled kernel)
-    followed by a max over each span's blocks (a small tensor), and the cast is one compiled
-    pass over the blocks; the transpose to token-major is one copy of the FP8 bytes."""
+    Each padded token reads its source row (or zero) by index, so the segmented amax is a plain
+    max over 128-token blocks followed by a max over each span's blocks (a small tensor), and
+    the cast writes the token-major layout directly: two passes over t, each one compiled
+    kernel on CUDA (`compiled_maths`)."""
     rows, cols = t.shape
     groups = offs.shape[0]
     dest, padded_offs = _layout(offs, rows)
     width = padded_width(rows, groups)
-    spans = t.new_zeros(width + 1, cols)  # + 1: the junk row of tokens in no group
-    spans.index_copy_(0, dest, t)
-    blocks = spans[:width].view(width // WGRAD_PAD, WGRAD_PAD, cols)
-    block_amax = compiled_maths.for_data(abs_max, blocks)(blocks, 1)[:, 0]  # [NB, C]
+    source = torch.full((width + 1,), rows, dtype=torch.long, device=t.device)
+    source.index_copy_(0, dest, torch.arange(rows, device=t.device))  # rows: a padding token
+    source = source[:width]
+    block_amax = compiled_maths.for_data(_block_amax, t)(t, source)  # [NB, C]
     block_group = _column_groups(padded_offs, width)[::WGRAD_PAD]  # [NB]; past the spans: G
     past = torch.arange(width // WGRAD_PAD, device=t.device) * WGRAD_PAD >= padded_offs[-1]
     block_group = torch.where(past, groups, block_group)
@@ -135,11 +135,33 @@ def quantize_token_major(t: Tensor, offs: Tensor, rule: ScaleRule) -> TokenMajor
     amax = block_amax.new_zeros(groups + 1, cols).scatter_reduce_(
         0, block_group[:, None].expand(-1, cols), block_amax, "amax")
     scale = scales_from_amax(amax[:groups], rule)  # [G, C]
-    block_scale = torch.cat([scale, scale.new_ones(1, cols)])[block_group][:, None]  # [NB, 1, C]
-    data = compiled_maths.for_data(scaled_cast, blocks)(blocks, block_scale, rule.fp8_max,
-                                                        rule.dtype)
-    token_major = data.view(torch.uint8).view(width, cols).t().contiguous().view(data.dtype)
-    return TokenMajor(token_major, torch.reciprocal(scale), padded_offs)
+    block_scale = torch.cat([scale, scale.new_ones(1, cols)])[block_group]  # [NB, C]
+    data = compiled_maths.for_data(_cast_token_major, t)(t, source, block_scale, rule.fp8_max,
+                                                          rule.dtype)
+    return TokenMajor(data, torch.reciprocal(scale), padded_offs)
+
+
+def _padded_tokens(t: Tensor, source: Tensor) -> Tensor:
+    """[P, C]: row source[p] of t, zero where source[p] == T (a padding token)."""
+    rows = t.shape[0]
+    if rows == 0:
+        return t.new_zeros(source.shape[0], t.shape[1])
+    picked = t[source.clamp(max=rows - 1)]
+    return torch.where((source < rows)[:, None], picked, torch.zeros_like(picked))
+
+
+def _block_amax(t: Tensor, source: Tensor) -> Tensor:
+    """max |padded token| over each 128-token block, fp32 [P / 128, C] (nan propagates)."""
+    blocks = _padded_tokens(t, source).view(-1, WGRAD_PAD, t.shape[1])
+    return abs_max(blocks, 1)[:, 0]
+
+
+def _cast_token_major(t: Tensor, source: Tensor, block_scale: Tensor, fp8_max: float,
+                      dtype: torch.dtype) -> Tensor:
+    """The padded tokens quantized with their block's scale [P / 128, C], token-major [C, P]."""
+    blocks = _padded_tokens(t, source).view(-1, WGRAD_PAD, t.shape[1])
+    data = scaled_cast(blocks, block_scale[:, None], fp8_max, dtype)
+    return data.view(-1, t.shape[1]).t().contiguous()
 
 
 def token_major_from(q: QuantizedTensor, offs: Tensor) -> TokenMajor:

@@ -8,6 +8,8 @@ the GPU backends never do.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -20,6 +22,27 @@ def group_bounds(offs: Tensor) -> list[tuple[int, int]]:
     ends = offs.tolist()
     starts = [0] + ends[:-1]
     return list(zip(starts, ends))
+
+
+class LazyGroupBounds(Sequence):
+    """`group_bounds(offs)` read on the host only when first used: code paths that may need
+    the bounds (an emulation) take this, and the paths that do not (device kernels) never
+    sync."""
+
+    def __init__(self, offs: Tensor) -> None:
+        self._offs = offs
+        self._bounds: list[tuple[int, int]] | None = None
+
+    def _read(self) -> list[tuple[int, int]]:
+        if self._bounds is None:
+            self._bounds = group_bounds(self._offs)
+        return self._bounds
+
+    def __len__(self) -> int:
+        return self._offs.shape[0]
+
+    def __getitem__(self, index):
+        return self._read()[index]
 
 
 def grouped_mm(

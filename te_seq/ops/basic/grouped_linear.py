@@ -22,7 +22,7 @@ from te_seq.core.grad_policy import (
 from te_seq.core.operation import BasicOperation
 from te_seq.kernels import as_rows
 from te_seq.kernels.backend import Backend, KernelNeed
-from te_seq.kernels.reference import group_bounds
+from te_seq.kernels.reference import LazyGroupBounds
 from te_seq.ops.basic._grouped_params import ParamBlock, block_of
 from te_seq.ops.basic.basic_linear import init_linear_weight_
 
@@ -410,7 +410,7 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         if ctx.recipe is not None:  # FP8 (core/fp8_gemm.py); x along T, W along N kept for grads
             params = [p for _, p in self.named_weights()]
             y, grad_operands = fp8_gemm.grouped_forward(self, ctx, input_, x, weight, params,
-                                                        offs, group_bounds(offs))
+                                                        offs, LazyGroupBounds(offs))
             saved = grad_operands.tensors()
         else:
             y = amp.cast(ctx.backend.grouped_mm(x, weight.transpose(1, 2), offs), out_dtype)
@@ -428,7 +428,7 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         dy = self.grad_rows(ctx, grad_output)  # [T, N]
         if ctx.recipe is not None:  # FP8 (core/fp8_gemm.py): real FP8 or emulated
             operands = fp8.GradOperands.load(tuple(saved))
-            grads = fp8_gemm.GroupedGrads(ctx, dy, operands, offs, group_bounds(offs))
+            grads = fp8_gemm.GroupedGrads(ctx, dy, operands, offs, LazyGroupBounds(offs))
             dgrad, (x, dy_wgrad, wgrad_fn) = grads.dgrad, grads.wgrad_operands()
         else:
             (x, weight), dy_wgrad, wgrad_fn = saved, dy, None

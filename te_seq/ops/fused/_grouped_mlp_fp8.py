@@ -16,7 +16,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from te_seq.core import amp, fp8, fp8_gemm
-from te_seq.kernels.reference import group_bounds
+from te_seq.kernels.reference import LazyGroupBounds
 from te_seq.ops.basic.grouped_linear import GroupedLinear
 
 
@@ -45,7 +45,7 @@ def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: 
             extras, extra_inputs) -> Tensor:
     """y [T, H] of the fused op under ctxs[0].recipe; fills the contexts for `backward`."""
     ctx, recipe, backend = ctxs[0], ctxs[0].recipe, ctxs[0].backend
-    bounds, dtype = group_bounds(offs), x.dtype
+    bounds, dtype = LazyGroupBounds(offs), x.dtype
     probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]
     fp8.check_operands(mlp.fc1, recipe, x, w1, w1.shape[-1], w1.shape[-2])
     h_like = x.new_empty(()).expand(x.shape[0], mlp.fc1.out_features)  # shape only
@@ -71,7 +71,7 @@ def backward(mlp, ctxs, grad_output: Tensor):
     recipe, backend = ctx1.recipe, ctx1.backend
     h, offs, probs_in, s1, s2, *operands = ctx1.saved_tensors
     ops1, ops2 = fp8.GradOperands.load(operands[:5]), fp8.GradOperands.load(operands[5:])
-    bounds, probs = group_bounds(offs), None if probs_in is None else probs_in.reshape(-1)
+    bounds, probs = LazyGroupBounds(offs), None if probs_in is None else probs_in.reshape(-1)
     dy = mlp.fc2.grad_rows(ctx2, grad_output)  # [T, H]
     fc2 = fp8_gemm.GroupedGrads(ctx1, dy, ops2, offs, bounds)
     da = amp.cast(fc2.dgrad(), h.dtype)  # [T, F], as FC2's dX
