@@ -4,7 +4,8 @@ Runs the same Sequential as profile_host.py (GroupedLinear -> ScaledSwiGLU -> Gr
 split sizes on the device) a few times to warm up, then profiles `--iters` forward+backward
 calls with torch.profiler (CPU and CUDA) and prints, per kernel name: calls per step, device
 ms per step and share; then the step's wall time, summed kernel time and launches per step.
-`--fp8 ROWWISE|CURRENT|BLOCK` runs it under te_seq.autocast with that recipe.
+`--fp8 ROWWISE|CURRENT|BLOCK` runs it under te_seq.autocast with that recipe; `--cpu` also prints
+the host-side ops by self CPU time (where a host-bound step spends its time).
 
   python benchmarks/profile_kernels.py --shape Q --backend cute --fp8 ROWWISE [--top 25]
 """
@@ -49,6 +50,7 @@ def kernel_table(step, iters: int):
             step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / iters * 1e6
+    kernel_table.cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
     table = defaultdict(lambda: [0, 0.0])
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -65,6 +67,7 @@ def main() -> None:
     p.add_argument("--fp8", default=None, choices=sorted(RECIPES))
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--cpu", action="store_true", help="also the host ops by self CPU time")
     args = p.parse_args()
     case = make_case(args.shape, torch.device("cuda"), torch.bfloat16)
     mlp, forward = build(case, args.backend)
@@ -81,6 +84,8 @@ def main() -> None:
     print(f"shape {args.shape} backend {args.backend} fp8 {args.fp8}: wall {wall / 1e3:.2f} ms "
           f"per fwd+bwd, kernels {total / args.iters / 1e3:.2f} ms, "
           f"{launches / args.iters:.0f} launches")
+    if args.cpu:
+        print(kernel_table.cpu)
     rows = sorted(table.items(), key=lambda kv: -kv[1][1])[: args.top]
     for name, (n, us) in rows:
         print(f"{n / args.iters:7.1f}x {us / args.iters / 1e3:8.3f} ms {us / total:6.1%}  "
