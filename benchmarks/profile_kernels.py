@@ -13,6 +13,8 @@ the host-side ops by self CPU time (where a host-bound step spends its time).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from collections import defaultdict
 
@@ -60,6 +62,18 @@ def kernel_table(step, iters: int):
     return table, wall
 
 
+def python_profile(step, iters: int) -> None:
+    """cProfile of `iters` steps: the Python functions by own time, then by cumulative time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="Q")
@@ -86,6 +100,7 @@ def main() -> None:
           f"{launches / args.iters:.0f} launches")
     if args.cpu:
         print(kernel_table.cpu)
+        python_profile(step, args.iters)
     rows = sorted(table.items(), key=lambda kv: -kv[1][1])[: args.top]
     for name, (n, us) in rows:
         print(f"{n / args.iters:7.1f}x {us / args.iters / 1e3:8.3f} ms {us / total:6.1%}  "
