@@ -155,12 +155,16 @@ def scaled_cast(t: Tensor, scale: Tensor, fp8_max: float, dtype: torch.dtype) ->
 
 def _quantize_broadcast(t: Tensor, block: QuantBlock, rule: ScaleRule) -> QuantizedTensor:
     """`quantize` for row-wise and per-tensor blocks with the scales broadcast, never expanded
-    to t's shape (bitwise the same values); on CUDA both passes are compiled kernels
-    (`compiled_maths`): one read for the amax, one read and one FP8 write for the data."""
-    amax = compiled_maths.for_data(abs_max, t)(t, 1 if block == ROWWISE else None)
-    scale = scales_from_amax(amax, rule)  # [R, 1] or [1, 1]
-    data = compiled_maths.for_data(scaled_cast, t)(t, scale, rule.fp8_max, rule.dtype)
-    return QuantizedTensor(data, torch.reciprocal(scale), block, rule)
+    to t's shape (bitwise the same values); on CUDA one compiled region (`compiled_maths`): one
+    read for the amax, one read and one FP8 write for the data, one host call."""
+    parts = compiled_maths.for_data(_broadcast_parts, t)(t, block == ROWWISE, rule)
+    return QuantizedTensor(*parts, block, rule)
+
+
+def _broadcast_parts(t: Tensor, rowwise: bool, rule: ScaleRule) -> tuple[Tensor, Tensor]:
+    """(data, scale_inv [R, 1] or [1, 1]) of `_quantize_broadcast`."""
+    scale = scales_from_amax(abs_max(t, 1 if rowwise else None), rule)
+    return scaled_cast(t, scale, rule.fp8_max, rule.dtype), torch.reciprocal(scale)
 
 
 def qdq(t: Tensor, block: QuantBlock, rule: ScaleRule) -> Tensor:
