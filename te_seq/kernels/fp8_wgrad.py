@@ -119,32 +119,46 @@ def quantize_token_major(t: Tensor, offs: Tensor, rule: ScaleRule) -> TokenMajor
     Each padded token reads its source row (or zero) by index, so the segmented amax is a plain
     max over 128-token blocks followed by a max over each span's blocks (a small tensor), and
     the cast writes the token-major layout directly: two passes over t, each one compiled
-    kernel on CUDA, the whole function one compiled region (`compiled_maths`: one host call
-    instead of ~40 small ops)."""
-    data, scale_inv, padded_offs = compiled_maths.for_data(_token_major, t)(t, offs, rule)
-    return TokenMajor(data, scale_inv, padded_offs)
+    kernel on CUDA (`compiled_maths`; the span layout is computed inside the first), with a
+    few small ops on the [G, C] scales between them."""
+    source, padded_offs, block_group, block_amax = compiled_maths.for_data(_span_blocks, t)(
+        t, offs)
+    scale, block_scale = _span_scales(block_amax, block_group, offs.shape[0], rule)
+    data = compiled_maths.for_data(_cast_token_major, t)(t, source, block_scale, rule.fp8_max,
+                                                          rule.dtype)
+    return TokenMajor(data, torch.reciprocal(scale), padded_offs)
 
 
-def _token_major(t: Tensor, offs: Tensor, rule: ScaleRule) -> tuple[Tensor, Tensor, Tensor]:
-    """(data [C, P], scale_inv [G, C], padded offs [G]) of `quantize_token_major`."""
-    rows, cols = t.shape
-    groups = offs.shape[0]
-    dest, padded_offs = _layout(offs, rows)
-    width = padded_width(rows, groups)
-    source = torch.full((width + 1,), rows, dtype=torch.long, device=t.device)
-    source.index_copy_(0, dest, torch.arange(rows, device=t.device))  # rows: a padding token
-    source = source[:width]
-    block_amax = _block_amax(t, source)  # [NB, C]
-    block_group = _column_groups(padded_offs, width)[::WGRAD_PAD]  # [NB]; past the spans: G
-    past = torch.arange(width // WGRAD_PAD, device=t.device) * WGRAD_PAD >= padded_offs[-1]
-    block_group = torch.where(past, groups, block_group)
-    block_amax = torch.where(block_amax.isnan(), float("inf"), block_amax)  # stays non-finite
+def _span_blocks(t: Tensor, offs: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The padded spans of t's groups: (source [P] long: the row each padded token reads, T for
+    a padding token; padded span ends int32 [G]; the group of each 128-token block [P / 128],
+    G past the last span; max |padded token| per block and column, fp32 [P / 128, C])."""
+    rows, groups = t.shape[0], offs.shape[0]
+    ends = offs.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    spans = _round_up(counts, WGRAD_PAD)
+    padded_ends = torch.cumsum(spans, 0)
+    token = torch.arange(padded_width(rows, groups), device=t.device)
+    group = torch.searchsorted(padded_ends, token, right=True)  # G past the last span
+    g = group.clamp(max=groups - 1)
+    within = token - (padded_ends - spans)[g]
+    real = (group < groups) & (within < counts[g])
+    source = torch.where(real, (ends - counts)[g] + within, rows)
+    block_group = group[::WGRAD_PAD]
+    return source, padded_ends.to(torch.int32), block_group, _block_amax(t, source)
+
+
+def _span_scales(block_amax: Tensor, block_group: Tensor, groups: int,
+                 rule: ScaleRule) -> tuple[Tensor, Tensor]:
+    """(scale [G, C] from each span's blocks' maxima, the scale of each block [P / 128, C]: 1
+    past the last span). A nan block maximum counts as inf: still non-finite, where a max
+    over blocks might drop a nan."""
+    cols = block_amax.shape[1]
+    block_amax = torch.where(block_amax.isnan(), float("inf"), block_amax)
     amax = block_amax.new_zeros(groups + 1, cols).scatter_reduce_(
         0, block_group[:, None].expand(-1, cols), block_amax, "amax")
-    scale = scales_from_amax(amax[:groups], rule)  # [G, C]
-    block_scale = torch.cat([scale, scale.new_ones(1, cols)])[block_group]  # [NB, C]
-    data = _cast_token_major(t, source, block_scale, rule.fp8_max, rule.dtype)
-    return data, torch.reciprocal(scale), padded_offs
+    scale = scales_from_amax(amax[:groups], rule)
+    return scale, torch.cat([scale, scale.new_ones(1, cols)])[block_group]
 
 
 def _padded_tokens(t: Tensor, source: Tensor) -> Tensor:
