@@ -118,11 +118,12 @@ def quantize_token_major(t: Tensor, offs: Tensor, rule: ScaleRule) -> TokenMajor
 
     Each padded token reads its source row (or zero) by index, so the segmented amax is a plain
     max over 128-token blocks followed by a max over each span's blocks (a small tensor), and
-    the cast writes the token-major layout directly: two passes over t, each one compiled
-    kernel on CUDA (`compiled_maths`; the span layout is computed inside the first), with a
-    few small ops on the [G, C] scales between them."""
-    source, padded_offs, block_group, block_amax = compiled_maths.for_data(_span_blocks, t)(
-        t, offs)
+    the cast writes the token-major layout directly: two passes over t. The cast (gather,
+    scale, clamp, FP8, transpose) is one compiled kernel on CUDA (`compiled_maths`); the span
+    layout and the block maxima run eagerly: TorchInductor (torch 2.11, CUDA) fails an internal
+    assertion on them, and compiled calls cost ~0.25 ms of host time each (H100, 2026-11-24),
+    more than the few eager kernels they would replace."""
+    source, padded_offs, block_group, block_amax = _span_blocks(t, offs)
     scale, block_scale = _span_scales(block_amax, block_group, offs.shape[0], rule)
     data = compiled_maths.for_data(_cast_token_major, t)(t, source, block_scale, rule.fp8_max,
                                                           rule.dtype)
