@@ -239,6 +239,23 @@ def test_grouped_linear_native_backward_on_cute(fake_kernels, r, single):
     assert (got_dw.reshape(want_dw.shape)[1] == 0).all()  # the empty group
 
 
+def test_native_backward_into_a_strided_main_grad(fake_kernels):
+    """A main_grad that is a transposed view (not contiguous) is accumulated into through one
+    fp32 result: the kernel itself takes contiguous buffers only."""
+    op, splits, x, dy = _linear(single_grouped_weight=True)
+    _run(op, splits, x, dy, ROWWISE)
+    want = _stacked_grads(op)
+    acc = ops.GroupedLinear(3, 128, 256, dtype=torch.bfloat16, single_grouped_weight=True,
+                            accumulate_into_main_grad=True)
+    acc.load_state_dict(op.state_dict())
+    (_, p), = acc.named_weights()
+    p.main_grad = torch.randn(3, 128, 256).transpose(1, 2)  # [3, 256, 128], strided
+    start = p.main_grad.clone()
+    _run(acc, splits, x, dy, ROWWISE)
+    assert not p.main_grad.is_contiguous()
+    assert rel_err(p.main_grad - start, want) < 4e-3
+
+
 @pytest.mark.parametrize("single", [False, True], ids=["per-group", "single"])
 def test_native_backward_main_grad_and_delayed_wgrad(fake_kernels, single):
     op, splits, x, dy = _linear(single_grouped_weight=single)

@@ -69,6 +69,7 @@ def recording_scaled_grouped_wgrad(a, b, a_scale, b_scale, offs, out=None, accum
     if out is None:
         return result.to(torch.bfloat16)
     assert out.shape == (g, n, k) and out.dtype in (torch.bfloat16, torch.float32)
+    assert out.is_contiguous()  # the kernel takes contiguous buffers only
     return out.add_(result) if accumulate else out.copy_(result)
 
 

@@ -220,8 +220,9 @@ class GroupedGrads:
         def wgrad_fn(out: Tensor, accumulate: bool) -> Tensor:
             dy_tm = fp8.grad_token_major(recipe, dy, offs, dy_q)  # only when dW is computed
             operands = (dy_tm.data, x_tm.data, dy_tm.scale_inv, x_tm.scale_inv, dy_tm.offs)
-            if out.dtype in (torch.bfloat16, torch.float32):
+            if out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous():
                 return kernel(*operands, out=out, accumulate=accumulate)
+            # fp16 weights or a strided buffer: one fp32 result, then one rounding into out
             result = kernel(*operands, out=torch.empty(out.shape, dtype=torch.float32,
                                                        device=out.device))
             return out.add_(result) if accumulate else out.copy_(result)
