@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from te_seq import kernels
 from te_seq.core import amp, checks, fp8, fp8_gemm
 from te_seq.core.context import OperationContext
 from te_seq.core.grad_policy import (
@@ -24,6 +23,13 @@ from te_seq.kernels import as_rows
 from te_seq.kernels.backend import Backend, KernelNeed
 from te_seq.kernels.reference import LazyGroupBounds
 from te_seq.ops.basic._grouped_params import ParamBlock, block_of
+from te_seq.ops.basic._split_sizes import (
+    check_host_split_values,
+    check_split_sizes,
+    device_offsets,
+    group_index,
+    rows_of,
+)
 from te_seq.ops.basic.basic_linear import init_linear_weight_
 
 # Shape legend: T tokens (routed rows), G groups, K = in_features, N = out_features.
@@ -38,59 +44,6 @@ class GroupedLinearSaved:
     weights: ForwardWeights  # the forward's weights, weakly held, for the gradient contract
     input_dtype: torch.dtype | None = None  # dX is cast back to it (None: the compute dtype)
     compute_dtype: torch.dtype | None = None  # dY is cast to it (None: as it comes)
-
-
-def group_index(offs: Tensor, rows: int) -> Tensor:
-    """Group of every row [T] from the cumulative ends `offs` [G]; no host sync."""
-    positions = torch.arange(rows, device=offs.device, dtype=offs.dtype)
-    return torch.searchsorted(offs, positions, right=True)
-
-
-def check_split_sizes(op: object, splits: object, num_groups: int, input_: Tensor) -> None:
-    """Host split sizes are checked here (ValueError); device ones by a device-side assert.
-
-    Under torch.compile the values are never read here (that would make a data-dependent guard):
-    every split is checked by the assert in `device_offsets` when the compiled graph runs."""
-    name = checks.op_name(op)
-    checks.check_tensor(op, "split_sizes", splits)
-    if splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool:
-        raise ValueError(f"{name}: split_sizes must be an integer tensor, got {splits.dtype}")
-    if splits.dim() != 1 or splits.numel() != num_groups:
-        raise ValueError(
-            f"{name}: split_sizes has shape {tuple(splits.shape)} ({splits.numel()} entries), "
-            f"expected a 1-D tensor with num_groups={num_groups} entries"
-        )
-    if splits.device.type != "cpu" and splits.device != input_.device:
-        raise ValueError(f"{name}: split_sizes is on {splits.device}, input on {input_.device}")
-    if splits.device.type == "cpu" and not torch.compiler.is_compiling():
-        _check_host_split_values(name, splits, rows_of(input_))
-
-
-def _check_host_split_values(name: str, splits: Tensor, rows: int) -> None:
-    values = splits.tolist()
-    negative = [v for v in values if v < 0]
-    if negative:
-        raise ValueError(f"{name}: split_sizes has negative entries {negative}: {values}")
-    if sum(values) != rows:
-        raise ValueError(
-            f"{name}: split_sizes sum to {sum(values)} but the input has {rows} rows "
-            f"(split_sizes={values})"
-        )
-
-
-def rows_of(input_: Tensor) -> int:
-    return int(torch.Size(input_.shape[:-1]).numel())
-
-
-def device_offsets(splits: Tensor, rows: int, device: torch.device) -> Tensor:
-    """Cumulative ends on the data's device; for device split sizes (and for every split under
-    torch.compile) a run-time check that they are non-negative and sum to `rows` without a host
-    sync: a device-side assert on CUDA, a RuntimeError on CPU."""
-    offs = kernels.split_offsets(splits, device)
-    if splits.device.type == "cuda" or torch.compiler.is_compiling():
-        ok = (splits >= 0).all() & (offs[-1] == rows)
-        torch._assert_async(ok, "split_sizes must be non-negative and sum to the rows")
-    return offs
 
 
 class GroupedLinear(GradContractMixin, BasicOperation):
@@ -264,7 +217,7 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         """Host split sizes' values (they may change in place between calls)."""
         splits = extra_inputs[0]
         if splits.device.type == "cpu" and not torch.compiler.is_compiling():
-            _check_host_split_values(checks.op_name(self), splits, rows_of(input_))
+            check_host_split_values(checks.op_name(self), splits, rows_of(input_))
 
     def kernel_needs(self) -> list[KernelNeed]:
         """y = x Wᵀ (K=in, N=out), dX = dY W (K=out, N=in) and dW = dYᵀ X [N=out, K=in]."""

@@ -28,10 +28,11 @@ from te_seq.fusion.registry import NoMatch, register_fusion
 from te_seq.kernels import as_rows, routed, routing
 from te_seq.kernels.backend import Backend, KernelNeed
 from te_seq.kernels.routed import Route, route_decision
+from te_seq.ops.basic._split_sizes import device_offsets
 from te_seq.ops.basic.activation import Activation
 from te_seq.ops.basic.expert_combine import ExpertCombine
 from te_seq.ops.basic.expert_dispatch import ExpertDispatch
-from te_seq.ops.basic.grouped_linear import GroupedLinear, device_offsets
+from te_seq.ops.basic.grouped_linear import GroupedLinear
 from te_seq.ops.fused.grouped_mlp import GroupedMLP, _build_grouped_mlp, _Extras
 
 
