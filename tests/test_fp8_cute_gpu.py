@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fp8_torch import gpu_mlp_case, rel_err
+from test_fp8_torch import gpu_linear_case, gpu_mlp_case, on_backends, rel_err
 
-import te_seq
-from te_seq import ops, recipe
+from te_seq import recipe
 from te_seq.kernels import cute
 from te_seq.kernels.backend import backend_available
 
@@ -30,6 +29,7 @@ RECIPES = [recipe.Float8RowwiseScaling(), recipe.Float8CurrentScaling(),
 IDS = ["rowwise", "tensor", "tensor-e4m3"]
 KERNEL_TOL = 4e-3  # cute vs torch real FP8 outputs (norm-relative)
 EMU_TOL = 1e-2  # a real FP8 GEMM vs the emulation
+BACKENDS = ("reference", "torch", "cute")
 WGRAD_TOL = 1e-6  # same fp32 operands, atomics order of the per-tile sums only
 
 pytestmark = [
@@ -37,19 +37,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available() or not backend_available("cute")[0],
                        reason="needs the cute backend (CUDA sm_90 and the CuTe DSL)"),
 ]
-
-
-def _on_backends(build, run) -> dict:
-    """`run(model)` (outputs, then grads) and the plan on the reference, torch and cute backends,
-    each with the same freshly seeded weights."""
-    results = {}
-    for name in ("reference", "torch", "cute"):
-        torch.manual_seed(11)
-        model = build().cuda()
-        with te_seq.backend(name):
-            results[name] = run(model)
-        results[name + "_plan"] = model.fusion_plan()
-    return results
 
 
 def _assert_forward(res, kernel_tol=KERNEL_TOL, emu_tol=EMU_TOL):
@@ -64,19 +51,7 @@ def _assert_forward(res, kernel_tol=KERNEL_TOL, emu_tol=EMU_TOL):
 
 @pytest.mark.parametrize("r", RECIPES, ids=IDS)
 def test_grouped_linear_cute_fp8_on_gpu(r):
-    splits = torch.tensor([37, 0, 91, 5], device="cuda")  # an empty group, unaligned sizes
-    x = torch.randn(133, 256, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(133, 128, device="cuda", dtype=torch.bfloat16)
-
-    def run(model):
-        xi = x.clone().requires_grad_()
-        with te_seq.autocast(recipe=r):
-            y = model(xi, splits)
-        y.backward(dy)
-        return (y.detach(), xi.grad, *[p.grad for p in model.parameters()])
-
-    res = _on_backends(
-        lambda: te_seq.Sequential(ops.GroupedLinear(4, 256, 128, dtype=torch.bfloat16)), run)
+    res = on_backends(*gpu_linear_case(r), BACKENDS)
     _assert_forward(res)
     if r.rule("grad").fmt != "E4M3":  # HYBRID: the same emulated backward on both
         assert "grad format E5M2" in res["cute_plan"].forward[0].backend_reason
@@ -99,7 +74,7 @@ def test_grouped_linear_cute_fp8_on_gpu(r):
 @pytest.mark.parametrize("r", RECIPES, ids=IDS)
 def test_fused_grouped_mlp_cute_fp8_on_gpu(r):
     build, run = gpu_mlp_case(r)
-    res = _on_backends(build, run)
+    res = on_backends(build, run, BACKENDS)
     assert res["cute_plan"].forward[0].name == "GroupedMLP"
     # FC2's input is the activation re-quantized to E4M3 (3 mantissa bits): where the two FC1
     # kernels' bf16 h differ by an ulp (summation order), an element near an FP8 rounding

@@ -240,6 +240,26 @@ def fc2_input(r, x, fc1, probs, splits):
     return (torch.nn.functional.silu(gate) * up * probs.float()[:, None]).to(torch.bfloat16)
 
 
+def gpu_linear_case(r):
+    """(build, run) of the GPU GroupedLinear case under recipe `r` (an empty group, unaligned
+    sizes): run(model) returns y, dx and every parameter's gradient."""
+    splits = torch.tensor([37, 0, 91, 5], device="cuda")
+    x = torch.randn(133, 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(133, 128, device="cuda", dtype=torch.bfloat16)
+
+    def build():
+        return te_seq.Sequential(ops.GroupedLinear(4, 256, 128, dtype=torch.bfloat16))
+
+    def run(model):
+        xi = x.clone().requires_grad_()
+        with te_seq.autocast(recipe=r):
+            y = model(xi, splits)
+        y.backward(dy)
+        return (y.detach(), xi.grad, *[p.grad for p in model.parameters()])
+
+    return build, run
+
+
 def gpu_mlp_case(r):
     """(build, run) of the GPU fused-MLP case under recipe `r`: run(model) returns y, dx,
     d probs and every parameter's gradient."""
@@ -283,10 +303,11 @@ def test_fused_mlp_native_wiring(forced_native, r):
 
 # --- GPU: the real kernels against the reference backend ----------------------------------------
 
-def _on_gpu_both_backends(build, run):
-    """Outputs and grads of `run(model)` on the reference and the torch backends (same weights)."""
+def on_backends(build, run, names=("reference", "torch")) -> dict:
+    """`run(model)` (outputs, then grads) and the plan on each backend in `names`, each with the
+    same freshly seeded weights."""
     results = {}
-    for name in ("reference", "torch"):
+    for name in names:
         torch.manual_seed(11)
         model = build().cuda()
         with te_seq.backend(name):
@@ -313,7 +334,7 @@ def test_basic_linear_scaled_mm_on_gpu(r):
         y.backward(dy)
         return y, xi.grad, model[0].weight.grad
 
-    res = _on_gpu_both_backends(
+    res = on_backends(
         lambda: te_seq.Sequential(ops.BasicLinear(256, 128, dtype=torch.bfloat16)), run)
     step = res["torch_plan"].forward[0]
     assert step.backend == "torch" and "torch._scaled_mm" in step.backend_reason
@@ -323,19 +344,7 @@ def test_basic_linear_scaled_mm_on_gpu(r):
 @pytest.mark.gpu
 @pytest.mark.parametrize("r", REAL_RECIPES, ids=REAL_IDS)
 def test_grouped_linear_scaled_grouped_mm_on_gpu(r):
-    splits = torch.tensor([37, 0, 91, 5], device="cuda")  # an empty group, unaligned sizes
-    x = torch.randn(133, 256, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(133, 128, device="cuda", dtype=torch.bfloat16)
-
-    def run(model):
-        xi = x.clone().requires_grad_()
-        with te_seq.autocast(recipe=r):
-            y = model(xi, splits)
-        y.backward(dy)
-        return (y, xi.grad, *[p.grad for p in model.parameters()])
-
-    res = _on_gpu_both_backends(
-        lambda: te_seq.Sequential(ops.GroupedLinear(4, 256, 128, dtype=torch.bfloat16)), run)
+    res = on_backends(*gpu_linear_case(r))
     step = res["torch_plan"].forward[0]
     assert step.backend == "torch" and "torch._scaled_grouped_mm" in step.backend_reason
     assert "emulated" in res["reference_plan"].forward[0].backend_reason
@@ -346,7 +355,7 @@ def test_grouped_linear_scaled_grouped_mm_on_gpu(r):
 @pytest.mark.parametrize("r", REAL_RECIPES, ids=REAL_IDS)
 def test_fused_mlp_scaled_grouped_mm_on_gpu(r):
     build, run = gpu_mlp_case(r)
-    res = _on_gpu_both_backends(build, run)
+    res = on_backends(build, run)
     step = res["torch_plan"].forward[0]
     assert step.name == "GroupedMLP" and step.backend == "torch"
     assert "torch._scaled_grouped_mm" in step.backend_reason
@@ -369,7 +378,7 @@ def test_guard_falls_back_on_gpu():
             with te_seq.autocast(recipe=r):
                 return (model(x, splits),)
 
-        res = _on_gpu_both_backends(
+        res = on_backends(
             lambda k=k, n=n, dtype=dtype: te_seq.Sequential(
                 ops.GroupedLinear(3, k, n, dtype=dtype)), run)
         reason = res["torch_plan"].forward[0].backend_reason
