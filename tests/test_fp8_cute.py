@@ -272,3 +272,20 @@ def test_unfused_grouped_linears_run_the_cute_kernel(fake_cute_gpu, r):
     assert len(recording_scaled_grouped_mm.calls) == 2
     _assert_call(recording_scaled_grouped_mm.calls[0], r, x, fc1.stacked_weight().detach(),
                  splits)
+
+
+@pytest.mark.parametrize("module, kernel", [(fp8_cute, "cute scaled_grouped_mm"),
+                                            (fp8_torch, "torch._scaled_grouped_mm")],
+                         ids=["cute", "torch"])
+def test_forward_reason_names_dtype_and_widths(monkeypatch, module, kernel):
+    """Both FP8 forward checks (one shared rule) refuse a non-bf16 GEMM and unaligned widths,
+    naming the kernel and the values, and take a bf16 GEMM of aligned widths."""
+    monkeypatch.setattr(fp8_torch, "cuda_capability", lambda device: (9, 0))
+    row = ref.QuantBlock(1, None)
+    args = ((row, row), (torch.float8_e4m3fn,) * 2)
+    extra = () if module is fp8_cute else (True,)
+    assert module.forward_reason(*args, torch.bfloat16, CUDA, [(256, 128)], *extra) == ""
+    why = module.forward_reason(*args, torch.float16, CUDA, [(256, 128)], *extra)
+    assert why == f"the GEMM dtype is torch.float16, {kernel} outputs bfloat16 only"
+    why = module.forward_reason(*args, torch.bfloat16, CUDA, [(256, 128), (72, 40)], *extra)
+    assert why == f"K=72, N=40: both must be multiples of 16 for {kernel}"

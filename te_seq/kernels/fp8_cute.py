@@ -27,7 +27,6 @@ from torch import Tensor
 from te_seq.kernels import cute, fp8_torch
 from te_seq.kernels.fp8_reference import QuantBlock, QuantizedTensor
 
-_ALIGN = 16  # K and N in elements: 16-byte TMA rows of 1-byte FP8 data
 _KERNEL = "cute scaled_grouped_mm"
 
 
@@ -44,12 +43,7 @@ def forward_reason(
     major, minor = fp8_torch.cuda_capability(device)
     if major != 9:
         return f"{_KERNEL} needs sm_90 (Hopper WGMMA), the GPU is sm_{major}{minor}"
-    if gemm_dtype != torch.bfloat16:
-        return f"the GEMM dtype is {gemm_dtype}, {_KERNEL} outputs bfloat16 only"
-    for k, n in dims:
-        if k % _ALIGN or n % _ALIGN:
-            return f"K={k}, N={n}: both must be multiples of {_ALIGN} for {_KERNEL}"
-    return ""
+    return fp8_torch.output_reason(_KERNEL, gemm_dtype, dims)
 
 
 def recipe_reason(recipe, gemm_dtype: torch.dtype, device: torch.device,

@@ -69,11 +69,18 @@ def forward_reason(
     if (major, minor) < (9, 0) or (grouped and major != 9):
         needs = "sm_90 (Hopper) exactly" if grouped else "sm_90 or newer"
         return f"torch.{name} in FP8 needs {needs}, the GPU is sm_{major}{minor}"
+    return output_reason(f"torch.{name}", gemm_dtype, dims)
+
+
+def output_reason(kernel: str, gemm_dtype: torch.dtype, dims: list[tuple[int, int]]) -> str:
+    """What every FP8 GEMM here needs of its output and widths ("" when met): a bfloat16 GEMM
+    dtype and K, N (each of `dims`) multiples of 16 (16-byte rows of FP8 data). `kernel` names
+    the kernel in the reason."""
     if gemm_dtype != torch.bfloat16:
-        return f"the GEMM dtype is {gemm_dtype}, FP8 GEMMs here output bfloat16 only"
+        return f"the GEMM dtype is {gemm_dtype}, {kernel} outputs bfloat16 only"
     for k, n in dims:
         if k % _ALIGN or n % _ALIGN:
-            return f"K={k}, N={n}: both must be multiples of {_ALIGN} for torch.{name}"
+            return f"K={k}, N={n}: both must be multiples of {_ALIGN} for {kernel}"
     return ""
 
 
