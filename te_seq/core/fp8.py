@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from te_seq.kernels import fp8_quantize, fp8_wgrad
 from te_seq.kernels import fp8_reference as ref
-from te_seq.kernels import fp8_wgrad
 from te_seq.recipe import Float8CurrentScaling, Recipe
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -148,13 +148,15 @@ def _along_tokens(recipe: Recipe, role: str, t: Tensor, bounds, along_k) -> Tens
     return ref.qdq_columns_per_group(t, bounds, block, recipe.rule(role))
 
 
-def input_quantized(recipe: Recipe, input_: Tensor, x: Tensor) -> ref.QuantizedTensor:
+def input_quantized(recipe: Recipe, input_: Tensor, x: Tensor,
+                    backend_name: str = "torch") -> ref.QuantizedTensor:
     """x [T, K] quantized along K as the forward GEMM's operand: as `ops.Quantize` made it when
-    `input_` is its output (never quantized twice), else quantized here."""
+    `input_` is its output (never quantized twice), else quantized here (by the kernels
+    `fp8_quantize` picks for `backend_name`)."""
     marker = _marker(recipe, input_)
     if marker is not None:
         return marker.forward
-    return ref.quantize(x, recipe.block("input"), recipe.rule("input"))
+    return fp8_quantize.rows(x, recipe.block("input"), recipe.rule("input"), backend_name)
 
 
 def input_wgrad(recipe: Recipe, input_: Tensor, x: Tensor, bounds,
@@ -187,24 +189,32 @@ def grad_operands(recipe: Recipe, dy: Tensor, bounds) -> tuple[Tensor, Tensor]:
 
 
 def input_token_major(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor,
-                      forward: ref.QuantizedTensor) -> fp8_wgrad.TokenMajor:
+                      forward: ref.QuantizedTensor | None,
+                      backend_name: str = "torch") -> fp8_wgrad.TokenMajor:
     """x [T, K] along the tokens of each group as the FP8 wgrad's operand, token-major (row-wise
     or per-tensor recipes; the values of `input_wgrad`): per tensor the forward operand
-    `forward` itself laid out, else quantized from x (or from an `ops.Quantize` source)."""
+    `forward` itself laid out (None: quantized here), else quantized from x (or from an
+    `ops.Quantize` source)."""
     if recipe.block("input") == ref.QuantBlock(None, None):
-        return fp8_wgrad.token_major_from(forward, offs)
+        return fp8_wgrad.token_major_from(
+            forward or input_quantized(recipe, input_, x, backend_name), offs)
     marker = _marker(recipe, input_)
     source = x if marker is None else marker.source.reshape(x.shape)
-    return fp8_wgrad.quantize_token_major(source, offs, recipe.rule("input"))
+    return fp8_quantize.token_major(source, offs, recipe.rule("input"), backend_name)
 
 
-def grad_token_major(recipe: Recipe, dy: Tensor, offs: Tensor,
-                     along_n: ref.QuantizedTensor) -> fp8_wgrad.TokenMajor:
+def grad_token_major(recipe: Recipe, dy: Tensor, offs: Tensor, along_n: ref.QuantizedTensor,
+                     backend_name: str = "torch") -> fp8_wgrad.TokenMajor:
     """dy [T, N] along the tokens of each group, token-major (the values of `grad_operands`'
     wgrad operand); `along_n` is dy quantized for the dgrad (per tensor: the same data)."""
     if recipe.block("grad") == ref.QuantBlock(None, None):
         return fp8_wgrad.token_major_from(along_n, offs)
-    return fp8_wgrad.quantize_token_major(dy, offs, recipe.rule("grad"))
+    return fp8_quantize.token_major(dy, offs, recipe.rule("grad"), backend_name)
+
+
+def grad_quantized(recipe: Recipe, dy: Tensor, backend_name: str = "torch") -> ref.QuantizedTensor:
+    """dy [T, N] quantized along N as the dgrad GEMM's operand."""
+    return fp8_quantize.rows(dy, recipe.block("grad"), recipe.rule("grad"), backend_name)
 
 
 @dataclass

@@ -33,7 +33,6 @@ from torch import Tensor
 
 from te_seq.core import amp, fp8
 from te_seq.kernels import cute, fp8_cute, fp8_torch, fp8_wgrad
-from te_seq.kernels import fp8_reference as ref
 from te_seq.recipe import Recipe
 
 
@@ -166,11 +165,12 @@ def grouped_forward(
         y = ctx.backend.grouped_mm(x_fwd, weights.forward.transpose(1, 2), offs)
         return amp.cast(y, x.dtype), fp8.GradOperands(x_wgrad if need_wgrad else None,
                                                       weights.dgrad)
-    x_q = fp8.input_quantized(recipe, input_, x)
+    x_q = fp8.input_quantized(recipe, input_, x, ctx.backend.name)
     w_data, w_scale_inv = weights.fp8
     y = _scaled_grouped_mm(ctx.backend.name)(x_q, w_data, w_scale_inv, offs, x.dtype)
     if _backward_native(ctx, x, w):
-        x_tm = fp8.input_token_major(recipe, input_, x, offs, x_q) if need_wgrad else None
+        x_tm = fp8.input_token_major(recipe, input_, x, offs, x_q, ctx.backend.name) \
+            if need_wgrad else None
         return y, fp8.GradOperands(x_tm, *weights.dgrad_fp8)
     x_wgrad = fp8.input_wgrad(recipe, input_, x, bounds, x_q) if need_wgrad else None
     return y, fp8.GradOperands(x_wgrad, weights.dgrad)
@@ -188,7 +188,7 @@ class GroupedGrads:
         self.ctx, self.dy, self.operands, self.offs = ctx, dy, operands, offs
         recipe = ctx.recipe
         if operands.native:
-            self.dy_q = ref.quantize(dy, recipe.block("grad"), recipe.rule("grad"))
+            self.dy_q = fp8.grad_quantized(recipe, dy, ctx.backend.name)
         else:
             self.dy_d, self.dy_w = fp8.grad_operands(recipe, dy, bounds)
 
@@ -215,10 +215,12 @@ class GroupedGrads:
             return self.operands.x, self.dy_w, None
         recipe, dy, offs, dy_q, x_tm = self.ctx.recipe, self.dy, self.offs, self.dy_q, \
             self.operands.x
-        kernel = _wgrad_kernel(self.ctx.backend.name)[0]
+        backend_name = self.ctx.backend.name
+        kernel = _wgrad_kernel(backend_name)[0]
 
         def wgrad_fn(out: Tensor, accumulate: bool) -> Tensor:
-            dy_tm = fp8.grad_token_major(recipe, dy, offs, dy_q)  # only when dW is computed
+            # only when dW is computed
+            dy_tm = fp8.grad_token_major(recipe, dy, offs, dy_q, backend_name)
             operands = (dy_tm.data, x_tm.data, dy_tm.scale_inv, x_tm.scale_inv, dy_tm.offs)
             if out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous():
                 return kernel(*operands, out=out, accumulate=accumulate)

@@ -14,7 +14,8 @@ the persistent grid), ``gemm`` (``grouped_mm`` / ``grouped_wgrad``), ``glu`` (th
 steps, each with a ``.supports(x, w, act, interleave)``), ``act`` (the fused non-gated
 activation steps ``act_fc1_forward`` / ``act_fc2_dgrad``, each with a ``.supports(x, w, act)``),
 ``fp8`` (the FP8 grouped GEMMs ``scaled_grouped_mm`` and ``scaled_grouped_wgrad`` with row-wise
-scales, ``supports_scaled`` / ``supports_scaled_wgrad``),
+scales, ``supports_scaled`` / ``supports_scaled_wgrad``), ``quant`` (the FP8 quantization
+kernels ``quantize_rows`` / ``quantize_spans``, ``quant_problem``),
 ``compile`` and ``disk_cache`` (compiling and caching), and the kernels (``grouped_gemm``,
 ``glu_epilogue``, ``act_epilogue`` and the modules they are built from). This file only
 re-exports.
@@ -34,6 +35,7 @@ from .launch import (
     route_problem,
     tile_n_for,
 )
+from .quant import quant_problem, quantize_rows, quantize_spans
 
 __all__ = [
     "Tiling",
@@ -53,6 +55,9 @@ __all__ = [
     "supports_scaled",
     "scaled_grouped_wgrad",
     "supports_scaled_wgrad",
+    "quant_problem",
+    "quantize_rows",
+    "quantize_spans",
     "MM_TILING",
     "WGRAD_TILING",
     "TILE_WIDTHS",

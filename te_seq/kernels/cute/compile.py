@@ -310,3 +310,53 @@ def compile_act(cfg: ActConfig) -> CompiledGemm:
         cfg.tile_n, cfg.route,
     )
     return _compile("act", cfg, kernel, _fake_glu_args(cfg))
+
+
+# ---------------------------------------------------------------- FP8 quantization
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """An FP8 quantization kernel's static config (sizes symbolic): ``quant_kernels``.
+
+    kind "rows" (``RowQuantKernel``), "span_amax" or "span_cast" (the token-major pair);
+    in_dtype the 16-bit input; power_of_two the rule's scale rounding."""
+
+    kind: str
+    in_dtype: torch.dtype
+    power_of_two: bool = False
+
+
+def _fake_quant_args(cfg: QuantConfig) -> tuple:
+    """Fake tensors: t [R, C] row-major (C a multiple of 16), the kind's outputs."""
+    src = _DTYPES[cfg.in_dtype]
+    fp8 = cutlass.Float8E4M3FN
+    cols = cute.sym_int32(divisibility=16)
+    t = make_fake_compact_tensor(src, (cute.sym_int32(), cols), stride_order=(1, 0),
+                                 assumed_align=16)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    if cfg.kind == "rows":
+        data = make_fake_compact_tensor(fp8, (t.shape[0], cols), stride_order=(1, 0),
+                                        assumed_align=16)
+        return t, data, _fake_scales(1), stream
+    table = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(), 4), stride_order=(1, 0),
+                                     assumed_align=16)
+    span_amax = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(), cols),
+                                         stride_order=(1, 0), assumed_align=16)
+    if cfg.kind == "span_amax":
+        return t, table, span_amax, stream
+    width = cute.sym_int32(divisibility=128)
+    data = make_fake_compact_tensor(fp8, (cols, width), stride_order=(1, 0), assumed_align=16)
+    return t, table, span_amax, data, _fake_scales(2), stream
+
+
+@functools.lru_cache(maxsize=None)
+def compile_quant(cfg: QuantConfig) -> CompiledGemm:
+    """An FP8 quantization kernel for ``cfg``: compiled once per config, cached in memory and
+    on disk."""
+    from . import quant_kernels as qk
+
+    kernels = {"rows": qk.RowQuantKernel, "span_amax": qk.SpanAmaxKernel,
+               "span_cast": qk.SpanCastKernel}
+    kernel = kernels[cfg.kind](448.0, cfg.power_of_two)
+    return _compile("quant", cfg, kernel, _fake_quant_args(cfg))

@@ -77,7 +77,7 @@ def backward(mlp, ctxs, grad_output: Tensor):
     da = amp.cast(fc2.dgrad(), h.dtype)  # [T, F], as FC2's dX
     dh, dprobs = _activation_backward(mlp, h, da, probs, backend)  # [T, 2F]
     a = _activation(mlp, h, probs, backend)  # recomputed: FC2's wgrad operand
-    fc2.with_input(_fc2_wgrad_input(recipe, a, offs, bounds, ops2.native))
+    fc2.with_input(_fc2_wgrad_input(recipe, a, offs, bounds, ops2.native, backend.name))
     fc2_grads, ds2 = _grads(mlp.fc2, ctx2, dy, fc2, offs, s2)
     fc1_grads, ds1, dx = [], None, None
     if ctx1.requires_grad:
@@ -97,12 +97,12 @@ def _activation_backward(mlp, h: Tensor, da: Tensor, probs, backend):
     return backend.act_backward(h, da, op.act), None
 
 
-def _fc2_wgrad_input(recipe, a: Tensor, offs: Tensor, bounds, native: bool):
+def _fc2_wgrad_input(recipe, a: Tensor, offs: Tensor, bounds, native: bool, backend_name: str):
     """FC2's wgrad operand from the recomputed activation a [T, F]: token-major FP8 (native)
     or fp32 along the tokens (emulated), quantized as an unfused FC2 would."""
     if not native:
         return fp8.input_operands(recipe, a, a, bounds)[1]
-    return fp8.input_token_major(recipe, a, a, offs, fp8.input_quantized(recipe, a, a))
+    return fp8.input_token_major(recipe, a, a, offs, None, backend_name)
 
 
 def _grads(fc: GroupedLinear, ctx, dout: Tensor, gemms: fp8_gemm.GroupedGrads, offs, scales):

@@ -1,0 +1,78 @@
+"""FP8 quantization on the CuTe DSL backend: ``quantize_rows`` (one scale per row) and
+``quantize_spans`` (one scale per (group, column), token-major), with ``quant_problem``.
+Kernels: ``quant_kernels``; the numbers are ``fp8_reference``'s bit for bit (E4M3, margin 0,
+with or without power-of-two scales).
+
+Each call is one or two kernel launches (~10 µs of host time) in place of a compiled torch
+region or a dozen eager kernels, and reads no sizes on the host: sync-free and CUDA-graph
+capturable. Imports no cutlass until a kernel is first compiled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .fp8 import FP8_DTYPE, _aligned, _device_problem
+from .launch import _row_major, available
+
+SPAN_BLOCK = 128  # tokens per padded block (fp8_wgrad.WGRAD_PAD)
+_IN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def quant_problem(t: Tensor, fp8_dtype: torch.dtype, margin: int) -> str:
+    """Why the cute quantization kernels cannot quantize t [R, C] into `fp8_dtype` with scale
+    margin `margin` ("" when they can): a 2-D bf16/fp16 CUDA tensor on an sm_90 GPU, C a
+    multiple of 16, E4M3, margin 0, the CuTe DSL installed."""
+    if t.dim() != 2 or t.dtype not in _IN_DTYPES:
+        return f"needs a 2-D bf16/fp16 tensor, got {t.dtype} {tuple(t.shape)}"
+    if t.shape[1] % 16:
+        return f"needs C a multiple of 16, got C={t.shape[1]}"
+    if fp8_dtype != FP8_DTYPE or margin != 0:
+        return f"quantizes to float8_e4m3fn with margin 0, got {fp8_dtype}, margin {margin}"
+    why = _device_problem((t,))
+    if why:
+        return why
+    ok, why = available()
+    return "" if ok else why
+
+
+def _kernel(kind: str, t: Tensor, power_of_two: bool):
+    from .compile import QuantConfig, compile_quant
+
+    return compile_quant(QuantConfig(kind, t.dtype, power_of_two)).fn
+
+
+def quantize_rows(t: Tensor, power_of_two: bool = False) -> tuple[Tensor, Tensor]:
+    """t [R, C] quantized to E4M3 with one scale per row: (data [R, C], scale_inv fp32 [R, 1]),
+    `fp8_reference.quantize(t, QuantBlock(1, None), ScaleRule("E4M3", 0, power_of_two))`."""
+    t = _aligned(_row_major(t))
+    data = torch.empty(t.shape, dtype=FP8_DTYPE, device=t.device)
+    scale_inv = torch.empty(t.shape[0], dtype=torch.float32, device=t.device)
+    if t.numel():
+        _kernel("rows", t, power_of_two)(t, data, scale_inv)
+    return data, scale_inv[:, None]
+
+
+def quantize_spans(t: Tensor, table: Tensor, groups: int,
+                   power_of_two: bool = False) -> tuple[Tensor, Tensor]:
+    """t [T, C] quantized to E4M3 along the tokens of each group, token-major: (data [C, P],
+    scale_inv fp32 [G, C]) as `fp8_wgrad.quantize_token_major` lays them out. `table` int32
+    [P / 128, 4] describes each padded 128-token block: (its first row of t, its valid rows
+    0..128, its group, 1 on a group's first block); blocks past the last span have group
+    `groups` and no valid rows (their columns of data are zeros). Groups without tokens keep
+    scale_inv 1 (scale 1, as an all-zero block)."""
+    t = _aligned(_row_major(t))
+    cols, width = t.shape[1], table.shape[0] * SPAN_BLOCK
+    data = torch.empty(cols, width, dtype=FP8_DTYPE, device=t.device)
+    scale_inv = torch.ones(groups, cols, dtype=torch.float32, device=t.device)
+    if width == 0 or cols == 0:
+        return data, scale_inv
+    span_amax = torch.zeros(groups + 1, cols, dtype=torch.float32, device=t.device)
+    table = table.contiguous()
+    _kernel("span_amax", t, power_of_two)(t, table, span_amax)
+    _kernel("span_cast", t, power_of_two)(t, table, span_amax, data, scale_inv)
+    return data, scale_inv
+
+
+__all__ = ["quant_problem", "quantize_rows", "quantize_spans"]

@@ -1,0 +1,91 @@
+"""Which kernels quantize an FP8 GEMM's operands: the one place that decides.
+
+    rows(t, block, rule, backend_name)          t [R, C] along C (`fp8_reference.quantize`)
+    token_major(t, offs, rule, backend_name)    t [T, C] along each group's tokens, laid out
+                                                token-major (`fp8_wgrad.quantize_token_major`)
+
+On the cute backend, row-wise blocks of 16-bit CUDA data (E4M3, margin 0, C a multiple of 16)
+run te_seq's CuTe DSL kernels (`te_seq.kernels.cute.quant`: one launch per row-wise operand,
+two per token-major one); everything else runs the torch definitions (compiled regions on CUDA,
+`compiled_maths`). Both give the same bits (tests/kernels/test_cute_quant.py), so the choice
+never changes a result. `reason` says why the kernels do not apply.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from te_seq.kernels import cute, fp8_wgrad
+from te_seq.kernels import fp8_reference as ref
+
+
+def reason(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule, backend_name: str) -> str:
+    """Why t is not quantized by the cute kernels ("" when it is)."""
+    if backend_name != "cute":
+        return f"the {backend_name} backend quantizes with torch"
+    if block != ref.ROWWISE:
+        return f"blocks {block} are not row-wise"
+    return cute.quant_problem(t, rule.dtype, rule.margin)
+
+
+def rows(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule,
+         backend_name: str) -> ref.QuantizedTensor:
+    """t [R, C] quantized along C with `block` under `rule` (`fp8_reference.quantize`)."""
+    if reason(t, block, rule, backend_name):
+        return ref.quantize(t, block, rule)
+    data, scale_inv = cute.quantize_rows(t, rule.power_of_two)
+    return ref.QuantizedTensor(data, scale_inv, block, rule)
+
+
+def token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule,
+                backend_name: str) -> fp8_wgrad.TokenMajor:
+    """t [T, C] quantized along the tokens of each group (`offs` int32 [G] row ends), one scale
+    per (group, column), token-major (`fp8_wgrad.quantize_token_major`)."""
+    if reason(t, ref.ROWWISE, rule, backend_name):
+        return fp8_wgrad.quantize_token_major(t, offs, rule)
+    table, padded_offs = span_table(offs, t.shape[0])
+    data, scale_inv = cute.quantize_spans(t, table, offs.shape[0], rule.power_of_two)
+    return fp8_wgrad.TokenMajor(data, scale_inv, padded_offs)
+
+
+# offs tensor -> ((its version, rows), (table, padded offs)): one step's token-major operands
+# (x, the activation, dy, dh) share their group offsets, so the table is built once per step
+_TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def span_table(offs: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """(table int32 [P / 128, 4], padded span ends int32 [G]) for `rows` tokens grouped by
+    `offs`: per padded 128-token block, (its first row, its valid rows, its group, 1 on its
+    group's first block), as `cute.quantize_spans` reads it; blocks past the last span have
+    group G and no rows. Cached per `offs` tensor (and its version); no host sync."""
+    key = (offs._version, rows)
+    cached = _TABLES.get(offs)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    made = _build_table(offs, rows)
+    if not torch.compiler.is_compiling():
+        _TABLES[offs] = (key, made)
+    return made
+
+
+def _build_table(offs: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    groups, pad = offs.shape[0], fp8_wgrad.WGRAD_PAD
+    ends = offs.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    spans = (counts + pad - 1) // pad * pad
+    padded_ends = torch.cumsum(spans, 0)
+    starts = torch.arange(0, fp8_wgrad.padded_width(rows, groups), pad, device=offs.device)
+    group = torch.searchsorted(padded_ends, starts, right=True)  # G past the last span
+    g = group.clamp(max=groups - 1)
+    within = starts - (padded_ends - spans)[g]
+    inside = group < groups
+    valid = torch.where(inside, (counts[g] - within).clamp(0, pad), 0)
+    first_row = torch.where(inside, (ends - counts)[g] + within, 0)
+    first = inside & (within == 0)
+    table = torch.stack([first_row, valid, group, first.long()], 1).to(torch.int32)
+    return table, padded_ends.to(torch.int32)
+
+
+__all__ = ["reason", "rows", "span_table", "token_major"]

@@ -1,0 +1,197 @@
+"""The cute FP8 quantization kernels (te_seq/kernels/cute/quant.py) and their dispatch
+(te_seq/kernels/fp8_quantize.py).
+
+CPU: the span table read by the token-major kernels, checked by running the kernels' algorithm
+in torch over it (bitwise `fp8_wgrad.quantize_token_major`); the dispatch reasons; every kernel
+config compiles for sm_90a. GPU: both kernels bit for bit against the torch definitions on fresh
+random data (bf16 and fp16, power-of-two scales, nan / inf / all-zero / tiny rows, empty groups,
+one group, rows past the last group, unaligned and non-contiguous inputs) and under a CUDA
+graph replayed with new offsets."""
+
+import pytest
+import torch
+from cute_marks import compile_for_sm90a, gpu, needs_cute, needs_dsl, offsets
+
+from te_seq.kernels import fp8_quantize, fp8_wgrad
+from te_seq.kernels import fp8_reference as ref
+
+E4M3 = ref.ScaleRule("E4M3")
+E4M3_POW2 = ref.ScaleRule("E4M3", power_of_two=True)
+SPAN_CASES = {  # group sizes, rows of t (>= their sum: the rest belong to no group)
+    "uniform": ([256, 256, 256], 768),
+    "empty_and_odd": ([0, 5, 130, 0, 1, 300], 436),
+    "one_group": ([77], 77),
+    "rows_past_the_end": ([40, 0, 90], 200),
+    "all_empty": ([0, 0], 12),
+}
+
+
+def _offs(sizes: list[int], device="cpu") -> torch.Tensor:
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def _spans_by_table(t: torch.Tensor, table: torch.Tensor, groups: int, rule: ref.ScaleRule):
+    """The two span kernels' algorithm in torch: per block, the max over its valid rows into
+    its group's column maxima (nan as inf), then each block cast with its group's scales."""
+    cols, pad = t.shape[1], fp8_wgrad.WGRAD_PAD
+    span_amax = torch.zeros(groups + 1, cols)
+    blocks = []
+    for first_row, valid, group, _ in table.tolist():
+        rows = t[first_row:first_row + valid].float()
+        block = torch.cat([rows, rows.new_zeros(pad - valid, cols)])
+        amax = rows.abs().amax(0) if valid else torch.zeros(cols)
+        amax = torch.where(amax.isnan(), float("inf"), amax)
+        span_amax[group] = torch.maximum(span_amax[group], amax)
+        blocks.append((block, group))
+    scales = ref.scales_from_amax(span_amax, rule)
+    data = torch.cat([ref.scaled_cast(b, scales[g], rule.fp8_max, rule.dtype) for b, g in blocks])
+    return data.t(), torch.reciprocal(scales[:groups])
+
+
+@pytest.mark.parametrize("case", sorted(SPAN_CASES))
+def test_span_table_gives_quantize_token_major(case):
+    sizes, rows = SPAN_CASES[case]
+    torch.manual_seed(1)
+    t = torch.randn(rows, 32, dtype=torch.bfloat16) * 3
+    if rows > 10:
+        t[7, 3] = float("nan")
+        t[9, 5] = float("inf")
+    offs = _offs(sizes)
+    table, padded = fp8_quantize.span_table(offs, rows)
+    expected = fp8_wgrad.quantize_token_major(t, offs, E4M3)
+    data, scale_inv = _spans_by_table(t, table, len(sizes), E4M3)
+    assert torch.equal(padded, expected.offs)
+    assert data.shape == expected.data.shape
+    same = data.view(torch.uint8) == expected.data.view(torch.uint8)
+    both_nan = data.float().isnan() & expected.data.float().isnan()
+    assert bool((same | both_nan).all())
+    assert torch.equal(scale_inv.nan_to_num(-1.0), expected.scale_inv.nan_to_num(-1.0))
+
+
+def test_span_table_is_cached_per_offsets_and_version():
+    offs = _offs([3, 200, 0])
+    first = fp8_quantize.span_table(offs, 203)
+    assert fp8_quantize.span_table(offs, 203)[0] is first[0]
+    assert fp8_quantize.span_table(offs, 250)[0] is not first[0]  # other rows: rebuilt
+    offs[0] = 5  # an in-place write bumps the version: rebuilt, not stale
+    table = fp8_quantize.span_table(offs, 203)[0]
+    assert table is not first[0]
+    assert table[0].tolist() == [0, 5, 0, 1]
+
+
+def test_dispatch_reasons_name_the_problem():
+    t = torch.randn(8, 32, dtype=torch.bfloat16)
+    assert "torch backend" in fp8_quantize.reason(t, ref.ROWWISE, E4M3, "torch")
+    assert "row-wise" in fp8_quantize.reason(t, ref.PER_TENSOR, E4M3, "cute")
+    from te_seq.kernels import cute
+
+    assert "multiple of 16" in cute.quant_problem(torch.randn(4, 24, dtype=torch.bfloat16),
+                                                  torch.float8_e4m3fn, 0)
+    assert "margin 0" in cute.quant_problem(t, torch.float8_e4m3fn, 1)
+    assert "float8_e4m3fn" in cute.quant_problem(t, torch.float8_e5m2, 0)
+    assert "bf16/fp16" in cute.quant_problem(t.float(), torch.float8_e4m3fn, 0)
+    if not torch.cuda.is_available():
+        assert "CUDA" in cute.quant_problem(t, torch.float8_e4m3fn, 0)
+    # whatever the reason, the torch definition runs and gives its numbers
+    q = fp8_quantize.rows(t, ref.ROWWISE, E4M3, "cute" if not torch.cuda.is_available() else "x")
+    assert torch.equal(q.dequantize(), ref.qdq(t, ref.ROWWISE, E4M3))
+
+
+@needs_dsl
+@pytest.mark.slow
+def test_quant_kernels_compile_for_sm90a():
+    script = (
+        "import torch\n"
+        "from te_seq.kernels.cute.compile import QuantConfig, compile_quant\n"
+        "for kind in ('rows', 'span_amax', 'span_cast'):\n"
+        "    for dtype in (torch.bfloat16, torch.float16):\n"
+        "        for pow2 in (False, True):\n"
+        "            compile_quant(QuantConfig(kind, dtype, pow2))\n"
+        "print('ALL COMPILED')\n"
+    )
+    compile_for_sm90a(script, timeout=600)
+
+
+# ---------------------------------------------------------------- GPU: bit for bit
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes, a nan anywhere in one matching a nan in the other (nan's sign may differ)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    same = a.view(torch.uint8) == b.view(torch.uint8) if a.element_size() == 1 else a == b
+    return bool((same | (a.float().isnan() & b.float().isnan())).all())
+
+
+def _rows_input(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.randn(rows, cols, device="cuda") * torch.logspace(-3, 3, rows, device="cuda")[:, None]
+    t = t.to(dtype)
+    t[1, 4] = float("nan")
+    t[2, 7] = float("inf")
+    t[3] = 0.0  # an all-zero row: scale 1
+    if dtype == torch.bfloat16:  # tiny values: fp8_max / amax overflows, clamped to fp32's max
+        t[4] = torch.randn(cols, device="cuda").to(dtype) * 1e-38
+    return t
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rule", [E4M3, E4M3_POW2], ids=["scale", "pow2"])
+@pytest.mark.parametrize("shape", [(37, 16), (300, 2064), (1, 4096)])
+def test_rows_kernel_is_bitwise_the_reference(dtype, rule, shape):
+    torch.manual_seed(2)
+    t = _rows_input(max(shape[0], 5), shape[1], dtype)[: shape[0]]
+    got = fp8_quantize.rows(t, ref.ROWWISE, rule, "cute")
+    want = ref.quantize(t, ref.ROWWISE, rule)
+    assert _same_bits(got.data, want.data)
+    assert _same_bits(got.scale_inv, want.scale_inv)
+
+
+@gpu
+@needs_cute
+def test_rows_kernel_takes_strided_and_unaligned_inputs():
+    torch.manual_seed(3)
+    base = torch.randn(65, 2 * 528, device="cuda", dtype=torch.bfloat16)
+    for t in (base[:, ::2], base[1:, :528], base.t()[:528, :64]):
+        got = fp8_quantize.rows(t, ref.ROWWISE, E4M3, "cute")
+        assert _same_bits(got.data, ref.quantize(t, ref.ROWWISE, E4M3).data)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("case", sorted(SPAN_CASES))
+@pytest.mark.parametrize("rule", [E4M3, E4M3_POW2], ids=["scale", "pow2"])
+def test_span_kernels_are_bitwise_quantize_token_major(case, rule):
+    sizes, rows = SPAN_CASES[case]
+    torch.manual_seed(4)
+    t = torch.randn(rows, 2064, device="cuda", dtype=torch.bfloat16) * 5
+    if rows > 10:
+        t[7, 3] = float("nan")
+        t[9, 100] = float("-inf")
+    offs = offsets(sizes)
+    got = fp8_quantize.token_major(t, offs, rule, "cute")
+    want = fp8_wgrad.quantize_token_major(t, offs, rule)
+    assert torch.equal(got.offs, want.offs)
+    assert _same_bits(got.data, want.data)
+    assert _same_bits(got.scale_inv, want.scale_inv)
+
+
+@gpu
+@needs_cute
+def test_span_kernels_take_a_strided_input_and_replay_in_a_cuda_graph():
+    torch.manual_seed(5)
+    t = torch.randn(600, 2 * 256, device="cuda", dtype=torch.float16)[:, ::2]
+    offs = offsets([100, 0, 300, 200])
+    fp8_quantize.token_major(t, offs, E4M3, "cute")  # compile outside the capture
+    table, _ = fp8_quantize.span_table(offs, 600)
+    graph = torch.cuda.CUDAGraph()
+    from te_seq.kernels import cute
+
+    with torch.cuda.graph(graph):
+        data, scale_inv = cute.quantize_spans(t, table, 4)
+    table.copy_(fp8_quantize._build_table(offsets([1, 299, 0, 300]), 600)[0])
+    graph.replay()
+    want = fp8_wgrad.quantize_token_major(t, offsets([1, 299, 0, 300]), E4M3)
+    assert _same_bits(data, want.data)
+    assert _same_bits(scale_inv, want.scale_inv)
