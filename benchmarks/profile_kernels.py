@@ -42,16 +42,25 @@ def step_fn(mlp, forward, recipe):
     return step
 
 
-def kernel_table(step, iters: int):
-    """{kernel name: (calls, device µs)} summed over `iters` steps, and the wall µs per step."""
+def step_wall(step, iters: int) -> float:
+    """µs per step, `iters` steps back to back, no profiler (its per-op cost would inflate it)."""
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def kernel_table(step, iters: int):
+    """{kernel name: (calls, device µs)} summed over `iters` steps, and the wall µs per step
+    (`step_wall`, measured before profiling)."""
+    wall = step_wall(step, iters)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / iters * 1e6
     kernel_table.cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
     table = defaultdict(lambda: [0, 0.0])
     for e in prof.events():
