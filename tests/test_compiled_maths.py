@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from te_seq.kernels import compiled_maths
+from te_seq.kernels.fp8_reference import inverse
 
 
 def _scale_and_reciprocal(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.div(torch.full_like(amax, 448.0), amax)
-    return scale, torch.reciprocal(scale)
+    return scale, inverse(scale)
 
 
 def _check_bitwise(device: str) -> None:
@@ -21,6 +22,8 @@ def _check_bitwise(device: str) -> None:
     assert compiled.broken is None, compiled.broken  # it really ran compiled
     for g, w in zip(got, _scale_and_reciprocal(amax), strict=True):
         assert torch.equal(g.view(torch.int32), w.view(torch.int32))
+    eager_reciprocal = torch.reciprocal(got[0])  # `inverse` is the eager reciprocal, bitwise
+    assert torch.equal(got[1].view(torch.int32), eager_reciprocal.view(torch.int32))
 
 
 @pytest.mark.slow
