@@ -212,6 +212,25 @@ def grad_token_major(recipe: Recipe, dy: Tensor, offs: Tensor, along_n: ref.Quan
     return fp8_quantize.token_major(dy, offs, recipe.rule("grad"), backend_name)
 
 
+def input_both(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor, backend_name: str
+               ) -> tuple[ref.QuantizedTensor, fp8_wgrad.TokenMajor]:
+    """(`input_quantized`, `input_token_major`) of x, made together where one pass pair can
+    (row-wise blocks, no `ops.Quantize` input)."""
+    if _marker(recipe, input_) is None and recipe.block("input") == ref.ROWWISE:
+        return fp8_quantize.rows_and_token_major(x, offs, recipe.rule("input"), backend_name)
+    forward = input_quantized(recipe, input_, x, backend_name)
+    return forward, input_token_major(recipe, input_, x, offs, forward, backend_name)
+
+
+def grad_both(recipe: Recipe, dy: Tensor, offs: Tensor, backend_name: str
+              ) -> tuple[ref.QuantizedTensor, fp8_wgrad.TokenMajor]:
+    """(`grad_quantized`, `grad_token_major`) of dy, made together where one pass pair can."""
+    if recipe.block("grad") == ref.ROWWISE:
+        return fp8_quantize.rows_and_token_major(dy, offs, recipe.rule("grad"), backend_name)
+    along_n = grad_quantized(recipe, dy, backend_name)
+    return along_n, grad_token_major(recipe, dy, offs, along_n, backend_name)
+
+
 def grad_quantized(recipe: Recipe, dy: Tensor, backend_name: str = "torch") -> ref.QuantizedTensor:
     """dy [T, N] quantized along N as the dgrad GEMM's operand."""
     return fp8_quantize.rows(dy, recipe.block("grad"), recipe.rule("grad"), backend_name)

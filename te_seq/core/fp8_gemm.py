@@ -151,12 +151,14 @@ def linear_forward(op, ctx, input_: Tensor, x: Tensor, w: Tensor, params: list[T
 
 def grouped_forward(
     op, ctx, input_: Tensor, x: Tensor, w: Tensor, params: list[Tensor], offs: Tensor,
-    bounds: list[tuple[int, int]], need_wgrad: bool = True,
+    bounds: list[tuple[int, int]], need_wgrad: bool = True, gemm=None,
 ) -> tuple[Tensor, fp8.GradOperands]:
     """Rows of group g: y = Q(x) Q(W_g)ᵀ under ctx.recipe, without bias: (y [T, N] in x's
     dtype, what the backward reads: x along T (None unless `need_wgrad`) and W along N, in
     fp32 for the emulated backward, FP8 for the native one; see `fp8.GradOperands`). `offs`
-    [G] group ends, `bounds` their (start, end) rows."""
+    [G] group ends, `bounds` their (start, end) rows. `gemm` (real FP8 only): a kernel with
+    `fp8_cute.scaled_grouped_mm`'s arguments in place of the backend's (a fused epilogue:
+    `fp8_cute.glu_fc1`); its result is returned as y."""
     recipe = ctx.recipe
     fp8.check_operands(op, recipe, x, w, w.shape[-1], w.shape[-2])
     weights = fp8.cached_weights(op, recipe, w, params)
@@ -165,12 +167,14 @@ def grouped_forward(
         y = ctx.backend.grouped_mm(x_fwd, weights.forward.transpose(1, 2), offs)
         return amp.cast(y, x.dtype), fp8.GradOperands(x_wgrad if need_wgrad else None,
                                                       weights.dgrad)
-    x_q = fp8.input_quantized(recipe, input_, x, ctx.backend.name)
+    native_backward = _backward_native(ctx, x, w)
+    if native_backward and need_wgrad:  # both forms of x in one pass pair where possible
+        x_q, x_tm = fp8.input_both(recipe, input_, x, offs, ctx.backend.name)
+    else:
+        x_q, x_tm = fp8.input_quantized(recipe, input_, x, ctx.backend.name), None
     w_data, w_scale_inv = weights.fp8
-    y = _scaled_grouped_mm(ctx.backend.name)(x_q, w_data, w_scale_inv, offs, x.dtype)
-    if _backward_native(ctx, x, w):
-        x_tm = fp8.input_token_major(recipe, input_, x, offs, x_q, ctx.backend.name) \
-            if need_wgrad else None
+    y = (gemm or _scaled_grouped_mm(ctx.backend.name))(x_q, w_data, w_scale_inv, offs, x.dtype)
+    if native_backward:
         return y, fp8.GradOperands(x_tm, *weights.dgrad_fp8)
     x_wgrad = fp8.input_wgrad(recipe, input_, x, bounds, x_q) if need_wgrad else None
     return y, fp8.GradOperands(x_wgrad, weights.dgrad)
@@ -184,21 +188,25 @@ class GroupedGrads:
     `fp8.grad_operands` on the backend's grouped GEMMs."""
 
     def __init__(self, ctx, dy: Tensor, operands: fp8.GradOperands, offs: Tensor,
-                 bounds: list[tuple[int, int]]):
+                 bounds: list[tuple[int, int]], need_wgrad: bool = True):
         self.ctx, self.dy, self.operands, self.offs = ctx, dy, operands, offs
-        recipe = ctx.recipe
-        if operands.native:
+        recipe, self.dy_tm = ctx.recipe, None
+        if operands.native and need_wgrad:  # both forms of dy in one pass pair where possible
+            self.dy_q, self.dy_tm = fp8.grad_both(recipe, dy, offs, ctx.backend.name)
+        elif operands.native:
             self.dy_q = fp8.grad_quantized(recipe, dy, ctx.backend.name)
         else:
             self.dy_d, self.dy_w = fp8.grad_operands(recipe, dy, bounds)
 
-    def dgrad(self) -> Tensor:
-        """dX [T, K] = dY_g W_g per group, in dY's dtype."""
+    def dgrad(self, gemm=None) -> Tensor:
+        """dX [T, K] = dY_g W_g per group, in dY's dtype. `gemm` (native only): a kernel with
+        `fp8_cute.scaled_grouped_mm`'s arguments in place of the backend's (a fused epilogue:
+        `fp8_cute.glu_dgrad`); its result is returned."""
         ops = self.operands
         if not ops.native:
             return amp.cast(self.ctx.backend.grouped_mm(self.dy_d, ops.w, self.offs),
                             self.dy.dtype)
-        gemm = _scaled_grouped_mm(self.ctx.backend.name)
+        gemm = gemm or _scaled_grouped_mm(self.ctx.backend.name)
         return gemm(self.dy_q, ops.w, ops.w_scale_inv, self.offs, self.dy.dtype)
 
     def with_input(self, x_w: Tensor | fp8_wgrad.TokenMajor) -> GroupedGrads:
@@ -215,12 +223,13 @@ class GroupedGrads:
             return self.operands.x, self.dy_w, None
         recipe, dy, offs, dy_q, x_tm = self.ctx.recipe, self.dy, self.offs, self.dy_q, \
             self.operands.x
-        backend_name = self.ctx.backend.name
+        backend_name, made = self.ctx.backend.name, self.dy_tm
         kernel = _wgrad_kernel(backend_name)[0]
 
         def wgrad_fn(out: Tensor, accumulate: bool) -> Tensor:
-            # only when dW is computed
-            dy_tm = fp8.grad_token_major(recipe, dy, offs, dy_q, backend_name)
+            # made with dy's dgrad operand, else only now that dW is computed
+            dy_tm = made if made is not None else \
+                fp8.grad_token_major(recipe, dy, offs, dy_q, backend_name)
             operands = (dy_tm.data, x_tm.data, dy_tm.scale_inv, x_tm.scale_inv, dy_tm.offs)
             if out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous():
                 return kernel(*operands, out=out, accumulate=accumulate)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from te_seq.kernels import cute, fp8_torch
+from te_seq.kernels.activations import GluSpec
 from te_seq.kernels.fp8_reference import QuantBlock, QuantizedTensor
 
 _KERNEL = "cute scaled_grouped_mm"
@@ -66,3 +67,53 @@ def scaled_grouped_mm(
     # looked up on the package at call time: the one place the cute FP8 kernel is called
     return cute.scaled_grouped_mm(x.data.contiguous(), w_data.contiguous(), scale_a, scale_b,
                                   offs.to(torch.int32), out_dtype)
+
+
+# ---------------------------------------------------------------- GLU epilogues (fused MLP)
+
+
+def glu_reason(glu: GluSpec, hidden: int, ffn: int, device: torch.device) -> str:
+    """Why the fused GroupedMLP's FP8 FC1 and FC2-dgrad GEMMs cannot run its gated activation
+    in their epilogues (`cute.scaled_glu_fc1_forward` / `scaled_glu_fc2_dgrad`) for H=`hidden`,
+    F=`ffn` ("" when they can); checked on empty operands of those widths."""
+    def empty(*sizes: int, dtype=FP8) -> Tensor:
+        return torch.empty(*sizes, dtype=dtype, device=device)
+
+    il = glu.glu_interleave_size
+    checks = (
+        ("FC1", cute.scaled_glu_fc1_forward.supports(
+            empty(0, hidden), empty(1, 2 * ffn, hidden), empty(0, dtype=torch.float32),
+            empty(1, 2 * ffn, dtype=torch.float32), glu.act, il)),
+        ("FC2 dgrad", cute.scaled_glu_fc2_dgrad.supports(
+            empty(0, hidden), empty(1, ffn, hidden), empty(0, dtype=torch.float32),
+            empty(1, ffn, dtype=torch.float32), glu.act, il)),
+    )
+    for label, (ok, why) in checks:
+        if not ok:
+            return f"{label}: {why}"
+    return ""
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def glu_fc1(x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
+            out_dtype: torch.dtype, *, glu: GluSpec, probs: Tensor | None
+            ) -> tuple[Tensor, Tensor]:
+    """(h [M, 2F], a [M, F]): FC1's FP8 GEMM (`scaled_grouped_mm`'s operands: x [M, H], W1
+    [G, 2F, H]) with the gated activation (· probs) in its epilogue, bf16 (`out_dtype`)."""
+    scale_a, scale_b = fp8_torch.rowwise_scales(x, w_scale_inv, w_data.shape[1])
+    return cute.scaled_glu_fc1_forward(
+        x.data.contiguous(), w_data.contiguous(), scale_a, scale_b, offs.to(torch.int32),
+        glu.act, glu.glu_interleave_size, probs, glu.params)
+
+
+def glu_dgrad(dy: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
+              out_dtype: torch.dtype, *, h: Tensor, glu: GluSpec, probs: Tensor | None
+              ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(dh [M, 2F], a [M, F], dprobs [M] or None): FC2's FP8 dgrad (dy [M, H], W2ᵀ [G, F, H]
+    quantized along H) with the gated activation's backward from h [M, 2F] in its epilogue."""
+    scale_a, scale_b = fp8_torch.rowwise_scales(dy, w_scale_inv, w_data.shape[1])
+    return cute.scaled_glu_fc2_dgrad(
+        dy.data.contiguous(), w_data.contiguous(), scale_a, scale_b, offs.to(torch.int32),
+        h, glu.act, glu.glu_interleave_size, probs, glu.params)

@@ -3,6 +3,7 @@
     rows(t, block, rule, backend_name)          t [R, C] along C (`fp8_reference.quantize`)
     token_major(t, offs, rule, backend_name)    t [T, C] along each group's tokens, laid out
                                                 token-major (`fp8_wgrad.quantize_token_major`)
+    rows_and_token_major(t, offs, rule, ...)    both (row-wise blocks), in one kernel pair
 
 On the cute backend, row-wise blocks of 16-bit CUDA data (E4M3, margin 0, C a multiple of 16)
 run te_seq's CuTe DSL kernels (`te_seq.kernels.cute.quant`: one launch per row-wise operand,
@@ -50,6 +51,21 @@ def token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule,
     return fp8_wgrad.TokenMajor(data, scale_inv, padded_offs)
 
 
+def rows_and_token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backend_name: str
+                         ) -> tuple[ref.QuantizedTensor, fp8_wgrad.TokenMajor]:
+    """(`rows(t, ROWWISE, ...)`, `token_major(t, offs, ...)`): an operand both GEMMs of a
+    grouped linear read (x, dy). The cute kernels make both in two passes over t; rows past the
+    last group's end then have unspecified row-wise data (the grouped GEMMs write zeros for
+    them whatever they hold)."""
+    if reason(t, ref.ROWWISE, rule, backend_name):
+        return ref.quantize(t, ref.ROWWISE, rule), fp8_wgrad.quantize_token_major(t, offs, rule)
+    table, padded_offs = span_table(offs, t.shape[0])
+    data, scale_inv, row_data, row_scale_inv = cute.quantize_rows_and_spans(
+        t, table, offs.shape[0], rule.power_of_two)
+    return (ref.QuantizedTensor(row_data, row_scale_inv, ref.ROWWISE, rule),
+            fp8_wgrad.TokenMajor(data, scale_inv, padded_offs))
+
+
 # offs tensor -> ((its version, rows), (table, padded offs)): one step's token-major operands
 # (x, the activation, dy, dh) share their group offsets, so the table is built once per step
 _TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -88,4 +104,4 @@ def _build_table(offs: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     return table, padded_ends.to(torch.int32)
 
 
-__all__ = ["reason", "rows", "span_table", "token_major"]
+__all__ = ["reason", "rows", "rows_and_token_major", "span_table", "token_major"]

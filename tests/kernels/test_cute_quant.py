@@ -207,3 +207,23 @@ def test_span_kernels_take_a_strided_input_and_replay_in_a_cuda_graph():
     want = fp8_wgrad.quantize_token_major(t, offsets([1, 299, 0, 300]), E4M3)
     assert _same_bits(data, want.data)
     assert _same_bits(scale_inv, want.scale_inv)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("case", sorted(SPAN_CASES))
+@pytest.mark.parametrize("rule", [E4M3, E4M3_POW2], ids=["scale", "pow2"])
+def test_rows_and_spans_in_one_pass_pair_are_bitwise_both_definitions(case, rule):
+    sizes, rows = SPAN_CASES[case]
+    torch.manual_seed(6)
+    t = _rows_input(max(rows, 5), 2064, torch.bfloat16)[:rows] if rows else \
+        torch.zeros(0, 2064, device="cuda", dtype=torch.bfloat16)
+    offs = offsets(sizes)
+    along_rows, token_major = fp8_quantize.rows_and_token_major(t, offs, rule, "cute")
+    want_tm = fp8_wgrad.quantize_token_major(t, offs, rule)
+    assert _same_bits(token_major.data, want_tm.data)
+    assert _same_bits(token_major.scale_inv, want_tm.scale_inv)
+    grouped = sum(sizes)  # rows past the last group's end are unspecified
+    want = _eager_quantize(t[:grouped], rule)
+    assert _same_bits(along_rows.data[:grouped], want.data)
+    assert _same_bits(along_rows.scale_inv[:grouped], want.scale_inv)

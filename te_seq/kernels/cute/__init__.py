@@ -35,7 +35,7 @@ from .launch import (
     route_problem,
     tile_n_for,
 )
-from .quant import quant_problem, quantize_rows, quantize_spans
+from .quant import quant_problem, quantize_rows, quantize_rows_and_spans, quantize_spans
 
 __all__ = [
     "Tiling",
@@ -58,6 +58,7 @@ __all__ = [
     "quant_problem",
     "quantize_rows",
     "quantize_spans",
+    "quantize_rows_and_spans",
     "MM_TILING",
     "WGRAD_TILING",
     "TILE_WIDTHS",

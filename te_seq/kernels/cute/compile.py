@@ -319,12 +319,14 @@ def compile_act(cfg: ActConfig) -> CompiledGemm:
 class QuantConfig:
     """An FP8 quantization kernel's static config (sizes symbolic): ``quant_kernels``.
 
-    kind "rows" (``RowQuantKernel``), "span_amax" or "span_cast" (the token-major pair);
-    in_dtype the 16-bit input; power_of_two the rule's scale rounding."""
+    kind "rows" (``RowQuantKernel``), "span_amax" or "span_cast" (the token-major pair, with
+    ``rows``: the row-wise form too); in_dtype the 16-bit input; power_of_two the rule's scale
+    rounding."""
 
     kind: str
     in_dtype: torch.dtype
     power_of_two: bool = False
+    rows: bool = False  # span kernels: the row-wise form too
 
 
 def _fake_quant_args(cfg: QuantConfig) -> tuple:
@@ -343,11 +345,15 @@ def _fake_quant_args(cfg: QuantConfig) -> tuple:
                                      assumed_align=16)
     span_amax = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(), cols),
                                          stride_order=(1, 0), assumed_align=16)
+    row_amax = _fake_scales(1)
     if cfg.kind == "span_amax":
-        return t, table, span_amax, stream
+        return t, table, span_amax, row_amax, stream
     width = cute.sym_int32(divisibility=128)
     data = make_fake_compact_tensor(fp8, (cols, width), stride_order=(1, 0), assumed_align=16)
-    return t, table, span_amax, data, _fake_scales(2), stream
+    row_data = make_fake_compact_tensor(fp8, (cute.sym_int32(), cols), stride_order=(1, 0),
+                                        assumed_align=16)
+    return t, table, span_amax, data, _fake_scales(2), row_amax, row_data, _fake_scales(1), \
+        stream
 
 
 @functools.lru_cache(maxsize=None)
@@ -356,7 +362,9 @@ def compile_quant(cfg: QuantConfig) -> CompiledGemm:
     on disk."""
     from . import quant_kernels as qk
 
-    kernels = {"rows": qk.RowQuantKernel, "span_amax": qk.SpanAmaxKernel,
-               "span_cast": qk.SpanCastKernel}
-    kernel = kernels[cfg.kind](448.0, cfg.power_of_two)
+    kernels = {"span_amax": qk.SpanAmaxKernel, "span_cast": qk.SpanCastKernel}
+    if cfg.kind == "rows":
+        kernel = qk.RowQuantKernel(448.0, cfg.power_of_two)
+    else:
+        kernel = kernels[cfg.kind](448.0, cfg.power_of_two, cfg.rows)
     return _compile("quant", cfg, kernel, _fake_quant_args(cfg))

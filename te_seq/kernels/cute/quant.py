@@ -1,5 +1,6 @@
 """FP8 quantization on the CuTe DSL backend: ``quantize_rows`` (one scale per row) and
-``quantize_spans`` (one scale per (group, column), token-major), with ``quant_problem``.
+``quantize_spans`` (one scale per (group, column), token-major), ``quantize_rows_and_spans``
+(both forms in the passes of the second), with ``quant_problem``.
 Kernels: ``quant_kernels``; the numbers are ``fp8_reference``'s bit for bit (E4M3, margin 0,
 with or without power-of-two scales).
 
@@ -37,10 +38,10 @@ def quant_problem(t: Tensor, fp8_dtype: torch.dtype, margin: int) -> str:
     return "" if ok else why
 
 
-def _kernel(kind: str, t: Tensor, power_of_two: bool):
+def _kernel(kind: str, t: Tensor, power_of_two: bool, rows: bool = False):
     from .compile import QuantConfig, compile_quant
 
-    return compile_quant(QuantConfig(kind, t.dtype, power_of_two)).fn
+    return compile_quant(QuantConfig(kind, t.dtype, power_of_two, rows)).fn
 
 
 def quantize_rows(t: Tensor, power_of_two: bool = False) -> tuple[Tensor, Tensor]:
@@ -62,17 +63,35 @@ def quantize_spans(t: Tensor, table: Tensor, groups: int,
     0..128, its group, 1 on a group's first block); blocks past the last span have group
     `groups` and no valid rows (their columns of data are zeros). Groups without tokens keep
     scale_inv 1 (scale 1, as an all-zero block)."""
+    return _spans(t, table, groups, power_of_two, rows=False)[:2]
+
+
+def quantize_rows_and_spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool = False
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`quantize_spans` and `quantize_rows` of t in the same two passes: (token-major data,
+    its scale_inv, row-wise data [T, C], its scale_inv [T, 1]). Rows in no group (past the last
+    group's end) are not quantized row-wise: their data and scale_inv are unspecified (the
+    grouped GEMMs write zeros for those rows whatever they hold)."""
+    return _spans(t, table, groups, power_of_two, rows=True)
+
+
+def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool) -> tuple:
     t = _aligned(_row_major(t))
-    cols, width = t.shape[1], table.shape[0] * SPAN_BLOCK
-    data = torch.empty(cols, width, dtype=FP8_DTYPE, device=t.device)
-    scale_inv = torch.ones(groups, cols, dtype=torch.float32, device=t.device)
-    if width == 0 or cols == 0:
-        return data, scale_inv
-    span_amax = torch.zeros(groups + 1, cols, dtype=torch.float32, device=t.device)
-    table = table.contiguous()
-    _kernel("span_amax", t, power_of_two)(t, table, span_amax)
-    _kernel("span_cast", t, power_of_two)(t, table, span_amax, data, scale_inv)
-    return data, scale_inv
+    (count, cols), width = t.shape, table.shape[0] * SPAN_BLOCK
+    device = t.device
+    data = torch.empty(cols, width, dtype=FP8_DTYPE, device=device)
+    scale_inv = torch.ones(groups, cols, dtype=torch.float32, device=device)
+    row_shape = (count, cols) if rows else (1, 16)  # dummies without the row-wise form
+    row_data = torch.empty(row_shape, dtype=FP8_DTYPE, device=device)
+    row_amax = torch.zeros(row_shape[0], dtype=torch.float32, device=device)
+    row_scale_inv = torch.empty(row_shape[0], dtype=torch.float32, device=device)
+    if width and cols:
+        span_amax = torch.zeros(groups + 1, cols, dtype=torch.float32, device=device)
+        table = table.contiguous()
+        _kernel("span_amax", t, power_of_two, rows)(t, table, span_amax, row_amax)
+        _kernel("span_cast", t, power_of_two, rows)(t, table, span_amax, data, scale_inv,
+                                                   row_amax, row_data, row_scale_inv)
+    return data, scale_inv, row_data, row_scale_inv[:, None]
 
 
-__all__ = ["quant_problem", "quantize_rows", "quantize_spans"]
+__all__ = ["quant_problem", "quantize_rows", "quantize_rows_and_spans", "quantize_spans"]

@@ -381,7 +381,8 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         dy = self.grad_rows(ctx, grad_output)  # [T, N]
         if ctx.recipe is not None:  # FP8 (core/fp8_gemm.py): real FP8 or emulated
             operands = fp8.GradOperands.load(tuple(saved))
-            grads = fp8_gemm.GroupedGrads(ctx, dy, operands, offs, LazyGroupBounds(offs))
+            grads = fp8_gemm.GroupedGrads(ctx, dy, operands, offs, LazyGroupBounds(offs),
+                                          ctx.weight_requires_grad)
             dgrad, (x, dy_wgrad, wgrad_fn) = grads.dgrad, grads.wgrad_operands()
         else:
             (x, weight), dy_wgrad, wgrad_fn = saved, dy, None

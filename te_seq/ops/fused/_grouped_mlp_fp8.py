@@ -3,8 +3,10 @@
 Each GEMM quantizes exactly what the unfused GroupedLinear would (core/fp8.py: x and the
 activation along K and along tokens, dy and dh along N and along tokens, the cached weights), and
 every intermediate has the dtype it has between the unfused ops (h and the activation in the
-GEMMs' compute dtype), so fused equals unfused bitwise on the reference backend. The activation
-always runs after the GEMMs here (no FP8 epilogue kernels yet). Saved: h, the offsets and
+GEMMs' compute dtype), so fused equals unfused bitwise on the reference backend. A gated
+activation runs in the FP8 GEMMs' epilogues where `epilogue_reasons` allows it (the cute
+backend's `scaled_glu_fc1_forward` / `scaled_glu_fc2_dgrad`: the same quantized operands, the
+activation maths of the bf16 epilogues), else after the GEMMs. Saved: h, the offsets and
 each FC's `fp8.GradOperands` (x along tokens, the weight along N: fp32 for the emulated
 backward, FP8 token-major / quantized for the native one, core/fp8_gemm.py); the activation is
 recomputed from h in backward and quantized along the tokens there.
@@ -13,9 +15,13 @@ Shape legend as in grouped_mlp.py (T tokens, G experts, H hidden, F ffn width).
 
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch import Tensor
 
 from te_seq.core import amp, fp8, fp8_gemm
+from te_seq.kernels import fp8_cute
 from te_seq.kernels.reference import LazyGroupBounds
 from te_seq.ops.basic.grouped_linear import GroupedLinear
 
@@ -34,6 +40,37 @@ def _gemm(fc: GroupedLinear, ctx, input_: Tensor, x: Tensor, w: Tensor, offs, bo
     return (y if bias is None else y + bias), operands
 
 
+def epilogue_reasons(mlp, backend_name: str, recipe, dtype: torch.dtype,
+                     device: torch.device) -> tuple[str, str]:
+    """(why FC1's FP8 GEMM does not apply the activation in its epilogue, why FC2's FP8 dgrad
+    does not apply its backward): "" where it does. Static facts only (plan time too)."""
+    if backend_name != "cute":
+        return (f"the {backend_name} backend has no FP8 epilogue kernels",) * 2
+    op = mlp.activation
+    if not op.gated:
+        return ("non-gated activations have no FP8 epilogue kernels",) * 2
+    if mlp.fc1.has_bias:
+        return ("an FC1 bias has no FP8 epilogue kernel",) * 2
+    hidden, ffn = mlp.fc1.in_features, mlp.fc2.in_features
+    dims = [(hidden, 2 * ffn), (ffn, hidden)]
+    why = fp8_gemm.forward_reason(backend_name, recipe, dtype, device, dims, True)
+    why = why or fp8_cute.glu_reason(op.glu_spec, hidden, ffn, device)
+    if why:
+        return why, why
+    return "", fp8_gemm.backward_reason(backend_name, recipe, dtype, device, dims, True)
+
+
+def plan_note(mlp, backend_name: str, recipe, dtype: torch.dtype, device: torch.device) -> str:
+    """Where the activation runs under `recipe` (the plan step's note)."""
+    fc1, dgrad = epilogue_reasons(mlp, backend_name, recipe, dtype, device)
+    if not fc1 and not dgrad:
+        return "activation fused into the FP8 FC1 and FC2-dgrad epilogues"
+    if not fc1:
+        return f"activation fused into the FP8 FC1 epilogue; its backward after the GEMMs " \
+               f"({dgrad})"
+    return f"activation after the GEMMs ({fc1})"
+
+
 def _activation(mlp, h: Tensor, probs, backend) -> Tensor:
     op = mlp.activation
     if op.gated:
@@ -50,8 +87,13 @@ def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: 
     fp8.check_operands(mlp.fc1, recipe, x, w1, w1.shape[-1], w1.shape[-2])
     h_like = x.new_empty(()).expand(x.shape[0], mlp.fc1.out_features)  # shape only
     mlp.activation.pre_forward_checks(h_like, extra_inputs[1])
-    h, ops1 = _gemm(mlp.fc1, ctx, input_, x, w1, offs, bounds, extras.fc1_scales)  # [T, 2F]
-    a = _activation(mlp, h, probs, backend)  # [T, F]
+    if not epilogue_reasons(mlp, backend.name, recipe, dtype, x.device)[0]:
+        glu = functools.partial(fp8_cute.glu_fc1, glu=mlp.activation.glu_spec, probs=probs)
+        (h, a), ops1 = fp8_gemm.grouped_forward(mlp.fc1, ctx, input_, x, w1, _params(mlp.fc1),
+                                                offs, bounds, gemm=glu)
+    else:
+        h, ops1 = _gemm(mlp.fc1, ctx, input_, x, w1, offs, bounds, extras.fc1_scales)  # [T, 2F]
+        a = _activation(mlp, h, probs, backend)  # [T, F]
     mlp.fc2.pre_forward_checks(a, extra_inputs[2])
     # FC2's wgrad operand is recomputed from h in backward: not quantized along tokens here
     y, ops2 = _gemm(mlp.fc2, ctx, a, a, w2, offs, bounds, extras.fc2_scales,
@@ -73,21 +115,34 @@ def backward(mlp, ctxs, grad_output: Tensor):
     ops1, ops2 = fp8.GradOperands.load(operands[:5]), fp8.GradOperands.load(operands[5:])
     bounds, probs = LazyGroupBounds(offs), None if probs_in is None else probs_in.reshape(-1)
     dy = mlp.fc2.grad_rows(ctx2, grad_output)  # [T, H]
-    fc2 = fp8_gemm.GroupedGrads(ctx1, dy, ops2, offs, bounds)
-    da = amp.cast(fc2.dgrad(), h.dtype)  # [T, F], as FC2's dX
-    dh, dprobs = _activation_backward(mlp, h, da, probs, backend)  # [T, 2F]
-    a = _activation(mlp, h, probs, backend)  # recomputed: FC2's wgrad operand
+    fc2 = fp8_gemm.GroupedGrads(ctx1, dy, ops2, offs, bounds, ctx2.weight_requires_grad)
+    dh, a, dprobs = _fc2_dgrad(mlp, ctx1, fc2, h, probs)
     fc2.with_input(_fc2_wgrad_input(recipe, a, offs, bounds, ops2.native, backend.name))
     fc2_grads, ds2 = _grads(mlp.fc2, ctx2, dy, fc2, offs, s2)
     fc1_grads, ds1, dx = [], None, None
     if ctx1.requires_grad:
-        fc1 = fp8_gemm.GroupedGrads(ctx1, dh, ops1, offs, bounds)
+        fc1 = fp8_gemm.GroupedGrads(ctx1, dh, ops1, offs, bounds, ctx1.weight_requires_grad)
         fc1_grads, ds1 = _grads(mlp.fc1, ctx1, dh, fc1, offs, s1)
         if ctx1.input_requires_grad:  # dX = dH W1
             dx = mlp.fc1.input_grad(ctx1, fc1.dgrad())
     act_extra = () if probs_in is None else (dprobs.reshape(probs_in.shape),)
     extra = [_extra(mlp.fc1, ds1), act_extra, _extra(mlp.fc2, ds2)]
     return dx, [fc1_grads, [], fc2_grads], extra
+
+
+def _fc2_dgrad(mlp, ctx, fc2: fp8_gemm.GroupedGrads, h: Tensor, probs):
+    """(dh [T, 2F], a [T, F] recomputed for FC2's wgrad, dprobs): in FC2's FP8 dgrad epilogue
+    where `epilogue_reasons` allows it, else dA = FC2's dgrad, then the activation's backward
+    and forward."""
+    backend = ctx.backend
+    why = epilogue_reasons(mlp, backend.name, ctx.recipe, h.dtype, h.device)[1]
+    if not why and fc2.operands.native:
+        glu = functools.partial(fp8_cute.glu_dgrad, h=h, glu=mlp.activation.glu_spec,
+                                probs=probs)
+        return fc2.dgrad(gemm=glu)
+    da = amp.cast(fc2.dgrad(), h.dtype)  # [T, F], as FC2's dX
+    dh, dprobs = _activation_backward(mlp, h, da, probs, backend)  # [T, 2F]
+    return dh, _activation(mlp, h, probs, backend), dprobs
 
 
 def _activation_backward(mlp, h: Tensor, da: Tensor, probs, backend):

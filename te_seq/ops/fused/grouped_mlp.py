@@ -108,8 +108,9 @@ class GroupedMLP(FusedOperation):
 
     def plan_note(self, backend: Backend, dtype: torch.dtype, device: torch.device) -> str:
         """Whether the activation runs inside the GEMMs' epilogues or after them."""
-        if fp8.active_recipe() is not None:  # the plan is built inside the call
-            return "activation after the GEMMs (no FP8 epilogue kernels)"
+        recipe = fp8.active_recipe()  # the plan is built inside the call
+        if recipe is not None:
+            return _grouped_mlp_fp8.plan_note(self, backend.name, recipe, dtype, device)
         fused, why = self.epilogue_status(backend, dtype, device)
         if fused:
             return "activation fused into the FC1 and FC2-dgrad epilogues"
