@@ -81,7 +81,7 @@ def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool
     device = t.device
     data = torch.empty(cols, width, dtype=FP8_DTYPE, device=device)
     scale_inv = torch.ones(groups, cols, dtype=torch.float32, device=device)
-    row_shape = (count, cols) if rows else (1, 16)  # dummies without the row-wise form
+    row_shape = (count if rows else 1, cols)  # one dummy row without the row-wise form
     row_data = torch.empty(row_shape, dtype=FP8_DTYPE, device=device)
     row_amax = torch.zeros(row_shape[0], dtype=torch.float32, device=device)
     row_scale_inv = torch.empty(row_shape[0], dtype=torch.float32, device=device)
