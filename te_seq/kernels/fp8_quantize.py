@@ -75,12 +75,17 @@ def span_table(offs: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     """(table int32 [P / 128, 4], padded span ends int32 [G]) for `rows` tokens grouped by
     `offs`: per padded 128-token block, (its first row, its valid rows, its group, 1 on its
     group's first block), as `cute.quantize_spans` reads it; blocks past the last span have
-    group G and no rows. Cached per `offs` tensor (and its version); no host sync."""
+    group G and no rows. Cached per `offs` tensor (and its version); no host sync. On a GPU
+    with the CuTe DSL one kernel makes it (`cute.span_table`), else torch ops."""
     key = (offs._version, rows)
     cached = _TABLES.get(offs)
     if cached is not None and cached[0] == key:
         return cached[1]
-    made = _build_table(offs, rows)
+    if offs.is_cuda and cute.available()[0]:
+        blocks = fp8_wgrad.padded_width(rows, offs.shape[0]) // fp8_wgrad.WGRAD_PAD
+        made = cute.span_table(offs, blocks)  # one launch
+    else:
+        made = _build_table(offs, rows)  # the same table from torch ops (the definition)
     if not torch.compiler.is_compiling():
         _TABLES[offs] = (key, made)
     return made

@@ -227,3 +227,17 @@ def test_rows_and_spans_in_one_pass_pair_are_bitwise_both_definitions(case, rule
     want = _eager_quantize(t[:grouped], rule)
     assert _same_bits(along_rows.data[:grouped], want.data)
     assert _same_bits(along_rows.scale_inv[:grouped], want.scale_inv)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("case", sorted(SPAN_CASES))
+def test_span_table_kernel_is_the_torch_table(case):
+    from te_seq.kernels import cute
+
+    sizes, rows = SPAN_CASES[case]
+    offs = offsets(sizes)
+    blocks = fp8_wgrad.padded_width(rows, len(sizes)) // fp8_wgrad.WGRAD_PAD
+    table, padded = cute.span_table(offs, blocks)
+    want_table, want_padded = fp8_quantize._build_table(offs, rows)
+    assert torch.equal(table, want_table) and torch.equal(padded, want_padded)

@@ -35,7 +35,13 @@ from .launch import (
     route_problem,
     tile_n_for,
 )
-from .quant import quant_problem, quantize_rows, quantize_rows_and_spans, quantize_spans
+from .quant import (
+    quant_problem,
+    quantize_rows,
+    quantize_rows_and_spans,
+    quantize_spans,
+    span_table,
+)
 
 __all__ = [
     "Tiling",
@@ -59,6 +65,7 @@ __all__ = [
     "quantize_rows",
     "quantize_spans",
     "quantize_rows_and_spans",
+    "span_table",
     "MM_TILING",
     "WGRAD_TILING",
     "TILE_WIDTHS",

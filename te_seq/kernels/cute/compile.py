@@ -320,8 +320,8 @@ class QuantConfig:
     """An FP8 quantization kernel's static config (sizes symbolic): ``quant_kernels``.
 
     kind "rows" (``RowQuantKernel``), "span_amax" or "span_cast" (the token-major pair, with
-    ``rows``: the row-wise form too); in_dtype the 16-bit input; power_of_two the rule's scale
-    rounding."""
+    ``rows``: the row-wise form too), "span_table" (their block table; in_dtype unused);
+    in_dtype the 16-bit input; power_of_two the rule's scale rounding."""
 
     kind: str
     in_dtype: torch.dtype
@@ -345,6 +345,10 @@ def _fake_quant_args(cfg: QuantConfig) -> tuple:
                                      assumed_align=16)
     span_amax = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(), cols),
                                          stride_order=(1, 0), assumed_align=16)
+    if cfg.kind == "span_table":  # offs [G] -> table [NB, 4], padded ends [G]
+        offs = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),), assumed_align=4)
+        return offs, table, make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),),
+                                                     assumed_align=4), stream
     row_amax = _fake_scales(1)
     if cfg.kind == "span_amax":
         return t, table, span_amax, row_amax, stream
@@ -365,6 +369,8 @@ def compile_quant(cfg: QuantConfig) -> CompiledGemm:
     kernels = {"span_amax": qk.SpanAmaxKernel, "span_cast": qk.SpanCastKernel}
     if cfg.kind == "rows":
         kernel = qk.RowQuantKernel(448.0, cfg.power_of_two)
+    elif cfg.kind == "span_table":
+        kernel = qk.SpanTableKernel()
     else:
         kernel = kernels[cfg.kind](448.0, cfg.power_of_two, cfg.rows)
     return _compile("quant", cfg, kernel, _fake_quant_args(cfg))

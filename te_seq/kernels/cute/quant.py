@@ -41,7 +41,8 @@ def quant_problem(t: Tensor, fp8_dtype: torch.dtype, margin: int) -> str:
 def _kernel(kind: str, t: Tensor, power_of_two: bool, rows: bool = False):
     from .compile import QuantConfig, compile_quant
 
-    return compile_quant(QuantConfig(kind, t.dtype, power_of_two, rows)).fn
+    dtype = t.dtype if t.dtype in _IN_DTYPES else torch.bfloat16  # span_table: no data
+    return compile_quant(QuantConfig(kind, dtype, power_of_two, rows)).fn
 
 
 def quantize_rows(t: Tensor, power_of_two: bool = False) -> tuple[Tensor, Tensor]:
@@ -75,6 +76,18 @@ def quantize_rows_and_spans(t: Tensor, table: Tensor, groups: int, power_of_two:
     return _spans(t, table, groups, power_of_two, rows=True)
 
 
+def span_table(offs: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
+    """The block table `quantize_spans` reads, made on the GPU in one launch from the group
+    ends `offs` int32 [G]: (table int32 [blocks, 4], padded span ends int32 [G]); `blocks`
+    (P / 128) bounds the padded spans (`fp8_wgrad.padded_width`)."""
+    offs = offs.to(torch.int32).contiguous()
+    table = torch.empty(blocks, 4, dtype=torch.int32, device=offs.device)
+    padded_offs = torch.empty_like(offs)
+    if blocks:
+        _kernel("span_table", table, False)(offs, table, padded_offs)
+    return table, padded_offs
+
+
 def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool) -> tuple:
     t = _aligned(_row_major(t))
     (count, cols), width = t.shape, table.shape[0] * SPAN_BLOCK
@@ -94,4 +107,5 @@ def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool
     return data, scale_inv, row_data, row_scale_inv[:, None]
 
 
-__all__ = ["quant_problem", "quantize_rows", "quantize_rows_and_spans", "quantize_spans"]
+__all__ = ["quant_problem", "quantize_rows", "quantize_rows_and_spans", "quantize_spans",
+           "span_table"]

@@ -239,3 +239,44 @@ class SpanCastKernel(_SpanKernel):
             out[(None, col // 2)].store((pair.load() * scale).to(self.fp8_dtype))
         if col == 0:
             row_scale_inv[row] = Float32(1.0) / scale
+
+
+class SpanTableKernel:
+    """The span kernels' block table from the group ends: table [NB, 4] int32 (per padded
+    128-token block: first row, valid rows, group, 1 on its group's first block; blocks past
+    the last span: group G, no rows) and the padded span ends [G]. One thread per block walks
+    the G group ends (G is small: experts), so the table costs one launch per step."""
+
+    @cute.jit
+    def __call__(self, offs: cute.Tensor, table: cute.Tensor, padded_offs: cute.Tensor, stream):
+        blocks = table.shape[0]
+        self.kernel(offs, table, padded_offs).launch(
+            grid=((blocks + 127) // 128, 1, 1), block=(128, 1, 1), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, offs: cute.Tensor, table: cute.Tensor, padded_offs: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        block = bidx * 128 + tidx
+        groups = offs.shape[0]
+        start = block * SPAN_BLOCK
+        prev, pstart = Int32(0), Int32(0)
+        group, first_row, valid, first = groups, Int32(0), Int32(0), Int32(0)
+        for g in cutlass.range(groups):
+            end = offs[g]
+            count = end - prev
+            span = (count + SPAN_BLOCK - 1) // SPAN_BLOCK * SPAN_BLOCK
+            if group == groups and start < pstart + span:  # this block is in group g's span
+                within = start - pstart
+                group, first_row = g, prev + within
+                valid = cutlass.min(count - within, SPAN_BLOCK)
+                first = cutlass.select_(within == 0, Int32(1), Int32(0))
+            pstart, prev = pstart + span, end
+            if block == 0:
+                padded_offs[g] = pstart
+        if block < table.shape[0]:
+            table[block, 0] = first_row
+            table[block, 1] = valid
+            table[block, 2] = group
+            table[block, 3] = first
