@@ -18,6 +18,7 @@ import pytest
 import torch
 from test_fp8 import bounds_of, emu_grouped
 from test_fp8_cute import (  # noqa: F401 (fixture)
+    CUDA,
     fake_cute_gpu,
     recording_scaled_grouped_mm,
     recording_scaled_grouped_wgrad,
@@ -26,13 +27,16 @@ from test_fp8_torch import rel_err, small_mlp
 
 import te_seq
 from te_seq import ops, recipe
+from te_seq.core import fp8_gemm
 from te_seq.kernels import fp8_reference as ref
 from te_seq.kernels import fp8_wgrad
 
 ROWWISE = recipe.Float8RowwiseScaling()
-HYBRID_TENSOR = recipe.Float8CurrentScaling()  # default "HYBRID": E5M2 dy, emulated backward
+HYBRID_TENSOR = recipe.Float8CurrentScaling()  # default "HYBRID": E5M2 dy (native on cute)
+HYBRID_ROWWISE = recipe.Float8RowwiseScaling(fp8_format="HYBRID")
 E4M3_TENSOR = recipe.Float8CurrentScaling(fp8_format="E4M3")
-NATIVE, NATIVE_IDS = [ROWWISE, E4M3_TENSOR], ["rowwise", "tensor-e4m3"]
+NATIVE = [ROWWISE, E4M3_TENSOR, HYBRID_TENSOR, HYBRID_ROWWISE]
+NATIVE_IDS = ["rowwise", "tensor-e4m3", "tensor-hybrid", "rowwise-hybrid"]
 TOL = 1e-2  # real FP8 GEMM vs its emulation: summation order only
 ROW = ref.QuantBlock(1, None)
 
@@ -283,16 +287,13 @@ def test_native_backward_main_grad_and_delayed_wgrad(fake_kernels, single):
     assert torch.equal(_stacked_grads(delayed), want)
 
 
-def test_hybrid_keeps_the_emulated_backward(fake_kernels):
-    op, splits, x, dy = _linear()
-    model, dx = _run(op, splits, x, dy, HYBRID_TENSOR)
-    note = model.fusion_plan().forward[0].backend_reason
-    assert "dgrad and wgrad emulated" in note and "grad format E5M2 (HYBRID)" in note
-    assert len(recording_scaled_grouped_mm.calls) == 1 and not recording_scaled_grouped_wgrad.calls
-    _, want_dx, want_dw = emu_grouped(HYBRID_TENSOR, x, op.stacked_weight().detach(), dy,
-                                      bounds_of(splits))
-    assert torch.equal(dx, want_dx)
-    assert rel_err(_stacked_grads(op), want_dw) < 1e-6
+def test_hybrid_backward_is_native_on_cute_only(fake_kernels):
+    """E5M2 gradients: the cute kernels take them (WGMMA mixes E5M2 and E4M3), torch's
+    `_scaled_grouped_mm` does not, so the torch backend keeps the emulated backward."""
+    dims, bf16 = [(128, 256)], torch.bfloat16
+    assert fp8_gemm.backward_reason("cute", HYBRID_TENSOR, bf16, CUDA, dims, True) == ""
+    why = fp8_gemm.backward_reason("torch", HYBRID_TENSOR, bf16, CUDA, dims, True)
+    assert "grad format E5M2 (HYBRID): torch's FP8 kernels take E4M3" in why
 
 
 @pytest.mark.parametrize("r", NATIVE, ids=NATIVE_IDS)

@@ -10,11 +10,11 @@ Per GEMM (x [T, K], W [N, K], dy [T, N]):
                          only). Cute backend, same conditions (sm_90), grouped GEMMs:
                          `cute.scaled_grouped_mm` (te_seq/kernels/fp8_cute.py). Else
                          emulated: quantize -> dequantize in fp32, fp32 GEMM.
-    dgrad    dx = dy W   grouped ops whose forward is real FP8 and whose dy is E4M3 (not
-                         "HYBRID"'s E5M2) with per-tensor or row-wise scales ("native
-                         backward", `backward_reason`): the forward's kernel on dy quantized
-                         along N and Wᵀ [G, K, N] quantized along N (kept in the weight cache).
-                         Else emulated.
+    dgrad    dx = dy W   grouped ops whose forward is real FP8 and whose dy is E4M3 (on the
+                         cute backend also "HYBRID"'s E5M2) with per-tensor or row-wise scales
+                         ("native backward", `backward_reason`): the forward's kernel on dy
+                         quantized along N and Wᵀ [G, K, N] quantized along N (kept in the
+                         weight cache). Else emulated.
     wgrad    dW = dyᵀ x  under the native backward: dy and x quantized along each group's tokens,
                          token-major (kernels/fp8_wgrad.py), `cute.scaled_grouped_wgrad` on the
                          cute backend, its fp32 emulation on torch (`_wgrad_kernel` decides).
@@ -77,16 +77,17 @@ def _gemm_shapes(op: object) -> tuple[list[tuple[int, int]], bool]:
 def backward_reason(backend_name: str, recipe: Recipe, dtype: torch.dtype,
                     device: torch.device, dims: list[tuple[int, int]], grouped: bool) -> str:
     """Why the dgrad and wgrad GEMMs of a linear under `recipe` are emulated ("" when they run
-    natively: a grouped op whose forward runs in real FP8 and whose gradient operand is E4M3
-    with per-tensor or row-wise scales)."""
+    natively: a grouped op whose forward runs in real FP8 and whose gradient operand has
+    per-tensor or row-wise scales, E4M3, or E5M2 ("HYBRID") on the cute backend)."""
     if not grouped:
         return "BasicLinear / Linear have no FP8 backward kernels"
     why = forward_reason(backend_name, recipe, dtype, device, dims, grouped)
     if why:
         return why
     rule, block = recipe.rule("grad"), recipe.block("grad")
-    if rule.dtype != torch.float8_e4m3fn:
-        return f"grad format {rule.fmt} ({recipe.fp8_format}): the FP8 kernels take E4M3"
+    if rule.dtype != torch.float8_e4m3fn and backend_name != "cute":
+        return (f"grad format {rule.fmt} ({recipe.fp8_format}): torch's FP8 kernels take E4M3 "
+                f"(the cute backend's take E5M2 gradients too)")
     if block not in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR):
         return "the gradient's blocks are not per-tensor or row-wise"
     return ""

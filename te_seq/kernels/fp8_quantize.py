@@ -5,7 +5,8 @@
                                                 token-major (`fp8_wgrad.quantize_token_major`)
     rows_and_token_major(t, offs, rule, ...)    both (row-wise blocks), in one kernel pair
 
-On the cute backend, row-wise blocks of 16-bit CUDA data (E4M3, margin 0, C a multiple of 16)
+On the cute backend, row-wise blocks of 16-bit CUDA data (E4M3 or E5M2, margin 0, C a multiple
+of 16)
 run te_seq's CuTe DSL kernels (`te_seq.kernels.cute.quant`: one launch per row-wise operand,
 two per token-major one); everything else runs the torch definitions (compiled regions on CUDA,
 `compiled_maths`). Both give the same bits (tests/kernels/test_cute_quant.py), so the choice
@@ -36,7 +37,7 @@ def rows(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule,
     """t [R, C] quantized along C with `block` under `rule` (`fp8_reference.quantize`)."""
     if reason(t, block, rule, backend_name):
         return ref.quantize(t, block, rule)
-    data, scale_inv = cute.quantize_rows(t, rule.power_of_two)
+    data, scale_inv = cute.quantize_rows(t, rule.power_of_two, rule.dtype)
     return ref.QuantizedTensor(data, scale_inv, block, rule)
 
 
@@ -47,7 +48,8 @@ def token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule,
     if reason(t, ref.ROWWISE, rule, backend_name):
         return fp8_wgrad.quantize_token_major(t, offs, rule)
     table, padded_offs = span_table(offs, t.shape[0])
-    data, scale_inv = cute.quantize_spans(t, table, offs.shape[0], rule.power_of_two)
+    data, scale_inv = cute.quantize_spans(t, table, offs.shape[0], rule.power_of_two,
+                                          rule.dtype)
     return fp8_wgrad.TokenMajor(data, scale_inv, padded_offs)
 
 
@@ -61,7 +63,7 @@ def rows_and_token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backend_n
         return ref.quantize(t, ref.ROWWISE, rule), fp8_wgrad.quantize_token_major(t, offs, rule)
     table, padded_offs = span_table(offs, t.shape[0])
     data, scale_inv, row_data, row_scale_inv = cute.quantize_rows_and_spans(
-        t, table, offs.shape[0], rule.power_of_two)
+        t, table, offs.shape[0], rule.power_of_two, rule.dtype)
     return (ref.QuantizedTensor(row_data, row_scale_inv, ref.ROWWISE, rule),
             fp8_wgrad.TokenMajor(data, scale_inv, padded_offs))
 

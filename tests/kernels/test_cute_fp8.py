@@ -60,7 +60,8 @@ def _operands(m=10, e=2, n=48, k=32, device="cpu"):
 @pytest.mark.parametrize(
     "change, reason",
     [
-        (lambda a, b, sa, sb: (a.to(torch.bfloat16), b, sa, sb), "needs float8_e4m3fn operands"),
+        (lambda a, b, sa, sb: (a.to(torch.bfloat16), b, sa, sb),
+         "needs a float8_e4m3fn or float8_e5m2 a and a float8_e4m3fn b"),
         (lambda a, b, sa, sb: (a, b.to(torch.float8_e5m2), sa, sb), "float8_e5m2"),
         (lambda a, b, sa, sb: (a[:, :16], b, sa, sb), "needs a [M, K] and b [E, N, K]"),
         (lambda a, b, sa, sb: (a, b[:, :40], sa, sb[:, :40]), "N=40 must be multiples of 16"),
@@ -203,3 +204,17 @@ def test_scaled_grouped_mm_cuda_graph_replays_with_new_split_sizes():
         graph.replay()
         torch.cuda.synchronize()
         _check(out, (a, b, sa, sb, offs))
+
+
+@gpu
+@needs_cute
+def test_scaled_grouped_mm_takes_an_e5m2_a():
+    """A "HYBRID" dgrad: dy in E5M2 against E4M3 weights (mixed WGMMA), same maths."""
+    sizes, k, n = [1, 0, 129, 255, 7], 384, 144
+    m = sum(sizes) + 9
+    a, b, sa, sb = _operands(m, len(sizes), n, k, "cuda")
+    a = (a.float() * 64).to(torch.float8_e5m2)
+    assert cute.supports_scaled(a, b, sa, sb) == (True, "")
+    out = cute.scaled_grouped_mm(a, b, sa, sb, _offs(sizes))
+    _check(out, (a, b, sa, sb, _offs(sizes)))
+    assert (out[sum(sizes):] == 0).all()

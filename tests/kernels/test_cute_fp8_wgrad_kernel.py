@@ -140,3 +140,17 @@ def test_scaled_grouped_wgrad_cuda_graph_replays_with_new_spans():
         graph.replay()
         torch.cuda.synchronize()
         _check(out, (a, b, sa, sb, _spans(ends)))
+
+
+@gpu
+@needs_cute
+def test_scaled_grouped_wgrad_takes_an_e5m2_a():
+    """A "HYBRID" wgrad: dY token-major in E5M2 against X in E4M3 (mixed WGMMA)."""
+    counts = [0, 1, 77, 300]
+    a, b, sa, sb, ends = _operands(counts, 144, 208, "cuda")
+    a = (a.float() * 16).to(torch.float8_e5m2)
+    out = cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=torch.zeros(4, 144, 208,
+                                                                        device="cuda"))
+    ok = [g for g, c in enumerate(counts) if c]
+    _check(out[ok], (a, b, sa[ok], sb[ok], _spans(ends)[ok]))
+    assert (out[0] == 0).all()

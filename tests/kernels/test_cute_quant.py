@@ -17,6 +17,7 @@ from te_seq.kernels import fp8_reference as ref
 
 E4M3 = ref.ScaleRule("E4M3")
 E4M3_POW2 = ref.ScaleRule("E4M3", power_of_two=True)
+E5M2 = ref.ScaleRule("E5M2")  # gradients under "HYBRID" recipes
 SPAN_CASES = {  # group sizes, rows of t (>= their sum: the rest belong to no group)
     "uniform": ([256, 256, 256], 768),
     "empty_and_odd": ([0, 5, 130, 0, 1, 300], 436),
@@ -88,7 +89,7 @@ def test_dispatch_reasons_name_the_problem():
     assert "multiple of 16" in cute.quant_problem(torch.randn(4, 24, dtype=torch.bfloat16),
                                                   torch.float8_e4m3fn, 0)
     assert "margin 0" in cute.quant_problem(t, torch.float8_e4m3fn, 1)
-    assert "float8_e4m3fn" in cute.quant_problem(t, torch.float8_e5m2, 0)
+    assert "float8_e4m3fn or float8_e5m2" in cute.quant_problem(t, torch.int8, 0)
     assert "bf16/fp16" in cute.quant_problem(t.float(), torch.float8_e4m3fn, 0)
     if not torch.cuda.is_available():
         assert "CUDA" in cute.quant_problem(t, torch.float8_e4m3fn, 0)
@@ -137,7 +138,7 @@ def _rows_input(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
 @gpu
 @needs_cute
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rule", [E4M3, E4M3_POW2], ids=["scale", "pow2"])
+@pytest.mark.parametrize("rule", [E4M3, E4M3_POW2, E5M2], ids=["scale", "pow2", "e5m2"])
 @pytest.mark.parametrize("shape", [(37, 16), (300, 2064), (1, 4096)])
 def test_rows_kernel_is_bitwise_the_reference(dtype, rule, shape):
     torch.manual_seed(2)
@@ -173,7 +174,7 @@ def test_rows_kernel_takes_strided_and_unaligned_inputs():
 @gpu
 @needs_cute
 @pytest.mark.parametrize("case", sorted(SPAN_CASES))
-@pytest.mark.parametrize("rule", [E4M3, E4M3_POW2], ids=["scale", "pow2"])
+@pytest.mark.parametrize("rule", [E4M3, E4M3_POW2, E5M2], ids=["scale", "pow2", "e5m2"])
 def test_span_kernels_are_bitwise_quantize_token_major(case, rule):
     sizes, rows = SPAN_CASES[case]
     torch.manual_seed(4)
@@ -212,7 +213,7 @@ def test_span_kernels_take_a_strided_input_and_replay_in_a_cuda_graph():
 @gpu
 @needs_cute
 @pytest.mark.parametrize("case", sorted(SPAN_CASES))
-@pytest.mark.parametrize("rule", [E4M3, E4M3_POW2], ids=["scale", "pow2"])
+@pytest.mark.parametrize("rule", [E4M3, E4M3_POW2, E5M2], ids=["scale", "pow2", "e5m2"])
 def test_rows_and_spans_in_one_pass_pair_are_bitwise_both_definitions(case, rule):
     sizes, rows = SPAN_CASES[case]
     torch.manual_seed(6)

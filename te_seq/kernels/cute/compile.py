@@ -35,6 +35,7 @@ _DTYPES = {
     torch.float16: cutlass.Float16,
     torch.float32: cutlass.Float32,
     torch.float8_e4m3fn: cutlass.Float8E4M3FN,
+    torch.float8_e5m2: cutlass.Float8E5M2,
 }
 
 
@@ -62,6 +63,7 @@ class GemmConfig:
     bias_scales: bool = False
     route: str | None = None  # "gather" (A's rows) or "scatter" (C's rows) by index (routed.py)
     scaled: bool = False
+    a_dtype: torch.dtype | None = None  # A's dtype where it is not ab_dtype (E5M2 gradients)
 
 
 @dataclass
@@ -80,6 +82,7 @@ class CompiledGemm:
 def _fake_args(cfg: GemmConfig) -> tuple:
     """Fake tensors in the kernel's views: sizes symbolic, inner dims 16-byte aligned."""
     ab = _DTYPES[cfg.ab_dtype]
+    a_el = _DTYPES[cfg.a_dtype or cfg.ab_dtype]  # same width as ab (checked by the caller)
     c = _DTYPES[cfg.c_dtype]
     rows = cute.sym_int32()
     groups = cute.sym_int32()
@@ -88,7 +91,7 @@ def _fake_args(cfg: GemmConfig) -> tuple:
     if cfg.varlen == "m":
         k, n = cute.sym_int32(divisibility=div), cute.sym_int32(divisibility=div)
         a_rows = cute.sym_int32() if cfg.route == "gather" else rows  # gather: T token rows
-        a = make_fake_compact_tensor(ab, (a_rows, k), stride_order=(1, 0), assumed_align=16)
+        a = make_fake_compact_tensor(a_el, (a_rows, k), stride_order=(1, 0), assumed_align=16)
         s1, s2 = cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div)
         b_stride = (s1, 1, s2) if cfg.b_major == "k" else (1, s1, s2)
         b = make_fake_tensor(ab, (n, k, groups), stride=b_stride, assumed_align=16)
@@ -98,7 +101,7 @@ def _fake_args(cfg: GemmConfig) -> tuple:
         order = (0, 1)
         if cfg.scaled:
             rows, order = cute.sym_int32(divisibility=div), (1, 0)
-        a = make_fake_compact_tensor(ab, (n_out, rows), stride_order=order, assumed_align=16)
+        a = make_fake_compact_tensor(a_el, (n_out, rows), stride_order=order, assumed_align=16)
         b = make_fake_compact_tensor(ab, (k_in, rows), stride_order=order, assumed_align=16)
         out = make_fake_compact_tensor(
             c, (n_out, k_in, groups), stride_order=(1, 0, 2), assumed_align=16
@@ -327,12 +330,13 @@ class QuantConfig:
     in_dtype: torch.dtype
     power_of_two: bool = False
     rows: bool = False  # span kernels: the row-wise form too
+    fp8: torch.dtype = torch.float8_e4m3fn  # or float8_e5m2 (gradients under "HYBRID")
 
 
 def _fake_quant_args(cfg: QuantConfig) -> tuple:
     """Fake tensors: t [R, C] row-major (C a multiple of 16), the kind's outputs."""
     src = _DTYPES[cfg.in_dtype]
-    fp8 = cutlass.Float8E4M3FN
+    fp8 = _DTYPES[cfg.fp8]
     cols = cute.sym_int32(divisibility=16)
     t = make_fake_compact_tensor(src, (cute.sym_int32(), cols), stride_order=(1, 0),
                                  assumed_align=16)
@@ -367,10 +371,11 @@ def compile_quant(cfg: QuantConfig) -> CompiledGemm:
     from . import quant_kernels as qk
 
     kernels = {"span_amax": qk.SpanAmaxKernel, "span_cast": qk.SpanCastKernel}
+    fp8_max, fp8 = float(torch.finfo(cfg.fp8).max), _DTYPES[cfg.fp8]
     if cfg.kind == "rows":
-        kernel = qk.RowQuantKernel(448.0, cfg.power_of_two)
+        kernel = qk.RowQuantKernel(fp8_max, cfg.power_of_two, fp8)
     elif cfg.kind == "span_table":
         kernel = qk.SpanTableKernel()
     else:
-        kernel = kernels[cfg.kind](448.0, cfg.power_of_two, cfg.rows)
+        kernel = kernels[cfg.kind](fp8_max, cfg.power_of_two, cfg.rows, fp8)
     return _compile("quant", cfg, kernel, _fake_quant_args(cfg))

@@ -31,14 +31,17 @@ from .launch import (
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
+# A (the gradient in the dgrad and wgrad GEMMs) may be E5M2 ("HYBRID" recipes): WGMMA mixes them
+A_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _ALIGN = 16  # K and N in elements: 16-byte TMA strides of 1-byte data
 _OP = "cute scaled_grouped_mm"
 
 
 def _shape_problem(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> str:
     """Why the operands' dtypes or shapes are unsupported ("" when they are supported)."""
-    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
-        return f"needs float8_e4m3fn operands, got {a.dtype} and {b.dtype}"
+    why = _dtype_problem(a, b)
+    if why:
+        return why
     if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2]:
         return f"needs a [M, K] and b [E, N, K], got {tuple(a.shape)} and {tuple(b.shape)}"
     (m, k), (e, n, _) = a.shape, b.shape
@@ -50,6 +53,19 @@ def _shape_problem(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> st
         if s.dtype != torch.float32 or tuple(s.shape) != shape:
             return f"{name} must be float32 {list(shape)}, got {s.dtype} {list(s.shape)}"
     return ""
+
+
+def _dtype_problem(a: Tensor, b: Tensor) -> str:
+    """Why the operand dtypes are unsupported: a E4M3 or E5M2, b E4M3."""
+    if a.dtype not in A_DTYPES or b.dtype != FP8_DTYPE:
+        return (f"needs a float8_e4m3fn or float8_e5m2 a and a float8_e4m3fn b, got {a.dtype} "
+                f"and {b.dtype}")
+    return ""
+
+
+def _a_dtype(a: Tensor) -> torch.dtype | None:
+    """The kernel config's A dtype where it differs from B's (E5M2 gradients)."""
+    return None if a.dtype == FP8_DTYPE else a.dtype
 
 
 def _device_problem(tensors: tuple[Tensor, ...]) -> str:
@@ -69,8 +85,8 @@ def supports_scaled(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[bool, str]:
     """Whether ``scaled_grouped_mm(a, b, a_scale, b_scale, offs, out_dtype)`` can run here, with
-    the reason if not: E4M3 a [M, K] and b [E, N, K], fp32 a_scale [M] and b_scale [E, N],
-    K and N multiples of 16, a bf16 output, CUDA tensors on an sm_90 GPU."""
+    the reason if not: E4M3 (or E5M2) a [M, K] and E4M3 b [E, N, K], fp32 a_scale [M] and
+    b_scale [E, N], K and N multiples of 16, a bf16 output, CUDA tensors on an sm_90 GPU."""
     if out_dtype != torch.bfloat16:
         return False, f"outputs bfloat16 only, got out_dtype={out_dtype}"
     why = _shape_problem(a, b, a_scale, b_scale) or _device_problem((a, b, a_scale, b_scale))
@@ -90,7 +106,8 @@ def scaled_grouped_mm(
     """Varlen-M FP8 grouped GEMM with row-wise scales:
     ``out[rows of g] = diag(a_scale[rows of g]) · (a[rows of g] @ b[g]ᵀ) · diag(b_scale[g])``.
 
-    a: [M, K] float8_e4m3fn, b: [E, N, K] float8_e4m3fn (a weight stack, K contiguous),
+    a: [M, K] float8_e4m3fn (or float8_e5m2: a gradient), b: [E, N, K] float8_e4m3fn (a
+    weight stack, K contiguous),
     a_scale: float32 [M], b_scale: float32 [E, N], offs: int32 [E] cumulative row ends
     -> out [M, N] bf16 (fp32 accumulation, one rounding). Rows past ``offs[-1]`` are zeros.
     Sync-free and CUDA-graph capturable. Raises ValueError when ``supports_scaled`` is False.
@@ -107,7 +124,8 @@ def scaled_grouped_mm(
     if rows == 0:
         return out
     t = tiling or default_tiling(n, MM_TILING)
-    cfg = GemmConfig("m", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, scaled=True)
+    cfg = GemmConfig("m", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, scaled=True,
+                     a_dtype=_a_dtype(a))
     kernel = compile_gemm(cfg).fn
     sms = _num_sms(a.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)
@@ -130,8 +148,9 @@ _WGRAD_OP = "cute scaled_grouped_wgrad"
 
 def _wgrad_problem(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, groups: int) -> str:
     """Why the wgrad operands' dtypes or shapes are unsupported ("" when they are supported)."""
-    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
-        return f"needs float8_e4m3fn operands, got {a.dtype} and {b.dtype}"
+    why = _dtype_problem(a, b)
+    if why:
+        return why
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         return f"needs a [N, P] and b [K, P], got {tuple(a.shape)} and {tuple(b.shape)}"
     (n, p), k = a.shape, b.shape[0]
@@ -149,8 +168,8 @@ def _wgrad_problem(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, group
 def supports_scaled_wgrad(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
                           offs: Tensor) -> tuple[bool, str]:
     """Whether ``scaled_grouped_wgrad(a, b, a_scale, b_scale, offs)`` can run here, with the
-    reason if not: E4M3 a [N, P] and b [K, P] (tokens contiguous), fp32 scales [E, N] and
-    [E, K], N and K multiples of 16, P of 128, CUDA tensors on an sm_90 GPU."""
+    reason if not: E4M3 (or E5M2) a [N, P] and E4M3 b [K, P] (tokens contiguous), fp32 scales
+    [E, N] and [E, K], N and K multiples of 16, P of 128, CUDA tensors on an sm_90 GPU."""
     why = (_wgrad_problem(a, b, a_scale, b_scale, offs.shape[0])
            or _device_problem((a, b, a_scale, b_scale, offs)))
     return not why, why
@@ -170,7 +189,8 @@ def scaled_grouped_wgrad(
     """Varlen-K FP8 grouped GEMM (the weight gradient) with per-group row-wise scales:
     ``out[e] = diag(a_scale[e]) · (a[:, span e] @ b[:, span e]ᵀ) · diag(b_scale[e])``.
 
-    a: [N, P] float8_e4m3fn (dY token-major), b: [K, P] float8_e4m3fn (X token-major), spans
+    a: [N, P] float8_e4m3fn or float8_e5m2 (dY token-major), b: [K, P] float8_e4m3fn (X
+    token-major), spans
     given by offs: int32 [E] cumulative span ends in P; each span starts on a multiple of 128
     and is zero-padded to whole multiples of 128 (``te_seq.kernels.fp8_wgrad.TokenMajor``; not
     checked on the host: no sync); a_scale fp32 [E, N], b_scale fp32 [E, K] (dequantization
@@ -193,7 +213,7 @@ def scaled_grouped_wgrad(
                          f"bfloat16 tensor, got {tuple(out.shape)} {out.dtype}")
     t = tiling or default_tiling(k, WGRAD_TILING)
     cfg = GemmConfig("k", FP8_DTYPE, out.dtype, "k", t.tile_n, t.cluster_mn, accumulate,
-                     scaled=True)
+                     scaled=True, a_dtype=_a_dtype(a))
     kernel = compile_gemm(cfg).fn
     sms = _num_sms(a.device.index or 0)
     clusters = varlen_k_clusters(groups, n, k, t.tile_n, t.cluster_mn, sms)

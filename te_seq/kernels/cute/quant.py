@@ -1,8 +1,8 @@
 """FP8 quantization on the CuTe DSL backend: ``quantize_rows`` (one scale per row) and
 ``quantize_spans`` (one scale per (group, column), token-major), ``quantize_rows_and_spans``
 (both forms in the passes of the second), with ``quant_problem``.
-Kernels: ``quant_kernels``; the numbers are ``fp8_reference``'s bit for bit (E4M3, margin 0,
-with or without power-of-two scales).
+Kernels: ``quant_kernels``; the numbers are ``fp8_reference``'s bit for bit (E4M3 or E5M2,
+margin 0, with or without power-of-two scales).
 
 Each call is one or two kernel launches (~10 µs of host time) in place of a compiled torch
 region or a dozen eager kernels, and reads no sizes on the host: sync-free and CUDA-graph
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fp8 import FP8_DTYPE, _aligned, _device_problem
+from .fp8 import A_DTYPES, FP8_DTYPE, _aligned, _device_problem
 from .launch import _row_major, available
 
 SPAN_BLOCK = 128  # tokens per padded block (fp8_wgrad.WGRAD_PAD)
@@ -29,8 +29,9 @@ def quant_problem(t: Tensor, fp8_dtype: torch.dtype, margin: int) -> str:
         return f"needs a 2-D bf16/fp16 tensor, got {t.dtype} {tuple(t.shape)}"
     if t.shape[1] % 16:
         return f"needs C a multiple of 16, got C={t.shape[1]}"
-    if fp8_dtype != FP8_DTYPE or margin != 0:
-        return f"quantizes to float8_e4m3fn with margin 0, got {fp8_dtype}, margin {margin}"
+    if fp8_dtype not in A_DTYPES or margin != 0:
+        return (f"quantizes to float8_e4m3fn or float8_e5m2 with margin 0, got {fp8_dtype}, "
+                f"margin {margin}")
     why = _device_problem((t,))
     if why:
         return why
@@ -38,42 +39,46 @@ def quant_problem(t: Tensor, fp8_dtype: torch.dtype, margin: int) -> str:
     return "" if ok else why
 
 
-def _kernel(kind: str, t: Tensor, power_of_two: bool, rows: bool = False):
+def _kernel(kind: str, t: Tensor, power_of_two: bool, rows: bool = False,
+            fp8_dtype: torch.dtype = FP8_DTYPE):
     from .compile import QuantConfig, compile_quant
 
     dtype = t.dtype if t.dtype in _IN_DTYPES else torch.bfloat16  # span_table: no data
-    return compile_quant(QuantConfig(kind, dtype, power_of_two, rows)).fn
+    return compile_quant(QuantConfig(kind, dtype, power_of_two, rows, fp8_dtype)).fn
 
 
-def quantize_rows(t: Tensor, power_of_two: bool = False) -> tuple[Tensor, Tensor]:
-    """t [R, C] quantized to E4M3 with one scale per row: (data [R, C], scale_inv fp32 [R, 1]),
-    `fp8_reference.quantize(t, QuantBlock(1, None), ScaleRule("E4M3", 0, power_of_two))`."""
+def quantize_rows(t: Tensor, power_of_two: bool = False,
+                  fp8_dtype: torch.dtype = FP8_DTYPE) -> tuple[Tensor, Tensor]:
+    """t [R, C] quantized to `fp8_dtype` (E4M3 or E5M2) with one scale per row: (data [R, C],
+    scale_inv fp32 [R, 1]), `fp8_reference.quantize(t, QuantBlock(1, None), ScaleRule(fmt, 0,
+    power_of_two))`."""
     t = _aligned(_row_major(t))
-    data = torch.empty(t.shape, dtype=FP8_DTYPE, device=t.device)
+    data = torch.empty(t.shape, dtype=fp8_dtype, device=t.device)
     scale_inv = torch.empty(t.shape[0], dtype=torch.float32, device=t.device)
     if t.numel():
-        _kernel("rows", t, power_of_two)(t, data, scale_inv)
+        _kernel("rows", t, power_of_two, False, fp8_dtype)(t, data, scale_inv)
     return data, scale_inv[:, None]
 
 
-def quantize_spans(t: Tensor, table: Tensor, groups: int,
-                   power_of_two: bool = False) -> tuple[Tensor, Tensor]:
-    """t [T, C] quantized to E4M3 along the tokens of each group, token-major: (data [C, P],
+def quantize_spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool = False,
+                   fp8_dtype: torch.dtype = FP8_DTYPE) -> tuple[Tensor, Tensor]:
+    """t [T, C] quantized to `fp8_dtype` along the tokens of each group, token-major: (data [C, P],
     scale_inv fp32 [G, C]) as `fp8_wgrad.quantize_token_major` lays them out. `table` int32
     [P / 128, 4] describes each padded 128-token block: (its first row of t, its valid rows
     0..128, its group, 1 on a group's first block); blocks past the last span have group
     `groups` and no valid rows (their columns of data are zeros). Groups without tokens keep
     scale_inv 1 (scale 1, as an all-zero block)."""
-    return _spans(t, table, groups, power_of_two, rows=False)[:2]
+    return _spans(t, table, groups, power_of_two, False, fp8_dtype)[:2]
 
 
-def quantize_rows_and_spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool = False
+def quantize_rows_and_spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool = False,
+                            fp8_dtype: torch.dtype = FP8_DTYPE
                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`quantize_spans` and `quantize_rows` of t in the same two passes: (token-major data,
     its scale_inv, row-wise data [T, C], its scale_inv [T, 1]). Rows in no group (past the last
     group's end) are not quantized row-wise: their data and scale_inv are unspecified (the
     grouped GEMMs write zeros for those rows whatever they hold)."""
-    return _spans(t, table, groups, power_of_two, rows=True)
+    return _spans(t, table, groups, power_of_two, True, fp8_dtype)
 
 
 def span_table(offs: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
@@ -88,22 +93,23 @@ def span_table(offs: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
     return table, padded_offs
 
 
-def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool) -> tuple:
+def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool,
+           fp8_dtype: torch.dtype) -> tuple:
     t = _aligned(_row_major(t))
     (count, cols), width = t.shape, table.shape[0] * SPAN_BLOCK
     device = t.device
-    data = torch.empty(cols, width, dtype=FP8_DTYPE, device=device)
+    data = torch.empty(cols, width, dtype=fp8_dtype, device=device)
     scale_inv = torch.ones(groups, cols, dtype=torch.float32, device=device)
     row_shape = (count if rows else 1, cols)  # one dummy row without the row-wise form
-    row_data = torch.empty(row_shape, dtype=FP8_DTYPE, device=device)
+    row_data = torch.empty(row_shape, dtype=fp8_dtype, device=device)
     row_amax = torch.zeros(row_shape[0], dtype=torch.float32, device=device)
     row_scale_inv = torch.empty(row_shape[0], dtype=torch.float32, device=device)
     if width and cols:
         span_amax = torch.zeros(groups + 1, cols, dtype=torch.float32, device=device)
         table = table.contiguous()
-        _kernel("span_amax", t, power_of_two, rows)(t, table, span_amax, row_amax)
-        _kernel("span_cast", t, power_of_two, rows)(t, table, span_amax, data, scale_inv,
-                                                   row_amax, row_data, row_scale_inv)
+        _kernel("span_amax", t, power_of_two, rows, fp8_dtype)(t, table, span_amax, row_amax)
+        _kernel("span_cast", t, power_of_two, rows, fp8_dtype)(
+            t, table, span_amax, data, scale_inv, row_amax, row_data, row_scale_inv)
     return data, scale_inv, row_data, row_scale_inv[:, None]
 
 

@@ -57,6 +57,8 @@ def epilogue_reasons(mlp, backend_name: str, recipe, dtype: torch.dtype,
     why = why or fp8_cute.glu_reason(op.glu_spec, hidden, ffn, device)
     if why:
         return why, why
+    if recipe.rule("grad").dtype != torch.float8_e4m3fn:
+        return "", f"grad format {recipe.rule('grad').fmt}: the FP8 GLU dgrad epilogue takes E4M3"
     return "", fp8_gemm.backward_reason(backend_name, recipe, dtype, device, dims, True)
 
 
