@@ -58,6 +58,11 @@ def _configs() -> dict[str, object]:
         "fp8_rowwise": GemmConfig("m", torch.float8_e4m3fn, bf16, "k", 256, (1, 2), scaled=True),
         "fp8_wgrad_fp32_acc": GemmConfig("k", torch.float8_e4m3fn, fp32, "k", 256, (1, 2),
                                          accumulate=True, scaled=True),
+        # FP8 GLU epilogues: the scales applied to the accumulators first (scaled_glu.py)
+        "fp8_glu_fc1_silu_probs": GluConfig("fc1", torch.float8_e4m3fn, "k", "silu", None, fp32,
+                                            scaled=True),
+        "fp8_glu_dgrad_silu_probs": GluConfig("dgrad", torch.float8_e4m3fn, "k", "silu", None,
+                                              fp32, scaled=True),
     }
 
 

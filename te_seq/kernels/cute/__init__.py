@@ -14,8 +14,10 @@ the persistent grid), ``gemm`` (``grouped_mm`` / ``grouped_wgrad``), ``glu`` (th
 steps, each with a ``.supports(x, w, act, interleave)``), ``act`` (the fused non-gated
 activation steps ``act_fc1_forward`` / ``act_fc2_dgrad``, each with a ``.supports(x, w, act)``),
 ``fp8`` (the FP8 grouped GEMMs ``scaled_grouped_mm`` and ``scaled_grouped_wgrad`` with row-wise
-scales, ``supports_scaled`` / ``supports_scaled_wgrad``), ``quant`` (the FP8 quantization
-kernels ``quantize_rows`` / ``quantize_spans``, ``quant_problem``),
+scales, ``supports_scaled`` / ``supports_scaled_wgrad``), ``fp8_glu`` (the fused FP8 GLU
+steps ``scaled_glu_fc1_forward`` / ``scaled_glu_fc2_dgrad``, each with a ``.supports``),
+``quant`` (the FP8 quantization kernels ``quantize_rows`` / ``quantize_spans``,
+``quant_problem``),
 ``compile`` and ``disk_cache`` (compiling and caching), and the kernels (``grouped_gemm``,
 ``glu_epilogue``, ``act_epilogue`` and the modules they are built from). This file only
 re-exports.
@@ -23,6 +25,7 @@ re-exports.
 
 from .act import act_fc1_forward, act_fc2_dgrad
 from .fp8 import scaled_grouped_mm, scaled_grouped_wgrad, supports_scaled, supports_scaled_wgrad
+from .fp8_glu import scaled_glu_fc1_forward, scaled_glu_fc2_dgrad
 from .gemm import grouped_mm, grouped_wgrad, supports, supports_wgrad
 from .glu import glu_fc1_forward, glu_fc2_dgrad
 from .launch import (
@@ -61,6 +64,8 @@ __all__ = [
     "supports_scaled",
     "scaled_grouped_wgrad",
     "supports_scaled_wgrad",
+    "scaled_glu_fc1_forward",
+    "scaled_glu_fc2_dgrad",
     "quant_problem",
     "quantize_rows",
     "quantize_spans",

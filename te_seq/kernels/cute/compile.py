@@ -213,7 +213,9 @@ class GluConfig:
     """A fused GLU GEMM's static config (sizes symbolic): ``glu_epilogue.GluGemmKernel``.
 
     mode "fc1" (B = W1 as (2F, H, E)) or "dgrad" (B = W2 as (F, H, E)); probs_dtype None
-    without router probs.
+    without router probs. scaled: the FP8 kernel (``scaled_glu.ScaledGluGemmKernel``): E4M3
+    operands, K-major B (W1 [E, 2F, H] or W2ᵀ [E, F, H]), bf16 outputs, the accumulators times
+    fp32 scales [M] (rows) and [E, N] (expert columns); no bias, no route.
     """
 
     mode: str
@@ -230,6 +232,7 @@ class GluConfig:
     params: tuple[float, ...] = ()
     bias_dtype: torch.dtype | None = None  # fc1's per-expert bias [E, 2F] (None: no bias)
     route: str | None = None  # "gather": fc1 reads x's rows by index (routed.py)
+    scaled: bool = False  # FP8 operands with row-wise dequantization scales (scaled_glu.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", param_values(self.act, self.params))
@@ -238,6 +241,7 @@ class GluConfig:
 def _fake_glu_args(cfg: GluConfig) -> tuple:
     """Fake tensors: every tensor gets its own symbolic sizes (unused ones come as dummies)."""
     ab = _DTYPES[cfg.ab_dtype]
+    out = cutlass.BFloat16 if ab.width == 8 else ab  # FP8 kernels write bf16
     div = 16 * 8 // ab.width
     rows, groups = cute.sym_int32(), cute.sym_int32()
     k, n = cute.sym_int32(divisibility=div), cute.sym_int32(divisibility=div)
@@ -247,8 +251,8 @@ def _fake_glu_args(cfg: GluConfig) -> tuple:
     b = make_fake_tensor(ab, (n, k, groups), stride=b_stride, assumed_align=16)
 
     def matrix():
-        r, w = cute.sym_int32(), cute.sym_int32(divisibility=div)
-        return make_fake_compact_tensor(ab, (r, w), stride_order=(1, 0), assumed_align=16)
+        r, w = cute.sym_int32(), cute.sym_int32(divisibility=16 * 8 // out.width)
+        return make_fake_compact_tensor(out, (r, w), stride_order=(1, 0), assumed_align=16)
 
     c, act_out, h_in = matrix(), matrix(), matrix()
     offs = make_fake_compact_tensor(cutlass.Int32, (groups,), assumed_align=4)
@@ -258,12 +262,17 @@ def _fake_glu_args(cfg: GluConfig) -> tuple:
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     bias = _fake_bias(getattr(cfg, "bias_dtype", None) or torch.bfloat16)[0]  # ActConfig: none
     route = _fake_route()
-    return a, b, c, offs, cutlass.Int32(1), act_out, probs, dprobs, h_in, bias, route, stream
+    # the FP8 kernel's scales: own symbolic sizes (the kernel clamps its reads to them)
+    scales = (_fake_scales(1), _fake_scales(2)) if getattr(cfg, "scaled", False) else ()
+    return (a, b, c, offs, cutlass.Int32(1), act_out, probs, dprobs, h_in, bias, *scales, route,
+            stream)
 
 
 @functools.lru_cache(maxsize=None)
 def compile_glu(cfg: GluConfig) -> CompiledGemm:
     """A fused GLU GEMM for ``cfg``: compiled once per config, cached in memory and on disk."""
+    if cfg.scaled:
+        return _compile_scaled_glu(cfg)
     from .glu_epilogue import GluGemmKernel
 
     kernel = GluGemmKernel(
@@ -277,6 +286,19 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.params,
         cfg.bias_dtype is not None,
         cfg.route,
+    )
+    return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
+
+
+def _compile_scaled_glu(cfg: GluConfig) -> CompiledGemm:
+    """The FP8 GLU GEMM (``scaled_glu``): E4M3 operands, K-major B, no bias, no route."""
+    from .scaled_glu import ScaledGluGemmKernel
+
+    if cfg.ab_dtype != torch.float8_e4m3fn or cfg.b_major != "k" or cfg.bias_dtype or cfg.route:
+        raise ValueError(f"scaled GLU GEMMs take E4M3 operands, K-major B, no bias or route: {cfg}")
+    kernel = ScaledGluGemmKernel(
+        cfg.mode, cfg.act, cfg.interleave, cfg.probs_dtype is not None, cfg.cluster_mn,
+        cfg.store_stages, cfg.tile_n, cfg.params,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 

@@ -49,6 +49,8 @@ SOURCE_FILES = (
     "act_epilogue.py",
     "bias_epilogue.py",
     "scale_epilogue.py",
+    "scaled_glu.py",
+    "quant_kernels.py",
 )
 _VERSIONED_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 _NAME = re.compile(r"[a-z][a-z0-9_]*")

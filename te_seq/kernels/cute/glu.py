@@ -49,19 +49,28 @@ def _supports(
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
         return False, f"needs x [M, H] and w [E, H, N], got {tuple(x.shape)} and {tuple(w.shape)}"
     f = w.shape[2] // 2 if fc1 else w.shape[2]
-    if x.shape[1] % 8:
-        return False, f"H={x.shape[1]} must be a multiple of 8 (TMA rows are 16-byte aligned)"
-    if interleave is None and f % 128:
-        return False, f"F={f} must be a multiple of 128 for [gate | up] halves"
-    allowed = (32, 64, 128) if fc1 else tuple(range(32, f + 1, 32))
-    if interleave is not None and (interleave not in allowed or f % interleave):
-        return False, f"glu_interleave_size={interleave} unsupported with F={f} (32, 64 or 128)"
+    why = layout_problem(x.shape[1], f, interleave, fc1)
+    if why:
+        return False, why
     if not (x.is_cuda and w.is_cuda):
         return False, "needs CUDA tensors"
     why = bias_problem(bias, w.shape[0], w.shape[2], x.device)
     if why:
         return False, why
     return available()
+
+
+def layout_problem(h: int, f: int, interleave: int | None, fc1: bool, h_align: int = 8) -> str:
+    """Why the GLU kernels cannot take hidden size ``h`` (a multiple of ``h_align`` elements:
+    16-byte TMA rows), ffn width ``f`` and ``interleave`` ("" when they can)."""
+    if h % h_align:
+        return f"H={h} must be a multiple of {h_align} (TMA rows are 16-byte aligned)"
+    if interleave is None and f % 128:
+        return f"F={f} must be a multiple of 128 for [gate | up] halves"
+    allowed = (32, 64, 128) if fc1 else tuple(range(32, f + 1, 32))
+    if interleave is not None and (interleave not in allowed or f % interleave):
+        return f"glu_interleave_size={interleave} unsupported with F={f} (32, 64 or 128)"
+    return ""
 
 
 def epilogue_args(x: Tensor, act_out, probs, dprobs, h_in, bias) -> tuple:
@@ -72,7 +81,7 @@ def epilogue_args(x: Tensor, act_out, probs, dprobs, h_in, bias) -> tuple:
         act_out,
         fp32_dummy if probs is None else probs,
         fp32_dummy if dprobs is None else dprobs,
-        mat_dummy.to(x.dtype) if h_in is None else h_in,
+        mat_dummy.to(act_out.dtype) if h_in is None else h_in,
         mat_dummy if bias is None else bias,
     )
 
@@ -102,9 +111,10 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
 
 
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params,
-            bias=None, gather=None):
+            bias=None, gather=None, scales=()):
     """Compile (once) and launch the GLU kernel over c's M rows (``gather``: int32 [M], x's
-    row of each GEMM row; x is then the [T, H] token matrix)."""
+    row of each GEMM row; x is then the [T, H] token matrix; ``scales``: the FP8 kernel's
+    fp32 (scale_a [M], scale_b [E, N]), ``fp8_glu``)."""
     from .compile import GluConfig, compile_glu
 
     rows, groups = c.shape[0], b.shape[0]
@@ -118,14 +128,14 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
     bias_dtype = None if bias is None else bias.dtype
     cfg = GluConfig(
         mode, x.dtype, b_major, act, interleave, p_dtype, cluster, tile_n=tile_n, params=params,
-        bias_dtype=bias_dtype, route=None if gather is None else "gather",
+        bias_dtype=bias_dtype, route=None if gather is None else "gather", scaled=bool(scales),
     )
     kernel = compile_glu(cfg).fn
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, tile_n, cluster, sms)
     kernel(
         _row_major(x), b_view, c, offs, clusters,
-        *epilogue_args(x, act_out, probs, dprobs, h_in, bias),
+        *epilogue_args(x, act_out, probs, dprobs, h_in, bias), *scales,
         no_route(x.device) if gather is None else gather,
     )
 

@@ -58,6 +58,7 @@ class _GluTile(NamedTuple):
     r_p: object  # router probs of this thread's rows (1.0 without probs)
     h_out: tuple  # (smem, gmem) TMA partitions of h's (fc1) or dh's (dgrad) stores
     a_out: tuple  # (TMA atom, smem, gmem) of a's stores
+    scales: object = None  # the FP8 kernel's dequantization-scale context (``scaled_glu``)
 
 
 class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
@@ -115,21 +116,26 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         route: cute.Tensor,  # int32 [M]: x's row of each GEMM row (``route="gather"``)
         stream,
     ):
-        b_view = b
-        if const_expr(self.mode == "fc1" and self.interleave is None):
-            # GEMM column 256t + 128q + i  ->  W1 row q*F + 128t + i
-            f = b.shape[0] // 2
-            s0 = b.stride[0]
-            layout = cute.make_layout(
-                ((128, 2, f // 128), b.shape[1], b.shape[2]),
-                stride=((s0, f * s0, 128 * s0), b.stride[1], b.stride[2]),
-            )
-            b_view = cute.make_tensor(b.iterator, layout)
         epi_inputs = (act_out, probs, dprobs, h_in, bias)
-        self._launch(a, b, c, offs, num_clusters, stream, b_view, epi_inputs, route)
+        self._launch(a, b, c, offs, num_clusters, stream, self._b_tma_view(b), epi_inputs, route)
+
+    def _b_tma_view(self, b: cute.Tensor) -> cute.Tensor:
+        """B as the mainloop reads it: with fc1's [gate | up] halves, the hierarchical view
+        ((128, 2, F/128), H, E) (GEMM column 256t + 128q + i -> W1 row q*F + 128t + i)."""
+        if self.mode != "fc1" or self.interleave is not None:
+            return b
+        f = b.shape[0] // 2
+        s0 = b.stride[0]
+        layout = cute.make_layout(
+            ((128, 2, f // 128), b.shape[1], b.shape[2]),
+            stride=((s0, f * s0, 128 * s0), b.stride[1], b.stride[2]),
+        )
+        return cute.make_tensor(b.iterator, layout)
 
     def _make_epi(self, c: cute.Tensor, epi_inputs: tuple) -> tuple:
-        act_out, probs, dprobs, h_in, bias = epi_inputs
+        """The epilogue state ``ep.epi``: (a's TMA atom and view, act_out, probs, dprobs, h's
+        load atom and view, [bias], then any inputs after the five (the FP8 kernel's scales))."""
+        act_out, probs, dprobs, h_in, bias = epi_inputs[:5]
         tma_o, m_o = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
             _ragged_view(act_out, 0),
@@ -146,9 +152,19 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
             )
         # the bias goes to the kernel only when used: bias-free configs keep their parameters
         used_bias = (bias,) if self.has_bias else ()
-        return (tma_o, m_o, act_out, probs, dprobs, tma_h, m_h, *used_bias)
+        return (tma_o, m_o, act_out, probs, dprobs, tma_h, m_h, *used_bias, *epi_inputs[5:])
 
     # ---------------------------------------------------------------- device side
+
+    # Hooks of the FP8 kernel (``scaled_glu``); plain Python, inlined while tracing.
+
+    def _scale_tile(self, ep, group, coords):
+        """The tile's dequantization-scale context (None: 16-bit operands, nothing to scale)."""
+        return None
+
+    def _acc_at(self, ep, t: _GluTile, i: int):
+        """fp32 accumulator value ``i`` of this thread as the GLU maths reads it."""
+        return ep.tRS_acc[i]
 
     @cute.jit
     def _store_glu(self, ep, t, outs, blocks, count):
@@ -192,7 +208,8 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
                 r_p[v] = probs[cutlass.min(row_base + tRS_c[v][0], last_row)].to(Float32)
         h_out = self._partition(ep.tma_c, ep.mC, ep.sC, row0, rows)
         a_out = (tma_o, *self._partition(tma_o, m_o, ep.sC, row0, rows))
-        t = _GluTile(m_tile, n_tile, f_dim, row_base, tRS_c, r_p, h_out, a_out)
+        scales = self._scale_tile(ep, group, tRS_c)
+        t = _GluTile(m_tile, n_tile, f_dim, row_base, tRS_c, r_p, h_out, a_out, scales)
         if const_expr(self.mode == "fc1"):
             bt = None
             if const_expr(self.has_bias):
@@ -220,8 +237,8 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
             if const_expr((e // q) % 2 == 0):
                 eu = e + q
                 for v in cutlass.range_constexpr(size_rD):
-                    ep.rD[v] = ep.tRS_acc[e * size_rD + v]
-                    r_up[v] = ep.tRS_acc[eu * size_rD + v]
+                    ep.rD[v] = self._acc_at(ep, t, e * size_rD + v)
+                    r_up[v] = self._acc_at(ep, t, eu * size_rD + v)
                     if const_expr(bt is not None):
                         ep.rD[v] = ep.rD[v] + self._bias_at(bt, e * size_rD + v)
                         r_up[v] = r_up[v] + self._bias_at(bt, eu * size_rD + v)
@@ -275,7 +292,7 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
             col_ok = j0 < f_dim
             cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
             for v in cutlass.range_constexpr(size_rD):
-                ep.rD[v] = ep.tRS_acc[e * size_rD + v]
+                ep.rD[v] = self._acc_at(ep, t, e * size_rD + v)
                 r, cc = t.coords[v]
                 r_g[v] = cutlass.select_(col_ok, ep.sC[r, cc, g_buf].to(Float32), Float32(0.0))
                 r_u[v] = cutlass.select_(col_ok, ep.sC[r, cc, u_buf].to(Float32), Float32(0.0))

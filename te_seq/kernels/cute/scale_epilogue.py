@@ -53,14 +53,71 @@ class ScaleTile(NamedTuple):
     live: object  # False: write zeros (the virtual group, an empty span)
 
 
-class ScaledGemmKernel(GroupedGemmKernel):
+class ScaleScratchMixin:
+    """The row/column dequantization scales of a tile in an fp32 smem scratch, shared by the FP8
+    GEMM (``ScaledGemmKernel``) and the FP8 GLU GEMM (``scaled_glu``): ``_before_mainloop``
+    starts the cp.async copies of the tile's tm row and tn column scales, ``_wait_scales``
+    waits for them before the epilogue, ``_scaled_at`` applies them to one accumulator.
+    Hooks: ``scale_epi_index`` (where scale_a, scale_b sit in the epilogue state ``ep.epi``)
+    and ``_scale_col`` (the scale column of tile column t)."""
+
+    epi_scratch_words = 128 + 256  # a tile's row and column scales (tm + the widest tn)
+    scale_epi_index = 0
+
+    def _scale_col(self, n_tile, t, scale_b):
+        """Column of scale_b [E, N] that tile column ``t`` of n-tile ``n_tile`` is scaled by
+        (before the clamp to N - 1): the GEMM's own column here."""
+        return n_tile * self.tile_mnk[1] + t
+
+    @cute.jit
+    def _before_mainloop(self, ep, group, m_tile, n_tile, row0, epi_count):
+        """Start copying the tile's row and column scales into the smem scratch (cp.async, one
+        4-byte copy per consumer thread and kind); ``_wait_scales`` waits for them."""
+        # explicit class: the DSL rewrites a bare super() to super(self.__class__, self)
+        super(ScaleScratchMixin, self)._before_mainloop(ep, group, m_tile, n_tile, row0, epi_count)
+        tm, tn, _ = self.tile_mnk
+        i = self.scale_epi_index
+        scale_a, scale_b, t = ep.epi[i], ep.epi[i + 1], ep.mma_tidx
+        g = cutlass.min(group, cute.size(scale_b, mode=[0]) - 1)
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        dst = cute.zipped_divide(ep.scratch, (1,))
+        if t < tn:
+            col = cutlass.min(self._scale_col(n_tile, t, scale_b), cute.size(scale_b, mode=[1]) - 1)
+            cols = cute.zipped_divide(scale_b[g, None], (1,))
+            cute.copy(atom, cols[(None, col)], dst[(None, tm + t)])
+        if t < tm:
+            if const_expr(self.varlen == "m"):
+                row = cutlass.min(row0 + m_tile * tm + t, cute.size(scale_a) - 1)
+                rows = cute.zipped_divide(scale_a, (1,))
+            else:
+                row = cutlass.min(m_tile * tm + t, cute.size(scale_a, mode=[1]) - 1)
+                rows = cute.zipped_divide(scale_a[g, None], (1,))
+            cute.copy(atom, rows[(None, row)], dst[(None, t)])
+        cute.arch.cp_async_commit_group()
+
+    # Plain Python (inlined while the kernel is traced): no dynamic control flow below.
+
+    def _wait_scales(self):
+        """Before the epilogue reads the scratch: this thread's and every other thread's scale
+        copies have landed."""
+        cute.arch.cp_async_wait_group(0)
+        self.epi_barrier.arrive_and_wait()
+
+    def _scaled_at(self, st: ScaleTile, i: int, value):
+        """``value`` (accumulator value ``i`` of this thread) times its row's and column's
+        scales (the smem scratch); 0 where the tile is not live."""
+        r, c = st.coords[i]
+        scale = st.scratch[r] * st.scratch[self.tile_mnk[0] + c]
+        return cutlass.select_(st.live, value * scale, Float32(0.0))
+
+
+class ScaledGemmKernel(ScaleScratchMixin, GroupedGemmKernel):
     """Grouped GEMM whose epilogue applies row and column dequantization scales to the fp32
     accumulators. Varlen M: ``C[rows of e] = diag(sa) (A[rows of e] @ B[e]) diag(sb[e])``;
     varlen K: ``C[e] = diag(sa[e]) (A[:, span e] @ B[:, span e]ᵀ) diag(sb[e])`` (+ old C).
     """
 
     ragged_k = False  # varlen K: zero-padded, k-tile aligned token spans (module docstring)
-    epi_scratch_words = 128 + 256  # a tile's row and column scales (tm + the widest tn)
 
     def __init__(
         self,
@@ -98,36 +155,11 @@ class ScaledGemmKernel(GroupedGemmKernel):
         return tma_old, cute.local_tile(m_old[None, None, group], (tm, tn), (m_tile, n_tile))
 
     @cute.jit
-    def _before_mainloop(self, ep, group, m_tile, n_tile, row0, epi_count):
-        """Start copying the tile's row and column scales into the smem scratch (cp.async, one
-        4-byte copy per consumer thread and kind); ``_store_tile`` waits for them."""
-        super()._before_mainloop(ep, group, m_tile, n_tile, row0, epi_count)
-        tm, tn, _ = self.tile_mnk
-        scale_a, scale_b, t = ep.epi[0], ep.epi[1], ep.mma_tidx
-        g = cutlass.min(group, cute.size(scale_b, mode=[0]) - 1)
-        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-        dst = cute.zipped_divide(ep.scratch, (1,))
-        if t < tn:
-            col = cutlass.min(n_tile * tn + t, cute.size(scale_b, mode=[1]) - 1)
-            cols = cute.zipped_divide(scale_b[g, None], (1,))
-            cute.copy(atom, cols[(None, col)], dst[(None, tm + t)])
-        if t < tm:
-            if const_expr(self.varlen == "m"):
-                row = cutlass.min(row0 + m_tile * tm + t, cute.size(scale_a) - 1)
-                rows = cute.zipped_divide(scale_a, (1,))
-            else:
-                row = cutlass.min(m_tile * tm + t, cute.size(scale_a, mode=[1]) - 1)
-                rows = cute.zipped_divide(scale_a[g, None], (1,))
-            cute.copy(atom, rows[(None, row)], dst[(None, t)])
-        cute.arch.cp_async_commit_group()
-
-    @cute.jit
     def _store_tile(self, ep, acc, group, m_tile, n_tile, row0, rows, epi_count):
         tm, tn, _ = self.tile_mnk
         c_tile = cute.make_identity_tensor((tm, tn))
         coords = ep.tiled_r2s.retile(ep.tiled_mma.get_slice(ep.mma_tidx).partition_C(c_tile))
-        cute.arch.cp_async_wait_group(0)  # this thread's scale copies landed
-        self.epi_barrier.arrive_and_wait()  # and every other thread's
+        self._wait_scales()
         old = None
         if const_expr(self.varlen == "m"):
             st = ScaleTile(ep.scratch, coords, group < cute.size(ep.epi[1], mode=[0]))
@@ -139,12 +171,3 @@ class ScaledGemmKernel(GroupedGemmKernel):
                 old = self._old_tile(ep, group, m_tile, n_tile)
         gC = cute.local_tile(mC_g, (tm, tn), (m_tile, n_tile))
         return self._epilogue(ep, gC, epi_count, old, scale_tile=st)
-
-    # Plain Python (inlined while the kernel is traced): no dynamic control flow below.
-
-    def _scaled_at(self, st: ScaleTile, i: int, value):
-        """``value`` (accumulator value ``i`` of this thread) times its row's and column's
-        scales (the smem scratch); 0 where the tile is not live."""
-        r, c = st.coords[i]
-        scale = st.scratch[r] * st.scratch[self.tile_mnk[0] + c]
-        return cutlass.select_(st.live, value * scale, Float32(0.0))

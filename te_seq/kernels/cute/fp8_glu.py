@@ -1,0 +1,182 @@
+"""Fused FP8 (E4M3) grouped-MLP GLU steps on the CuTe DSL backend (sm_90a): FC1 + activation
+and FC2 dgrad + activation gradient with row-wise dequantization scales. Kernel:
+``scaled_glu.ScaledGluGemmKernel``; maths: ``glu.glu_fc1_forward`` / ``glu.glu_fc2_dgrad`` on
+the dequantized operands (``reference.glu_forward`` / ``reference.glu_backward``), up to the
+fp32 summation order.
+
+Shape legend: M rows, E experts, H hidden, F ffn; h [M, 2F] in the activation op's column
+layout; g(m) the expert of row m. The scales are *dequantization* scales (te_seq's
+``scale_inv``): the operand values are fp32(data) · scale of its row.
+
+    scaled_glu_fc1_forward:  h[m, n] = x_scale[m] · w1_scale[g, n] · Σ_k x[m, k] · w1[g, n, k]
+    scaled_glu_fc2_dgrad:    dA[m, j] = dy_scale[m] · w2t_scale[g, j] · Σ_k dy[m, k] · w2t[g, j, k]
+
+(fp32 accumulation, then the 16-bit kernel's GLU epilogue; outputs bf16). Imports no cutlass
+until a kernel is first compiled; no host reads of ``offs`` (sync-free, CUDA-graph capturable
+once compiled).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .fp8 import FP8_DTYPE, _aligned, _device_problem
+from .glu import _ACTS, _check_probs, _launch, layout_problem
+from .launch import _row_major, available
+
+_ALIGN = 16  # H in elements: 16-byte TMA rows of 1-byte data
+
+
+def _operand_problem(x: Tensor, w: Tensor, x_scale: Tensor, w_scale: Tensor) -> str:
+    """Why x [M, H], w [E, N, H] (N: 2F or F) and their fp32 scales [M], [E, N] cannot feed
+    the kernel ("" when they can)."""
+    if x.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE:
+        return f"needs float8_e4m3fn operands, got {x.dtype} and {w.dtype}"
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        return f"needs x [M, H] and w [E, N, H], got {tuple(x.shape)} and {tuple(w.shape)}"
+    if 0 in w.shape:
+        return f"needs E, N and H > 0, got w {tuple(w.shape)}"
+    for name, s, shape in (("x_scale", x_scale, (x.shape[0],)), ("w_scale", w_scale, w.shape[:2])):
+        if s.dtype != torch.float32 or tuple(s.shape) != tuple(shape):
+            return f"{name} must be float32 {list(shape)}, got {s.dtype} {list(s.shape)}"
+    return ""
+
+
+def _supports(x, w, x_scale, w_scale, act, interleave, fc1: bool) -> tuple[bool, str]:
+    """Shared checks; ``w`` is w1 [E, 2F, H] (fc1) or w2t [E, F, H] (dgrad)."""
+    if act not in _ACTS:
+        return False, f"act {act!r} has no fused epilogue (only {_ACTS})"
+    if w.dim() != 3 or (fc1 and w.shape[1] % 2):
+        return False, f"needs w [E, N, H] (N = 2F for fc1), got {tuple(w.shape)}"
+    f = w.shape[1] // 2 if fc1 else w.shape[1]
+    why = (
+        _operand_problem(x, w, x_scale, w_scale)
+        or layout_problem(x.shape[1], f, interleave, fc1, h_align=_ALIGN)
+        or _device_problem((x, w, x_scale, w_scale))
+    )
+    return (False, why) if why else available()
+
+
+def _kernel_operands(x: Tensor, w: Tensor, x_scale: Tensor, w_scale: Tensor) -> tuple:
+    """(x, w as [E, H, N] with H contiguous, (x_scale, w_scale)): 16-byte aligned data."""
+    w = _aligned(w.contiguous()).transpose(1, 2)
+    return _aligned(_row_major(x)), w, (x_scale.contiguous(), w_scale.contiguous())
+
+
+class _ScaledFc1Forward:
+    """``scaled_glu_fc1_forward(x, w1, x_scale, w1_scale, offs, act, interleave, probs, params)
+    -> (h, a)``."""
+
+    @staticmethod
+    def supports(
+        x: Tensor, w1: Tensor, x_scale: Tensor, w1_scale: Tensor, act: str,
+        interleave: int | None, bias: Tensor | None = None, gather: bool = False,
+    ) -> tuple[bool, str]:
+        """(True, "") when the fused FP8 kernel handles these operands, else (False, why):
+        E4M3 x [M, H] and w1 [E, 2F, H], fp32 x_scale [M] and w1_scale [E, 2F], H a multiple
+        of 16, F and ``interleave`` as the 16-bit GLU kernel needs them, CUDA tensors on one
+        sm_90 GPU; no bias, no gathered rows."""
+        if bias is not None:
+            return False, "the FP8 GLU kernel takes no bias"
+        if gather:
+            return False, "the FP8 GLU kernel reads no gathered rows"
+        return _supports(x, w1, x_scale, w1_scale, act, interleave, fc1=True)
+
+    def __call__(
+        self,
+        x: Tensor,
+        w1: Tensor,
+        x_scale: Tensor,
+        w1_scale: Tensor,
+        offs: Tensor,
+        act: str,
+        interleave: int | None,
+        probs: Tensor | None = None,
+        params: tuple[float, ...] = (),
+    ) -> tuple[Tensor, Tensor]:
+        """h [M, 2F] bf16 = diag(x_scale) (x_e W1_eᵀ) diag(w1_scale[e]) (fp32 accumulation,
+        one rounding) and a [M, F] bf16 = act(gate)·up(·probs) from the bf16 h, as
+        ``reference.glu_forward(h, ...)``. x [M, H] and w1 [E, 2F, H] float8_e4m3fn (W1's
+        rows in h's column layout), offs int32 [E] cumulative row ends, probs [M] or None,
+        ``params`` the activation's float parameters (() for its defaults). Rows past
+        ``offs[-1]`` are zeros in h and a. Raises ValueError when ``supports`` is False."""
+        ok, why = self.supports(x, w1, x_scale, w1_scale, act, interleave)
+        if not ok:
+            raise ValueError(
+                f"cute scaled_glu_fc1_forward: x {tuple(x.shape)} {x.dtype}, "
+                f"w1 {tuple(w1.shape)} {w1.dtype}: {why}"
+            )
+        rows, f = x.shape[0], w1.shape[1] // 2
+        probs = _check_probs(probs, rows, "scaled_glu_fc1_forward")
+        h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=x.device)
+        a = torch.empty(rows, f, dtype=torch.bfloat16, device=x.device)
+        if rows:
+            x, w1t, scales = _kernel_operands(x, w1, x_scale, w1_scale)
+            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params,
+                    scales=scales)
+        return h, a
+
+
+class _ScaledFc2Dgrad:
+    """``scaled_glu_fc2_dgrad(dy, w2t, dy_scale, w2t_scale, offs, h, act, interleave, probs,
+    params) -> (dh, a, dprobs)``."""
+
+    @staticmethod
+    def supports(
+        dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor, act: str,
+        interleave: int | None,
+    ) -> tuple[bool, str]:
+        """(True, "") when the fused FP8 kernel handles these operands, else (False, why):
+        E4M3 dy [M, H] and w2t [E, F, H], fp32 dy_scale [M] and w2t_scale [E, F], H a multiple
+        of 16, F and ``interleave`` as the 16-bit GLU kernel needs them, CUDA tensors on one
+        sm_90 GPU."""
+        return _supports(dy, w2t, dy_scale, w2t_scale, act, interleave, fc1=False)
+
+    def __call__(
+        self,
+        dy: Tensor,
+        w2t: Tensor,
+        dy_scale: Tensor,
+        w2t_scale: Tensor,
+        offs: Tensor,
+        h: Tensor,
+        act: str,
+        interleave: int | None,
+        probs: Tensor | None = None,
+        params: tuple[float, ...] = (),
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """dA [M, F] = diag(dy_scale) (dY_e W2_e) diag(w2t_scale[e]) (w2t = W2ᵀ [E, F, H]
+        float8_e4m3fn, dy [M, H] float8_e4m3fn) stays in fp32 registers; dh [M, 2F] bf16 =
+        ``reference.glu_backward(h, dA, ...)``, a [M, F] bf16 = ``reference.glu_forward(h,
+        ...)`` and dprobs [M] (fp32 sums, in probs.dtype; None without probs). h [M, 2F] bf16.
+        Rows past ``offs[-1]`` get dA = 0 (dh and dprobs zero there). Raises ValueError when
+        ``supports`` is False or h has the wrong shape or dtype."""
+        ok, why = self.supports(dy, w2t, dy_scale, w2t_scale, act, interleave)
+        if not ok:
+            raise ValueError(
+                f"cute scaled_glu_fc2_dgrad: dy {tuple(dy.shape)} {dy.dtype}, "
+                f"w2t {tuple(w2t.shape)} {w2t.dtype}: {why}"
+            )
+        rows, f = dy.shape[0], w2t.shape[1]
+        if h.shape != (rows, 2 * f) or h.dtype != torch.bfloat16:
+            raise ValueError(
+                f"cute scaled_glu_fc2_dgrad: h must be [{rows}, {2 * f}] torch.bfloat16, "
+                f"got {tuple(h.shape)} {h.dtype}"
+            )
+        probs_dtype = None if probs is None else probs.dtype
+        probs = _check_probs(probs, rows, "scaled_glu_fc2_dgrad")
+        dh = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=dy.device)
+        a = torch.empty(rows, f, dtype=torch.bfloat16, device=dy.device)
+        dprobs = None if probs is None else torch.zeros(rows, dtype=torch.float32, device=dy.device)
+        if rows:
+            dy, w2, scales = _kernel_operands(dy, w2t, dy_scale, w2t_scale)
+            _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h.contiguous(), act, interleave,
+                    params, scales=scales)
+        if dprobs is not None and probs_dtype != torch.float32:
+            dprobs = dprobs.to(probs_dtype)
+        return dh, a, dprobs
+
+
+scaled_glu_fc1_forward = _ScaledFc1Forward()
+scaled_glu_fc2_dgrad = _ScaledFc2Dgrad()
