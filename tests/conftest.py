@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import te_seq
+from te_seq.core import fp8_gemm
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -24,6 +25,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _seeded() -> None:
     """Fresh random data that is the same on every run (failures reproduce)."""
     torch.manual_seed(1234)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fp8_decisions() -> None:
+    """FP8 per-call decisions are cached per process; tests fake GPUs and kernel checks."""
+    fp8_gemm.clear_decisions()
 
 
 @pytest.fixture(autouse=True)

@@ -124,14 +124,33 @@ def step_note(recipe: Recipe | None, backend_name: str, op: object, dtype: torch
             f"accumulation); {wgrad}")
 
 
+# Per-call decisions from static facts (backend, recipe, dtype, device, widths), made once per
+# process: a call otherwise re-derives them several times (~10 µs each on the host).
+_DECISIONS: dict[tuple, object] = {}
+
+
+def decided(key: tuple, decide):
+    """`decide()` for the static facts `key` (which fully determine it), computed once."""
+    if key not in _DECISIONS:
+        _DECISIONS[key] = decide()
+    return _DECISIONS[key]
+
+
+def clear_decisions() -> None:
+    """Forget the cached decisions (tests that fake a GPU or replace a kernel check)."""
+    _DECISIONS.clear()
+
+
 def _runs_native(ctx, x: Tensor, w: Tensor, grouped: bool) -> bool:
-    dims = [(w.shape[-1], w.shape[-2])]
-    return not forward_reason(ctx.backend.name, ctx.recipe, x.dtype, x.device, dims, grouped)
+    facts = (ctx.backend.name, ctx.recipe, x.dtype, x.device, [(w.shape[-1], w.shape[-2])],
+             grouped)
+    return decided(("forward", *facts[:4], w.shape[-2:], grouped),
+                   lambda: not forward_reason(*facts))
 
 
 def _backward_native(ctx, x: Tensor, w: Tensor) -> bool:
-    dims = [(w.shape[-1], w.shape[-2])]
-    return not backward_reason(ctx.backend.name, ctx.recipe, x.dtype, x.device, dims, True)
+    facts = (ctx.backend.name, ctx.recipe, x.dtype, x.device, [(w.shape[-1], w.shape[-2])], True)
+    return decided(("backward", *facts[:4], w.shape[-2:]), lambda: not backward_reason(*facts))
 
 
 def linear_forward(op, ctx, input_: Tensor, x: Tensor, w: Tensor, params: list[Tensor],

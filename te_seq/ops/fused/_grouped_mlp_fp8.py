@@ -43,7 +43,18 @@ def _gemm(fc: GroupedLinear, ctx, input_: Tensor, x: Tensor, w: Tensor, offs, bo
 def epilogue_reasons(mlp, backend_name: str, recipe, dtype: torch.dtype,
                      device: torch.device) -> tuple[str, str]:
     """(why FC1's FP8 GEMM does not apply the activation in its epilogue, why FC2's FP8 dgrad
-    does not apply its backward): "" where it does. Static facts only (plan time too)."""
+    does not apply its backward): "" where it does. Static facts only (plan time too), so
+    decided once per set of facts (`fp8_gemm.decided`)."""
+    op = mlp.activation
+    spec = op.glu_spec if op.gated else op.act
+    key = ("glu epilogues", backend_name, recipe, dtype, device, spec, mlp.fc1.has_bias,
+           mlp.fc1.in_features, mlp.fc2.in_features)
+    return fp8_gemm.decided(key, lambda: _epilogue_reasons(mlp, backend_name, recipe, dtype,
+                                                           device))
+
+
+def _epilogue_reasons(mlp, backend_name: str, recipe, dtype: torch.dtype,
+                      device: torch.device) -> tuple[str, str]:
     if backend_name != "cute":
         return (f"the {backend_name} backend has no FP8 epilogue kernels",) * 2
     op = mlp.activation
