@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .fp8 import FP8_DTYPE, _aligned, _device_problem
-from .glu import _ACTS, _check_probs, _launch, layout_problem
+from .glu import _ACTS, _check_probs, _launch, layout_problem, run_dgrad
 from .launch import _row_major, available
 
 _ALIGN = 16  # H in elements: 16-byte TMA rows of 1-byte data
@@ -158,24 +158,9 @@ class _ScaledFc2Dgrad:
                 f"cute scaled_glu_fc2_dgrad: dy {tuple(dy.shape)} {dy.dtype}, "
                 f"w2t {tuple(w2t.shape)} {w2t.dtype}: {why}"
             )
-        rows, f = dy.shape[0], w2t.shape[1]
-        if h.shape != (rows, 2 * f) or h.dtype != torch.bfloat16:
-            raise ValueError(
-                f"cute scaled_glu_fc2_dgrad: h must be [{rows}, {2 * f}] torch.bfloat16, "
-                f"got {tuple(h.shape)} {h.dtype}"
-            )
-        probs_dtype = None if probs is None else probs.dtype
-        probs = _check_probs(probs, rows, "scaled_glu_fc2_dgrad")
-        dh = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=dy.device)
-        a = torch.empty(rows, f, dtype=torch.bfloat16, device=dy.device)
-        dprobs = None if probs is None else torch.zeros(rows, dtype=torch.float32, device=dy.device)
-        if rows:
-            dy, w2, scales = _kernel_operands(dy, w2t, dy_scale, w2t_scale)
-            _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h.contiguous(), act, interleave,
-                    params, scales=scales)
-        if dprobs is not None and probs_dtype != torch.float32:
-            dprobs = dprobs.to(probs_dtype)
-        return dh, a, dprobs
+        dy, w2, scales = _kernel_operands(dy, w2t, dy_scale, w2t_scale)
+        return run_dgrad("scaled_glu_fc2_dgrad", dy, w2, offs, h, act, interleave, probs,
+                         params, torch.bfloat16, scales)
 
 
 scaled_glu_fc1_forward = _ScaledFc1Forward()

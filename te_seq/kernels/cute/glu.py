@@ -217,23 +217,32 @@ class _Fc2Dgrad:
             raise ValueError(
                 f"cute glu_fc2_dgrad: dy {tuple(dy.shape)}, w2 {tuple(w2.shape)}: {why}"
             )
-        rows, f = dy.shape[0], w2.shape[2]
-        if h.shape != (rows, 2 * f) or h.dtype != dy.dtype:
-            raise ValueError(
-                f"cute glu_fc2_dgrad: h must be [{rows}, {2 * f}] {dy.dtype}, "
-                f"got {tuple(h.shape)} {h.dtype}"
-            )
-        probs_dtype = None if probs is None else probs.dtype
-        probs = _check_probs(probs, rows, "glu_fc2_dgrad")
-        dh = torch.empty(rows, 2 * f, dtype=dy.dtype, device=dy.device)
-        a = torch.empty(rows, f, dtype=dy.dtype, device=dy.device)
-        dprobs = None if probs is None else torch.zeros(rows, dtype=torch.float32, device=dy.device)
-        if rows:
-            h = h.contiguous()
-            _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h, act, interleave, params)
-        if dprobs is not None and probs_dtype != torch.float32:
-            dprobs = dprobs.to(probs_dtype)
-        return dh, a, dprobs
+        return run_dgrad("glu_fc2_dgrad", dy, w2, offs, h, act, interleave, probs, params,
+                         dy.dtype)
+
+
+def run_dgrad(op: str, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str,
+              interleave: int | None, probs: Tensor | None, params: tuple[float, ...],
+              out_dtype: torch.dtype, scales: tuple = ()) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The dgrad GLU kernel on checked operands (dy [M, H], w2 [E, H, F] in the kernel's
+    view; ``scales``: the FP8 kernel's): h checked against dy's rows and F, (dh, a, dprobs)
+    allocated in ``out_dtype``, the kernel launched over the rows, dprobs in probs' dtype."""
+    rows, f = dy.shape[0], w2.shape[2]
+    if h.shape != (rows, 2 * f) or h.dtype != out_dtype:
+        raise ValueError(
+            f"cute {op}: h must be [{rows}, {2 * f}] {out_dtype}, got {tuple(h.shape)} {h.dtype}"
+        )
+    probs_dtype = None if probs is None else probs.dtype
+    probs = _check_probs(probs, rows, op)
+    dh = torch.empty(rows, 2 * f, dtype=out_dtype, device=dy.device)
+    a = torch.empty(rows, f, dtype=out_dtype, device=dy.device)
+    dprobs = None if probs is None else torch.zeros(rows, dtype=torch.float32, device=dy.device)
+    if rows:
+        _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h.contiguous(), act, interleave,
+                params, scales=scales)
+    if dprobs is not None and probs_dtype != torch.float32:
+        dprobs = dprobs.to(probs_dtype)
+    return dh, a, dprobs
 
 
 glu_fc1_forward = _Fc1Forward()
