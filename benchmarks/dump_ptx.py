@@ -38,6 +38,7 @@ def _configs() -> dict[str, object]:
         "mm192": GemmConfig("m", bf16, bf16, "k", 192, (1, 2)),
         "mm128_nmajor": GemmConfig("m", bf16, bf16, "n", 128, (1, 2)),
         "mm256_fp16_2x1": GemmConfig("m", fp16, fp16, "k", 256, (2, 1)),
+        "mm192_pingpong": GemmConfig("m", bf16, bf16, "k", 192, (1, 2), pingpong=True),
         "wgrad_bf16": GemmConfig("k", bf16, bf16, "n", 256, (1, 2)),
         "wgrad_fp32_acc": GemmConfig("k", bf16, fp32, "n", 256, (1, 2), accumulate=True),
         "wgrad_fp32_acc192": GemmConfig("k", bf16, fp32, "n", 192, (1, 2), accumulate=True),

@@ -107,7 +107,7 @@ class ActGemmKernel(GluGemmKernel):
         count = count0
         for e in cutlass.range_constexpr(num_sub):
             for v in cutlass.range_constexpr(size_rD):
-                ep.rD[v] = ep.tRS_acc[e * size_rD + v]
+                ep.rD[v] = ep.tRS_acc[self._acc_index(ep, e, v)]
             ep.rD_out.store(ep.rD.load().to(self.c_dtype))
             f, _ = act_and_grad(ep.rD_out.load().to(Float32), self.act, False)
             if const_expr(self.has_probs):
@@ -134,8 +134,8 @@ class ActGemmKernel(GluGemmKernel):
         for e in cutlass.range_constexpr(num_sub):
             cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
             for v in cutlass.range_constexpr(size_rD):
-                ep.rD[v] = ep.tRS_acc[e * size_rD + v]
-                r, cc = t.coords[v]
+                ep.rD[v] = ep.tRS_acc[self._acc_index(ep, e, v)]
+                r, cc = t.coords[self._acc_index(ep, 0, v)]
                 r_h[v] = ep.sC[r, cc, self.epi_stage].to(Float32)
             self.epi_barrier.arrive_and_wait()  # the h buffer is free again
             if const_expr(e + 1 < num_sub):

@@ -64,6 +64,7 @@ class GemmConfig:
     route: str | None = None  # "gather" (A's rows) or "scatter" (C's rows) by index (routed.py)
     scaled: bool = False
     a_dtype: torch.dtype | None = None  # A's dtype where it is not ab_dtype (E5M2 gradients)
+    pingpong: bool = False  # ping-pong MMA warpgroups (the plain varlen-M kernel only)
 
 
 @dataclass
@@ -189,7 +190,8 @@ def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
         kernel = BiasGemmKernel((128, cfg.tile_n), cfg.cluster_mn, cfg.bias_scales, cfg.route)
         return _compile("gemm", cfg, kernel, _fake_args(cfg))
     kernel = GroupedGemmKernel(
-        cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, accumulate=cfg.accumulate, route=cfg.route
+        cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, accumulate=cfg.accumulate, route=cfg.route,
+        pingpong=cfg.pingpong,
     )
     return _compile("gemm", cfg, kernel, _fake_args(cfg))
 

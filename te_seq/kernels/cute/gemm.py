@@ -15,6 +15,7 @@ from .launch import (
     _AB_DTYPES,
     GATHER_CLUSTER,
     MM_TILING,
+    PINGPONG_TILE_WIDTHS,
     WGRAD_TILING,
     Tiling,
     _b_view,
@@ -70,6 +71,22 @@ def supports_wgrad(grad_out: Tensor, x: Tensor) -> tuple[bool, str]:
     return _supports((grad_out, x), shapes_ok, "grad_out [M, N] and x [M, K]", k, n)
 
 
+def _check_pingpong(t: Tiling, bias: Tensor | None, route: str | None) -> None:
+    """Ping-pong tilings run the plain kernel only (no bias, no routed rows) so far."""
+    if not t.pingpong:
+        return
+    if bias is not None or route is not None:
+        raise ValueError(
+            f"cute grouped_mm: a ping-pong tiling ({t}) supports neither a bias nor routed rows "
+            f"yet (bias given: {bias is not None}, route: {route})"
+        )
+    if t.tile_n not in PINGPONG_TILE_WIDTHS:
+        raise ValueError(
+            f"cute grouped_mm: a ping-pong tiling needs tile_n in {PINGPONG_TILE_WIDTHS}, "
+            f"got {t}"
+        )
+
+
 def grouped_mm(
     a: Tensor,
     b: Tensor,
@@ -122,11 +139,12 @@ def grouped_mm(
     a = _row_major(a)
     b_view, b_major = _b_view(b)
     t = tiling or default_tiling(n, MM_TILING)
+    _check_pingpong(t, bias, what)
     scales = row_scales(bias_scales, rows, "grouped_mm")
     cfg = GemmConfig(
         "m", a.dtype, a.dtype, b_major, t.tile_n, t.cluster_mn,
         bias_dtype=None if bias is None else bias.dtype, bias_scales=scales is not None,
-        route=what,
+        route=what, pingpong=t.pingpong,
     )
     kernel = compile_gemm(cfg).fn
     sms = _num_sms(a.device.index or 0)

@@ -205,7 +205,8 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
             r_p[v] = Float32(1.0)
             r_s[v] = Float32(0.0)
             if const_expr(self.has_probs):  # unpredicated (clamped) loads; rows past the tile
-                r_p[v] = probs[cutlass.min(row_base + tRS_c[v][0], last_row)].to(Float32)
+                row = row_base + tRS_c[self._acc_index(ep, 0, v)][0]
+                r_p[v] = probs[cutlass.min(row, last_row)].to(Float32)
         h_out = self._partition(ep.tma_c, ep.mC, ep.sC, row0, rows)
         a_out = (tma_o, *self._partition(tma_o, m_o, ep.sC, row0, rows))
         scales = self._scale_tile(ep, group, tRS_c)
@@ -237,11 +238,11 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
             if const_expr((e // q) % 2 == 0):
                 eu = e + q
                 for v in cutlass.range_constexpr(size_rD):
-                    ep.rD[v] = self._acc_at(ep, t, e * size_rD + v)
-                    r_up[v] = self._acc_at(ep, t, eu * size_rD + v)
+                    ep.rD[v] = self._acc_at(ep, t, self._acc_index(ep, e, v))
+                    r_up[v] = self._acc_at(ep, t, self._acc_index(ep, eu, v))
                     if const_expr(bt is not None):
-                        ep.rD[v] = ep.rD[v] + self._bias_at(bt, e * size_rD + v)
-                        r_up[v] = r_up[v] + self._bias_at(bt, eu * size_rD + v)
+                        ep.rD[v] = ep.rD[v] + self._bias_at(bt, self._acc_index(ep, e, v))
+                        r_up[v] = r_up[v] + self._bias_at(bt, self._acc_index(ep, eu, v))
                 ep.rD_out.store(ep.rD.load().to(self.c_dtype))
                 r_up_out.store(r_up.load().to(self.c_dtype))
                 # activation column block (of 32) and h column blocks of gate and up
@@ -292,8 +293,8 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
             col_ok = j0 < f_dim
             cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
             for v in cutlass.range_constexpr(size_rD):
-                ep.rD[v] = self._acc_at(ep, t, e * size_rD + v)
-                r, cc = t.coords[v]
+                ep.rD[v] = self._acc_at(ep, t, self._acc_index(ep, e, v))
+                r, cc = t.coords[self._acc_index(ep, 0, v)]
                 r_g[v] = cutlass.select_(col_ok, ep.sC[r, cc, g_buf].to(Float32), Float32(0.0))
                 r_u[v] = cutlass.select_(col_ok, ep.sC[r, cc, u_buf].to(Float32), Float32(0.0))
             self.epi_barrier.arrive_and_wait()  # the h buffers are free again

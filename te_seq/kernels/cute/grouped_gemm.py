@@ -47,6 +47,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from .launch import PINGPONG_TILE_WIDTHS
 from .mainloop import MainloopMixin
 from .ragged import _ragged_view
 from .routed import RoutedMixin
@@ -85,6 +86,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         accumulate: bool = False,
         store_stages: int | None = None,
         route: str | None = None,
+        pingpong: bool = False,
     ):
         if varlen not in ("m", "k"):
             raise ValueError(f"GroupedGemmKernel: varlen must be 'm' or 'k', got {varlen!r}")
@@ -105,6 +107,9 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             )
         self.varlen = varlen
         self.accumulate = accumulate and varlen == "k"
+        self.pingpong = pingpong
+        if pingpong:
+            self._check_pingpong(tile_mn)
         if store_stages is not None:
             self.epi_store_stages = store_stages
         if self.accumulate:  # 2 smem blocks that TMA fills with old C subtiles, 1 mbarrier each
@@ -113,9 +118,29 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         self.cluster_size = self.cluster_m * self.cluster_n
         self.tile_mnk = (tile_mn[0], tile_mn[1], 64)
         self.threads = (1 + self.num_mma_warpgroups) * self.threads_per_warpgroup
-        self.num_mma_threads = self.num_mma_warpgroups * self.threads_per_warpgroup
-        self.epi_store_warp = 4  # first warp of the first MMA warpgroup
+        # the threads of one tile's MMA and epilogue: both warpgroups, or one in ping-pong
+        self.num_mma_threads = self.threads_per_warpgroup * (1 if pingpong else 2)
+        # first warp of the first MMA warpgroup; in ping-pong each warpgroup's first warp, which
+        # the epilogue sees as warp 4 (``_EpilogueState.warp``)
+        self.epi_store_warp = 4
+        # one barrier for the epilogue threads of a tile (ping-pong epilogues never overlap)
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+
+    def _check_pingpong(self, tile_mn: tuple[int, int]) -> None:
+        """Ping-pong consumers (``mainloop._pingpong_tiles``) are built for the plain varlen-M
+        kernel so far; a warpgroup's whole 128 x tile_n accumulator must fit its registers."""
+        if type(self) is not GroupedGemmKernel:
+            raise ValueError(f"{type(self).__name__}: ping-pong consumers are not supported yet")
+        if self.varlen != "m" or self.accumulate or self.route:
+            raise ValueError(
+                f"GroupedGemmKernel: ping-pong needs varlen 'm' without accumulate or route, got "
+                f"varlen {self.varlen!r}, accumulate {self.accumulate}, route {self.route!r}"
+            )
+        if tile_mn[1] not in PINGPONG_TILE_WIDTHS:
+            raise ValueError(
+                f"GroupedGemmKernel: ping-pong tile width must be one of {PINGPONG_TILE_WIDTHS} "
+                f"(a warpgroup holds 128 x tile_n fp32 accumulators), got {tile_mn[1]}"
+            )
 
     # ---------------------------------------------------------------- host-side (jit) setup
 
@@ -134,7 +159,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             self.a_layout.sm90_mma_major_mode(),
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
-            (self.num_mma_warpgroups, 1, 1),
+            (1 if self.pingpong else self.num_mma_warpgroups, 1, 1),
             tiler_mn=(64, tn),
         )
         self.epi_tile = (tm, 32)
@@ -306,7 +331,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread,
-                (self.cluster_m + self.cluster_n - 1) * self.num_mma_warpgroups * 4,
+                (self.cluster_m + self.cluster_n - 1) * self.num_mma_threads // 32,
             ),
             tx_count=a_bytes + b_bytes,
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),

@@ -23,10 +23,14 @@ class Tiling:
     """CTA tile width (the tile is 128 x tile_n x 64) and cluster shape (cluster_m, cluster_n).
 
     cluster (2, 1): two m-tiles of one group share B by multicast; (1, 2): two n-tiles share A.
+    pingpong: the two MMA warpgroups take alternate tiles, one's epilogue overlapping the
+    other's mainloop (tile_n 128 or 192; the plain varlen-M ``grouped_mm`` only, so far);
+    otherwise both work on each tile (64 rows each).
     """
 
     tile_n: int = 256
     cluster_mn: tuple[int, int] = (1, 2)
+    pingpong: bool = False
 
 
 # Measured on one H200 (2026-11-22, benchmarks/bench_grouped_gemm.py, shapes A/B/Q/Z):
@@ -36,6 +40,9 @@ class Tiling:
 MM_TILING = Tiling(256, (1, 2))
 WGRAD_TILING = Tiling(256, (1, 2))
 TILE_WIDTHS = (256, 192, 128)
+# ping-pong tile widths: a warpgroup holds a whole 128 x tile_n tile of fp32 accumulators,
+# 192 registers per thread at 192 (of the 232 an MMA thread gets)
+PINGPONG_TILE_WIDTHS = (128, 192)
 
 
 def tile_n_for(n: int, cluster_n: int = 2) -> int:

@@ -120,9 +120,12 @@ class MainloopMixin:
         ab_pipe.producer_tail(state)
 
     @cute.jit
-    def _mainloop(self, tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles):
+    def _mainloop(
+        self, tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles, issued=None
+    ):
         """acc = Σ_k A_k B_kᵀ over ``k_tiles`` stages; one WGMMA batch kept in flight
-        (``tiled_mma`` accumulates: acc is zeroed first)."""
+        (``tiled_mma`` accumulates: acc is zeroed first). ``issued`` (ping-pong): the named
+        barrier to arrive on once the last WGMMAs are issued, before waiting for them."""
         acc.fill(0.0)
         num_k_blocks = cute.size(tCrA, mode=[2])
         for k in range(k_tiles):
@@ -137,6 +140,8 @@ class MainloopMixin:
                 cute.nvgpu.warpgroup.wait_group(1)
                 ab_pipe.consumer_release(release)
                 release.advance()
+        if const_expr(issued is not None):
+            issued.arrive()
         cute.nvgpu.warpgroup.wait_group(0)
         if k_tiles > 0:
             ab_pipe.consumer_release(release)
@@ -148,11 +153,18 @@ class MainloopMixin:
         self, tma_c, mC, sA, sB, sC, ab_pipe, sched, tidx, tiled_mma, epi, extra_bar, routes,
         scratch,
     ):
-        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
         tm, tn, tk = self.tile_mnk
+        # the MMA warpgroup (0 or 1) and this thread's index among its tile's MMA threads
+        wg = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup) - 1
         mma_tidx = tidx - self.threads_per_warpgroup
-        wg_layout = cute.make_layout(self.num_mma_warpgroups, stride=self.threads_per_warpgroup)
-        thr_mma = tiled_mma.get_slice(wg_layout(mma_tidx // self.threads_per_warpgroup))
+        if const_expr(self.pingpong):  # each warpgroup runs whole tiles
+            mma_tidx = tidx % self.threads_per_warpgroup
+            thr_mma = tiled_mma.get_slice(0)
+        else:
+            wg_layout = cute.make_layout(
+                self.num_mma_warpgroups, stride=self.threads_per_warpgroup
+            )
+            thr_mma = tiled_mma.get_slice(wg_layout(mma_tidx // self.threads_per_warpgroup))
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tm, tn)), self.acc_dtype)
@@ -175,14 +187,9 @@ class MainloopMixin:
         rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
         rD_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if const_expr(self.pingpong):  # the second warpgroup's warps 8-11 act as warps 4-7
+            warp = warp - 4 * wg
 
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        cluster_id = cute.arch.block_idx()[2]
-        stride = cute.arch.grid_dim()[2]
-        st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
-        unit = cluster_id
-        epi_count = Int32(0)
         ep = _EpilogueState(
             tma_c,
             mC,
@@ -200,6 +207,23 @@ class MainloopMixin:
             routes,
             scratch,
         )
+        if const_expr(self.pingpong):
+            self._pingpong_tiles(ep, acc, tCrA, tCrB, ab_pipe, sched, wg)
+        else:
+            self._cooperative_tiles(ep, acc, tCrA, tCrB, ab_pipe, sched)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem stays valid until TMA read it
+
+    @cute.jit
+    def _cooperative_tiles(self, ep, acc, tCrA, tCrB, ab_pipe, sched):
+        """Both MMA warpgroups on every unit of this cluster: unit = cluster id + i · grid."""
+        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        stride = cute.arch.grid_dim()[2]
+        unit = cute.arch.block_idx()[2]
+        st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
+        epi_count = Int32(0)
+        tiled_mma = ep.tiled_mma
         valid, group, m_unit, n_unit, row0, rows, st = self._work(
             offs, num_rows, n_tiles, m_units_k, unit, st
         )
@@ -217,4 +241,69 @@ class MainloopMixin:
             valid, group, m_unit, n_unit, row0, rows, st = self._work(
                 offs, num_rows, n_tiles, m_units_k, unit, st
             )
-        cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem stays valid until TMA read it
+
+    @cute.jit
+    def _pingpong_tiles(self, ep, acc, tCrA, tCrB, ab_pipe, sched, wg):
+        """Ping-pong: MMA warpgroup ``wg`` takes every other unit of this cluster (cluster id +
+        (wg + 2i) · grid) and skips its peer's stages in the A/B ring. Named barriers order
+        them: the tensor cores run the tiles in unit order (a warpgroup starts its mainloop once
+        the peer has issued its last WGMMAs) and the epilogues one at a time, each after the
+        peer's (which drained its TMA stores' smem reads: the store ring is shared), so one
+        warpgroup's epilogue overlaps the other's mainloop."""
+        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
+        mma_turn, mma_peer = self._turn_barriers(2, wg)
+        epi_turn, epi_peer = self._turn_barriers(4, wg)
+        if wg == 0:  # the first turns are warpgroup 0's
+            mma_turn.arrive()
+            epi_turn.arrive()
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        stride = cute.arch.grid_dim()[2]
+        unit = cute.arch.block_idx()[2]
+        st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
+        if wg == 1:
+            read, release, st = self._skip_unit(sched, unit, st, read, release)
+            unit = unit + stride
+        epi_count = Int32(0)
+        valid, group, m_unit, n_unit, row0, rows, st = self._work(
+            offs, num_rows, n_tiles, m_units_k, unit, st
+        )
+        while valid:
+            m_tile = m_unit * self.cluster_m + cluster_coord[0]
+            n_tile = n_unit * self.cluster_n + cluster_coord[1]
+            k_tiles = self._k_tiles(group, rows, offs, k_dim)
+            mma_turn.arrive_and_wait()
+            read, release = self._mainloop(
+                ep.tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles, mma_peer
+            )
+            epi_turn.arrive_and_wait()
+            num_epi = self._store_tile(ep, acc, group, m_tile, n_tile, row0, rows, epi_count)
+            epi_count = epi_count + num_epi
+            if ep.warp == self.epi_store_warp:  # the peer's epilogue reuses the store ring
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            epi_peer.arrive()
+            read, release, st = self._skip_unit(sched, unit + stride, st, read, release)
+            unit = unit + 2 * stride
+            valid, group, m_unit, n_unit, row0, rows, st = self._work(
+                offs, num_rows, n_tiles, m_units_k, unit, st
+            )
+
+    def _turn_barriers(self, first_id: int, wg):
+        """(own, peer) 256-thread named barriers of a ping-pong turn, ids ``first_id`` + wg:
+        a warpgroup waits on its own (its 128 threads plus the peer's 128 arrivals) and
+        hands the turn over by arriving on the peer's."""
+        own = pipeline.NamedBarrier(barrier_id=first_id + wg, num_threads=256)
+        peer = pipeline.NamedBarrier(barrier_id=first_id + 1 - wg, num_threads=256)
+        return own, peer
+
+    @cute.jit
+    def _skip_unit(self, sched, unit, st, read, release):
+        """Advance the A/B read and release states past the stages of the peer's ``unit``."""
+        offs, num_rows, k_dim, n_tiles, m_units_k, _ = sched
+        valid, group, _, _, _, rows, st = self._work(offs, num_rows, n_tiles, m_units_k, unit, st)
+        skip = Int32(0)
+        if valid:
+            skip = self._k_tiles(group, rows, offs, k_dim)
+        read.advance(skip)
+        release.advance(skip)
+        return read, release, st

@@ -118,13 +118,13 @@ class StoreEpilogueMixin:
             for i in cutlass.range_constexpr(batch):
                 e = b * batch + i
                 for v in cutlass.range_constexpr(size_rD):
-                    ep.rD[v] = ep.tRS_acc[e * size_rD + v]
+                    ep.rD[v] = ep.tRS_acc[self._acc_index(ep, e, v)]
                 if const_expr(bias_tile is not None):
                     for v in cutlass.range_constexpr(size_rD):
-                        ep.rD[v] = ep.rD[v] + self._bias_at(bias_tile, e * size_rD + v)
+                        ep.rD[v] = ep.rD[v] + self._bias_at(bias_tile, self._acc_index(ep, e, v))
                 if const_expr(scale_tile is not None):  # dequantization scales (scale_epilogue)
                     for v in cutlass.range_constexpr(size_rD):
-                        ep.rD[v] = self._scaled_at(scale_tile, e * size_rD + v, ep.rD[v])
+                        ep.rD[v] = self._scaled_at(scale_tile, self._acc_index(ep, e, v), ep.rD[v])
                 if const_expr(old is not None):
                     self._add_old_c(ep, loads, e, num_epi, epi_count)
                 outs[i].store(ep.rD.load().to(self.c_dtype))
@@ -178,11 +178,30 @@ class StoreEpilogueMixin:
         buf = g % 2
         cute.arch.mbarrier_wait(ep.extra_bar + buf, (g // 2) % 2)
         for v in cutlass.range_constexpr(size_rD):
-            r, cc = coords[e * size_rD + v]
+            r, cc = coords[self._acc_index(ep, e, v)]
             ep.rD[v] = ep.rD[v] + ep.sC[r, cc - 32 * e, self.epi_stage + buf].to(Float32)
         self.epi_barrier.arrive_and_wait()
         if const_expr(e + 2 < num_epi):
             self._load_old_c(ep, loads, e + 2, epi_count)
+
+    def _acc_index(self, ep, e: int, v: int) -> int:
+        """Flat index in ``tRS_acc`` (and in coordinate views retiled the same way) of value
+        ``v`` (in ``rD``'s order) of epilogue subtile ``e`` (trace time).
+
+        rD is (copy values, m-atoms, 16-column chunks of the subtile) and tRS_acc ((copy values,
+        16-column chunks of the tile), m-atoms, 1). With one 64-row m-atom per thread
+        (cooperative: each warpgroup owns 64 rows) subtile e is the run e · size(rD) + v; with
+        two (ping-pong: a warpgroup owns all 128 rows) the m-atom mode is outermost in tRS_acc,
+        so a subtile takes its chunks from both halves."""
+        size_rD = cute.size(ep.rD)
+        atoms_m = cute.size(ep.rD, mode=[1])
+        if atoms_m == 1:
+            return e * size_rD + v
+        values, chunks = cute.size(ep.rD, mode=[0]), cute.size(ep.rD, mode=[2])
+        tile_chunks = cute.size(ep.tRS_acc) // (values * atoms_m)
+        value, rest = v % values, v // values
+        m, chunk = rest % atoms_m, rest // atoms_m
+        return value + values * (e * chunks + chunk) + values * tile_chunks * m
 
     def _batch(self, count: int) -> int:
         """Subtiles staged per pair of barriers (trace time): ``epi_batch`` if set, else all but
