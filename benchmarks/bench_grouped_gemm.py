@@ -16,7 +16,8 @@ shape Z it runs on zero-padded groups, whose padding is not counted.
 (h and a = silu(gate)·up·probs) and FC2 dgrad (dh, re-emitted a, d(probs)), each as
 torch._grouped_mm + the reference elementwise maths (eager, fp32 upcast), cute grouped_mm + the
 same, cute grouped_mm + the same maths compiled by torch.compile (te_seq's unfused GPU path), and
-the fused cute kernel. FLOPs are the GEMM's only.
+the fused cute kernel, cooperative and ping-pong (1x2 and 2x1 clusters). FLOPs are the GEMM's
+only.
 
 ``--fp8`` times the forward GEMMs (FC1, FC2) on E4M3 operands with row-wise scales: cute
 ``scaled_grouped_mm``, ``torch._scaled_grouped_mm`` and cute bf16 ``grouped_mm`` in one run
@@ -242,6 +243,10 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
     def cmm(a, b):
         return cute.grouped_mm(a, b, offs)
 
+    # ping-pong tilings of the fused kernels (fc1: 64 gate + 64 up columns per tile)
+    pp = {c: cute.Tiling(128, c, pingpong=True) for c in ((1, 2), (2, 1))}
+    pp_dgrad = {c: cute.Tiling(cute.pingpong_tile_n(f, c[1]), c, pingpong=True) for c in pp}
+
     yield (
         "fc1_glu_fwd",
         2 * m * h * 2 * f,
@@ -250,6 +255,11 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
             "cute+ew": lambda: fc1(cmm),
             "cute+compiled_ew": lambda: fc1(cmm, compiled),
             "fused": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs),
+            **{
+                f"fused_pp{c[0]}x{c[1]}": (lambda t: lambda: cute.glu_fc1_forward(
+                    x, w1t, offs, "silu", None, probs, tiling=t))(t)
+                for c, t in pp.items()
+            },
         },
     )
     yield (
@@ -260,6 +270,11 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
             "cute+ew": lambda: dgrad(cmm),
             "cute+compiled_ew": lambda: dgrad(cmm, compiled),
             "fused": lambda: cute.glu_fc2_dgrad(dy, w2, offs, hpre, "silu", None, probs),
+            **{
+                f"fused_pp{c[0]}x{c[1]}": (lambda t: lambda: cute.glu_fc2_dgrad(
+                    dy, w2, offs, hpre, "silu", None, probs, tiling=t))(t)
+                for c, t in pp_dgrad.items()
+            },
         },
     )
 
@@ -305,13 +320,14 @@ def main_glu(args) -> None:
     )
     print(
         f"{'shape':5} {'step':14} {'torch+ew':>9} {'cute+ew':>8} {'cute+cew':>8} {'fused':>6}"
-        "  vs torch  vs cute  vs cute+cew"
+        f" {'pp1x2':>6} {'pp2x1':>6}  vs torch  vs cute  vs cute+cew"
     )
     for r in rows:
         t = r["tflops"]
         print(
             f"{r['shape']:5} {r['step']:14} {t['torch+ew']:9.0f} {t['cute+ew']:8.0f} "
-            f"{t['cute+compiled_ew']:8.0f} {t['fused']:6.0f}  {r['fused_vs_torch']:8.2f}  "
+            f"{t['cute+compiled_ew']:8.0f} {t['fused']:6.0f} {t['fused_pp1x2']:6.0f} "
+            f"{t['fused_pp2x1']:6.0f}  {r['fused_vs_torch']:8.2f}  "
             f"{r['fused_vs_cute']:7.2f}  {r['fused_vs_cute_compiled']:10.2f}"
         )
     print(

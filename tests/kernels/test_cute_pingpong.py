@@ -23,7 +23,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import os
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
     import torch
-    from te_seq.kernels.cute.compile import GemmConfig, compile_gemm
+    from te_seq.kernels.cute.compile import GemmConfig, GluConfig, compile_gemm, compile_glu
     bf16, fp16 = torch.bfloat16, torch.float16
     configs = [
         GemmConfig("m", bf16, bf16, "k", 192, (1, 2), pingpong=True),
@@ -32,6 +32,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
     ]
     for cfg in configs:
         print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
+    fp32 = torch.float32
+    glu = [
+        GluConfig("fc1", bf16, "k", "silu", None, fp32, (1, 2), tile_n=128, pingpong=True),
+        GluConfig("fc1", bf16, "k", "relu", 32, None, (2, 1), tile_n=128, pingpong=True),
+        GluConfig("dgrad", bf16, "n", "silu", None, fp32, (1, 2), tile_n=192, pingpong=True),
+        GluConfig("dgrad", bf16, "n", "gelu", 64, bf16, (1, 2), tile_n=128, pingpong=True),
+    ]
+    for cfg in glu:
+        print(cfg, f"{compile_glu(cfg).compile_s:.1f}s", flush=True)
     print("ALL COMPILED")
     """
 )
@@ -57,6 +66,19 @@ def test_kernel_rejects_pingpong_it_cannot_run(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         GroupedGemmKernel(pingpong=True, **kwargs)
+
+
+@needs_dsl
+def test_glu_kernel_pingpong_tiles():
+    from te_seq.kernels.cute.glu_epilogue import GluGemmKernel
+
+    assert GluGemmKernel("fc1", "silu", None, True, tile_n=128, pingpong=True).pingpong
+    with pytest.raises(ValueError, match=r"fc1: 128; pingpong True"):
+        GluGemmKernel("fc1", "silu", None, True, tile_n=256, pingpong=True)
+    with pytest.raises(ValueError, match="bias"):
+        GluGemmKernel("fc1", "silu", None, True, tile_n=128, has_bias=True, pingpong=True)
+    with pytest.raises(ValueError, match="interleave 128"):
+        GluGemmKernel("fc1", "silu", 128, True, tile_n=128, pingpong=True)
 
 
 @needs_dsl
@@ -172,3 +194,86 @@ def test_pingpong_cuda_graph_replays_with_new_split_sizes():
         graph.replay()
         torch.cuda.synchronize()
         assert _rel_err(out, reference.grouped_mm(a.double(), b.double(), offs)) < 1e-2
+
+
+# ------------------------------------------------------------------ GLU epilogues in ping-pong
+
+# (name, split sizes, rows past offs[-1], H, F); F a multiple of 128 ([gate | up] halves)
+_GLU_CASES = [
+    ("one_expert", [300], 0, 256, 256),
+    ("empty_experts_rows_past_end", [0, 77, 0, 0, 300, 5, 0], 40, 128, 384),
+    ("many_tiles", [700, 1500, 0, 900, 1, 1300], 0, 1024, 768),
+]
+# (act, interleave, probs dtype, fc1 cluster, dgrad tile width)
+_GLU_CONFIGS = [
+    ("silu", None, torch.float32, (1, 2), 192),
+    ("silu", None, None, (2, 1), 128),
+    ("gelu", 32, torch.bfloat16, (1, 2), 128),
+    ("relu", 64, torch.float32, (2, 1), 192),
+]
+
+
+def _glu_data(case, probs_dtype):
+    _, sizes, extra, h, f = case
+    m = sum(sizes) + extra
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(len(sizes), 2 * f, h, device="cuda", dtype=torch.bfloat16) / h**0.5
+    w2 = torch.randn(len(sizes), h, f, device="cuda", dtype=torch.bfloat16) / h**0.5
+    probs = None if probs_dtype is None else torch.rand(m, device="cuda").to(probs_dtype)
+    return x, w1, w2, probs, _offs(sizes)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("config", _GLU_CONFIGS, ids=str)
+@pytest.mark.parametrize("case", _GLU_CASES, ids=[c[0] for c in _GLU_CASES])
+def test_glu_fc1_pingpong_equals_cooperative(case, config):
+    from te_seq.kernels import cute
+
+    act, il, p_dtype, cluster, _ = config
+    x, w1, _, probs, offs = _glu_data(case, p_dtype)
+    w1t = w1.transpose(1, 2)
+    h, a = cute.glu_fc1_forward(
+        x, w1t, offs, act, il, probs, tiling=Tiling(128, cluster, pingpong=True)
+    )
+    h_coop, a_coop = cute.glu_fc1_forward(x, w1t, offs, act, il, probs)
+    torch.testing.assert_close(h, h_coop, rtol=0, atol=0)
+    torch.testing.assert_close(a, a_coop, rtol=0, atol=0)
+    assert _rel_err(h, reference.grouped_mm(x.double(), w1t.double(), offs)) < 1e-2
+    end = int(offs[-1])
+    assert (h[end:] == 0).all() and (a[end:] == 0).all()
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("config", _GLU_CONFIGS, ids=str)
+@pytest.mark.parametrize("case", _GLU_CASES, ids=[c[0] for c in _GLU_CASES])
+def test_glu_dgrad_pingpong_equals_cooperative(case, config):
+    from te_seq.kernels import cute
+
+    act, il, p_dtype, cluster, tile_n = config
+    x, _, w2, probs, offs = _glu_data(case, p_dtype)
+    m, f = x.shape[0], w2.shape[2]
+    dy = torch.randn_like(x)
+    h = torch.randn(m, 2 * f, device="cuda", dtype=x.dtype)
+    tiling = Tiling(tile_n, cluster, pingpong=True)
+    dh, a, dprobs = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, tiling=tiling)
+    same = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, tiling=Tiling(tile_n, cluster))
+    torch.testing.assert_close(dh, same[0], rtol=0, atol=0)
+    torch.testing.assert_close(a, same[1], rtol=0, atol=0)
+    if probs is None:
+        assert dprobs is None
+    else:  # sums of per-tile atomics: the order of the additions may differ
+        da = reference.grouped_mm(dy.double(), w2.double(), offs)
+        _, dp_ref = reference.glu_backward(h.double(), da, act, il, probs.double())
+        assert _rel_err(dprobs, dp_ref) < 1e-2
+        torch.testing.assert_close(dprobs.float(), same[2].float(), rtol=2e-2, atol=1e-3)
+
+
+def test_plain_gemm_default_tiling_is_pingpong_for_short_k():
+    from te_seq.kernels.cute import plain_mm_tiling
+
+    assert plain_mm_tiling(2048, 768) == Tiling(128, (1, 2), True)  # 192 would pad to 2304
+    assert plain_mm_tiling(4096, 1024) == Tiling(192, (1, 2), True)  # 4224 columns: < 5 % more
+    assert plain_mm_tiling(1536, 2048) == Tiling(256, (1, 2))  # long mainloop: cooperative
+    assert plain_mm_tiling(768, 1025) == Tiling(192, (1, 2))

@@ -30,11 +30,14 @@ from .gemm import grouped_mm, grouped_wgrad, supports, supports_wgrad
 from .glu import glu_fc1_forward, glu_fc2_dgrad
 from .launch import (
     MM_TILING,
+    PINGPONG_TILE_WIDTHS,
     TILE_WIDTHS,
     WGRAD_TILING,
     Tiling,
     available,
     default_tiling,
+    pingpong_tile_n,
+    plain_mm_tiling,
     route_problem,
     tile_n_for,
 )
@@ -50,6 +53,8 @@ __all__ = [
     "Tiling",
     "tile_n_for",
     "default_tiling",
+    "pingpong_tile_n",
+    "plain_mm_tiling",
     "available",
     "route_problem",
     "supports",
@@ -72,6 +77,7 @@ __all__ = [
     "quantize_rows_and_spans",
     "span_table",
     "MM_TILING",
+    "PINGPONG_TILE_WIDTHS",
     "WGRAD_TILING",
     "TILE_WIDTHS",
 ]

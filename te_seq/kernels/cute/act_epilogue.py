@@ -38,6 +38,8 @@ class ActGemmKernel(GluGemmKernel):
     """Varlen-M grouped GEMM with a non-gated activation epilogue (``mode`` "fc1" or "dgrad");
     see the module."""
 
+    pingpong_ready = False  # its epilogues assume two warpgroups on one tile
+
     def __init__(
         self,
         mode: str,

@@ -45,6 +45,8 @@ class BiasEpilogueMixin:
     columns are FC1's [gate | up] halves seen as 128-column pairs (``glu_epilogue``): tile
     column 128q + i of n-tile t is h column q·F + 128t + i."""
 
+    pingpong_ready = False  # the bias columns of a tile assume 128-column gate/up halves
+
     bias_halves = False
 
     # Plain Python (inlined while the kernel is traced): no dynamic control flow below.

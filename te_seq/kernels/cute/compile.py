@@ -235,6 +235,7 @@ class GluConfig:
     bias_dtype: torch.dtype | None = None  # fc1's per-expert bias [E, 2F] (None: no bias)
     route: str | None = None  # "gather": fc1 reads x's rows by index (routed.py)
     scaled: bool = False  # FP8 operands with row-wise dequantization scales (scaled_glu.py)
+    pingpong: bool = False  # one MMA warpgroup per tile (fc1: tile_n 128; dgrad: 128 or 192)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", param_values(self.act, self.params))
@@ -288,6 +289,7 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.params,
         cfg.bias_dtype is not None,
         cfg.route,
+        cfg.pingpong,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 

@@ -26,6 +26,7 @@ from .launch import (
     bias_problem,
     default_tiling,
     no_route,
+    plain_mm_tiling,
     route_rows,
     row_scales,
     tile_n_for,
@@ -138,7 +139,10 @@ def grouped_mm(
         return out
     a = _row_major(a)
     b_view, b_major = _b_view(b)
-    t = tiling or default_tiling(n, MM_TILING)
+    if tiling is None:
+        plain = bias is None and what is None
+        tiling = plain_mm_tiling(n, a.shape[1]) if plain else default_tiling(n, MM_TILING)
+    t = tiling
     _check_pingpong(t, bias, what)
     scales = row_scales(bias_scales, rows, "grouped_mm")
     cfg = GemmConfig(

@@ -18,6 +18,7 @@ from te_seq.kernels.activations import epilogue_activations
 from .launch import (
     _AB_DTYPES,
     GATHER_CLUSTER,
+    Tiling,
     _b_view,
     _check_offs,
     _num_sms,
@@ -110,11 +111,20 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
     return (probs if probs.dtype in _PROBS_DTYPES else probs.float()).contiguous()
 
 
+def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None) -> Tiling:
+    """The tiling of a GLU launch: ``tiling`` if given, else FC1's 128 gate + 128 up columns
+    per tile (dgrad's width is free: N = F, ``tile_n_for``), cooperative."""
+    if tiling is not None:
+        return tiling
+    cluster = _CLUSTER if not gather else GATHER_CLUSTER
+    return Tiling(_FC1_TILE_N if mode == "fc1" else tile_n_for(n, cluster[1]), cluster)
+
+
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params,
-            bias=None, gather=None, scales=()):
+            bias=None, gather=None, scales=(), tiling=None):
     """Compile (once) and launch the GLU kernel over c's M rows (``gather``: int32 [M], x's
     row of each GEMM row; x is then the [T, H] token matrix; ``scales``: the FP8 kernel's
-    fp32 (scale_a [M], scale_b [E, N]), ``fp8_glu``)."""
+    fp32 (scale_a [M], scale_b [E, N]), ``fp8_glu``; ``tiling``: ``_glu_tiling``)."""
     from .compile import GluConfig, compile_glu
 
     rows, groups = c.shape[0], b.shape[0]
@@ -122,13 +132,13 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
     b_view, b_major = _b_view(b)
     p_dtype = None if probs is None else probs.dtype
     n = b.shape[2]
-    cluster = _CLUSTER if gather is None else GATHER_CLUSTER
-    # FC1's tiles pair 128 gate with 128 up columns; dgrad's width is free (N = F)
-    tile_n = _FC1_TILE_N if mode == "fc1" else tile_n_for(n, cluster[1])
+    t = _glu_tiling(mode, n, gather is not None, tiling)
+    cluster, tile_n = t.cluster_mn, t.tile_n
     bias_dtype = None if bias is None else bias.dtype
     cfg = GluConfig(
         mode, x.dtype, b_major, act, interleave, p_dtype, cluster, tile_n=tile_n, params=params,
         bias_dtype=bias_dtype, route=None if gather is None else "gather", scaled=bool(scales),
+        pingpong=t.pingpong,
     )
     kernel = compile_glu(cfg).fn
     sms = _num_sms(x.device.index or 0)
@@ -164,6 +174,7 @@ class _Fc1Forward:
         params: tuple[float, ...] = (),
         bias: Tensor | None = None,
         gather_rows: Tensor | None = None,
+        tiling: Tiling | None = None,
     ) -> tuple[Tensor, Tensor]:
         """h = x_e W1_eᵀ (+ bias[e], added to the fp32 accumulator; bias [E, 2F] in h's
         columns) [M, 2F] (w1t = W1.transpose(1, 2) [E, H, 2F]) and
@@ -171,7 +182,10 @@ class _Fc1Forward:
         (``params``: the activation's float parameters, () for its defaults; each set of values
         compiles its own kernel). Rows past ``offs[-1]`` are zeros in h and a.
         ``gather_rows`` int [M]: row r of the GEMM is ``x[gather_rows[r]]`` (x a [T, H] token
-        matrix, H a multiple of 64), read by the kernel's loads (no [M, H] copy)."""
+        matrix, H a multiple of 64), read by the kernel's loads (no [M, H] copy).
+        ``tiling``: None (128 x 256 tiles, two warpgroups on each) or
+        ``Tiling(128, cluster, pingpong=True)`` (64 gate + 64 up columns per tile, one
+        warpgroup on each; no bias, no gather)."""
         gather = gather_rows is not None
         ok, why = self.supports(x, w1t, act, interleave, bias, gather)
         if not ok:
@@ -185,7 +199,7 @@ class _Fc1Forward:
         if rows:
             bias = None if bias is None else bias.contiguous()
             _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params, bias,
-                    gather_rows)
+                    gather_rows, tiling=tiling)
         return h, a
 
 
@@ -207,23 +221,26 @@ class _Fc2Dgrad:
         interleave: int | None,
         probs: Tensor | None = None,
         params: tuple[float, ...] = (),
+        tiling: Tiling | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """dA = dY_e W2_e (w2 [E, H, F]) never stored; dh [M, 2F] =
         ``reference.glu_backward(h, dA, ...)``, a [M, F] = ``reference.glu_forward(h, ...)`` and
         dprobs [M] (fp32 sums, in probs.dtype; None without probs); ``params`` as in
-        ``glu_fc1_forward``."""
+        ``glu_fc1_forward``; ``tiling``: None (fitted to F, cooperative) or a ping-pong
+        ``Tiling(128 or 192, cluster, pingpong=True)``."""
         ok, why = self.supports(dy, w2, act, interleave)
         if not ok:
             raise ValueError(
                 f"cute glu_fc2_dgrad: dy {tuple(dy.shape)}, w2 {tuple(w2.shape)}: {why}"
             )
         return run_dgrad("glu_fc2_dgrad", dy, w2, offs, h, act, interleave, probs, params,
-                         dy.dtype)
+                         dy.dtype, tiling=tiling)
 
 
 def run_dgrad(op: str, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str,
               interleave: int | None, probs: Tensor | None, params: tuple[float, ...],
-              out_dtype: torch.dtype, scales: tuple = ()) -> tuple[Tensor, Tensor, Tensor | None]:
+              out_dtype: torch.dtype, scales: tuple = (),
+              tiling: Tiling | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The dgrad GLU kernel on checked operands (dy [M, H], w2 [E, H, F] in the kernel's
     view; ``scales``: the FP8 kernel's): h checked against dy's rows and F, (dh, a, dprobs)
     allocated in ``out_dtype``, the kernel launched over the rows, dprobs in probs' dtype."""
@@ -239,7 +256,7 @@ def run_dgrad(op: str, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str
     dprobs = None if probs is None else torch.zeros(rows, dtype=torch.float32, device=dy.device)
     if rows:
         _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h.contiguous(), act, interleave,
-                params, scales=scales)
+                params, scales=scales, tiling=tiling)
     if dprobs is not None and probs_dtype != torch.float32:
         dprobs = dprobs.to(probs_dtype)
     return dh, a, dprobs

@@ -62,7 +62,12 @@ class _GluTile(NamedTuple):
 
 
 class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
-    """Varlen-M grouped GEMM with a GLU epilogue (``mode`` "fc1" or "dgrad"); see the module."""
+    """Varlen-M grouped GEMM with a GLU epilogue (``mode`` "fc1" or "dgrad"); see the module.
+
+    ``pingpong``: one warpgroup per tile (fc1: a 128-wide tile of 64 gate and 64 up columns;
+    dgrad: 128 or 192 columns), no bias."""
+
+    pingpong_ready = True  # without a bias (checked in __init__)
 
     def __init__(
         self,
@@ -76,16 +81,25 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         params: tuple[float, ...] = (),
         has_bias: bool = False,
         route: str | None = None,
+        pingpong: bool = False,
     ):
         if mode not in ("fc1", "dgrad"):
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
         if act not in ACTS:
             raise ValueError(f"GluGemmKernel: act must be one of {ACTS}, got {act!r}")
-        if interleave is not None and (interleave % 32 or (mode == "fc1" and 128 % interleave)):
+        fc1_tile_n = 128 if pingpong else 256
+        if interleave is not None and (
+            interleave % 32 or (mode == "fc1" and (fc1_tile_n // 2) % interleave)
+        ):
             raise ValueError(f"GluGemmKernel: unsupported interleave {interleave} for {mode}")
-        if tile_n != 256 and (mode == "fc1" or tile_n not in (128, 192)):
-            raise ValueError(f"GluGemmKernel: tile_n {tile_n} unsupported for {mode} (fc1: 256)")
-        super().__init__("m", (128, tile_n), cluster_mn, route=route)
+        if (mode == "fc1" and tile_n != fc1_tile_n) or tile_n not in (128, 192, 256):
+            raise ValueError(
+                f"GluGemmKernel: tile_n {tile_n} unsupported for {mode} (fc1: {fc1_tile_n}; "
+                f"pingpong {pingpong})"
+            )
+        if pingpong and has_bias:
+            raise ValueError("GluGemmKernel: ping-pong with an fc1 bias is not supported yet")
+        super().__init__("m", (128, tile_n), cluster_mn, route=route, pingpong=pingpong)
         self.mode, self.act, self.interleave, self.has_probs = mode, act, interleave, has_probs
         self.params = param_values(act, params)  # compile-time constants of the maths
         if has_bias and mode != "fc1":
@@ -121,14 +135,15 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
 
     def _b_tma_view(self, b: cute.Tensor) -> cute.Tensor:
         """B as the mainloop reads it: with fc1's [gate | up] halves, the hierarchical view
-        ((128, 2, F/128), H, E) (GEMM column 256t + 128q + i -> W1 row q*F + 128t + i)."""
+        ((s, 2, F/s), H, E), s = tile_n / 2 (GEMM column 2st + sq + i -> W1 row q*F + st + i)."""
         if self.mode != "fc1" or self.interleave is not None:
             return b
         f = b.shape[0] // 2
         s0 = b.stride[0]
+        half = self.tile_mnk[1] // 2
         layout = cute.make_layout(
-            ((128, 2, f // 128), b.shape[1], b.shape[2]),
-            stride=((s0, f * s0, 128 * s0), b.stride[1], b.stride[2]),
+            ((half, 2, f // half), b.shape[1], b.shape[2]),
+            stride=((s0, f * s0, half * s0), b.stride[1], b.stride[2]),
         )
         return cute.make_tensor(b.iterator, layout)
 
@@ -219,7 +234,7 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         else:
             count = self._dgrad_epilogue(ep, t, r_s, tma_h, m_h, epi_count)
             if const_expr(self.has_probs):
-                self._add_dprobs(r_s, tRS_c, rows_here, row_base, dprobs)
+                self._add_dprobs(ep, r_s, tRS_c, rows_here, row_base, dprobs)
         return count
 
     @cute.jit
@@ -228,13 +243,14 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         activation subtile; returns #stores."""
         n_tile, f_dim, r_p = t.n_tile, t.f_dim, t.r_p
         size_rD = cute.size(ep.rD)
-        ts = 128 if const_expr(self.interleave is None) else self.interleave
+        tn = self.tile_mnk[1]
+        ts = tn // 2 if const_expr(self.interleave is None) else self.interleave
         q = ts // 32  # subtiles per gate (or up) block of the tile
         r_up = cute.make_rmem_tensor(ep.rD.shape, Float32)
         r_up_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         count = count0
-        for e in cutlass.range_constexpr(8):
+        for e in cutlass.range_constexpr(tn // 32):
             if const_expr((e // q) % 2 == 0):
                 eu = e + q
                 for v in cutlass.range_constexpr(size_rD):
@@ -246,12 +262,12 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
                 ep.rD_out.store(ep.rD.load().to(self.c_dtype))
                 r_up_out.store(r_up.load().to(self.c_dtype))
                 # activation column block (of 32) and h column blocks of gate and up
-                j_blk = n_tile * 4 + ((32 * e) // (2 * ts)) * q + e % q
+                j_blk = n_tile * (tn // 64) + ((32 * e) // (2 * ts)) * q + e % q
                 if const_expr(self.interleave is None):
                     g_blk = j_blk
                     u_blk = f_dim // 32 + j_blk
                 else:
-                    g_blk = n_tile * 8 + e
+                    g_blk = n_tile * (tn // 32) + e
                     u_blk = g_blk + q
                 # the tile past F (zero-filled) stores nothing: point its stores past the end
                 g_blk, u_blk, j_blk = self._drop_unless(
@@ -383,13 +399,13 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         return g, u, j
 
     @cute.jit
-    def _add_dprobs(self, r_s, tRS_c, rows_here, row_base, dprobs):
+    def _add_dprobs(self, ep, r_s, tRS_c, rows_here, row_base, dprobs):
         """Reduce the row partial sums over the 4 lanes sharing a row; one atomic add each."""
         lane = cute.arch.lane_idx()
         for v in cutlass.range_constexpr(cute.size(r_s)):
             val = r_s[v]
             val = val + cute.arch.shuffle_sync_bfly(val, 1)
             val = val + cute.arch.shuffle_sync_bfly(val, 2)
-            r = tRS_c[v][0]
+            r = tRS_c[self._acc_index(ep, 0, v)][0]
             if (lane % 4 == 0) & (r < rows_here):
                 cute.arch.atomic_add(dprobs.iterator + (row_base + r), val)

@@ -77,6 +77,9 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     ragged_k = True
     # fp32 words of smem scratch the epilogue hooks use (``_epi_scratch``), after the buffers
     epi_scratch_words = 0
+    # whether this kernel's epilogue runs with one warpgroup per tile (``pingpong``); epilogue
+    # classes built for two warpgroups on one tile set it False
+    pingpong_ready = True
 
     def __init__(
         self,
@@ -129,7 +132,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     def _check_pingpong(self, tile_mn: tuple[int, int]) -> None:
         """Ping-pong consumers (``mainloop._pingpong_tiles``) are built for the plain varlen-M
         kernel so far; a warpgroup's whole 128 x tile_n accumulator must fit its registers."""
-        if type(self) is not GroupedGemmKernel:
+        if not self.pingpong_ready:
             raise ValueError(f"{type(self).__name__}: ping-pong consumers are not supported yet")
         if self.varlen != "m" or self.accumulate or self.route:
             raise ValueError(

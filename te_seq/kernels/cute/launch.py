@@ -56,6 +56,31 @@ def default_tiling(n: int, base: Tiling) -> Tiling:
     return Tiling(tile_n_for(n, base.cluster_mn[1]), base.cluster_mn)
 
 
+# Measured on one H100 (2026-11-25, benchmarks/bench_grouped_gemm.py, measured/
+# h100_2026-11-25_gemm_pingpong.json): ping-pong won where the mainloop is short, FC2's forward
+# (K = F): B (K = 1024) 555 TFLOP/s vs 497 cooperative 128x256, Q (K = 768) 341 vs 333; with
+# K >= 1536 (FC1 forward and dgrad on Q and B) cooperative 128x256 stayed ahead by 2-15 %.
+PINGPONG_MAX_K = 1024
+
+
+def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
+    """192 (measured 3 % faster than 128 on B's FC2) unless its cluster units compute over 5 %
+    more columns than 128's: N = 2048 takes 128 (192 would compute 2304 columns)."""
+    def cols(t: int) -> int:
+        return -(-n // (t * cluster_n)) * t * cluster_n
+
+    return 192 if cols(192) <= 1.05 * cols(128) else 128
+
+
+def plain_mm_tiling(n: int, k: int) -> Tiling:
+    """The default tiling of the plain varlen-M grouped GEMM (no bias, no routed rows) of N =
+    ``n`` columns and K = ``k``: ping-pong for short mainloops (K <= ``PINGPONG_MAX_K``), else
+    cooperative ``MM_TILING`` fitted to ``n``."""
+    if k > PINGPONG_MAX_K:
+        return default_tiling(n, MM_TILING)
+    return Tiling(pingpong_tile_n(n, MM_TILING.cluster_mn[1]), MM_TILING.cluster_mn, True)
+
+
 @functools.lru_cache(maxsize=None)
 def available() -> tuple[bool, str]:
     """(True, "") when a CUDA device of capability >= 9.0 and the CuTe DSL (with TVM-FFI) import."""

@@ -61,6 +61,8 @@ class ScaleScratchMixin:
     Hooks: ``scale_epi_index`` (where scale_a, scale_b sit in the epilogue state ``ep.epi``)
     and ``_scale_col`` (the scale column of tile column t)."""
 
+    pingpong_ready = False  # one scale scratch for both warpgroups, filled before the mainloop
+
     epi_scratch_words = 128 + 256  # a tile's row and column scales (tm + the widest tn)
     scale_epi_index = 0
 
