@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cutlass
 import cutlass.cute as cute
@@ -64,6 +64,9 @@ class GemmConfig:
     route: str | None = None  # "gather" (A's rows) or "scatter" (C's rows) by index (routed.py)
     scaled: bool = False
     a_dtype: torch.dtype | None = None  # A's dtype where it is not ab_dtype (E5M2 gradients)
+    # the FP8 block-scaled kernel (``block_scaled``); out of the repr, so the other configs'
+    # disk-cache keys stay as they were (its own kernels are cached under another name)
+    block_scaled: bool = field(default=False, repr=False)
 
 
 @dataclass
@@ -118,9 +121,10 @@ def _fake_args(cfg: GemmConfig) -> tuple:
 
 
 def _fake_scales(rank: int):
-    """Fake fp32 scales: [M] (rank 1) or row-major [E, C] (rank 2), symbolic sizes."""
+    """Fake fp32 scales: [M] (rank 1), row-major [E, C] (rank 2) or [E, R, C] (rank 3, the
+    block scales of ``block_scaled``), symbolic sizes."""
     shape = tuple(cute.sym_int32() for _ in range(rank))
-    order = (0,) if rank == 1 else (1, 0)
+    order = tuple(reversed(range(rank)))
     return make_fake_compact_tensor(cutlass.Float32, shape, stride_order=order, assumed_align=4)
 
 
@@ -179,6 +183,10 @@ def _compile(name: str, cfg: object, kernel: object, fake_args: tuple) -> Compil
 @functools.lru_cache(maxsize=None)
 def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     """The grouped GEMM for ``cfg``: compiled once per config, cached in memory and on disk."""
+    if cfg.block_scaled:
+        from .block_scaled import compile_block_scaled
+
+        return compile_block_scaled(cfg)
     if cfg.scaled:
         return _compile_scaled(cfg)
     if cfg.bias_dtype is not None:
