@@ -149,23 +149,18 @@ class BlockScaledGemmKernel(GroupedGemmKernel):
         return read, release
 
 
-def compile_block_scaled(cfg):
-    """The block-scaled kernel for ``cfg`` (``compile.GemmConfig`` with ``block_scaled``):
-    E4M3 operands, K-major B, bf16 output, tile 128 × 128, varlen M; cached on disk as
-    "block_gemm" (the config's repr leaves ``block_scaled`` out)."""
-    import torch
 
-    from .compile import _compile, _fake_args, _fake_scales
+def config_problem(cfg) -> str:
+    """Why a ``compile.GemmConfig`` with ``block_scaled`` cannot be compiled ("" when it can):
+    varlen M, E4M3 operands, a bf16 output, K-major B, tile_n 128, nothing else."""
+    import torch
 
     fp8 = torch.float8_e4m3fn
     plain = (cfg.varlen, cfg.ab_dtype, cfg.c_dtype, cfg.b_major, cfg.tile_n)
-    extras = (cfg.accumulate, cfg.bias_dtype, cfg.route, cfg.scaled, cfg.a_dtype)
+    extras = (cfg.accumulate, cfg.bias_dtype, cfg.bias_scales, cfg.route, cfg.scaled, cfg.a_dtype)
     if plain != ("m", fp8, torch.bfloat16, "k", SCALE_BLOCK) or any(extras):
-        raise ValueError(
+        return (
             f"block-scaled GEMMs take varlen 'm', E4M3 operands, a bf16 output, K-major B, "
             f"tile_n {SCALE_BLOCK} and no accumulate, bias, route or row-wise scales: {cfg}"
         )
-    kernel = BlockScaledGemmKernel((128, SCALE_BLOCK), cfg.cluster_mn)
-    a, b, out, offs, clusters, route, stream = _fake_args(cfg)
-    return _compile("block_gemm", cfg, kernel,
-                    (a, b, out, offs, clusters, _fake_scales(2), _fake_scales(3), route, stream))
+    return ""

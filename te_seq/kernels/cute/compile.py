@@ -184,9 +184,7 @@ def _compile(name: str, cfg: object, kernel: object, fake_args: tuple) -> Compil
 def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     """The grouped GEMM for ``cfg``: compiled once per config, cached in memory and on disk."""
     if cfg.block_scaled:
-        from .block_scaled import compile_block_scaled
-
-        return compile_block_scaled(cfg)
+        return _compile_block_scaled(cfg)
     if cfg.scaled:
         return _compile_scaled(cfg)
     if cfg.bias_dtype is not None:
@@ -211,6 +209,19 @@ def _compile_scaled(cfg: GemmConfig) -> CompiledGemm:
                          f"accumulate): {cfg}")
     kernel = ScaledGemmKernel(cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, cfg.accumulate)
     return _compile("gemm", cfg, kernel, _fake_args(cfg))
+
+
+def _compile_block_scaled(cfg: GemmConfig) -> CompiledGemm:
+    """The FP8 block-scaled GEMM (``block_scaled``), cached on disk as "block_gemm" (the
+    config's repr leaves ``block_scaled`` out): scales [M, KB] and [E, NB, KB] after offs."""
+    from .block_scaled import BlockScaledGemmKernel, config_problem
+
+    if config_problem(cfg):
+        raise ValueError(config_problem(cfg))
+    a, b, out, offs, clusters, route, stream = _fake_args(cfg)
+    scales = (_fake_scales(2), _fake_scales(3))
+    kernel = BlockScaledGemmKernel((128, cfg.tile_n), cfg.cluster_mn)
+    return _compile("block_gemm", cfg, kernel, (a, b, out, offs, clusters, *scales, route, stream))
 
 
 # ---------------------------------------------------------------- fused GLU epilogues
