@@ -16,6 +16,8 @@ activation steps ``act_fc1_forward`` / ``act_fc2_dgrad``, each with a ``.support
 ``fp8`` (the FP8 grouped GEMMs ``scaled_grouped_mm`` and ``scaled_grouped_wgrad`` with row-wise
 scales, ``supports_scaled`` / ``supports_scaled_wgrad``), ``fp8_glu`` (the fused FP8 GLU
 steps ``scaled_glu_fc1_forward`` / ``scaled_glu_fc2_dgrad``, each with a ``.supports``),
+``block_fp8`` (the FP8 block-scaled grouped GEMM ``block_scaled_grouped_mm``,
+``supports_block_scaled``),
 ``quant`` (the FP8 quantization kernels ``quantize_rows`` / ``quantize_spans``,
 ``quant_problem``),
 ``compile`` and ``disk_cache`` (compiling and caching), and the kernels (``grouped_gemm``,
@@ -24,6 +26,7 @@ re-exports.
 """
 
 from .act import act_fc1_forward, act_fc2_dgrad
+from .block_fp8 import block_scaled_grouped_mm, supports_block_scaled
 from .fp8 import scaled_grouped_mm, scaled_grouped_wgrad, supports_scaled, supports_scaled_wgrad
 from .fp8_glu import scaled_glu_fc1_forward, scaled_glu_fc2_dgrad
 from .gemm import grouped_mm, grouped_wgrad, supports, supports_wgrad
@@ -76,6 +79,8 @@ __all__ = [
     "quantize_spans",
     "quantize_rows_and_spans",
     "span_table",
+    "block_scaled_grouped_mm",
+    "supports_block_scaled",
     "MM_TILING",
     "PINGPONG_TILE_WIDTHS",
     "WGRAD_TILING",

@@ -51,6 +51,7 @@ SOURCE_FILES = (
     "scale_epilogue.py",
     "scaled_glu.py",
     "quant_kernels.py",
+    "block_scaled.py",
 )
 _VERSIONED_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
