@@ -277,3 +277,18 @@ def test_plain_gemm_default_tiling_is_pingpong_for_short_k():
     assert plain_mm_tiling(4096, 1024) == Tiling(192, (1, 2), True)  # 4224 columns: < 5 % more
     assert plain_mm_tiling(1536, 2048) == Tiling(256, (1, 2))  # long mainloop: cooperative
     assert plain_mm_tiling(768, 1025) == Tiling(192, (1, 2))
+
+
+def test_glu_default_tilings(monkeypatch):
+    from te_seq.kernels.cute import glu, launch
+
+    fc1 = glu._glu_tiling
+    assert fc1("fc1", 1536, 2048, True, None) == Tiling(128, (2, 1), True)  # Q: H = 2048
+    assert fc1("fc1", 2048, 4096, True, None) == Tiling(256, (1, 2))  # B: long mainloop
+    assert fc1("fc1", 1536, 2048, False, None) == Tiling(256, (1, 2))  # bias / FP8: cooperative
+    assert fc1("dgrad", 768, 2048, True, None) == Tiling(192, (1, 2))  # dgrad: cooperative
+    given = Tiling(128, (1, 2), True)
+    assert fc1("fc1", 1536, 2048, True, given) is given
+    monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
+    assert fc1("fc1", 1536, 2048, True, None) == Tiling(256, (1, 2))
+    assert launch.plain_mm_tiling(2048, 768) == Tiling(256, (1, 2))

@@ -103,7 +103,7 @@ def test_dispatch_reasons_name_the_problem():
 def test_quant_kernels_compile_for_sm90a():
     script = (
         "import torch\n"
-        "from te_seq.kernels.cute.compile import QuantConfig, compile_quant\n"
+        "from te_seq.kernels.cute.compile_quant import QuantConfig, compile_quant\n"
         "for kind in ('rows', 'span_amax', 'span_cast'):\n"
         "    for dtype in (torch.bfloat16, torch.float16):\n"
         "        for pow2 in (False, True):\n"

@@ -74,6 +74,8 @@ class BlockScaledGemmKernel(GroupedGemmKernel):
     """Varlen-M grouped GEMM of E4M3 operands with 1×128 (A) and 128×128 (B) block scales
     promoted into the fp32 accumulators every 128-element k-tile (module docstring)."""
 
+    pingpong_ready = False  # its mainloop does not hand the tensor cores over (``issued``)
+
     def __init__(self, tile_mn: tuple[int, int] = (128, 128), cluster_mn: tuple[int, int] = (1, 2)):
         if tile_mn != (128, SCALE_BLOCK):
             raise ValueError(

@@ -38,6 +38,7 @@ FORMAT_VERSION = 1
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCE_FILES = (
     "compile.py",
+    "compile_quant.py",
     "grouped_gemm.py",
     "tile_scheduler.py",
     "mainloop.py",
@@ -52,6 +53,7 @@ SOURCE_FILES = (
     "scaled_glu.py",
     "quant_kernels.py",
     "block_scaled.py",
+    "launch.py",  # PINGPONG_TILE_WIDTHS
 )
 _VERSIONED_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 _NAME = re.compile(r"[a-z][a-z0-9_]*")

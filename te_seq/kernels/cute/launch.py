@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -72,13 +73,34 @@ def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
     return 192 if cols(192) <= 1.05 * cols(128) else 128
 
 
+def pingpong_by_default() -> bool:
+    """Whether the defaults below may choose ping-pong tilings: ``TE_SEQ_PINGPONG=0`` keeps
+    every default cooperative (to compare the two, or to rule ping-pong out)."""
+    return os.environ.get("TE_SEQ_PINGPONG", "1").strip() != "0"
+
+
 def plain_mm_tiling(n: int, k: int) -> Tiling:
     """The default tiling of the plain varlen-M grouped GEMM (no bias, no routed rows) of N =
     ``n`` columns and K = ``k``: ping-pong for short mainloops (K <= ``PINGPONG_MAX_K``), else
     cooperative ``MM_TILING`` fitted to ``n``."""
-    if k > PINGPONG_MAX_K:
+    if k > PINGPONG_MAX_K or not pingpong_by_default():
         return default_tiling(n, MM_TILING)
     return Tiling(pingpong_tile_n(n, MM_TILING.cluster_mn[1]), MM_TILING.cluster_mn, True)
+
+
+# The fused GLU FC1 (H100, 2026-11-25, bench_grouped_gemm.py --glu, measured/
+# h100_2026-11-25_glu_pingpong.json, SwiGLU with probs): ping-pong 128-wide tiles with a 2x1
+# cluster ran Q (K = H = 2048) at 310 TFLOP/s vs 283 cooperative 128x256; with K = 4096 (B)
+# cooperative stayed ahead (535 vs 469). The GLU dgrad lost in ping-pong on both (Q 137-149 vs
+# 167, B 264-286 vs 375): it stays cooperative.
+GLU_FC1_PINGPONG = Tiling(128, (2, 1), True)
+GLU_FC1_PINGPONG_MAX_K = 2048
+
+
+def glu_fc1_pingpong(k: int) -> bool:
+    """Whether the fused GLU FC1 of reduction size K = ``k`` defaults to ``GLU_FC1_PINGPONG``
+    (the plain kernel: no bias, no gathered rows, 16-bit operands)."""
+    return k <= GLU_FC1_PINGPONG_MAX_K and pingpong_by_default()
 
 
 @functools.lru_cache(maxsize=None)

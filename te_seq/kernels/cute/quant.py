@@ -41,7 +41,7 @@ def quant_problem(t: Tensor, fp8_dtype: torch.dtype, margin: int) -> str:
 
 def _kernel(kind: str, t: Tensor, power_of_two: bool, rows: bool = False,
             fp8_dtype: torch.dtype = FP8_DTYPE):
-    from .compile import QuantConfig, compile_quant
+    from .compile_quant import QuantConfig, compile_quant
 
     dtype = t.dtype if t.dtype in _IN_DTYPES else torch.bfloat16  # span_table: no data
     return compile_quant(QuantConfig(kind, dtype, power_of_two, rows, fp8_dtype)).fn

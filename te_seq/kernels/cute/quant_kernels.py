@@ -2,7 +2,7 @@
 memory passes and one launch each, bitwise `fp8_reference`'s numbers.
 
 Imports cutlass; only ``quant.py``'s functionals import this module, lazily (through
-``compile.compile_quant``).
+``compile_quant.compile_quant``).
 
 ``RowQuantKernel``: t [R, C] (16-bit) -> data [R, C] FP8 and scale_inv [R] fp32, one scale per
 row (``fp8_reference.quantize`` with row-wise blocks). One warp per row: a pass for the row's
