@@ -279,16 +279,14 @@ def test_plain_gemm_default_tiling_is_pingpong_for_short_k():
     assert plain_mm_tiling(768, 1025) == Tiling(192, (1, 2))
 
 
-def test_glu_default_tilings(monkeypatch):
+def test_glu_default_tilings_stay_cooperative(monkeypatch):
     from te_seq.kernels.cute import glu, launch
 
-    fc1 = glu._glu_tiling
-    assert fc1("fc1", 1536, 2048, True, None) == Tiling(128, (2, 1), True)  # Q: H = 2048
-    assert fc1("fc1", 2048, 4096, True, None) == Tiling(256, (1, 2))  # B: long mainloop
-    assert fc1("fc1", 1536, 2048, False, None) == Tiling(256, (1, 2))  # bias / FP8: cooperative
-    assert fc1("dgrad", 768, 2048, True, None) == Tiling(192, (1, 2))  # dgrad: cooperative
+    tiling = glu._glu_tiling
+    assert tiling("fc1", 1536, False, None) == Tiling(256, (1, 2))
+    assert tiling("fc1", 1536, True, None) == Tiling(256, (2, 1))  # gathered rows
+    assert tiling("dgrad", 768, False, None) == Tiling(192, (1, 2))
     given = Tiling(128, (1, 2), True)
-    assert fc1("fc1", 1536, 2048, True, given) is given
+    assert tiling("fc1", 1536, False, given) is given
     monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
-    assert fc1("fc1", 1536, 2048, True, None) == Tiling(256, (1, 2))
     assert launch.plain_mm_tiling(2048, 768) == Tiling(256, (1, 2))

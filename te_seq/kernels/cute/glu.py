@@ -18,7 +18,6 @@ from te_seq.kernels.activations import epilogue_activations
 from .launch import (
     _AB_DTYPES,
     GATHER_CLUSTER,
-    GLU_FC1_PINGPONG,
     Tiling,
     _b_view,
     _check_offs,
@@ -27,7 +26,6 @@ from .launch import (
     available,
     bias_problem,
     gathered_rows,
-    glu_fc1_pingpong,
     no_route,
     tile_n_for,
     varlen_m_clusters,
@@ -113,16 +111,18 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
     return (probs if probs.dtype in _PROBS_DTYPES else probs.float()).contiguous()
 
 
-def _glu_tiling(mode: str, n: int, k: int, plain: bool, tiling: Tiling | None) -> Tiling:
-    """The tiling of a GLU launch of N = ``n``, K = ``k``: ``tiling`` if given; FC1 of the
-    ``plain`` kernel (no bias, gather or FP8 scales) with a short mainloop: ping-pong
-    (``glu_fc1_pingpong``); else cooperative: FC1's 128 gate + 128 up columns per tile, dgrad's
-    width fitted to N = F (``tile_n_for``)."""
+def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None) -> Tiling:
+    """The tiling of a GLU launch of N = ``n`` columns: ``tiling`` if given, else cooperative:
+    FC1's 128 gate + 128 up columns per tile, dgrad's width fitted to N = F (``tile_n_for``);
+    gathered rows are never multicast (``GATHER_CLUSTER``).
+
+    Ping-pong stays opt-in here: on one H100 (2026-11-25, kernel README "Ping-pong
+    consumers") it sped the GLU FC1 of Q up in a 2x1 cluster and slowed Zipf-skewed Z down,
+    and the GLU dgrad lost on Q, Z and B."""
     if tiling is not None:
         return tiling
-    if mode == "fc1" and plain and glu_fc1_pingpong(k):
-        return GLU_FC1_PINGPONG
-    return Tiling(_FC1_TILE_N if mode == "fc1" else tile_n_for(n, _CLUSTER[1]), _CLUSTER)
+    cluster = GATHER_CLUSTER if gather else _CLUSTER
+    return Tiling(_FC1_TILE_N if mode == "fc1" else tile_n_for(n, cluster[1]), cluster)
 
 
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params,
@@ -137,11 +137,7 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
     b_view, b_major = _b_view(b)
     p_dtype = None if probs is None else probs.dtype
     n = b.shape[2]
-    plain = gather is None and bias is None and not scales
-    if gather is not None:  # gathered rows: never multicast A
-        tiling = tiling or Tiling(_FC1_TILE_N if mode == "fc1" else tile_n_for(n, 1),
-                                  GATHER_CLUSTER)
-    t = _glu_tiling(mode, n, x.shape[1], plain, tiling)
+    t = _glu_tiling(mode, n, gather is not None, tiling)
     cluster, tile_n = t.cluster_mn, t.tile_n
     bias_dtype = None if bias is None else bias.dtype
     cfg = GluConfig(

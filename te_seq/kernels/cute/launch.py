@@ -88,21 +88,6 @@ def plain_mm_tiling(n: int, k: int) -> Tiling:
     return Tiling(pingpong_tile_n(n, MM_TILING.cluster_mn[1]), MM_TILING.cluster_mn, True)
 
 
-# The fused GLU FC1 (H100, 2026-11-25, bench_grouped_gemm.py --glu, measured/
-# h100_2026-11-25_glu_pingpong.json, SwiGLU with probs): ping-pong 128-wide tiles with a 2x1
-# cluster ran Q (K = H = 2048) at 310 TFLOP/s vs 283 cooperative 128x256; with K = 4096 (B)
-# cooperative stayed ahead (535 vs 469). The GLU dgrad lost in ping-pong on both (Q 137-149 vs
-# 167, B 264-286 vs 375): it stays cooperative.
-GLU_FC1_PINGPONG = Tiling(128, (2, 1), True)
-GLU_FC1_PINGPONG_MAX_K = 2048
-
-
-def glu_fc1_pingpong(k: int) -> bool:
-    """Whether the fused GLU FC1 of reduction size K = ``k`` defaults to ``GLU_FC1_PINGPONG``
-    (the plain kernel: no bias, no gathered rows, 16-bit operands)."""
-    return k <= GLU_FC1_PINGPONG_MAX_K and pingpong_by_default()
-
-
 @functools.lru_cache(maxsize=None)
 def available() -> tuple[bool, str]:
     """(True, "") when a CUDA device of capability >= 9.0 and the CuTe DSL (with TVM-FFI) import."""
