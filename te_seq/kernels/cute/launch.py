@@ -57,15 +57,17 @@ def default_tiling(n: int, base: Tiling) -> Tiling:
     return Tiling(tile_n_for(n, base.cluster_mn[1]), base.cluster_mn)
 
 
-# Measured on one H100 (2026-11-25, benchmarks/bench_grouped_gemm.py, measured/
-# h100_2026-11-25_gemm_pingpong.json): ping-pong won where the mainloop is short, FC2's forward
-# (K = F): B (K = 1024) 555 TFLOP/s vs 497 cooperative 128x256, Q (K = 768) 341 vs 333; with
-# K >= 1536 (FC1 forward and dgrad on Q and B) cooperative 128x256 stayed ahead by 2-15 %.
-PINGPONG_MAX_K = 1024
+# Measured on one H100 (2026-11-25, benchmarks/bench_grouped_gemm.py in bursts of 10 calls,
+# measured/h100_2026-11-25_gemm_pingpong_burst.json): ping-pong 128 x 128 (1x2 cluster) beat
+# cooperative 128 x 256 where the mainloop is short: FC2's forward (K = F = 768) on Q 417 vs 388
+# TFLOP/s, on Zipf-skewed Z 381 vs 354; FC1's dgrad (K = 2F = 1536) on Q 452 vs 429, Z 416 vs
+# 407; B's FC2 (K = 1024, 192-wide) 516 vs 494. With K >= 2048 cooperative stayed ahead or
+# level (Z FC1 423 vs 410, B dgrad 548 vs 520 at best).
+PINGPONG_MAX_K = 1536
 
 
 def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
-    """192 (measured 3 % faster than 128 on B's FC2) unless its cluster units compute over 5 %
+    """192 (measured 4 % faster than 128 on B's FC2) unless its cluster units compute over 5 %
     more columns than 128's: N = 2048 takes 128 (192 would compute 2304 columns)."""
     def cols(t: int) -> int:
         return -(-n // (t * cluster_n)) * t * cluster_n
