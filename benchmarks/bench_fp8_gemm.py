@@ -5,9 +5,10 @@ weight gradients (dW1 = dHᵀ x, dW2 = dYᵀ a) on token-major E4M3 operands wit
 
 Per shape and GEMM it times, interleaved in one run: ``cute.scaled_grouped_mm`` /
 ``cute.scaled_grouped_wgrad`` (te_seq's FP8 kernels), ``torch._scaled_grouped_mm`` (the peer,
-same operands and scales; forward only) and ``cute.grouped_mm`` / ``cute.grouped_wgrad`` on the
-bf16 operands the FP8 ones were quantized from; it prints TFLOP/s, cute FP8 vs the peer and vs
-cute bf16, and the relative difference of the two FP8 outputs.
+same operands and scales; forward only), ``cute.block_scaled_grouped_mm`` on the same data
+quantized in 1x128 / 128x128 blocks (forward only) and ``cute.grouped_mm`` /
+``cute.grouped_wgrad`` on the bf16 operands the FP8 ones were quantized from; it prints
+TFLOP/s, cute FP8 vs the peer and vs cute bf16, and the relative difference of the two FP8 outputs.
 
     python benchmarks/bench_grouped_gemm.py --fp8 [--shapes A,B,Q,Z] [--iters 20] [--json f]
 """
@@ -31,6 +32,19 @@ def quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, (1.0 / scale).contiguous()
 
 
+def quantize_blocks(t: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale_inv): t [..., R, C] (C, and R when ``rows`` > 1, multiples of 128) quantized
+    per ``rows`` x 128 block (1 x 128: activations; 128 x 128: weights), scale_inv
+    [..., R / rows, C / 128] in fp32 (the block-scaled kernel's layout)."""
+    *lead, r, c = t.shape
+    blocks = t.float().reshape(*lead, r // rows, rows, c // 128, 128)
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
+    scale = torch.where(amax > 0, E4M3_MAX / amax.clamp_min(1e-30), torch.ones_like(amax))
+    q = (blocks * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(t.shape)
+    scale_inv = (1.0 / scale).reshape(*lead, r // rows, c // 128)
+    return q, scale_inv.contiguous()
+
+
 def fp8_cases(e: int, h: int, f: int, m: int, sizes: list[int], device: str = "cuda"):
     """(label, flops, {variant: fn}) for FC1 and FC2 forward; variants "cute_fp8",
     "torch_fp8" (absent when torch lacks ``_scaled_grouped_mm``) and "cute_bf16"."""
@@ -49,6 +63,9 @@ def fp8_cases(e: int, h: int, f: int, m: int, sizes: list[int], device: str = "c
                 qa, qw, sa, sw, offs),
             "cute_bf16": lambda a=a, w=w: cute.grouped_mm(a, w.transpose(1, 2), offs),
         }
+        (ba, bsa), (bw, bsw) = quantize_blocks(a, 1), quantize_blocks(w, 128)
+        fns["cute_fp8_block"] = lambda ba=ba, bw=bw, bsa=bsa, bsw=bsw: (
+            cute.block_scaled_grouped_mm(ba, bw, bsa, bsw, offs))
         if hasattr(torch, "_scaled_grouped_mm"):
             fns["torch_fp8"] = lambda qa=qa, qw=qw, sa=sa, sw=sw: torch._scaled_grouped_mm(
                 qa, qw.transpose(1, 2), sa, sw, offs=offs, out_dtype=torch.bfloat16)
@@ -119,11 +136,14 @@ def run_fp8_shape(name: str, shape: tuple, sizes: list[int], iters: int, time_ms
 def print_table(rows: list[dict]) -> None:
     day = time.strftime("%Y-%m-%d")
     print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {day}")
-    print(f"{'shape':5} {'gemm':9} {'cute fp8':>8} {'torch fp8':>9} {'cute bf16':>9} "
-          "vs torch  vs bf16  rel diff")
+    print(f"{'shape':5} {'gemm':9} {'cute fp8':>8} {'block':>6} {'torch fp8':>9} "
+          f"{'cute bf16':>9} vs torch  vs bf16  rel diff")
     for r in rows:
         t = r["tflops"]
-        print(f"{r['shape']:5} {r['gemm']:9} {t['cute_fp8']:8.0f} {t.get('torch_fp8', 0):9.0f} "
-              f"{t['cute_bf16']:9.0f} {r.get('fp8_vs_torch', 0):8.2f} {r['fp8_vs_bf16']:7.2f} "
+        print(f"{r['shape']:5} {r['gemm']:9} {t['cute_fp8']:8.0f} "
+              f"{t.get('cute_fp8_block', 0):6.0f} {t.get('torch_fp8', 0):9.0f} "
+              f"{t['cute_bf16']:9.0f} "
+              f"{r.get('fp8_vs_torch', 0):8.2f} {r['fp8_vs_bf16']:7.2f} "
               f"{r.get('rel_diff_vs_torch', float('nan')):9.1e}")
-    print("(TFLOP/s of real rows; ratios = their time / cute FP8 time)")
+    print("(TFLOP/s of real rows; block = cute block_scaled_grouped_mm (1x128 / 128x128 scales); "
+          "ratios = their time / cute FP8 (row-wise) time)")
