@@ -28,7 +28,9 @@ Roles: warp 0 (of the first warpgroup) issues TMA loads into an ``ab_stage``-dee
 MMA warpgroups run WGMMA on a 128 × tile_n tile (64 rows each), then the epilogue converts the fp32
 accumulators, stages them in smem and TMA-stores them. (Letting a warpgroup whose 64 rows all lie
 past its group skip its MMA was tried: it made random-size experts 5-13% slower on one H200,
-2026-11-22, for reasons not established.)
+2026-11-22, for reasons not established.) With ``pingpong`` (varlen M, no bias, route or
+accumulate; tile_n 128 or 192) each MMA warpgroup owns whole tiles, alternating, and one's
+epilogue overlaps the other's mainloop (``mainloop._pingpong_tiles``).
 
 This module holds the host-side setup, the launch and the ``kernel`` body; the class takes its
 device roles from mixins: ``tile_scheduler`` (which tile a work unit is), ``mainloop`` (the TMA

@@ -3,7 +3,8 @@
 The producer warp TMA-loads A and B tiles into the ``ab_stage``-deep smem ring (multicast across
 the cluster); each consumer warpgroup waits for a stage, runs WGMMA on its 64 rows of the
 128 × tile_n tile and releases the stage, then hands the fp32 accumulators to the epilogue hook
-``_store_tile`` (``store_epilogue``, or a subclass's).
+``_store_tile`` (``store_epilogue``, or a subclass's). Ping-pong (``_pingpong_tiles``): each
+consumer warpgroup runs whole tiles, every other one, in turns ordered by named barriers.
 """
 
 from __future__ import annotations
