@@ -277,6 +277,8 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
             "cute+ew": lambda: dgrad(cmm),
             "cute+compiled_ew": lambda: dgrad(cmm, compiled),
             "fused": lambda: cute.glu_fc2_dgrad(dy, w2, offs, hpre, "silu", None, probs),
+            "fused_h2": lambda: cute.glu_fc2_dgrad(
+                dy, w2, offs, hpre, "silu", None, probs, h_prefetch=2),
             **{
                 f"fused_pp{c[0]}x{c[1]}": (lambda t: lambda: cute.glu_fc2_dgrad(
                     dy, w2, offs, hpre, "silu", None, probs, tiling=t))(t)
@@ -327,19 +329,21 @@ def main_glu(args) -> None:
     )
     print(
         f"{'shape':5} {'step':14} {'torch+ew':>9} {'cute+ew':>8} {'cute+cew':>8} {'fused':>6}"
-        f" {'pp1x2':>6} {'pp2x1':>6}  vs torch  vs cute  vs cute+cew"
+        f" {'pp1x2':>6} {'pp2x1':>6} {'h2':>5}  vs torch  vs cute  vs cute+cew"
     )
     for r in rows:
         t = r["tflops"]
         print(
             f"{r['shape']:5} {r['step']:14} {t['torch+ew']:9.0f} {t['cute+ew']:8.0f} "
             f"{t['cute+compiled_ew']:8.0f} {t['fused']:6.0f} {t['fused_pp1x2']:6.0f} "
-            f"{t['fused_pp2x1']:6.0f}  {r['fused_vs_torch']:8.2f}  "
+            f"{t['fused_pp2x1']:6.0f} {t.get('fused_h2', float('nan')):5.0f}  "
+            f"{r['fused_vs_torch']:8.2f}  "
             f"{r['fused_vs_cute']:7.2f}  {r['fused_vs_cute_compiled']:10.2f}"
         )
     print(
         "(TFLOP/s of the GEMM incl. the elementwise time; ratio = their time / fused time; "
-        "cew = reference maths compiled by torch.compile)"
+        "cew = reference maths compiled by torch.compile; h2: dgrad with two h subtiles loaded "
+        "ahead)"
     )
     if args.json:
         with open(args.json, "w") as fh:

@@ -248,3 +248,40 @@ def test_cuda_graph_replays_with_new_split_sizes():
         torch.cuda.synchronize()
         assert _rel_err(h, reference.grouped_mm(x.double(), w1t.double(), offs)) < 1e-2
         assert _rel_err(a, reference.glu_forward(h.double(), "silu")) < 1e-2
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("config", [c for c in _CONFIGS if c[0] in ("silu", "gelu")], ids=str)
+@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def test_fc2_dgrad_h_prefetch_equals_one_pair(case, config):
+    # two h buffer pairs (h_prefetch=2): subtile e's pair and mbarrier parity come from the
+    # CTA's running subtile count (tiles of 4, 6 or 8 subtiles, several tiles per CTA)
+    from te_seq.kernels import cute
+
+    act, il, p_dtype, params = config
+    x, _, w2, probs, offs = _data(case, p_dtype)
+    dy = torch.randn_like(x)
+    h = torch.randn(x.shape[0], 2 * w2.shape[2], device="cuda", dtype=x.dtype)
+    one = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, params)
+    two = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, params, h_prefetch=2)
+    torch.testing.assert_close(two[0], one[0], rtol=0, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=0, atol=0)
+    if probs is not None:  # atomics may add in another order
+        torch.testing.assert_close(two[2].float(), one[2].float(), rtol=2e-2, atol=1e-3)
+
+
+@gpu
+@needs_cute
+def test_fc2_dgrad_h_prefetch_many_tiles_per_cta():
+    # far more tiles than SMs: the running count crosses many tiles of 6 subtiles (F = 768)
+    from te_seq.kernels import cute
+
+    sizes, hid, f = [3000, 0, 2500, 1, 4000, 777], 512, 768
+    x, _, w2, probs, offs = _data(("big", sizes, 5, hid, f), torch.float32)
+    dy = torch.randn_like(x)
+    h = torch.randn(x.shape[0], 2 * f, device="cuda", dtype=x.dtype)
+    one = cute.glu_fc2_dgrad(dy, w2, offs, h, "silu", None, probs)
+    two = cute.glu_fc2_dgrad(dy, w2, offs, h, "silu", None, probs, h_prefetch=2)
+    torch.testing.assert_close(two[0], one[0], rtol=0, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=0, atol=0)

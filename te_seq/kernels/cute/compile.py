@@ -255,6 +255,7 @@ class GluConfig:
     route: str | None = None  # "gather": fc1 reads x's rows by index (routed.py)
     scaled: bool = False  # FP8 operands with row-wise dequantization scales (scaled_glu.py)
     pingpong: bool = False  # one MMA warpgroup per tile (fc1: tile_n 128; dgrad: 128 or 192)
+    h_prefetch: int = 1  # dgrad: h subtiles loaded ahead (2: two buffer pairs; cooperative)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", param_values(self.act, self.params))
@@ -309,6 +310,7 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.bias_dtype is not None,
         cfg.route,
         cfg.pingpong,
+        cfg.h_prefetch,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 

@@ -126,7 +126,7 @@ def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None) -> Tilin
 
 
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params,
-            bias=None, gather=None, scales=(), tiling=None):
+            bias=None, gather=None, scales=(), tiling=None, h_prefetch=1):
     """Compile (once) and launch the GLU kernel over c's M rows (``gather``: int32 [M], x's
     row of each GEMM row; x is then the [T, H] token matrix; ``scales``: the FP8 kernel's
     fp32 (scale_a [M], scale_b [E, N]), ``fp8_glu``; ``tiling``: ``_glu_tiling``)."""
@@ -143,7 +143,7 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
     cfg = GluConfig(
         mode, x.dtype, b_major, act, interleave, p_dtype, cluster, tile_n=tile_n, params=params,
         bias_dtype=bias_dtype, route=None if gather is None else "gather", scaled=bool(scales),
-        pingpong=t.pingpong,
+        pingpong=t.pingpong, h_prefetch=h_prefetch,
     )
     kernel = compile_glu(cfg).fn
     sms = _num_sms(x.device.index or 0)
@@ -227,25 +227,28 @@ class _Fc2Dgrad:
         probs: Tensor | None = None,
         params: tuple[float, ...] = (),
         tiling: Tiling | None = None,
+        h_prefetch: int = 1,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """dA = dY_e W2_e (w2 [E, H, F]) never stored; dh [M, 2F] =
         ``reference.glu_backward(h, dA, ...)``, a [M, F] = ``reference.glu_forward(h, ...)`` and
         dprobs [M] (fp32 sums, in probs.dtype; None without probs); ``params`` as in
         ``glu_fc1_forward``; ``tiling``: None (fitted to F, cooperative) or a ping-pong
-        ``Tiling(128 or 192, cluster, pingpong=True)``."""
+        ``Tiling(128 or 192, cluster, pingpong=True)``; ``h_prefetch``: h's subtiles loaded
+        ahead of the one being computed (1, or 2 with a cooperative tiling: one more pair of
+        smem buffers)."""
         ok, why = self.supports(dy, w2, act, interleave)
         if not ok:
             raise ValueError(
                 f"cute glu_fc2_dgrad: dy {tuple(dy.shape)}, w2 {tuple(w2.shape)}: {why}"
             )
         return run_dgrad("glu_fc2_dgrad", dy, w2, offs, h, act, interleave, probs, params,
-                         dy.dtype, tiling=tiling)
+                         dy.dtype, tiling=tiling, h_prefetch=h_prefetch)
 
 
 def run_dgrad(op: str, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str,
               interleave: int | None, probs: Tensor | None, params: tuple[float, ...],
-              out_dtype: torch.dtype, scales: tuple = (),
-              tiling: Tiling | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+              out_dtype: torch.dtype, scales: tuple = (), tiling: Tiling | None = None,
+              h_prefetch: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
     """The dgrad GLU kernel on checked operands (dy [M, H], w2 [E, H, F] in the kernel's
     view; ``scales``: the FP8 kernel's): h checked against dy's rows and F, (dh, a, dprobs)
     allocated in ``out_dtype``, the kernel launched over the rows, dprobs in probs' dtype."""
@@ -261,7 +264,7 @@ def run_dgrad(op: str, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str
     dprobs = None if probs is None else torch.zeros(rows, dtype=torch.float32, device=dy.device)
     if rows:
         _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h.contiguous(), act, interleave,
-                params, scales=scales, tiling=tiling)
+                params, scales=scales, tiling=tiling, h_prefetch=h_prefetch)
     if dprobs is not None and probs_dtype != torch.float32:
         dprobs = dprobs.to(probs_dtype)
     return dh, a, dprobs

@@ -82,6 +82,7 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         has_bias: bool = False,
         route: str | None = None,
         pingpong: bool = False,
+        h_prefetch: int = 1,
     ):
         if mode not in ("fc1", "dgrad"):
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
@@ -99,6 +100,12 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
             )
         if pingpong and has_bias:
             raise ValueError("GluGemmKernel: ping-pong with an fc1 bias is not supported yet")
+        if h_prefetch not in (1, 2) or (h_prefetch == 2 and (mode != "dgrad" or pingpong)):
+            raise ValueError(
+                f"GluGemmKernel: h_prefetch {h_prefetch} unsupported (1, or 2 for a cooperative "
+                f"dgrad), mode {mode!r}, pingpong {pingpong}"
+            )
+        self.h_prefetch = h_prefetch
         super().__init__("m", (128, tile_n), cluster_mn, route=route, pingpong=pingpong)
         self.mode, self.act, self.interleave, self.has_probs = mode, act, interleave, has_probs
         self.params = param_values(act, params)  # compile-time constants of the maths
@@ -107,10 +114,10 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         self.has_bias = has_bias
         self.bias_halves = interleave is None  # GEMM columns are 128-column gate/up pairs
         self.epi_store_stages = store_stages
-        if mode == "dgrad":  # store ring + gate/up buffers that TMA fills with h, 1 mbarrier
-            # 2 store buffers keep 4 mainloop stages; 4 leave 3 (smem)
+        if mode == "dgrad":  # store ring + gate/up buffer pairs that TMA fills with h
+            # 2 store buffers keep 4 mainloop stages; 4 leave 3 (smem). One mbarrier per pair.
             self.epi_store_stages = store_stages or 2
-            self.epi_extra_buffers, self.extra_barriers = 2, 1
+            self.epi_extra_buffers, self.extra_barriers = 2 * h_prefetch, h_prefetch
 
     # ---------------------------------------------------------------- host side (jit)
 
@@ -300,22 +307,25 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         r_du_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         s_l, g_l = self._h_partitions(ep, tma_h, m_h, t.row_base)
-        self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, 0)
-        g_buf, u_buf = self.epi_stage, self.epi_stage + 1
-        count = count0
+        depth = self.h_prefetch
         num_sub = self.tile_mnk[1] // 32
+        for d in cutlass.range_constexpr(min(depth, num_sub)):
+            self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, d)
+        count = count0
         for e in cutlass.range_constexpr(num_sub):
             j0, g_col, u_col = self._h_cols(n_tile, f_dim, e)
             col_ok = j0 < f_dim
-            cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
+            g_buf = self.epi_stage + 2 * (e % depth)
+            u_buf = g_buf + 1
+            cute.arch.mbarrier_wait(self._h_bar(ep, e), self._h_parity(count0, e))
             for v in cutlass.range_constexpr(size_rD):
                 ep.rD[v] = self._acc_at(ep, t, self._acc_index(ep, e, v))
                 r, cc = t.coords[self._acc_index(ep, 0, v)]
                 r_g[v] = cutlass.select_(col_ok, ep.sC[r, cc, g_buf].to(Float32), Float32(0.0))
                 r_u[v] = cutlass.select_(col_ok, ep.sC[r, cc, u_buf].to(Float32), Float32(0.0))
             self.epi_barrier.arrive_and_wait()  # the h buffers are free again
-            if const_expr(e + 1 < num_sub):
-                self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, e + 1)
+            if const_expr(e + depth < num_sub):
+                self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, e + depth)
             self._dglu(ep.rD, r_g, r_u, t.r_p, r_s, ep.rD_out, r_du_out, r_a_out)
             g_blk, u_blk, j_blk = self._drop_unless(
                 col_ok, f_dim, g_col // 32, u_col // 32, j0 // 32
@@ -367,26 +377,37 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
             u_col = g_col + s
         return j0, g_col, u_col
 
+    def _h_bar(self, ep, e: int):
+        """The mbarrier of dgrad subtile ``e``'s h pair (e % ``h_prefetch``)."""
+        pair = e % self.h_prefetch
+        return ep.extra_bar if pair == 0 else ep.extra_bar + pair
+
+    def _h_parity(self, count0, e: int):
+        """The mbarrier phase parity of dgrad subtile ``e``'s h pair. One pair (``h_prefetch``
+        1): a tile's subtile count (4, 6 or 8) is even, so it is e % 2 on every tile. Two pairs:
+        pair e % 2 has been filled once per two earlier subtiles of this CTA (``count0`` / 3 of
+        them before the tile: three stores each), so the parity comes from that running count."""
+        if self.h_prefetch == 1:
+            return e % 2
+        return ((count0 // 3 + e) // 2) % 2
+
     @cute.jit
     def _issue_h(self, ep, tma_h, s_l, g_l, n_tile, f_dim, e: int):
-        """TMA-load the gate and up (128 x 32) blocks of h for dgrad subtile ``e`` (rows past M
-        and columns past 2F are zero-filled; other out-of-tile values are masked by the reader)."""
+        """TMA-load the gate and up (128 x 32) blocks of h for dgrad subtile ``e`` into buffer
+        pair e % ``h_prefetch`` (its own mbarrier) (rows past M and columns past 2F are
+        zero-filled; other out-of-tile values are masked by the reader)."""
         _, g_col, u_col = self._h_cols(n_tile, f_dim, e)
         warp = ep.warp
-        bar = ep.extra_bar
+        bar = self._h_bar(ep, e)
+        g_buf = self.epi_stage + 2 * (e % self.h_prefetch)
         if warp == self.epi_store_warp:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(
                     bar, 2 * self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
                 )
+            cute.copy(tma_h, g_l[(None, (0, g_col // 32))], s_l[(None, g_buf)], tma_bar_ptr=bar)
             cute.copy(
-                tma_h, g_l[(None, (0, g_col // 32))], s_l[(None, self.epi_stage)], tma_bar_ptr=bar
-            )
-            cute.copy(
-                tma_h,
-                g_l[(None, (0, u_col // 32))],
-                s_l[(None, self.epi_stage + 1)],
-                tma_bar_ptr=bar,
+                tma_h, g_l[(None, (0, u_col // 32))], s_l[(None, g_buf + 1)], tma_bar_ptr=bar
             )
 
     @cute.jit
