@@ -276,7 +276,8 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
             "torch+ew": lambda: dgrad(lambda a, b: tg(a, b, offs=offs)),
             "cute+ew": lambda: dgrad(cmm),
             "cute+compiled_ew": lambda: dgrad(cmm, compiled),
-            "fused": lambda: cute.glu_fc2_dgrad(dy, w2, offs, hpre, "silu", None, probs),
+            "fused": lambda: cute.glu_fc2_dgrad(
+                dy, w2, offs, hpre, "silu", None, probs, h_prefetch=1),
             "fused_h2": lambda: cute.glu_fc2_dgrad(
                 dy, w2, offs, hpre, "silu", None, probs, h_prefetch=2),
             **{

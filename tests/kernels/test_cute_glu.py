@@ -263,7 +263,7 @@ def test_fc2_dgrad_h_prefetch_equals_one_pair(case, config):
     x, _, w2, probs, offs = _data(case, p_dtype)
     dy = torch.randn_like(x)
     h = torch.randn(x.shape[0], 2 * w2.shape[2], device="cuda", dtype=x.dtype)
-    one = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, params)
+    one = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, params, h_prefetch=1)
     two = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, params, h_prefetch=2)
     torch.testing.assert_close(two[0], one[0], rtol=0, atol=0)
     torch.testing.assert_close(two[1], one[1], rtol=0, atol=0)
@@ -281,7 +281,17 @@ def test_fc2_dgrad_h_prefetch_many_tiles_per_cta():
     x, _, w2, probs, offs = _data(("big", sizes, 5, hid, f), torch.float32)
     dy = torch.randn_like(x)
     h = torch.randn(x.shape[0], 2 * f, device="cuda", dtype=x.dtype)
-    one = cute.glu_fc2_dgrad(dy, w2, offs, h, "silu", None, probs)
+    one = cute.glu_fc2_dgrad(dy, w2, offs, h, "silu", None, probs, h_prefetch=1)
     two = cute.glu_fc2_dgrad(dy, w2, offs, h, "silu", None, probs, h_prefetch=2)
     torch.testing.assert_close(two[0], one[0], rtol=0, atol=0)
     torch.testing.assert_close(two[1], one[1], rtol=0, atol=0)
+
+
+def test_dgrad_h_prefetch_default():
+    from te_seq.kernels.cute import Tiling, glu
+
+    assert glu._dgrad_h_prefetch(Tiling(192, (1, 2)), scaled=False) == 2
+    assert glu._dgrad_h_prefetch(Tiling(128, (1, 2)), scaled=False) == 2
+    assert glu._dgrad_h_prefetch(Tiling(256, (1, 2)), scaled=False) == 1  # a stage fewer
+    assert glu._dgrad_h_prefetch(Tiling(192, (1, 2)), scaled=True) == 1  # the FP8 kernel
+    assert glu._dgrad_h_prefetch(Tiling(192, (1, 2), pingpong=True), scaled=False) == 1

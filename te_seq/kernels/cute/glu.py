@@ -125,8 +125,23 @@ def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None) -> Tilin
     return Tiling(_FC1_TILE_N if mode == "fc1" else tile_n_for(n, cluster[1]), cluster)
 
 
+# The GLU dgrad with two h buffer pairs (one H100, 2026-11-25, bench_grouped_gemm.py --glu,
+# measured/h100_2026-11-25_glu_h_prefetch_burst.json): Q 286 vs 267 TFLOP/s, Z 278 vs 265 at
+# 192-wide tiles; B's 256-wide tiles lost a mainloop stage to the extra smem (458 vs 481).
+_H_PREFETCH_MAX_TILE_N = 192
+
+
+def _dgrad_h_prefetch(t: Tiling, scaled: bool) -> int:
+    """h subtiles the dgrad loads ahead by default: 2 for cooperative 16-bit tiles up to
+    ``_H_PREFETCH_MAX_TILE_N`` wide (smem for a second pair costs them no mainloop stage),
+    else 1 (the FP8 kernel and ping-pong take one pair)."""
+    if scaled or t.pingpong or t.tile_n > _H_PREFETCH_MAX_TILE_N:
+        return 1
+    return 2
+
+
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params,
-            bias=None, gather=None, scales=(), tiling=None, h_prefetch=1):
+            bias=None, gather=None, scales=(), tiling=None, h_prefetch=None):
     """Compile (once) and launch the GLU kernel over c's M rows (``gather``: int32 [M], x's
     row of each GEMM row; x is then the [T, H] token matrix; ``scales``: the FP8 kernel's
     fp32 (scale_a [M], scale_b [E, N]), ``fp8_glu``; ``tiling``: ``_glu_tiling``)."""
@@ -139,6 +154,8 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
     n = b.shape[2]
     t = _glu_tiling(mode, n, gather is not None, tiling)
     cluster, tile_n = t.cluster_mn, t.tile_n
+    if h_prefetch is None:
+        h_prefetch = _dgrad_h_prefetch(t, bool(scales)) if mode == "dgrad" else 1
     bias_dtype = None if bias is None else bias.dtype
     cfg = GluConfig(
         mode, x.dtype, b_major, act, interleave, p_dtype, cluster, tile_n=tile_n, params=params,
@@ -227,7 +244,7 @@ class _Fc2Dgrad:
         probs: Tensor | None = None,
         params: tuple[float, ...] = (),
         tiling: Tiling | None = None,
-        h_prefetch: int = 1,
+        h_prefetch: int | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """dA = dY_e W2_e (w2 [E, H, F]) never stored; dh [M, 2F] =
         ``reference.glu_backward(h, dA, ...)``, a [M, F] = ``reference.glu_forward(h, ...)`` and
@@ -235,7 +252,7 @@ class _Fc2Dgrad:
         ``glu_fc1_forward``; ``tiling``: None (fitted to F, cooperative) or a ping-pong
         ``Tiling(128 or 192, cluster, pingpong=True)``; ``h_prefetch``: h's subtiles loaded
         ahead of the one being computed (1, or 2 with a cooperative tiling: one more pair of
-        smem buffers)."""
+        smem buffers; None: ``_dgrad_h_prefetch``)."""
         ok, why = self.supports(dy, w2, act, interleave)
         if not ok:
             raise ValueError(
@@ -248,7 +265,7 @@ class _Fc2Dgrad:
 def run_dgrad(op: str, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str,
               interleave: int | None, probs: Tensor | None, params: tuple[float, ...],
               out_dtype: torch.dtype, scales: tuple = (), tiling: Tiling | None = None,
-              h_prefetch: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
+              h_prefetch: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The dgrad GLU kernel on checked operands (dy [M, H], w2 [E, H, F] in the kernel's
     view; ``scales``: the FP8 kernel's): h checked against dy's rows and F, (dh, a, dprobs)
     allocated in ``out_dtype``, the kernel launched over the rows, dprobs in probs' dtype."""
