@@ -119,6 +119,7 @@ def cases(rows: int, e: int = 128, h: int = 2048, f: int = 768) -> dict[str, Cal
         "grouped_wgrad": lambda: cute.grouped_wgrad(dy, a, offs),
         "glu_fc1_forward": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs),
         "glu_fc2_dgrad": lambda: cute.glu_fc2_dgrad(dy, w2, offs, hh, "silu", None, probs),
+        "act_fc1_forward (relu)": lambda: cute.act_fc1_forward(x, w2, offs, "relu", probs),
         "scaled_grouped_mm": lambda: cute.scaled_grouped_mm(fp8x, fp8w, xs, ws, offs),
         "scaled_glu_fc1_forward": lambda: cute.scaled_glu_fc1_forward(
             fp8x, fp8w, xs, ws, offs, "silu", None, probs),

@@ -67,11 +67,13 @@ def _calls():
         "grouped_wgrad": lambda: cute.grouped_wgrad(dy, a, offs),
         "glu_fc1_forward": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs),
         "glu_fc2_dgrad": lambda: cute.glu_fc2_dgrad(dy, w2, offs, h, "silu", None, probs),
+        "act_fc1_forward": lambda: cute.act_fc1_forward(x, w2, offs, "relu", probs),
+        "act_fc2_dgrad": lambda: cute.act_fc2_dgrad(dy, w2, offs, a, "relu", probs),
     }
 
 
 @pytest.mark.parametrize("name", ["grouped_mm", "grouped_wgrad", "glu_fc1_forward",
-                                  "glu_fc2_dgrad"])
+                                  "glu_fc2_dgrad", "act_fc1_forward", "act_fc2_dgrad"])
 def test_planned_call_launches_what_a_fresh_plan_launches(name):
     call = _calls()[name]
     with stubbed_kernels() as stubs:
