@@ -21,20 +21,23 @@ from .glu import _check_probs, epilogue_args
 from .launch import (
     _AB_DTYPES,
     GATHER_CLUSTER,
-    _b_view,
     _check_offs,
     _num_sms,
     _row_major,
     available,
+    b_layout,
+    b_view,
     gathered_rows,
     no_route,
     tile_n_for,
     varlen_m_clusters,
     with_route,
 )
+from .launch_plan import LaunchPlan, PlanCache
 
 _ACTS = act_epilogue_activations()
 _CLUSTER = (1, 2)
+_PLANS = PlanCache()  # non-gated launches by call signature
 
 
 def _supports(x: Tensor, w: Tensor, act: str) -> tuple[bool, str]:
@@ -54,23 +57,33 @@ def _supports(x: Tensor, w: Tensor, act: str) -> tuple[bool, str]:
 
 
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, gather=None) -> None:
-    """Compile (once) and launch over c's M rows (``gather``: int32 [M], x's row of each
-    GEMM row; x is then the [T, H] token matrix)."""
-    from .compile import ActConfig, compile_act
-
-    rows, groups, n = c.shape[0], b.shape[0], b.shape[2]
-    offs = _check_offs(offs, groups, x.device)
-    b_view, b_major = _b_view(b)
-    p_dtype = None if probs is None else probs.dtype
-    cluster = _CLUSTER if gather is None else GATHER_CLUSTER
-    tile_n = tile_n_for(n, cluster[1])
-    cfg = ActConfig(mode, x.dtype, b_major, act, p_dtype, cluster, tile_n=tile_n,
-                    route=None if gather is None else "gather")
-    kernel = compile_act(cfg).fn
-    clusters = varlen_m_clusters(rows, groups, n, tile_n, cluster, _num_sms(x.device.index or 0))
+    """Launch over c's M rows (``gather``: int32 [M], x's row of each GEMM row; x is then the
+    [T, H] token matrix), the kernel and grid planned (and compiled) once per call signature
+    (``launch_plan``)."""
+    rows = c.shape[0]
+    offs = _check_offs(offs, b.shape[0], x.device)
+    signature = (mode, x.dtype, x.device, b.dtype, b.shape, b.stride(), b.device, rows,
+                 None if probs is None else probs.dtype, act, gather is None)
+    plan = _PLANS.get(signature) or _PLANS.put(
+        signature, _plan(mode, x, b, rows, probs, act, gather)
+    )
     args = epilogue_args(x, act_out, probs, dprobs, h_in, None)  # no FC1 bias here
     route = no_route(x.device) if gather is None else gather
-    kernel(_row_major(x), b_view, c, offs, clusters, *args, route)
+    plan.kernel(_row_major(x), b_view(b, plan.b_copy), c, offs, plan.clusters, *args, route)
+
+
+def _plan(mode: str, x: Tensor, b: Tensor, rows: int, probs, act: str, gather) -> LaunchPlan:
+    """The `LaunchPlan` of a non-gated launch: its config compiled (once), the grid."""
+    from .compile import ActConfig, compile_act
+
+    groups, n = b.shape[0], b.shape[2]
+    b_major, b_copy = b_layout(b)
+    cluster = _CLUSTER if gather is None else GATHER_CLUSTER
+    tile_n = tile_n_for(n, cluster[1])
+    cfg = ActConfig(mode, x.dtype, b_major, act, None if probs is None else probs.dtype,
+                    cluster, tile_n=tile_n, route=None if gather is None else "gather")
+    clusters = varlen_m_clusters(rows, groups, n, tile_n, cluster, _num_sms(x.device.index or 0))
+    return LaunchPlan(compile_act(cfg).fn, clusters, b_copy)
 
 
 class _Fc1Forward:

@@ -18,14 +18,16 @@ from .launch import (
     PINGPONG_TILE_WIDTHS,
     WGRAD_TILING,
     Tiling,
-    _b_view,
     _check_offs,
     _num_sms,
     _row_major,
     _row_ok,
+    b_layout,
+    b_view,
     bias_problem,
     default_tiling,
     no_route,
+    pingpong_by_default,
     plain_mm_tiling,
     route_rows,
     row_scales,
@@ -34,6 +36,10 @@ from .launch import (
     varlen_m_clusters,
     with_route,
 )
+from .launch_plan import LaunchPlan, PlanCache
+
+_MM_PLANS = PlanCache()  # grouped_mm launches by call signature
+_WGRAD_PLANS = PlanCache()  # grouped_wgrad launches by call signature
 
 
 def _supports(
@@ -120,7 +126,6 @@ def grouped_mm(
     ok, why = with_route((ok, why), what, a.shape[1])
     if not ok:
         raise ValueError(f"cute grouped_mm: a {tuple(a.shape)}, b {tuple(b.shape)}: {why}")
-    from .compile import GemmConfig, compile_gemm
 
     rows, groups, n = a.shape[0], b.shape[0], b.shape[2]
     if route is not None:
@@ -138,29 +143,47 @@ def grouped_mm(
     if rows == 0:
         return out
     a = _row_major(a)
-    b_view, b_major = _b_view(b)
+    signature = (
+        a.dtype, a.device, a.shape[1], b.dtype, b.shape, b.stride(), b.device, rows, what,
+        tiling, None if bias is None else bias.dtype, bias_scales is not None,
+        tiling is None and pingpong_by_default(),  # the default tiling reads the environment
+    )
+    plan = _MM_PLANS.get(signature) or _MM_PLANS.put(
+        signature, _mm_plan(a, b, rows, tiling, bias, bias_scales is not None, what)
+    )
+    scales = row_scales(bias_scales, rows, "grouped_mm")
+    args = (a, b_view(b, plan.b_copy), out, offs, plan.clusters)
+    route = no_route(a.device) if route is None else route
+    if bias is None:
+        plan.kernel(*args, route)
+    else:
+        if scales is None:  # the kernel reads no scales; its argument still needs a tensor
+            scales = torch.empty(1, dtype=torch.float32, device=a.device)
+        plan.kernel(*args, bias.contiguous(), scales, route)
+    return out
+
+
+def _mm_plan(a: Tensor, b: Tensor, rows: int, tiling: Tiling | None, bias: Tensor | None,
+             bias_scales: bool, what: str | None) -> LaunchPlan:
+    """The `LaunchPlan` of a ``grouped_mm`` launch of ``rows`` rows: the tiling (default or
+    checked), its config compiled (once per config), the grid, B's copy."""
+    from .compile import GemmConfig, compile_gemm
+
+    groups, n = b.shape[0], b.shape[2]
+    b_major, b_copy = b_layout(b)
     if tiling is None:
         plain = bias is None and what is None
         tiling = plain_mm_tiling(n, a.shape[1]) if plain else default_tiling(n, MM_TILING)
     t = tiling
     _check_pingpong(t, bias, what)
-    scales = row_scales(bias_scales, rows, "grouped_mm")
     cfg = GemmConfig(
         "m", a.dtype, a.dtype, b_major, t.tile_n, t.cluster_mn,
-        bias_dtype=None if bias is None else bias.dtype, bias_scales=scales is not None,
+        bias_dtype=None if bias is None else bias.dtype, bias_scales=bias_scales,
         route=what, pingpong=t.pingpong,
     )
-    kernel = compile_gemm(cfg).fn
     sms = _num_sms(a.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)
-    route = no_route(a.device) if route is None else route
-    if bias is None:
-        kernel(a, b_view, out, offs, clusters, route)
-    else:
-        if scales is None:  # the kernel reads no scales; its argument still needs a tensor
-            scales = torch.empty(1, dtype=torch.float32, device=a.device)
-        kernel(a, b_view, out, offs, clusters, bias.contiguous(), scales, route)
-    return out
+    return LaunchPlan(compile_gemm(cfg).fn, clusters, b_copy)
 
 
 def _route_of(gather_rows: Tensor | None, scatter_rows: Tensor | None):
@@ -191,8 +214,6 @@ def grouped_wgrad(
         raise ValueError(
             f"cute grouped_wgrad: grad_out {tuple(grad_out.shape)}, x {tuple(x.shape)}: {why}"
         )
-    from .compile import GemmConfig, compile_gemm
-
     rows, n, k = x.shape[0], grad_out.shape[1], x.shape[1]
     groups = offs.shape[0]
     offs = _check_offs(offs, groups, x.device)
@@ -210,11 +231,22 @@ def grouped_wgrad(
     if rows == 0:
         return out if accumulate else out.zero_()
     grad_out, x = _row_major(grad_out), _row_major(x)
+    signature = (x.dtype, x.device, rows, n, k, groups, out.dtype, accumulate, tiling)
+    plan = _WGRAD_PLANS.get(signature) or _WGRAD_PLANS.put(
+        signature, _wgrad_plan(x, n, k, groups, out.dtype, accumulate, tiling)
+    )
+    plan.kernel(grad_out.t(), x.t(), out.permute(1, 2, 0), offs, plan.clusters,
+                no_route(x.device))
+    return out
+
+
+def _wgrad_plan(x: Tensor, n: int, k: int, groups: int, out_dtype: torch.dtype,
+                accumulate: bool, tiling: Tiling | None) -> LaunchPlan:
+    """The `LaunchPlan` of a ``grouped_wgrad`` launch: its config compiled, the grid."""
+    from .compile import GemmConfig, compile_gemm
+
     t = tiling or default_tiling(k, WGRAD_TILING)
-    kernel = compile_gemm(
-        GemmConfig("k", x.dtype, out.dtype, "n", t.tile_n, t.cluster_mn, accumulate)
-    ).fn
+    cfg = GemmConfig("k", x.dtype, out_dtype, "n", t.tile_n, t.cluster_mn, accumulate)
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_k_clusters(groups, n, k, t.tile_n, t.cluster_mn, sms)
-    kernel(grad_out.t(), x.t(), out.permute(1, 2, 0), offs, clusters, no_route(x.device))
-    return out
+    return LaunchPlan(compile_gemm(cfg).fn, clusters)

@@ -19,11 +19,12 @@ from .launch import (
     _AB_DTYPES,
     GATHER_CLUSTER,
     Tiling,
-    _b_view,
     _check_offs,
     _num_sms,
     _row_major,
     available,
+    b_layout,
+    b_view,
     bias_problem,
     gathered_rows,
     no_route,
@@ -31,11 +32,14 @@ from .launch import (
     varlen_m_clusters,
     with_route,
 )
+from .launch_plan import LaunchPlan, PlanCache
 
 _PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACTS = epilogue_activations()  # the table entries with glu_epilogue=True
 _FC1_TILE_N, _CLUSTER = 256, (1, 2)
 _DUMMY: dict = {}
+_MAT_DUMMY: dict = {}  # (device type, index, dtype) -> the [8, 8] placeholder in that dtype
+_PLANS = PlanCache()  # GLU launches (16-bit and FP8) by call signature
 
 
 def _supports(
@@ -82,7 +86,7 @@ def epilogue_args(x: Tensor, act_out, probs, dprobs, h_in, bias) -> tuple:
         act_out,
         fp32_dummy if probs is None else probs,
         fp32_dummy if dprobs is None else dprobs,
-        mat_dummy.to(act_out.dtype) if h_in is None else h_in,
+        _mat_dummy(x.device, act_out.dtype) if h_in is None else h_in,
         mat_dummy if bias is None else bias,
     )
 
@@ -96,6 +100,15 @@ def _dummy(device: torch.device) -> tuple[Tensor, Tensor]:
             torch.zeros(8, 8, dtype=torch.bfloat16, device=device),
         )
     return _DUMMY[key]
+
+
+def _mat_dummy(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The [8, 8] matrix placeholder in ``dtype``, made once per device and dtype (not a
+    conversion, and so not a copy kernel, per call)."""
+    key = (device.type, device.index, dtype)
+    if key not in _MAT_DUMMY:
+        _MAT_DUMMY[key] = _dummy(device)[1].to(dtype)
+    return _MAT_DUMMY[key]
 
 
 def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
@@ -142,34 +155,49 @@ def _dgrad_h_prefetch(t: Tiling, scaled: bool) -> int:
 
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params,
             bias=None, gather=None, scales=(), tiling=None, h_prefetch=None):
-    """Compile (once) and launch the GLU kernel over c's M rows (``gather``: int32 [M], x's
-    row of each GEMM row; x is then the [T, H] token matrix; ``scales``: the FP8 kernel's
-    fp32 (scale_a [M], scale_b [E, N]), ``fp8_glu``; ``tiling``: ``_glu_tiling``)."""
-    from .compile import GluConfig, compile_glu
-
-    rows, groups = c.shape[0], b.shape[0]
-    offs = _check_offs(offs, groups, x.device)
-    b_view, b_major = _b_view(b)
-    p_dtype = None if probs is None else probs.dtype
-    n = b.shape[2]
-    t = _glu_tiling(mode, n, gather is not None, tiling)
-    cluster, tile_n = t.cluster_mn, t.tile_n
-    if h_prefetch is None:
-        h_prefetch = _dgrad_h_prefetch(t, bool(scales)) if mode == "dgrad" else 1
-    bias_dtype = None if bias is None else bias.dtype
-    cfg = GluConfig(
-        mode, x.dtype, b_major, act, interleave, p_dtype, cluster, tile_n=tile_n, params=params,
-        bias_dtype=bias_dtype, route=None if gather is None else "gather", scaled=bool(scales),
-        pingpong=t.pingpong, h_prefetch=h_prefetch,
+    """Launch the GLU kernel over c's M rows (``gather``: int32 [M], x's row of each GEMM
+    row; x is then the [T, H] token matrix; ``scales``: the FP8 kernel's fp32 (scale_a [M],
+    scale_b [E, N]), ``fp8_glu``; ``tiling``: ``_glu_tiling``; ``h_prefetch``: the dgrad's,
+    None for ``_dgrad_h_prefetch``), its kernel and grid planned (and compiled) once per call
+    signature (``launch_plan``)."""
+    rows = c.shape[0]
+    offs = _check_offs(offs, b.shape[0], x.device)
+    signature = (
+        mode, x.dtype, x.device, b.dtype, b.shape, b.stride(), b.device, rows,
+        None if probs is None else probs.dtype, act, interleave, tuple(params),
+        None if bias is None else bias.dtype, gather is None, bool(scales), tiling, h_prefetch,
     )
-    kernel = compile_glu(cfg).fn
-    sms = _num_sms(x.device.index or 0)
-    clusters = varlen_m_clusters(rows, groups, n, tile_n, cluster, sms)
-    kernel(
-        _row_major(x), b_view, c, offs, clusters,
+    plan = _PLANS.get(signature) or _PLANS.put(
+        signature, _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather,
+                         bool(scales), tiling, h_prefetch)
+    )
+    plan.kernel(
+        _row_major(x), b_view(b, plan.b_copy), c, offs, plan.clusters,
         *epilogue_args(x, act_out, probs, dprobs, h_in, bias), *scales,
         no_route(x.device) if gather is None else gather,
     )
+
+
+def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled, tiling,
+          h_prefetch):
+    """The `LaunchPlan` of a GLU launch: its config compiled (once per config), the grid."""
+    from .compile import GluConfig, compile_glu
+
+    b_major, b_copy = b_layout(b)
+    groups, n = b.shape[0], b.shape[2]
+    t = _glu_tiling(mode, n, gather is not None, tiling)
+    if h_prefetch is None:
+        h_prefetch = _dgrad_h_prefetch(t, scaled) if mode == "dgrad" else 1
+    cfg = GluConfig(
+        mode, x.dtype, b_major, act, interleave, None if probs is None else probs.dtype,
+        t.cluster_mn, tile_n=t.tile_n, params=params,
+        bias_dtype=None if bias is None else bias.dtype,
+        route=None if gather is None else "gather", scaled=scaled, pingpong=t.pingpong,
+        h_prefetch=h_prefetch,
+    )
+    sms = _num_sms(x.device.index or 0)
+    clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)
+    return LaunchPlan(compile_glu(cfg).fn, clusters, b_copy)
 
 
 class _Fc1Forward:

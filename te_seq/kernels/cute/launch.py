@@ -120,14 +120,24 @@ def _row_major(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 and t.stride(0) == t.shape[1] else t.contiguous()
 
 
-def _b_view(b: Tensor) -> tuple[Tensor, str]:
-    """b [E, K, N] as the kernel's (N, K, E) view and its major ("k": K contiguous, else "n")."""
+def b_layout(b: Tensor) -> tuple[str, bool]:
+    """(b's major, whether it must be copied first) for b [E, K, N]: "k" when K is contiguous
+    with 16-byte aligned strides, else "n", copied to contiguous unless N-major and aligned."""
     el = 8  # 16 bytes of bf16/fp16
     if b.stride(1) == 1 and b.stride(2) % el == 0 and b.stride(0) % el == 0:
-        return b.permute(2, 1, 0), "k"
-    if b.stride(2) != 1 or b.stride(1) % el or b.stride(0) % el:
-        b = b.contiguous()
-    return b.permute(2, 1, 0), "n"
+        return "k", False
+    return "n", bool(b.stride(2) != 1 or b.stride(1) % el or b.stride(0) % el)
+
+
+def b_view(b: Tensor, copy: bool) -> Tensor:
+    """b [E, K, N] (a contiguous copy of it when ``copy``) as the kernel's (N, K, E) view."""
+    return (b.contiguous() if copy else b).permute(2, 1, 0)
+
+
+def _b_view(b: Tensor) -> tuple[Tensor, str]:
+    """b [E, K, N] as the kernel's (N, K, E) view and its major ("k": K contiguous, else "n")."""
+    major, copy = b_layout(b)
+    return b_view(b, copy), major
 
 
 def _check_offs(offs: Tensor, groups: int, device: torch.device) -> Tensor:

@@ -1,0 +1,171 @@
+"""Launch plans of the cute functionals (te_seq/kernels/cute/launch_plan.py), on the CPU.
+
+The kernels are stubs (benchmarks/profile_launch.py: ``stubbed_kernels``) that record their
+launch arguments: a call whose signature was seen launches exactly what a freshly planned call
+launches, and any change of shape, dtype, stride or option is planned (and compiled) anew.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from profile_launch import stubbed_kernels  # noqa: E402
+
+from te_seq.kernels import cute  # noqa: E402
+from te_seq.kernels.cute import Tiling  # noqa: E402
+from te_seq.kernels.cute.launch_plan import clear_plans  # noqa: E402
+
+E, H, F, M = 4, 128, 256, 96
+BF16 = torch.bfloat16
+
+
+def _offs(rows: int = M) -> torch.Tensor:
+    return torch.tensor([rows // 4, rows // 2, rows // 2, rows], dtype=torch.int32)
+
+
+def _describe(args: tuple) -> list:
+    """A launch's arguments as comparable facts: tensors by dtype, shape, strides and whether
+    their data is one of the caller's inputs (its pointer), other values as they are."""
+    out = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            out.append((arg.dtype, tuple(arg.shape), arg.stride(), arg.data_ptr()))
+        else:
+            out.append(arg)
+    return out
+
+
+def _inputs_of(args: tuple) -> list:
+    """The arguments' facts without data pointers (outputs are fresh buffers on every call)."""
+    return [d[:3] if isinstance(d, tuple) else d for d in _describe(args)]
+
+
+def _launch_of(stubs: dict, call) -> tuple:
+    """(the config, the arguments) of the one launch ``call()`` makes."""
+    before = {cfg: len(stub.calls) for cfg, stub in stubs.items()}
+    call()
+    new = [(cfg, stub.calls[-1]) for cfg, stub in stubs.items()
+           if len(stub.calls) > before.get(cfg, 0)]
+    assert len(new) == 1, f"expected one launch, got {len(new)}"
+    return new[0]
+
+
+def _calls():
+    """One call per functional on fresh random operands (weights as the fused op passes them)."""
+    x, dy = torch.randn(M, H).to(BF16), torch.randn(M, H).to(BF16)
+    w1t = torch.randn(E, 2 * F, H).to(BF16).transpose(1, 2)  # [E, H, 2F], K-major
+    w2 = torch.randn(E, H, F).to(BF16)  # [E, H, F], N-major
+    a, h, probs = torch.randn(M, F).to(BF16), torch.randn(M, 2 * F).to(BF16), torch.rand(M)
+    offs = _offs()
+    return {
+        "grouped_mm": lambda: cute.grouped_mm(a, w2.transpose(1, 2), offs),
+        "grouped_wgrad": lambda: cute.grouped_wgrad(dy, a, offs),
+        "glu_fc1_forward": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs),
+        "glu_fc2_dgrad": lambda: cute.glu_fc2_dgrad(dy, w2, offs, h, "silu", None, probs),
+        "act_fc1_forward": lambda: cute.act_fc1_forward(x, w2, offs, "relu", probs),
+        "act_fc2_dgrad": lambda: cute.act_fc2_dgrad(dy, w2, offs, a, "relu", probs),
+    }
+
+
+@pytest.mark.parametrize("name", ["grouped_mm", "grouped_wgrad", "glu_fc1_forward",
+                                  "glu_fc2_dgrad", "act_fc1_forward", "act_fc2_dgrad"])
+def test_planned_call_launches_what_a_fresh_plan_launches(name):
+    call = _calls()[name]
+    with stubbed_kernels() as stubs:
+        cfg1, first = _launch_of(stubs, call)
+        cfg2, again = _launch_of(stubs, call)  # from the plan
+        clear_plans()
+        cfg3, fresh = _launch_of(stubs, call)  # planned anew
+    assert cfg1 == cfg2 == cfg3 and len(stubs) == 1
+    assert _inputs_of(again) == _inputs_of(first) == _inputs_of(fresh)
+    # inputs and placeholders are the very same tensors; outputs are new buffers per call
+    same = [a.data_ptr() == b.data_ptr() for a, b in zip(first, again)
+            if isinstance(a, torch.Tensor)]
+    assert any(same) and not all(same)
+
+
+def _glu_cfgs(stubs: dict, calls) -> list:
+    return [_launch_of(stubs, c)[0] for c in calls]
+
+
+def test_glu_replans_on_each_change_of_signature():
+    x, probs = torch.randn(M, H).to(BF16), torch.rand(M)
+    w1 = torch.randn(E, 2 * F, H).to(BF16)
+    offs = _offs()
+    fc1 = cute.glu_fc1_forward
+    calls = [
+        lambda: fc1(x, w1.transpose(1, 2), offs, "silu", None, probs),
+        lambda: fc1(x, w1.transpose(1, 2).contiguous(), offs, "silu", None, probs),  # b major
+        lambda: fc1(x.half(), w1.half().transpose(1, 2), offs, "silu", None, probs),  # dtype
+        lambda: fc1(x, w1.transpose(1, 2), offs, "silu", None, None),  # no probs
+        lambda: fc1(x, w1.transpose(1, 2), offs, "gelu", None, probs),  # act
+        lambda: fc1(x, w1.transpose(1, 2), offs, "silu", 64, probs),  # interleave
+        lambda: fc1(x, w1.transpose(1, 2), offs, "silu", None, probs, tiling=Tiling(
+            256, (2, 1))),  # tiling
+    ]
+    with stubbed_kernels() as stubs:
+        cfgs = _glu_cfgs(stubs, calls)
+        again = _glu_cfgs(stubs, calls)
+    assert len(set(cfgs)) == len(calls) and again == cfgs
+    assert [c.b_major for c in cfgs[:2]] == ["k", "n"]
+    assert cfgs[2].ab_dtype == torch.float16 and cfgs[3].probs_dtype is None
+    assert (cfgs[4].act, cfgs[5].interleave, cfgs[6].cluster_mn) == ("gelu", 64, (2, 1))
+
+
+def test_grid_follows_the_rows():
+    """The cluster count comes from M: a call with more rows is planned anew."""
+    w2 = torch.randn(E, H, F).to(BF16)
+    with stubbed_kernels() as stubs:
+        counts = []
+        for rows in (96, 4096, 96):
+            a = torch.randn(rows, F).to(BF16)
+            counts.append(_launch_of(stubs, lambda a=a, r=rows: cute.grouped_mm(
+                a, w2.transpose(1, 2), _offs(r)))[1][4])
+    assert counts[0] == counts[2] < counts[1]
+
+
+def test_unaligned_b_is_copied_on_every_call():
+    """B whose strides TMA cannot take is copied per call (the plan keeps only that it must
+    be), so a later call with new values launches those values."""
+    a = torch.randn(M, H).to(BF16)
+    padded = torch.randn(E, H, F + 4).to(BF16)
+    b = padded[:, :, :F]  # N-major, row stride F + 4: not 16-byte aligned
+    with stubbed_kernels() as stubs:
+        _, first = _launch_of(stubs, lambda: cute.grouped_mm(a, b, _offs()))
+        padded.copy_(torch.randn_like(padded))
+        _, again = _launch_of(stubs, lambda: cute.grouped_mm(a, b, _offs()))
+    for launched in (first, again):
+        assert launched[1].data_ptr() != b.data_ptr()
+    assert torch.equal(again[1], b.permute(2, 1, 0))
+    assert not torch.equal(first[1], again[1])
+
+
+def test_default_tiling_follows_the_environment(monkeypatch):
+    """TE_SEQ_PINGPONG=0 turns the plain GEMM's ping-pong default off, also after a plan."""
+    a, w2 = torch.randn(M, F).to(BF16), torch.randn(E, H, F).to(BF16)
+    call = lambda: cute.grouped_mm(a, w2.transpose(1, 2), _offs())  # noqa: E731
+    with stubbed_kernels() as stubs:
+        on = _launch_of(stubs, call)[0]
+        monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
+        off = _launch_of(stubs, call)[0]
+    assert on.pingpong and not off.pingpong
+
+
+def test_errors_stay_after_a_plan():
+    """A planned signature does not bypass the checks of a call that differs from it."""
+    a, w2 = torch.randn(M, F).to(BF16), torch.randn(E, H, F).to(BF16)
+    with stubbed_kernels():
+        cute.grouped_mm(a, w2.transpose(1, 2), _offs())
+        with pytest.raises(ValueError, match="offs must be 1-D of length 4"):
+            cute.grouped_mm(a, w2.transpose(1, 2), _offs()[:3])
+        with pytest.raises(ValueError, match="ping-pong tiling"):
+            cute.grouped_mm(a, w2.transpose(1, 2), _offs(), bias=torch.randn(E, H).to(BF16),
+                            tiling=Tiling(128, (1, 2), True))
+        with pytest.raises(ValueError, match="bias_scales must hold one float per row"):
+            cute.grouped_mm(a, w2.transpose(1, 2), _offs(), bias=torch.randn(E, H).to(BF16),
+                            bias_scales=torch.rand(M + 1))
