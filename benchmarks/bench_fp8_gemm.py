@@ -33,16 +33,18 @@ def quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_blocks(t: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale_inv): t [..., R, C] (C, and R when ``rows`` > 1, multiples of 128) quantized
-    per ``rows`` x 128 block (1 x 128: activations; 128 x 128: weights), scale_inv
-    [..., R / rows, C / 128] in fp32 (the block-scaled kernel's layout)."""
+    """(q, scale_inv): t [..., R, C] quantized per ``rows`` x 128 block (1 x 128: activations;
+    128 x 128: weights; a partial last block takes the amax of its real values), scale_inv
+    [..., ceil(R / rows), ceil(C / 128)] in fp32 (the block-scaled kernel's layout)."""
     *lead, r, c = t.shape
-    blocks = t.float().reshape(*lead, r // rows, rows, c // 128, 128)
+    rb, cb = -(-r // rows), -(-c // 128)
+    padded = torch.nn.functional.pad(t.float(), (0, cb * 128 - c, 0, rb * rows - r))
+    blocks = padded.reshape(*lead, rb, rows, cb, 128)
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
     scale = torch.where(amax > 0, E4M3_MAX / amax.clamp_min(1e-30), torch.ones_like(amax))
-    q = (blocks * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(t.shape)
-    scale_inv = (1.0 / scale).reshape(*lead, r // rows, c // 128)
-    return q, scale_inv.contiguous()
+    q = (blocks * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = q.reshape(padded.shape)[..., :r, :c].contiguous()
+    return q, (1.0 / scale).reshape(*lead, rb, cb).contiguous()
 
 
 def fp8_cases(e: int, h: int, f: int, m: int, sizes: list[int], device: str = "cuda"):

@@ -29,6 +29,20 @@ def test_fp8_cases_build_every_variant():
     assert [c[0] for c in cases] == ["fc1_fwd", "fc2_fwd"]
     assert [c[1] for c in cases] == [2 * 40 * 32 * 96, 2 * 40 * 48 * 32]
     for _, _, fns in cases:
-        expected = {"cute_fp8", "cute_bf16"} | (
+        expected = {"cute_fp8", "cute_fp8_block", "cute_bf16"} | (
             {"torch_fp8"} if hasattr(torch, "_scaled_grouped_mm") else set())
         assert set(fns) == expected
+
+
+def test_quantize_blocks_dequantizes_within_e4m3_precision():
+    # partial blocks along both dims (R = 200 rows in 128-row blocks, C = 208 columns)
+    t = torch.randn(3, 200, 208) * torch.rand(3, 200, 1) * 20
+    for rows in (1, 128):
+        q, scale_inv = bench_fp8_gemm.quantize_blocks(t, rows)
+        rb = -(-200 // rows)
+        assert q.shape == t.shape and scale_inv.shape == (3, rb, 2)
+        full = scale_inv.repeat_interleave(rows, 1)[:, :200].repeat_interleave(128, 2)[..., :208]
+        deq = q.float() * full
+        bound = t.abs() * 2**-4 + full * 2**-9
+        assert ((deq - t).abs() <= bound).all()
+        assert q.float().abs().amax().eq(448)
