@@ -80,7 +80,9 @@ def backward_reason(backend_name: str, recipe: Recipe, dtype: torch.dtype,
                     device: torch.device, dims: list[tuple[int, int]], grouped: bool) -> str:
     """Why the dgrad and wgrad GEMMs of a linear under `recipe` are emulated ("" when they run
     natively: a grouped op whose forward runs in real FP8 and whose gradient operand has
-    per-tensor or row-wise scales, E4M3, or E5M2 ("HYBRID") on the cute backend)."""
+    per-tensor or row-wise scales, E4M3, or E5M2 ("HYBRID") on the cute backend; or, under
+    block scaling on the cute backend, whose dgrad the block kernel takes: E4M3 dy in 1x128
+    tiles; its wgrad then stays emulated, `wgrad_reason`)."""
     if not grouped:
         return "BasicLinear / Linear have no FP8 backward kernels"
     why = forward_reason(backend_name, recipe, dtype, device, dims, grouped)
