@@ -157,6 +157,7 @@ def _grouped_ref(a_deq: torch.Tensor, w_deq: torch.Tensor, offs: torch.Tensor) -
     (208, 336, [64, 5, 0, 30]),     # K and N not multiples of 128: partial blocks
     (1040, 48, [129]),              # one expert, a partial last k-block
     (128, 128, [0, 0, 17]),         # leading empty experts
+    (256, 256, [40, 90]),           # a square 2x2 grid: a missing transpose keeps the shape
 ])
 @pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "fp32-scales"])
 def test_block_scales_lay_out_the_reference_quantization(k, n, splits, pow2):
