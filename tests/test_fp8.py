@@ -558,13 +558,17 @@ def dataclasses_frozen_error():
     return dataclasses.FrozenInstanceError
 
 
-def test_cute_declines_fp8_with_a_reason():
+def test_cute_declines_fp8_with_a_reason(monkeypatch):
+    from te_seq.kernels import fp8_torch
     from te_seq.kernels.cute_backend import CuteBackend
 
+    # block scaling runs on sm_90 (tests/test_fp8_cute_block.py); an sm_80 GPU declines it
+    monkeypatch.setattr(fp8_torch, "cuda_capability", lambda device: (8, 0))
     r = recipe.Float8BlockScaling()
     ok, why = CuteBackend().supports("grouped_mm", k=128, n=128, dtype=torch.bfloat16,
                                      device=torch.device("cuda"), recipe=r)
     assert not ok and "no FP8 kernels" in why and "Float8BlockScaling" in why
+    assert "needs sm_90" in why and "sm_80" in why
 
 
 # --- GPU: the torch backend (real FP8 forward GEMMs where it can) agrees with the reference ------

@@ -104,8 +104,7 @@ def test_cute_takes_grouped_gemms_under_rowwise_and_per_tensor(monkeypatch, r):
 def test_cute_declines_the_rest_with_reasons(monkeypatch):
     cap = {"value": (9, 0)}
     monkeypatch.setattr(fp8_torch, "cuda_capability", lambda device: cap["value"])
-    cases = [
-        (dict(r=BLOCK), "1x128/128x128 blocks"),
+    cases = [  # block scaling runs on the block-scaled kernel: tests/test_fp8_cute_block.py
         (dict(dtype=torch.float32), "bfloat16 only"),
         (dict(dtype=torch.float16), "bfloat16 only"),
         (dict(k=136), "K=136, N=256"),
@@ -131,7 +130,7 @@ def test_forward_reason_and_note_name_the_cute_kernel(monkeypatch):
     assert reason("cute", ROWWISE, torch.bfloat16, CUDA, [(128, 256)], True) == ""
     assert "grouped GEMM only" in reason("cute", ROWWISE, torch.bfloat16, CUDA, [(128, 256)],
                                          False)
-    assert "not 1x128" in reason("cute", BLOCK, torch.bfloat16, CUDA, [(128, 256)], True)
+    assert reason("cute", BLOCK, torch.bfloat16, CUDA, [(128, 256)], True) == ""
     op = ops.GroupedLinear(3, 128, 256, dtype=torch.bfloat16)
     note = fp8_gemm.step_note(ROWWISE, "cute", op, torch.bfloat16, CUDA)
     assert "via cute scaled_grouped_mm (real FP8" in note and "torch._" not in note
@@ -206,14 +205,6 @@ def test_grouped_linear_forward_runs_the_cute_kernel(fake_cute_gpu, r):
                  splits)
     want_y = emu_grouped(r, x, op.stacked_weight().detach(), dy, bounds_of(splits))[0]
     assert y.dtype == torch.bfloat16 and rel_err(y, want_y) < TOL
-
-
-def test_block_scaling_is_refused_on_cute(fake_cute_gpu):
-    model = _grouped_linear_run("cute", BLOCK)[0]
-    step = model.fusion_plan().forward[0]
-    assert step.backend != "cute" and "cute requested" in step.backend_reason
-    assert "no FP8 kernels" in step.backend_reason and "1x128/128x128" in step.backend_reason
-    assert recording_scaled_grouped_mm.calls == []
 
 
 def test_basic_linear_is_not_taken_by_cute(fake_cute_gpu):

@@ -188,6 +188,13 @@ def grad_operands(recipe: Recipe, dy: Tensor, bounds) -> tuple[Tensor, Tensor]:
     return dgrad, _along_tokens(recipe, "grad", dy, bounds, lambda: dgrad)
 
 
+def grad_along_tokens(recipe: Recipe, dy: Tensor, bounds, along_n: ref.QuantizedTensor
+                      ) -> Tensor:
+    """dy along T [T, N] fp32 for an emulated wgrad (`grad_operands`' second value), where dy's
+    dgrad operand `along_n` is already quantized (per tensor: its values)."""
+    return _along_tokens(recipe, "grad", dy, bounds, lambda: along_n.dequantize())
+
+
 def input_token_major(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor,
                       forward: ref.QuantizedTensor | None,
                       backend_name: str = "torch") -> fp8_wgrad.TokenMajor:
@@ -242,7 +249,9 @@ class GradOperands:
     wgrad's operand; None where the caller recomputes it) and W along N (the dgrad's).
     Emulated: `x` [T, K] fp32 and `w` [G, N, K] fp32, dequantized. Native (`w_scale_inv` set):
     `x` a `TokenMajor`, `w` the FP8 data of Wᵀ [G, K, N] with `w_scale_inv` [G, K, 1] (row-wise)
-    or [G, 1, 1] (per tensor). `tensors()` / `load()`: as five saved tensors (None-padded)."""
+    or [G, 1, 1] (per tensor); under block scaling (native dgrad, emulated wgrad) `x` [T, K]
+    fp32 along T and `w_scale_inv` Wᵀ's 128x128 grid [G, ⌈K/128⌉, ⌈N/128⌉].
+    `tensors()` / `load()`: as five saved tensors (None-padded)."""
 
     x: Tensor | fp8_wgrad.TokenMajor | None
     w: Tensor
@@ -254,7 +263,7 @@ class GradOperands:
 
     def tensors(self) -> tuple[Tensor | None, ...]:
         x = self.x
-        if not self.native or x is None:
+        if not isinstance(x, fp8_wgrad.TokenMajor):  # fp32 along T, or None
             return (x, None, None, self.w, self.w_scale_inv)
         return (x.data, x.scale_inv, x.offs, self.w, self.w_scale_inv)
 
@@ -263,8 +272,9 @@ class GradOperands:
         x, x_scale_inv, x_offs, w, w_scale_inv = tensors
         if w_scale_inv is None:
             return cls(x, w)
-        token_major = None if x is None else fp8_wgrad.TokenMajor(x, x_scale_inv, x_offs)
-        return cls(token_major, w, w_scale_inv)
+        if x_scale_inv is None:  # x fp32 along T (an emulated wgrad), or None
+            return cls(x, w, w_scale_inv)
+        return cls(fp8_wgrad.TokenMajor(x, x_scale_inv, x_offs), w, w_scale_inv)
 
 
 def _weight_pair(recipe: Recipe, w: Tensor) -> tuple[ref.QuantizedTensor, ref.QuantizedTensor]:

@@ -8,17 +8,19 @@ Per GEMM (x [T, K], W [N, K], dy [T, N]):
                          or row-wise scales: `torch._scaled_mm` (BasicLinear / Linear) or
                          `torch._scaled_grouped_mm` (GroupedLinear, the fused GroupedMLP; sm_90
                          only). Cute backend, same conditions (sm_90), grouped GEMMs:
-                         `cute.scaled_grouped_mm` (te_seq/kernels/fp8_cute.py). Else
+                         `cute.scaled_grouped_mm` (te_seq/kernels/fp8_cute.py), and under
+                         Float8BlockScaling `cute.block_scaled_grouped_mm`. Else
                          emulated: quantize -> dequantize in fp32, fp32 GEMM.
     dgrad    dx = dy W   grouped ops whose forward is real FP8 and whose dy is E4M3 (on the
                          cute backend also "HYBRID"'s E5M2) with per-tensor or row-wise scales
                          ("native backward", `backward_reason`): the forward's kernel on dy
                          quantized along N and Wᵀ [G, K, N] quantized along N (kept in the
-                         weight cache). Else emulated.
+                         weight cache); under Float8BlockScaling (cute, E4M3 dy) the block
+                         kernel on dy in 1x128 tiles and Wᵀ's 128x128 blocks. Else emulated.
     wgrad    dW = dyᵀ x  under the native backward: dy and x quantized along each group's tokens,
                          token-major (kernels/fp8_wgrad.py), `cute.scaled_grouped_wgrad` on the
                          cute backend, its fp32 emulation on torch (`_wgrad_kernel` decides).
-                         Else emulated on fp32 operands.
+                         Else (block scaling too: `wgrad_reason`) emulated on fp32 operands.
 
 `forward_reason` / `backward_reason` decide (static facts: backend, recipe, dtype, device,
 widths); the plan step says which (`step_note`). Both paths quantize exactly the same operands
@@ -51,10 +53,10 @@ def forward_reason(backend_name: str, recipe: Recipe, dtype: torch.dtype,
     return fp8_torch.forward_reason(blocks, formats, dtype, device, dims, grouped)
 
 
-def _kernel_name(backend_name: str, grouped: bool) -> str:
+def _kernel_name(backend_name: str, grouped: bool, recipe: Recipe) -> str:
     """The real FP8 forward kernel a backend runs (where `forward_reason` is "")."""
     if backend_name == "cute":
-        return "cute scaled_grouped_mm"
+        return fp8_cute.kernel_name((recipe.block("input"), recipe.block("weight")))
     return "torch._scaled_grouped_mm" if grouped else "torch._scaled_mm"
 
 
@@ -78,19 +80,40 @@ def backward_reason(backend_name: str, recipe: Recipe, dtype: torch.dtype,
                     device: torch.device, dims: list[tuple[int, int]], grouped: bool) -> str:
     """Why the dgrad and wgrad GEMMs of a linear under `recipe` are emulated ("" when they run
     natively: a grouped op whose forward runs in real FP8 and whose gradient operand has
-    per-tensor or row-wise scales, E4M3, or E5M2 ("HYBRID") on the cute backend)."""
+    per-tensor or row-wise scales, E4M3, or E5M2 ("HYBRID") on the cute backend; or, under
+    block scaling on the cute backend, whose dgrad the block kernel takes: E4M3 dy in 1x128
+    tiles; its wgrad then stays emulated, `wgrad_reason`)."""
     if not grouped:
         return "BasicLinear / Linear have no FP8 backward kernels"
     why = forward_reason(backend_name, recipe, dtype, device, dims, grouped)
     if why:
         return why
     rule, block = recipe.rule("grad"), recipe.block("grad")
+    if _block_scaled(recipe):  # dgrad on the block kernel: dy 1x128 along N, Wᵀ 128x128
+        why = fp8_cute.forward_reason((block, recipe.block("weight")),
+                                      (rule.dtype, recipe.rule("weight").dtype), dtype, device,
+                                      [(n, k) for k, n in dims])
+        return f"dgrad: {why}" if why else ""
     if rule.dtype != torch.float8_e4m3fn and backend_name != "cute":
         return (f"grad format {rule.fmt} ({recipe.fp8_format}): torch's FP8 kernels take E4M3 "
                 f"(the cute backend's take E5M2 gradients too)")
     if block not in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR):
         return "the gradient's blocks are not per-tensor or row-wise"
     return ""
+
+
+def _block_scaled(recipe: Recipe) -> bool:
+    """Whether `recipe` quantizes x / dy in 1x128 tiles and W in 128x128 blocks."""
+    return (recipe.block("input"), recipe.block("weight")) == fp8_torch.BLOCK_SCALED
+
+
+def wgrad_reason(recipe: Recipe) -> str:
+    """Why the wgrad of a native FP8 backward (`backward_reason` "") is emulated under `recipe`
+    ("" when it runs on FP8 token-major operands: per-tensor or row-wise blocks)."""
+    if recipe.block("grad") in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR):
+        return ""
+    return ("no varlen-K block-scaled FP8 wgrad kernel yet (1x128 blocks along each expert's "
+            "tokens)")
 
 
 def _wgrad_kernel(backend_name: str):
@@ -112,11 +135,16 @@ def step_note(recipe: Recipe | None, backend_name: str, op: object, dtype: torch
     if why:
         return (f"FP8 {recipe}: GEMM operands quantized -> dequantized in fp32, fp32 GEMMs "
                 f"(emulated on {backend_name}: {why})")
-    name = _kernel_name(backend_name, grouped)
+    name = _kernel_name(backend_name, grouped, recipe)
     why_bwd = backward_reason(backend_name, recipe, dtype, device, dims, grouped)
     if why_bwd:
         return (f"FP8 {recipe}: forward GEMMs via {name} (real FP8, fp32 accumulation); dgrad "
                 f"and wgrad emulated (quantize -> dequantize, fp32 GEMMs: {why_bwd})")
+    why_wgrad = wgrad_reason(recipe)
+    if why_wgrad:
+        return (f"FP8 {recipe}: forward and dgrad GEMMs via {name} (real FP8, fp32 "
+                f"accumulation); wgrad emulated (quantize -> dequantize, fp32 GEMMs: "
+                f"{why_wgrad})")
     wgrad = _wgrad_kernel(backend_name)[1]
     wgrad = (f"wgrad via {wgrad} (real FP8, fp32 accumulation)" if wgrad else
              "wgrad emulated (FP8 operands along the tokens dequantized, fp32 GEMMs)")
@@ -188,16 +216,19 @@ def grouped_forward(
         return amp.cast(y, x.dtype), fp8.GradOperands(x_wgrad if need_wgrad else None,
                                                       weights.dgrad)
     native_backward = _backward_native(ctx, x, w)
-    if native_backward and need_wgrad:  # both forms of x in one pass pair where possible
+    token_major = native_backward and need_wgrad and not wgrad_reason(recipe)
+    if token_major:  # both forms of x in one pass pair where possible
         x_q, x_tm = fp8.input_both(recipe, input_, x, offs, ctx.backend.name)
     else:
         x_q, x_tm = fp8.input_quantized(recipe, input_, x, ctx.backend.name), None
     w_data, w_scale_inv = weights.fp8
     y = (gemm or _scaled_grouped_mm(ctx.backend.name))(x_q, w_data, w_scale_inv, offs, x.dtype)
-    if native_backward:
+    if token_major:
         return y, fp8.GradOperands(x_tm, *weights.dgrad_fp8)
+    # an emulated wgrad (with a native dgrad under block scaling) reads x along T in fp32
     x_wgrad = fp8.input_wgrad(recipe, input_, x, bounds, x_q) if need_wgrad else None
-    return y, fp8.GradOperands(x_wgrad, weights.dgrad)
+    return y, fp8.GradOperands(x_wgrad, *(weights.dgrad_fp8 if native_backward
+                                          else (weights.dgrad,)))
 
 
 class GroupedGrads:
@@ -210,11 +241,15 @@ class GroupedGrads:
     def __init__(self, ctx, dy: Tensor, operands: fp8.GradOperands, offs: Tensor,
                  bounds: list[tuple[int, int]], need_wgrad: bool = True):
         self.ctx, self.dy, self.operands, self.offs = ctx, dy, operands, offs
-        recipe, self.dy_tm = ctx.recipe, None
-        if operands.native and need_wgrad:  # both forms of dy in one pass pair where possible
+        recipe, self.dy_tm, self.dy_w = ctx.recipe, None, None
+        # the wgrad runs on FP8 token-major operands (else on fp32 ones: `wgrad_reason`)
+        self.native_wgrad = operands.native and not wgrad_reason(recipe)
+        if self.native_wgrad and need_wgrad:  # both forms of dy in one pass pair if possible
             self.dy_q, self.dy_tm = fp8.grad_both(recipe, dy, offs, ctx.backend.name)
         elif operands.native:
             self.dy_q = fp8.grad_quantized(recipe, dy, ctx.backend.name)
+            if need_wgrad and not self.native_wgrad:
+                self.dy_w = fp8.grad_along_tokens(recipe, dy, bounds, self.dy_q)
         else:
             self.dy_d, self.dy_w = fp8.grad_operands(recipe, dy, bounds)
 
@@ -239,7 +274,7 @@ class GroupedGrads:
         """(x, dy, wgrad_fn) for `GroupedLinear.weight_grads`: the fp32 operands (emulated), or
         None, None and `wgrad_fn(out, accumulate)` running the FP8 wgrad into `out` [G, N, K]
         (native)."""
-        if not self.operands.native:
+        if not self.native_wgrad:
             return self.operands.x, self.dy_w, None
         recipe, dy, offs, dy_q, x_tm = self.ctx.recipe, self.dy, self.offs, self.dy_q, \
             self.operands.x

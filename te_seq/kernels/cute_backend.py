@@ -9,12 +9,14 @@ which allocate no device memory.
 
 Under an FP8 recipe (te_seq.autocast) the backend takes the grouped GEMMs of GroupedLinear and
 the fused GroupedMLP where its FP8 kernel runs their forward (``te_seq.kernels.fp8_cute``:
-row-wise or per-tensor E4M3 operands, bf16, sm_90, K and N multiples of 16; core/fp8_gemm.py
-calls it). With an E4M3 gradient (not "HYBRID") their dgrad runs on the same FP8 kernel and
-their wgrad on ``cute.scaled_grouped_wgrad`` (core/fp8_gemm.py, `backward_reason`); otherwise
-the dgrad and wgrad GEMMs are emulated on fp32 operands, which the cute kernels (16-bit only) do
-not take: ``grouped_mm`` and ``grouped_wgrad`` run those on the torch backend's functions
-(``_on_torch``; its exact tiled path on CUDA), as the torch backend itself does.
+row-wise or per-tensor E4M3 operands, or Float8BlockScaling's 1x128 / 128x128 blocks on its
+block-scaled kernel, bf16, sm_90, K and N multiples of 16; core/fp8_gemm.py calls it). With
+an E4M3 gradient (not "HYBRID") their dgrad runs on the same FP8 kernel and their wgrad on
+``cute.scaled_grouped_wgrad`` (core/fp8_gemm.py, `backward_reason`; block scaling: the dgrad
+only); otherwise the dgrad and wgrad GEMMs are emulated on fp32 operands, which the cute
+kernels (16-bit only) do not take: ``grouped_mm`` and ``grouped_wgrad`` run those on the
+torch backend's functions (``_on_torch``; its exact tiled path on CUDA), as the torch backend
+itself does.
 
 Shape legend: M rows, E experts, K reduction dim, N output dim, H hidden, F ffn width.
 """

@@ -14,9 +14,13 @@ its tensor's scale). The dgrad GEMM of the native FP8 backward (E4M3 dy) runs he
 (core/fp8_gemm.py); otherwise they are emulated (fp32 operands; see `CuteBackend.grouped_mm`).
 
 What the kernel takes (``cute.supports_scaled``): E4M3 operands, fp32 dequantization scales
-[M] and [G, N], K and N multiples of 16, a bf16 output, CUDA data on an sm_90 GPU. There is no
-plain (one-matrix) FP8 kernel: BasicLinear / Linear take ``torch._scaled_mm`` on the torch
-backend.
+[M] and [G, N], K and N multiples of 16, a bf16 output, CUDA data on an sm_90 GPU.
+``Float8BlockScaling`` (1x128 tiles of x / dy, 128x128 blocks of W) runs on
+``cute.block_scaled_grouped_mm`` under the same conditions (scales [M, ⌈K/128⌉] and
+[G, ⌈N/128⌉, ⌈K/128⌉]: `block_scales`), for the forward and the dgrad (E4M3 dy only); its
+wgrad, whose 1x128 blocks run along the tokens, has no kernel (varlen K) and is emulated.
+There is no plain (one-matrix) FP8 kernel: BasicLinear / Linear take ``torch._scaled_mm`` on
+the torch backend.
 """
 
 from __future__ import annotations
@@ -29,22 +33,31 @@ from te_seq.kernels.activations import GluSpec
 from te_seq.kernels.fp8_reference import QuantBlock, QuantizedTensor
 
 _KERNEL = "cute scaled_grouped_mm"
+_BLOCK_KERNEL = "cute block_scaled_grouped_mm"
+
+
+def kernel_name(blocks: tuple[QuantBlock, QuantBlock]) -> str:
+    """The cute FP8 kernel that runs GEMMs of operands quantized with `blocks` (x's, W's):
+    `block_scaled_grouped_mm` for 1x128 / 128x128 blocks, else `scaled_grouped_mm`."""
+    return _BLOCK_KERNEL if tuple(blocks) == fp8_torch.BLOCK_SCALED else _KERNEL
 
 
 def forward_reason(
     blocks: tuple[QuantBlock, QuantBlock], dtypes: tuple[torch.dtype, torch.dtype],
     gemm_dtype: torch.dtype, device: torch.device, dims: list[tuple[int, int]],
 ) -> str:
-    """Why the grouped forward GEMMs of shapes `dims` ((K, N) each) cannot run on the cute FP8
-    kernel for operands quantized with `blocks` (x's, W's) into FP8 `dtypes`, in `gemm_dtype`
-    on `device` ("" when they can). Never raises, never touches a GPU that is not there."""
-    why = fp8_torch.operands_reason(_KERNEL, blocks, dtypes, device)
+    """Why the grouped forward GEMMs of shapes `dims` ((K, N) each) cannot run on a cute FP8
+    kernel (`kernel_name`) for operands quantized with `blocks` (x's, W's) into FP8 `dtypes`,
+    in `gemm_dtype` on `device` ("" when they can). Never raises, never touches a GPU that is
+    not there."""
+    kernel = kernel_name(blocks)
+    why = fp8_torch.operands_reason(kernel, blocks, dtypes, device, block_scaled=True)
     if why:
         return why
     major, minor = fp8_torch.cuda_capability(device)
     if major != 9:
-        return f"{_KERNEL} needs sm_90 (Hopper WGMMA), the GPU is sm_{major}{minor}"
-    return fp8_torch.output_reason(_KERNEL, gemm_dtype, dims)
+        return f"{kernel} needs sm_90 (Hopper WGMMA), the GPU is sm_{major}{minor}"
+    return fp8_torch.output_reason(kernel, gemm_dtype, dims)
 
 
 def recipe_reason(recipe, gemm_dtype: torch.dtype, device: torch.device,
@@ -55,18 +68,44 @@ def recipe_reason(recipe, gemm_dtype: torch.dtype, device: torch.device,
     return forward_reason(blocks, formats, gemm_dtype, device, dims)
 
 
+def block_scales(x: QuantizedTensor, w_scale_inv: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """The block-scaled kernel's dequantization scales from `fp8_reference.quantize`'s:
+    (a_scale [M, KB], b_scale [G, NB, KB]) fp32 contiguous, KB = ⌈K/128⌉, NB = ⌈n/128⌉.
+
+    x [M, K] is quantized with 1x128 blocks (its scale_inv is [M, KB]); `w_scale_inv`
+    [G, NB, KB] stacks each [n, K] matrix's 128x128 block scales. For the dgrad (x = dy
+    [M, N], the matrices Wᵀ [K, N]) that is W's grid transposed, [G, ⌈K/128⌉, ⌈N/128⌉]
+    (core/fp8.py `_weight_pair`), which is the kernel's layout for b = Wᵀ. ValueError naming
+    the shapes where they do not fit."""
+    (m, k), g = x.data.shape, w_scale_inv.shape[0]
+    want_a, want_b = (m, -(-k // 128)), (g, -(-n // 128), -(-k // 128))
+    if x.block != fp8_torch.BLOCK_SCALED[0] or tuple(x.scale_inv.shape) != want_a \
+            or tuple(w_scale_inv.shape) != want_b:
+        raise ValueError(
+            f"{_BLOCK_KERNEL}: x {list(x.data.shape)} with {x.block} scales "
+            f"{list(x.scale_inv.shape)} and weight scales {list(w_scale_inv.shape)} do not fit "
+            f"1x128 scales {list(want_a)} and 128x128 ones {list(want_b)} (N={n})")
+    return (x.scale_inv.to(torch.float32).contiguous(),
+            w_scale_inv.to(torch.float32).contiguous())
+
+
 def scaled_grouped_mm(
     x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
     out_dtype: torch.dtype,
 ) -> Tensor:
-    """y [M, N]: rows of group g = x[rows of g] w_data[g]ᵀ on FP8 data, by the cute kernel.
-    x [M, K] (per-tensor or per-row `scale_inv`), w_data [G, N, K] E4M3 with w_scale_inv
-    [G, 1, 1] (per tensor) or [G, N, 1] (per row), offs [G] cumulative row ends. Checked by
-    `forward_reason` first."""
-    scale_a, scale_b = fp8_torch.rowwise_scales(x, w_scale_inv, w_data.shape[1])
-    # looked up on the package at call time: the one place the cute FP8 kernel is called
+    """y [M, N]: rows of group g = x[rows of g] w_data[g]ᵀ on FP8 data, by a cute kernel.
+    x [M, K] (per-tensor, per-row or 1x128 `scale_inv`), w_data [G, N, K] E4M3 with
+    w_scale_inv [G, 1, 1] (per tensor), [G, N, 1] (per row) or [G, NB, KB] (128x128 blocks:
+    `block_scales`), offs [G] cumulative row ends. Checked by `forward_reason` first."""
+    n, offs32 = w_data.shape[1], offs.to(torch.int32)
+    # looked up on the package at call time: the one place the cute FP8 kernels are called
+    if x.block == fp8_torch.BLOCK_SCALED[0]:
+        scale_a, scale_b = block_scales(x, w_scale_inv, n)
+        return cute.block_scaled_grouped_mm(x.data.contiguous(), w_data.contiguous(), scale_a,
+                                            scale_b, offs32, out_dtype)
+    scale_a, scale_b = fp8_torch.rowwise_scales(x, w_scale_inv, n)
     return cute.scaled_grouped_mm(x.data.contiguous(), w_data.contiguous(), scale_a, scale_b,
-                                  offs.to(torch.int32), out_dtype)
+                                  offs32, out_dtype)
 
 
 # ---------------------------------------------------------------- GLU epilogues (fused MLP)

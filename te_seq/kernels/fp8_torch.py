@@ -37,6 +37,8 @@ from te_seq.kernels.fp8_reference import QuantBlock, QuantizedTensor
 
 ROWWISE = QuantBlock(1, None)
 PER_TENSOR = QuantBlock(None, None)
+# Float8BlockScaling's (x or dy, W): 1x128 tiles along K, 128x128 weight blocks
+BLOCK_SCALED = (QuantBlock(1, 128), QuantBlock(128, 128))
 _ALIGN = 16  # elements of K and N (16-byte strides of 1-byte FP8 data)
 
 
@@ -86,14 +88,18 @@ def output_reason(kernel: str, gemm_dtype: torch.dtype, dims: list[tuple[int, in
 
 def operands_reason(kernel: str, blocks: tuple[QuantBlock, QuantBlock],
                     dtypes: tuple[torch.dtype, torch.dtype], device: torch.device,
-                    where: str = "") -> str:
-    """What every row-wise FP8 GEMM here needs of its operands ("" when met): the same
-    per-tensor or row-wise blocks on both (`where`: the context of the missing block-scaled
-    kernel), E4M3 data, CUDA. `kernel` names the kernel in the reason."""
-    if blocks[0] != blocks[1] or blocks[0] not in (ROWWISE, PER_TENSOR):
+                    where: str = "", block_scaled: bool = False) -> str:
+    """What every FP8 GEMM here needs of its operands ("" when met): the same per-tensor or
+    row-wise blocks on both, or with `block_scaled` (a kernel that takes them) also
+    `BLOCK_SCALED` (1x128 / 128x128); E4M3 data; CUDA. `kernel` names the kernel in the
+    reason, `where` the context of a missing block-scaled kernel."""
+    rowwise = blocks[0] == blocks[1] and blocks[0] in (ROWWISE, PER_TENSOR)
+    if not rowwise and not (block_scaled and tuple(blocks) == BLOCK_SCALED):
         shown = "/".join(f"{b.rows or 'all'}x{b.cols or 'all'}" for b in blocks)
-        return (f"{kernel} takes per-tensor or row-wise scales, not {shown} blocks (no "
-                f"block-scaled FP8 kernel{where})")
+        takes = "per-tensor, row-wise or 1x128/128x128" if block_scaled else \
+            "per-tensor or row-wise"
+        missing = "" if block_scaled else f" (no block-scaled FP8 kernel{where})"
+        return f"{kernel} takes {takes} scales, not {shown} blocks{missing}"
     if any(d != torch.float8_e4m3fn for d in dtypes):
         return f"{kernel} takes E4M3 operands, got {dtypes[0]}/{dtypes[1]}"
     if device.type != "cuda":

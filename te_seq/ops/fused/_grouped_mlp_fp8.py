@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from te_seq.core import amp, fp8, fp8_gemm
-from te_seq.kernels import fp8_cute
+from te_seq.kernels import fp8_cute, fp8_torch
 from te_seq.kernels.reference import LazyGroupBounds
 from te_seq.ops.basic.grouped_linear import GroupedLinear
 
@@ -65,6 +65,9 @@ def _epilogue_reasons(mlp, backend_name: str, recipe, dtype: torch.dtype,
     hidden, ffn = mlp.fc1.in_features, mlp.fc2.in_features
     dims = [(hidden, 2 * ffn), (ffn, hidden)]
     why = fp8_gemm.forward_reason(backend_name, recipe, dtype, device, dims, True)
+    if not why and recipe.block("input") not in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR):
+        why = (f"the FP8 GLU epilogue kernels take row-wise or per-tensor scales, not "
+               f"{recipe}'s 1x128/128x128 blocks")
     why = why or fp8_cute.glu_reason(op.glu_spec, hidden, ffn, device)
     if why:
         return why, why
@@ -130,7 +133,7 @@ def backward(mlp, ctxs, grad_output: Tensor):
     dy = mlp.fc2.grad_rows(ctx2, grad_output)  # [T, H]
     fc2 = fp8_gemm.GroupedGrads(ctx1, dy, ops2, offs, bounds, ctx2.weight_requires_grad)
     dh, a, dprobs = _fc2_dgrad(mlp, ctx1, fc2, h, probs)
-    fc2.with_input(_fc2_wgrad_input(recipe, a, offs, bounds, ops2.native, backend.name))
+    fc2.with_input(_fc2_wgrad_input(recipe, a, offs, bounds, fc2.native_wgrad, backend.name))
     fc2_grads, ds2 = _grads(mlp.fc2, ctx2, dy, fc2, offs, s2)
     fc1_grads, ds1, dx = [], None, None
     if ctx1.requires_grad:
@@ -166,8 +169,9 @@ def _activation_backward(mlp, h: Tensor, da: Tensor, probs, backend):
 
 
 def _fc2_wgrad_input(recipe, a: Tensor, offs: Tensor, bounds, native: bool, backend_name: str):
-    """FC2's wgrad operand from the recomputed activation a [T, F]: token-major FP8 (native)
-    or fp32 along the tokens (emulated), quantized as an unfused FC2 would."""
+    """FC2's wgrad operand from the recomputed activation a [T, F]: token-major FP8 (`native`:
+    the wgrad runs in FP8) or fp32 along the tokens (emulated), quantized as an unfused FC2
+    would."""
     if not native:
         return fp8.input_operands(recipe, a, a, bounds)[1]
     return fp8.input_token_major(recipe, a, a, offs, None, backend_name)
