@@ -58,11 +58,13 @@ def default_tiling(n: int, base: Tiling) -> Tiling:
 
 
 # Measured on one H100 (2026-11-25, benchmarks/bench_grouped_gemm.py in bursts of 10 calls,
-# measured/h100_2026-11-25_gemm_pingpong_burst.json): ping-pong 128 x 128 (1x2 cluster) beat
-# cooperative 128 x 256 where the mainloop is short: FC2's forward (K = F = 768) on Q 417 vs 388
-# TFLOP/s, on Zipf-skewed Z 381 vs 354; FC1's dgrad (K = 2F = 1536) on Q 452 vs 429, Z 416 vs
-# 407; B's FC2 (K = 1024, 192-wide) 516 vs 494. With K >= 2048 cooperative stayed ahead or
-# level (Z FC1 423 vs 410, B dgrad 548 vs 520 at best).
+# measured/h100_2026-11-25_gemm_pingpong_burst.json): alone, ping-pong 128 x 128 (1x2 cluster)
+# beat cooperative 128 x 256 where the mainloop is short: FC2's forward (K = F = 768) on Q 417
+# vs 388 TFLOP/s, on Zipf-skewed Z 381 vs 354; FC1's dgrad (K = 2F = 1536) on Q 452 vs 429, Z
+# 416 vs 407; B's FC2 (K = 1024, 192-wide) 516 vs 494; with K >= 2048 cooperative stayed ahead
+# or level. Inside the whole MLP it did not carry over: Q fwd+bwd 2.341 ms with these
+# ping-pong GEMMs against 2.254 without (same H100, back to back,
+# measured/h100_2026-11-25_mlp_Q_final_{pp,coop}.json), so it is opt-in (TE_SEQ_PINGPONG=1).
 PINGPONG_MAX_K = 1536
 
 
@@ -76,15 +78,15 @@ def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
 
 
 def pingpong_by_default() -> bool:
-    """Whether the defaults below may choose ping-pong tilings: ``TE_SEQ_PINGPONG=0`` keeps
-    every default cooperative (to compare the two, or to rule ping-pong out)."""
-    return os.environ.get("TE_SEQ_PINGPONG", "1").strip() != "0"
+    """Whether the defaults below may choose ping-pong tilings: only with
+    ``TE_SEQ_PINGPONG=1`` (the measurement above: faster alone, not inside the MLP)."""
+    return os.environ.get("TE_SEQ_PINGPONG", "0").strip() == "1"
 
 
 def plain_mm_tiling(n: int, k: int) -> Tiling:
     """The default tiling of the plain varlen-M grouped GEMM (no bias, no routed rows) of N =
-    ``n`` columns and K = ``k``: ping-pong for short mainloops (K <= ``PINGPONG_MAX_K``), else
-    cooperative ``MM_TILING`` fitted to ``n``."""
+    ``n`` columns and K = ``k``: with ``pingpong_by_default()``, ping-pong for short mainloops
+    (K <= ``PINGPONG_MAX_K``); else cooperative ``MM_TILING`` fitted to ``n``."""
     if k > PINGPONG_MAX_K or not pingpong_by_default():
         return default_tiling(n, MM_TILING)
     return Tiling(pingpong_tile_n(n, MM_TILING.cluster_mn[1]), MM_TILING.cluster_mn, True)
