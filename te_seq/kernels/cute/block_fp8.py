@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fp8 import FP8_DTYPE, _aligned, _device_problem
-from .launch import _check_offs, _num_sms, _row_major, no_route, varlen_m_clusters
+from .fp8 import FP8_DTYPE, _device_problem, run_scaled_mm
 
 BLOCK = 128  # scale block: 128 elements along K (both operands), 128 rows of W along N
 _ALIGN = 16  # K and N in elements: 16-byte TMA strides of 1-byte data
@@ -94,22 +93,10 @@ def block_scaled_grouped_mm(
     ``cluster_mn``: (1, 2) (two n-tiles share A) or (2, 1) (two m-tiles share B).
     Raises ValueError when ``supports_block_scaled`` is False.
     """
-    ok, why = supports_block_scaled(a, b, a_scale, b_scale, out_dtype)
-    if not ok:
-        shown = f"a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype}"
-        raise ValueError(f"{_OP}: {shown}: {why}")
-    from .compile import GemmConfig, compile_gemm
+    def config(n: int):
+        from .compile import GemmConfig
 
-    (rows, _), (groups, n, _) = a.shape, b.shape
-    offs = _check_offs(offs, groups, a.device)
-    out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
-    if rows == 0:
-        return out
-    cfg = GemmConfig("m", FP8_DTYPE, out_dtype, "k", BLOCK, cluster_mn, block_scaled=True)
-    kernel = compile_gemm(cfg).fn
-    sms = _num_sms(a.device.index or 0)
-    clusters = varlen_m_clusters(rows, groups, n, BLOCK, cluster_mn, sms)
-    b_view = _aligned(b.contiguous()).permute(1, 2, 0)  # (N, K, E), K-major
-    kernel(_aligned(_row_major(a)), b_view, out, offs, clusters, a_scale.contiguous(),
-           b_scale.contiguous(), no_route(a.device))
-    return out
+        return GemmConfig("m", FP8_DTYPE, out_dtype, "k", BLOCK, cluster_mn, block_scaled=True)
+
+    check = supports_block_scaled(a, b, a_scale, b_scale, out_dtype)
+    return run_scaled_mm(_OP, check, config, a, b, a_scale, b_scale, offs, out_dtype)

@@ -112,23 +112,38 @@ def scaled_grouped_mm(
     -> out [M, N] bf16 (fp32 accumulation, one rounding). Rows past ``offs[-1]`` are zeros.
     Sync-free and CUDA-graph capturable. Raises ValueError when ``supports_scaled`` is False.
     """
-    ok, why = supports_scaled(a, b, a_scale, b_scale, out_dtype)
+    def config(n: int):
+        from .compile import GemmConfig
+
+        t = tiling or default_tiling(n, MM_TILING)
+        return GemmConfig("m", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, scaled=True,
+                          a_dtype=_a_dtype(a))
+
+    check = supports_scaled(a, b, a_scale, b_scale, out_dtype)
+    return run_scaled_mm(_OP, check, config, a, b, a_scale, b_scale, offs, out_dtype)
+
+
+def run_scaled_mm(op: str, check: tuple[bool, str], config, a: Tensor, b: Tensor,
+                  a_scale: Tensor, b_scale: Tensor, offs: Tensor,
+                  out_dtype: torch.dtype) -> Tensor:
+    """Launch an FP8 varlen-M grouped GEMM (row-wise or block scales): raise ValueError with
+    ``check``'s reason when it is (False, why); else allocate out [M, N], compile
+    ``config(N)`` (a ``GemmConfig``) and launch it over the rows with the scales as given."""
+    ok, why = check
     if not ok:
         shown = f"a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype}"
-        raise ValueError(f"{_OP}: {shown}: {why}")
-    from .compile import GemmConfig, compile_gemm
+        raise ValueError(f"{op}: {shown}: {why}")
+    from .compile import compile_gemm
 
     (rows, _), (groups, n, _) = a.shape, b.shape
     offs = _check_offs(offs, groups, a.device)
     out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
     if rows == 0:
         return out
-    t = tiling or default_tiling(n, MM_TILING)
-    cfg = GemmConfig("m", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, scaled=True,
-                     a_dtype=_a_dtype(a))
+    cfg = config(n)
     kernel = compile_gemm(cfg).fn
     sms = _num_sms(a.device.index or 0)
-    clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)
+    clusters = varlen_m_clusters(rows, groups, n, cfg.tile_n, cfg.cluster_mn, sms)
     b_view = _aligned(b.contiguous()).permute(1, 2, 0)  # (N, K, E), K-major
     kernel(_aligned(_row_major(a)), b_view, out, offs, clusters, a_scale.contiguous(),
            b_scale.contiguous(), no_route(a.device))
