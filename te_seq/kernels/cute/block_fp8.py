@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fp8 import FP8_DTYPE, _device_problem, run_scaled_mm
+from .fp8 import FP8_DTYPE, _device_problem, geometry_problem, run_scaled_mm
 
 BLOCK = 128  # scale block: 128 elements along K (both operands), 128 rows of W along N
-_ALIGN = 16  # K and N in elements: 16-byte TMA strides of 1-byte data
 _OP = "cute block_scaled_grouped_mm"
 
 
@@ -35,14 +34,7 @@ def _operand_problem(a: Tensor, b: Tensor) -> str:
     N > 0, K and N multiples of 16."""
     if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
         return f"needs float8_e4m3fn a and b, got {a.dtype} and {b.dtype}"
-    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2]:
-        return f"needs a [M, K] and b [E, N, K], got {tuple(a.shape)} and {tuple(b.shape)}"
-    (_, k), (e, n, _) = a.shape, b.shape
-    if e == 0 or k == 0 or n == 0:
-        return f"needs E, K and N > 0, got E={e}, K={k}, N={n}"
-    if k % _ALIGN or n % _ALIGN:
-        return f"K={k} and N={n} must be multiples of {_ALIGN} (TMA rows are 16-byte aligned)"
-    return ""
+    return geometry_problem(a, b)
 
 
 def _scale_problem(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> str:

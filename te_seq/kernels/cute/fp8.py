@@ -39,19 +39,26 @@ _OP = "cute scaled_grouped_mm"
 
 def _shape_problem(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> str:
     """Why the operands' dtypes or shapes are unsupported ("" when they are supported)."""
-    why = _dtype_problem(a, b)
+    why = _dtype_problem(a, b) or geometry_problem(a, b)
     if why:
         return why
+    (m, _), (e, n, _) = a.shape, b.shape
+    for name, s, shape in (("a_scale", a_scale, (m,)), ("b_scale", b_scale, (e, n))):
+        if s.dtype != torch.float32 or tuple(s.shape) != shape:
+            return f"{name} must be float32 {list(shape)}, got {s.dtype} {list(s.shape)}"
+    return ""
+
+
+def geometry_problem(a: Tensor, b: Tensor) -> str:
+    """Why a [M, K] and b [E, N, K] cannot be a varlen-M FP8 GEMM's operands ("" when they
+    can): the shapes must match, E, K and N be > 0, K and N multiples of 16 (TMA rows)."""
     if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2]:
         return f"needs a [M, K] and b [E, N, K], got {tuple(a.shape)} and {tuple(b.shape)}"
-    (m, k), (e, n, _) = a.shape, b.shape
+    (_, k), (e, n, _) = a.shape, b.shape
     if e == 0 or k == 0 or n == 0:
         return f"needs E, K and N > 0, got E={e}, K={k}, N={n}"
     if k % _ALIGN or n % _ALIGN:
         return f"K={k} and N={n} must be multiples of {_ALIGN} (TMA rows are 16-byte aligned)"
-    for name, s, shape in (("a_scale", a_scale, (m,)), ("b_scale", b_scale, (e, n))):
-        if s.dtype != torch.float32 or tuple(s.shape) != shape:
-            return f"{name} must be float32 {list(shape)}, got {s.dtype} {list(s.shape)}"
     return ""
 
 
