@@ -71,16 +71,34 @@ def kernel_table(step, iters: int):
     return table, wall
 
 
-def python_profile(step, iters: int) -> None:
-    """cProfile of `iters` steps: the Python functions by own time, then by cumulative time."""
+def python_profile(step, iters: int, top: int) -> None:
+    """cProfile of `iters` steps: the Python functions by own time, then by cumulative time.
+    Backward runs on the calling thread here (autograd's device threads are invisible to
+    cProfile), and each step starts from an idle device, so no launch waits on a full queue."""
     prof = cProfile.Profile()
-    prof.enable()
+    torch.autograd.set_multithreading_enabled(False)
+    try:
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            prof.enable()
+            step()
+            prof.disable()
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
+
+
+def step_host(step, iters: int) -> float:
+    """Median host µs of one step from an idle device, its kernels not waited for."""
+    runs = []
     for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         step()
+        runs.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    return sorted(runs)[len(runs) // 2]
 
 
 def main() -> None:
@@ -106,10 +124,11 @@ def main() -> None:
     launches = sum(n for n, _ in table.values())
     print(f"shape {args.shape} backend {args.backend} fp8 {args.fp8}: wall {wall / 1e3:.2f} ms "
           f"per fwd+bwd, kernels {total / args.iters / 1e3:.2f} ms, "
-          f"{launches / args.iters:.0f} launches")
+          f"{launches / args.iters:.0f} launches, host {step_host(step, 20) / 1e3:.2f} ms "
+          "per step from an idle device")
     if args.cpu:
         print(kernel_table.cpu)
-        python_profile(step, args.iters)
+        python_profile(step, args.iters, args.top)
     rows = sorted(table.items(), key=lambda kv: -kv[1][1])[: args.top]
     for name, (n, us) in rows:
         print(f"{n / args.iters:7.1f}x {us / args.iters / 1e3:8.3f} ms {us / total:6.1%}  "

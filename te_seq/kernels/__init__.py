@@ -9,7 +9,6 @@ over the kernels in cute/, CUDA sm_90+). Importing this package imports no CUTLA
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 # The built-in backends register themselves on import; the order is what error messages list.
@@ -31,6 +30,7 @@ from te_seq.kernels.backend import (
     register_backend,
     unregister_backend,
 )
+from te_seq.kernels.offsets import split_offsets
 
 __all__ = [
     "ACTIVATIONS",
@@ -62,12 +62,6 @@ def as_rows(t: Tensor, width: int) -> Tensor:
     """`t` as rows [T, width]: `t` itself when it already is 2-D (a reshape would be a view,
     which a traced forward must copy before saving it), else the reshape."""
     return t if t.dim() == 2 else t.reshape(-1, width)
-
-
-def split_offsets(split_sizes: Tensor, device: torch.device) -> Tensor:
-    """int32 cumulative row ends [E] on `device` (no host sync for device split sizes)."""
-    sizes = split_sizes.to(device=device, non_blocking=True)
-    return torch.cumsum(sizes, 0, dtype=torch.int32)
 
 
 def grouped_mm(

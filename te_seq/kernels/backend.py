@@ -20,10 +20,12 @@ data's dtype, and `device`):
 | act_forward, act_backward | y = f(x); dx = dy·f'(x) | act |
 | glu_forward, glu_backward | y = f(gate)·up(·scales); its gradient | glu |
 | group_col_sums | db[e] = Σ_{rows t of e} (s_t·) dout_t (bias gradients) | (every backend) |
+| group_offsets | offs[e] = Σ_{j ≤ e} splits[j] (int32), checked at run time | (every backend) |
 
 Biases: `grouped_mm(..., bias=[E, N], bias_scales=[M])` and `glu_fc1_forward(..., bias=[E, 2F])`
 add the per-expert bias to the fp32 accumulator before rounding; `Backend` supplies
-`group_col_sums` in plain PyTorch (``te_seq.kernels.bias``), which a backend may override.
+`group_col_sums` in plain PyTorch (``te_seq.kernels.bias``), which a backend may override;
+likewise `group_offsets` (``te_seq.kernels.offsets``: a cumsum and its checks).
 
 Routed rows (the fused MoE block, ``te_seq.kernels.routed``): `grouped_mm`, `glu_fc1_forward` and
 `act_fc1_forward` may take `gather_rows=` [M] (A's row r is x[gather_rows[r]], x of any row count)
@@ -45,6 +47,7 @@ import torch
 from torch import Tensor
 
 from te_seq.kernels import bias as bias_maths
+from te_seq.kernels import offsets as offsets_maths
 from te_seq.kernels.activations import GluSpec
 
 AUTO = "auto"
@@ -190,6 +193,12 @@ class Backend:
         """Per-expert column sums [E, N] (float32; float64 data: float64) of dout [M, N], rows
         scaled by ``scales`` [M] if given: the bias gradients. Default: ``bias.group_col_sums``."""
         return bias_maths.group_col_sums(dout, offs, scales)
+
+    def group_offsets(self, splits: Tensor, rows: int, device: torch.device) -> Tensor:
+        """int32 cumulative row ends [G] on ``device`` of split sizes [G], checked at run time
+        to be non-negative and to sum to ``rows`` (device split sizes: no host sync).
+        Default: ``offsets.checked_offsets`` (torch ops)."""
+        return offsets_maths.checked_offsets(splits, rows, device)
 
     def __repr__(self) -> str:
         return f"<te_seq backend {self.name!r}>"

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from te_seq.kernels import cute, fp8_cute, torch_backend
+from te_seq.kernels import offsets as offsets_maths
 from te_seq.kernels.activations import GluSpec
 from te_seq.kernels.backend import register_backend
 from te_seq.kernels.gpu_backend import GpuBackend
@@ -167,6 +168,16 @@ class CuteBackend(GpuBackend):
 
     def act_fc2_dgrad(self, dy, w2, offs, h, act: str, probs=None):
         return cute.act_fc2_dgrad(dy, w2, offs, h, act, probs)
+
+    def group_offsets(self, splits: Tensor, rows: int, device: torch.device) -> Tensor:
+        """Device split sizes: one launch for the offsets and their check
+        (``cute.group_offsets``) plus the device-side assert, in place of ~9 small torch kernels;
+        host split sizes and traced code: the default torch ops."""
+        if splits.device != device or cute.offsets_problem(splits):
+            return super().group_offsets(splits, rows, device)
+        offs, ok = cute.group_offsets(splits, rows)
+        torch._assert_async(ok, offsets_maths.SPLITS_MESSAGE)
+        return offs
 
 
 CUTE = register_backend(CuteBackend())

@@ -18,6 +18,7 @@ scales, ``supports_scaled`` / ``supports_scaled_wgrad``), ``fp8_glu`` (the fused
 steps ``scaled_glu_fc1_forward`` / ``scaled_glu_fc2_dgrad``, each with a ``.supports``),
 ``block_fp8`` (the FP8 block-scaled grouped GEMM ``block_scaled_grouped_mm``,
 ``supports_block_scaled``),
+``offsets`` (``group_offsets``: the checked group offsets in one launch, ``offsets_problem``),
 ``quant`` (the FP8 quantization kernels ``quantize_rows`` / ``quantize_spans``,
 ``quant_problem``),
 ``compile`` and ``disk_cache`` (compiling and caching), and the kernels (``grouped_gemm``,
@@ -44,6 +45,7 @@ from .launch import (
     route_problem,
     tile_n_for,
 )
+from .offsets import group_offsets, offsets_problem
 from .quant import (
     quant_problem,
     quantize_rows,
@@ -74,6 +76,8 @@ __all__ = [
     "supports_scaled_wgrad",
     "scaled_glu_fc1_forward",
     "scaled_glu_fc2_dgrad",
+    "group_offsets",
+    "offsets_problem",
     "quant_problem",
     "quantize_rows",
     "quantize_spans",

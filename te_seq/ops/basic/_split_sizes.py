@@ -10,6 +10,7 @@ from torch import Tensor
 
 from te_seq import kernels
 from te_seq.core import checks
+from te_seq.kernels import offsets as offsets_maths
 
 
 def group_index(offs: Tensor, rows: int) -> Tensor:
@@ -54,12 +55,12 @@ def rows_of(input_: Tensor) -> int:
     return int(torch.Size(input_.shape[:-1]).numel())
 
 
-def device_offsets(splits: Tensor, rows: int, device: torch.device) -> Tensor:
+def device_offsets(splits: Tensor, rows: int, device: torch.device,
+                   backend: kernels.Backend | None = None) -> Tensor:
     """Cumulative ends on the data's device; for device split sizes (and for every split under
     torch.compile) a run-time check that they are non-negative and sum to `rows` without a host
-    sync: a device-side assert on CUDA, a RuntimeError on CPU."""
-    offs = kernels.split_offsets(splits, device)
-    if splits.device.type == "cuda" or torch.compiler.is_compiling():
-        ok = (splits >= 0).all() & (offs[-1] == rows)
-        torch._assert_async(ok, "split_sizes must be non-negative and sum to the rows")
-    return offs
+    sync: a device-side assert on CUDA, a RuntimeError on CPU. `backend` (the plan step's) may
+    run it as one kernel (`Backend.group_offsets`); without one, torch ops."""
+    if backend is None:
+        return offsets_maths.checked_offsets(splits, rows, device)
+    return backend.group_offsets(splits, rows, device)

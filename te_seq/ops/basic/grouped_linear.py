@@ -238,8 +238,10 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         dtype = amp.gemm_dtype(ctx.autocast, x, weight)
         return amp.cast(x, dtype), amp.cast(weight, dtype)
 
-    def offsets(self, splits: Tensor, input_: Tensor) -> Tensor:
-        return device_offsets(splits, rows_of(input_), input_.device)
+    def offsets(self, splits: Tensor, input_: Tensor, backend: object = None) -> Tensor:
+        """int32 cumulative row ends [G] of `splits`, checked (`device_offsets`); `backend`:
+        the plan step's, which may compute them in one kernel."""
+        return device_offsets(splits, rows_of(input_), input_.device, backend)
 
     def bias_rows(
         self, offs: Tensor, rows: int, scales: Tensor | None, dtype: torch.dtype | None = None
@@ -357,7 +359,7 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         splits, *rest = basic_op_extra_inputs[0]
         scales = rest[0] if rest else None
         x, weight = self.operands(ctx, as_rows(input_, self.in_features))  # [T, K], [G, N, K]
-        offs = self.offsets(splits, input_)
+        offs = self.offsets(splits, input_, ctx.backend)
         out_dtype = x.dtype
         saved = (x, weight)
         if ctx.recipe is not None:  # FP8 (core/fp8_gemm.py); x along T, W along N kept for grads

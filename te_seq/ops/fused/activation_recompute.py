@@ -61,7 +61,7 @@ class ActivationRecompute(FusedOperation):
         a = self._act(ctx_act.backend, input_, scales.reshape(input_.shape[:-1]))  # [..., F]
         self.fc.pre_forward_checks(a, fc_extra)
         x, w = self.fc.operands(ctx_fc, a.reshape(-1, self.fc.in_features))  # [T, F], [G, N, F]
-        offs = self.fc.offsets(fc_extra[0], a)
+        offs = self.fc.offsets(fc_extra[0], a, ctx_fc.backend)
         fc_scales = fc_extra[1] if len(fc_extra) > 1 else None
         y = ctx_fc.backend.grouped_mm(x, w.transpose(1, 2), offs)  # [T, N]
         bias = self.fc.bias_rows(offs, x.shape[0], fc_scales, x.dtype)

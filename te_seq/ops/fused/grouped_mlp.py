@@ -174,7 +174,7 @@ class GroupedMLP(FusedOperation):
         extras = self._unpack(basic_op_extra_inputs)
         x, w1 = self.fc1.operands(ctx, as_rows(input_, self.fc1.in_features))  # [T, H]
         w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
-        offs = self.fc1.offsets(extras.splits, input_)
+        offs = self.fc1.offsets(extras.splits, input_, ctx.backend)
         if ctx.recipe is not None:
             y = _grouped_mlp_fp8.forward(self, basic_op_ctxs, input_, x, w1, w2, offs, extras,
                                          basic_op_extra_inputs)

@@ -117,7 +117,7 @@ class MoeBlock(FusedOperation):
         w2 = self.fc2.operands(ctx2, x)[1]
         n = order.shape[0]
         self._check_fc1(x, n, splits, row_probs, ctx1.signature_checked)
-        offs = device_offsets(splits, n, x.device)
+        offs = device_offsets(splits, n, x.device, ctx1.backend)
         extras = self._extras(splits, row_probs)
         status = self.route_status(ctx1.backend, x.dtype, x.device)
         h, a, y_slots = self.mlp.forward_rows(

@@ -1,0 +1,42 @@
+"""``group_offsets``: the grouped ops' cumulative row ends and their check in one launch.
+
+Imports no cutlass until the kernel is first compiled (``offsets_kernel``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .launch import available
+
+_SPLIT_DTYPES = (torch.int32, torch.int64)
+
+
+def offsets_problem(splits: Tensor) -> str:
+    """Why ``group_offsets`` cannot take ``splits`` ("" when it can): a contiguous 1-D int32 or
+    int64 CUDA tensor, not inside torch.compile (compiled code runs the torch ops, which
+    inductor fuses), the CuTe DSL installed."""
+    if splits.device.type != "cuda" or splits.dim() != 1 or splits.dtype not in _SPLIT_DTYPES:
+        return (f"needs 1-D int32/int64 CUDA split sizes, got {splits.dtype} "
+                f"{tuple(splits.shape)} on {splits.device}")
+    if torch.compiler.is_compiling():
+        return "inside torch.compile"
+    ok, why = available()
+    return "" if ok else why
+
+
+def group_offsets(splits: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """(offs int32 [G], ok int32 [1]) from split sizes [G] on the GPU: offs[g] = Σ_{j≤g}
+    splits[j]; ok[0] = 1 when every split is >= 0 and they sum to ``rows``, else 0. One
+    launch, no host sync, CUDA-graph capturable (``offsets_problem`` says where it runs)."""
+    from .offsets_kernel import compile_offsets
+
+    splits = splits.contiguous()
+    offs = torch.empty(splits.shape[0], dtype=torch.int32, device=splits.device)
+    ok = torch.empty(1, dtype=torch.int32, device=splits.device)
+    if splits.shape[0] == 0:
+        ok.fill_(int(rows == 0))
+        return offs, ok
+    compile_offsets(splits.dtype).fn(splits, offs, ok, rows)
+    return offs, ok
