@@ -14,6 +14,8 @@ Imports no cutlass until a kernel is first compiled; no host reads of ``offs``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -81,10 +83,17 @@ def _device_problem(tensors: tuple[Tensor, ...]) -> str:
     device = tensors[0].device
     if device.type != "cuda" or any(t.device != device for t in tensors):
         return f"needs CUDA tensors on one device, got {sorted({str(t.device) for t in tensors})}"
-    major, minor = torch.cuda.get_device_capability(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    major, minor = _capability(index)
     if major != 9:
         return f"needs compute capability 9.x (sm_90a), found {major}.{minor}"
     return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    """A device's compute capability, asked once (each query costs ~10 µs of host time)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def supports_scaled(
