@@ -28,3 +28,19 @@ def test_compiled_block_matches_eager(which: str) -> None:
     want = torch.autograd.grad(eager.sum(), [x, *block.parameters()])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_compiled_residual_through_aot_autograd() -> None:
+    """The channel value's requires-grad marking (an opaque call in the graph: torch 2.11's
+    dynamo cannot trace `requires_grad_()`) also survives AOTAutograd's tracing of the graph,
+    the path inductor takes: eager's outputs and gradients."""
+    torch.manual_seed(3)
+    block = _residual_block()
+    x = torch.randn(T, H, dtype=DT, requires_grad=True)
+    eager = block(x)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    got = torch.autograd.grad(compiled.sum(), [x, *block.parameters()])
+    want = torch.autograd.grad(eager.sum(), [x, *block.parameters()])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

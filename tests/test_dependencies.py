@@ -43,6 +43,11 @@ _LOCAL = {
 }
 
 
+# Optional modules named unlike their distribution. On a machine without them (no CuTe DSL) such
+# a module passes when that distribution is declared; where it is installed, its owner is checked.
+_MODULE_DISTRIBUTION = {"cutlass": "nvidia-cutlass-dsl", "tvm_ffi": "apache-tvm-ffi"}
+
+
 def _normalize(name: str) -> str:
     """A distribution name as packaging compares them (PEP 503)."""
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -140,7 +145,7 @@ def _undeclared(folder: str, allowed: set[str]) -> list[str]:
     for module, files in sorted(_third_party(_imported_modules(ROOT / folder)).items()):
         dists = _distributions(module)
         where = ", ".join(sorted(set(files))[:3])
-        if not dists and _normalize(module) in allowed:
+        if not dists and _normalize(_MODULE_DISTRIBUTION.get(module, module)) in allowed:
             continue  # an optional package not installed here, declared under its own name
         if not dists:
             problems.append(f"{module!r} (imported in {where}) is not installed here")
@@ -203,3 +208,15 @@ def test_an_uninstalled_import_passes_only_when_declared_by_name(tmp_path, monke
     assert _undeclared("pkg", allowed={"not-a-real-package-xyz"}) == []
     (problem,) = _undeclared("pkg", allowed={"numpy"})
     assert "'not_a_real_package_xyz'" in problem and "not installed here" in problem
+
+
+def test_an_uninstalled_module_passes_when_its_distribution_is_declared(tmp_path, monkeypatch):
+    """An optional module named unlike its distribution (the CuTe DSL's `cutlass` from
+    nvidia-cutlass-dsl), not installed here, passes only when that distribution is declared."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text("import not_a_real_module_abc\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setitem(_MODULE_DISTRIBUTION, "not_a_real_module_abc", "real-dist-name")
+    assert _undeclared("pkg", allowed={"real-dist-name"}) == []
+    (problem,) = _undeclared("pkg", allowed={"not-a-real-module-abc"})
+    assert "'not_a_real_module_abc'" in problem and "not installed here" in problem

@@ -150,8 +150,19 @@ def as_extra_input(value: Tensor, differentiable: bool) -> Tensor:
     if differentiable and value.is_floating_point() and not value.requires_grad:
         # Traced: a copy (dynamo's autograd.Function may not keep an alias of an output).
         alias = value.detach().clone() if torch.compiler.is_compiling() else value.detach()
-        return alias.requires_grad_()
+        return _requiring_grad(alias)
     return value
+
+
+@torch._dynamo.allow_in_graph
+def _requiring_grad(t: Tensor) -> Tensor:
+    """`t` (a detached tensor of our own) marked as requiring grad.
+
+    Called opaquely under torch.compile (allow_in_graph: dynamo puts the call in the graph and
+    learns `requires_grad` from running it on fake tensors): torch 2.11's dynamo rejects
+    `requires_grad_()`, `requires_grad=True` factories and `nn.Parameter` while tracing (2.13
+    accepts `requires_grad_()`). Grad mode is off where this runs, so no graph is recorded."""
+    return t.requires_grad_()
 
 
 def route_channel_grads(links: Sequence[ChannelLink], positions: tuple[int, ...],
