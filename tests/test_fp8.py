@@ -393,6 +393,23 @@ def test_cache_weights_false_quantizes_every_call(monkeypatch):
     assert len(calls) == 2
 
 
+def test_weight_cache_unused_while_a_cuda_graph_captures(monkeypatch):
+    """Under capture the weights are quantized inside the graph (a replay after an optimizer
+    step must see the new weights) and the graph's outputs are never cached for eager calls."""
+    calls = _count_weight_quantizations(monkeypatch)
+    model = te_seq.Sequential(ops.BasicLinear(128, 128))
+    x = _rand(2, 128)
+    with te_seq.autocast(recipe=recipe.Float8RowwiseScaling()):
+        model(x)  # warm: cached
+        monkeypatch.setattr(te_seq.core.fp8, "_capturing", lambda: True)
+        model(x)
+        model(x)
+        assert len(calls) == 3  # quantized on each "captured" call, the cache not read
+        monkeypatch.setattr(te_seq.core.fp8, "_capturing", lambda: False)
+        model(x)
+    assert len(calls) == 3  # the eager cache still holds the pre-capture entry
+
+
 @pytest.mark.parametrize("r", RECIPES, ids=IDS)
 def test_main_grad_accumulates_fp8_wgrad(r):
     op = ops.GroupedLinear(2, 128, 128, bias=False, dtype=torch.bfloat16,

@@ -328,7 +328,12 @@ def cached_weights(
     op: torch.nn.Module, recipe: Recipe, w: Tensor, params: list[Tensor]
 ) -> WeightOperands:
     """W [N, K] (or [G, N, K]: each expert's weight quantized on its own) as FP8 operands,
-    cached on `op` until a Parameter in `params` changes."""
+    cached on `op` until a Parameter in `params` changes.
+
+    While a CUDA graph is being captured the cache is neither read nor written: the graph must
+    hold the quantization kernels (a replay after an optimizer step then quantizes the weights
+    it reads), and its outputs live in the graph's memory, which later replays overwrite."""
+    capturing = _capturing()
     key = (
         recipe,
         w.dtype,
@@ -336,13 +341,18 @@ def cached_weights(
         tuple((id(p), p._version, p.data_ptr()) for p in params),
     )
     cache = op.__dict__.get("_fp8_weight_cache")
-    if cache is not None and cache[0] == key:
+    if cache is not None and cache[0] == key and not capturing:
         return cache[1]
     pairs = [_weight_pair(recipe, w_g) for w_g in ([w] if w.dim() == 2 else w.unbind(0))]
     weights = WeightOperands([p[0] for p in pairs], [p[1] for p in pairs], stacked=w.dim() == 3)
-    if recipe.cache_weights and not torch.compiler.is_compiling():
+    if recipe.cache_weights and not torch.compiler.is_compiling() and not capturing:
         op.__dict__["_fp8_weight_cache"] = (key, weights)
     return weights
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def clear_weight_cache(op: torch.nn.Module) -> None:

@@ -1,0 +1,72 @@
+"""GPU: FP8 recipes under te_seq.make_graphed_callables. The captured graph quantizes the
+weights itself (te_seq/core/fp8.py `cached_weights` skips its cache while capturing), so a
+replay after an in-place weight update (an optimizer step) uses the new weights, as eager
+does. Before, the warm-up filled the cache and the graph replayed stale FP8 weights silently.
+
+The cute backend runs the FP8 grouped MLP without host syncs (the torch backend reads the
+offsets on the host for its wgrad), so it is the one captured here."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import te_seq
+from te_seq import ops, recipe
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU"),
+]
+
+E, H, F, T = 4, 128, 128, 200
+
+
+def _mlp() -> te_seq.Sequential:
+    kw = {"bias": False, "device": "cuda", "dtype": torch.bfloat16}
+    return te_seq.Sequential(ops.GroupedLinear(E, H, 2 * F, **kw), ops.SwiGLU(),
+                             ops.GroupedLinear(E, F, H, **kw))
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale,
+                               msg=what)
+
+
+@pytest.fixture
+def cute_backend() -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(te_seq.backend("cute"))
+        except RuntimeError as exc:
+            pytest.skip(f"cute backend unavailable: {exc}")
+        yield
+
+
+@pytest.mark.parametrize("fp8_recipe", [recipe.Float8RowwiseScaling(),
+                                        recipe.Float8CurrentScaling(fp8_format="E4M3")],
+                         ids=["rowwise", "current"])
+def test_graph_replay_sees_weight_updates_under_fp8(fp8_recipe, cute_backend) -> None:
+    torch.manual_seed(0)
+    graphed_model, eager = _mlp(), _mlp()
+    eager.load_state_dict(graphed_model.state_dict())
+    splits = torch.tensor([60, 0, 90, 50], device="cuda")
+    with te_seq.autocast(recipe=fp8_recipe):
+        sample = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        graphed = te_seq.make_graphed_callables(graphed_model, (sample, splits, splits))
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        before = graphed(x, splits, splits).detach().clone()
+        _close(before, eager(x, splits, splits), "before the update")
+        with torch.no_grad():  # an optimizer step: the same in-place update on both twins
+            for pg, pe in zip(graphed_model.parameters(), eager.parameters()):
+                delta = torch.randn_like(pg) * pg.float().std().item()
+                pg.add_(delta)
+                pe.add_(delta)
+        after = graphed(x, splits, splits).detach().clone()
+        _close(after, eager(x, splits, splits), "after the update")
+    change = (after.float() - before.float()).norm() / before.float().norm()
+    assert change > 0.3, f"the update barely moved the output ({change:.3f}): test too weak"
