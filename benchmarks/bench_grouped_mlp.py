@@ -12,6 +12,8 @@ Variants, all in this process on the same random data, each checked against an f
                        te_seq.backend(); `:per-group` with one weight per expert
   te_seq:<backend>:compiled[-ro]   the same Sequential through torch.compile(fullgraph=True),
                        with `--compile default` / `reduce-overhead` (CUDA graphs)
+  te_seq:<backend>[:fp8]:graphed   the same Sequential captured by te_seq.make_graphed_callables
+                       (`--graphed`; fresh grads): what a step costs with no Python per op
   kernels:<backend>    the backend's raw functionals (grouped_mm, grouped_wgrad, glu_*), unfused
   grouped_mm[_compiled], loop, torchao_fp8[_compiled]   peers.py
   quack[_tuned]        peer_quack.py
@@ -30,6 +32,7 @@ it returns, kernels not waited for: the Python cost per call that compiling remo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import sys
 import types
@@ -184,6 +187,41 @@ class TeSeqFP8Variant(TeSeqVariant):
             AutogradVariant.forward_backward(self)
 
 
+class GraphedTeSeqVariant(TeSeqVariant):
+    """TeSeqVariant captured by te_seq.make_graphed_callables (a forward and a backward CUDA
+    graph, replayed per call: no Python per op), bf16 or under Float8RowwiseScaling (`fp8`).
+    Fresh grad mode only; its outputs live in the graphs' memory until the next replay."""
+
+    def __init__(self, case: Case, backend: str, fp8: bool = False) -> None:
+        super().__init__(case, backend, "fresh")
+        self.name = f"te_seq:{backend}{':fp8' if fp8 else ''}:graphed"
+        self.recipe = te_seq.recipe.Float8RowwiseScaling() if fp8 else None
+        if fp8:
+            self.precision, self.check_tol = "fp8", FP8_TOL
+        x = self.x.detach().clone().requires_grad_()
+        probs = None if self.probs is None else self.probs.detach().clone().requires_grad_()
+        with self._contexts():
+            self.graphed = te_seq.make_graphed_callables(self.mlp, (x, *self._extra(probs)))
+
+    def _extra(self, probs: Tensor | None) -> tuple:
+        sizes = self.case.split_sizes
+        return (sizes, probs, sizes) if probs is not None else (sizes, sizes)
+
+    def _contexts(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(te_seq.backend(self.backend))
+        stack.enter_context(te_seq.autocast(enabled=self.recipe is not None, recipe=self.recipe))
+        return stack
+
+    def run(self, x: Tensor, probs: Tensor | None) -> Tensor:
+        with self._contexts():
+            return self.graphed(x, *self._extra(probs))
+
+    def forward_backward(self) -> None:
+        with self._contexts():
+            AutogradVariant.forward_backward(self)
+
+
 class CompiledTeSeqVariant(TeSeqVariant):
     """TeSeqVariant through torch.compile(fullgraph=True): mode "default" with the `compiler`
     backend (--compile-backend), "reduce-overhead" inductor with CUDA graphs, where every call
@@ -270,6 +308,7 @@ def build_variants(
     b = _Builder(case, grad_mode)
     b.fp8 = args.fp8
     _build_te_seq(b, args.backends)
+    _build_graphed_te_seq(b, args)
     _build_compiled_te_seq(b, args)
     _build_peers(b, args)
     return b.variants, b.skipped
@@ -298,6 +337,23 @@ def _build_te_seq(b: _Builder, backends: list[str]) -> None:
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode))
         if b.grad_mode == "fresh":  # raw kernels own no parameters: no grad modes
             b.attempt(f"kernels:{backend}", lambda k=backend: _kernels_variant(case, k))
+
+
+def _build_graphed_te_seq(b: _Builder, args: argparse.Namespace) -> None:
+    """te_seq:<backend>[:fp8]:graphed (--graphed) for the backends whose eager variant was
+    built, in the fresh grad mode (skipped, said why, elsewhere)."""
+    built = {v.name for v in b.variants}
+    for backend in args.backends if args.graphed else ():
+        for fp8 in (False, True) if b.fp8 else (False,):
+            name = f"te_seq:{backend}{':fp8' if fp8 else ''}:graphed"
+            if f"te_seq:{backend}" not in built:
+                continue
+            if b.case.x.device.type != "cuda":
+                b.skip(name, "CUDA graphs need CUDA data (this run is on the CPU)")
+            elif b.grad_mode != "fresh":
+                b.skip(name, "--graphed runs in the fresh grad mode only", mode_label(b.grad_mode))
+            else:
+                b.attempt(name, lambda k=backend, f=fp8: GraphedTeSeqVariant(b.case, k, f))
 
 
 def _build_compiled_te_seq(b: _Builder, args: argparse.Namespace) -> None:
@@ -420,6 +476,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="fresh",
         help=f"comma list of {','.join(GRAD_MODES)} (weight gradients: grad_modes.py)",
     )
+    p.add_argument("--graphed", action="store_true",
+                   help="also te_seq:<backend>[:fp8]:graphed, captured by "
+                   "te_seq.make_graphed_callables (host time out of the picture)")
     p.add_argument("--modes", default="fwd,fwd+bwd")
     p.add_argument(
         "--compile",
