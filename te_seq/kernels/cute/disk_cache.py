@@ -53,6 +53,7 @@ SOURCE_FILES = (
     "scaled_glu.py",
     "quant_kernels.py",
     "block_scaled.py",
+    "block_wgrad.py",
     "launch.py",  # PINGPONG_TILE_WIDTHS
 )
 _VERSIONED_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
