@@ -10,13 +10,19 @@ what a varlen-K FP8 GEMM reads (`te_seq.kernels.cute.scaled_grouped_wgrad`):
 
 with a = dY token-major [N, P], b = X token-major [K, P], fp32 accumulation. The numbers are
 exactly `fp8_reference.qdq_columns_per_group`'s (row-wise blocks): only the layout differs.
+Block scaling (`Float8BlockScaling`: 1×128 blocks along the tokens, restarting at each group's
+first token) keeps the layout with one scale per (128-token block, column)
+(`quantize_token_major_blocks`, a `BlockTokenMajor`; `cute.block_scaled_grouped_wgrad`):
+
+    out[g] = Σ_{tb in span g} (a_scale[tb] ⊗ b_scale[tb]) ∘ (a[:, tb] @ b[:, tb]ᵀ)
 
 Everything here runs without reading the group offsets on the host (P is a bound known from
 the shapes), with a handful of large passes (`quantize_token_major`: a scatter of the rows into
 their padded spans, a block amax and a cast, both compiled kernels on CUDA, a transpose of the
 FP8 bytes). A single fused pass (quantize and transpose in one kernel, or in the epilogue that
-produces the operand) is later work. `scaled_grouped_wgrad_emulated` is the kernel's maths in
-fp32 (the torch backend's FP8 wgrad and the tests' oracle).
+produces the operand) is later work. `scaled_grouped_wgrad_emulated` and
+`block_scaled_grouped_wgrad_emulated` are the kernels' maths in fp32 (the torch backend's FP8
+wgrads and the tests' oracles).
 """
 
 from __future__ import annotations
