@@ -6,7 +6,8 @@ weight gradients (dW1 = dHᵀ x, dW2 = dYᵀ a) on token-major E4M3 operands wit
 Per shape and GEMM it times, interleaved in one run: ``cute.scaled_grouped_mm`` /
 ``cute.scaled_grouped_wgrad`` (te_seq's FP8 kernels), ``torch._scaled_grouped_mm`` (the peer,
 same operands and scales; forward only), ``cute.block_scaled_grouped_mm`` on the same data
-quantized in 1x128 / 128x128 blocks (forward only) and ``cute.grouped_mm`` /
+quantized in 1x128 / 128x128 blocks (forward; the wgrads: ``cute.block_scaled_grouped_wgrad``
+on 1x128 blocks along each expert's tokens) and ``cute.grouped_mm`` /
 ``cute.grouped_wgrad`` on the bf16 operands the FP8 ones were quantized from; it prints
 TFLOP/s, cute FP8 vs the peer and vs cute bf16, and the relative difference of the two FP8 outputs.
 
@@ -92,8 +93,10 @@ def token_major(t: torch.Tensor, sizes: list[int], span: int = 128):
 
 def fp8_wgrad_cases(e: int, h: int, f: int, m: int, sizes: list[int], device: str = "cuda"):
     """(label, flops, {variant: fn}) for FC1 and FC2 weight gradients (bf16 outputs)."""
-    from te_seq.kernels import cute
+    from te_seq.kernels import cute, fp8_wgrad
+    from te_seq.kernels.fp8_reference import ScaleRule
 
+    rule = ScaleRule("E4M3", power_of_two=True)  # Float8BlockScaling's
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
     bf = dict(device=device, dtype=torch.bfloat16)
     gemms = {
@@ -107,6 +110,10 @@ def fp8_wgrad_cases(e: int, h: int, f: int, m: int, sizes: list[int], device: st
                 qd, qx, sd, sx, ends),
             "cute_bf16": lambda dout=dout, x=x: cute.grouped_wgrad(dout, x, offs),
         }
+        bd = fp8_wgrad.quantize_token_major_blocks(dout, offs, rule)
+        bx = fp8_wgrad.quantize_token_major_blocks(x, offs, rule)
+        fns["cute_fp8_block"] = lambda bd=bd, bx=bx: cute.block_scaled_grouped_wgrad(
+            bd.data, bx.data, bd.scale_inv, bx.scale_inv, bd.offs)
         yield label, 2 * m * dout.shape[1] * x.shape[1], fns
 
 
@@ -147,5 +154,6 @@ def print_table(rows: list[dict]) -> None:
               f"{t['cute_bf16']:9.0f} "
               f"{r.get('fp8_vs_torch', 0):8.2f} {r['fp8_vs_bf16']:7.2f} "
               f"{r.get('rel_diff_vs_torch', float('nan')):9.1e}")
-    print("(TFLOP/s of real rows; block = cute block_scaled_grouped_mm (1x128 / 128x128 scales); "
+    print("(TFLOP/s of real rows; block = cute block_scaled_grouped_mm (1x128 / 128x128 scales) "
+          "or block_scaled_grouped_wgrad (1x128 along the tokens); "
           "ratios = their time / cute FP8 (row-wise) time)")

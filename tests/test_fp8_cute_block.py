@@ -1,10 +1,12 @@
 """Float8BlockScaling on the cute backend (CPU): the forward and dgrad GEMMs of GroupedLinear and
 the fused GroupedMLP run `cute.block_scaled_grouped_mm` (1x128 tiles of x / dy along K, 128x128
-blocks of W, E4M3, bf16, sm_90, K and N multiples of 16); the wgrad (1x128 tiles along the tokens:
-no varlen-K block kernel) and the GLU epilogues (row-wise kernels) are not, and the plan says so.
+blocks of W, E4M3, bf16, sm_90, K and N multiples of 16); the wgrad (1x128 tiles along each
+expert's tokens) runs the varlen-K `cute.block_scaled_grouped_wgrad`; the GLU epilogues
+(row-wise kernels) do not run, and the plan says so.
 
-A Hopper GPU is faked as in tests/test_fp8_cute.py; the kernel is replaced by a recorder that
-checks its contract (block_fp8's own operand and scale checks) and computes its maths on CPU.
+A Hopper GPU is faked as in tests/test_fp8_cute.py; the kernels are replaced by recorders that
+check their contracts (block_fp8's / block_fp8_wgrad's own operand and scale checks) and
+compute their maths on CPU.
 The scale layouts are checked against fp8_reference's block quantization in float64. The real
 kernel in the ops: tests/test_fp8_cute_block_gpu.py.
 """
@@ -21,9 +23,9 @@ from test_fp8_torch import rel_err
 import te_seq
 from te_seq import ops, recipe
 from te_seq.core import fp8, fp8_gemm
-from te_seq.kernels import cute, fp8_cute, fp8_torch
+from te_seq.kernels import cute, fp8_cute, fp8_torch, fp8_wgrad
 from te_seq.kernels import fp8_reference as ref
-from te_seq.kernels.cute import block_fp8
+from te_seq.kernels.cute import block_fp8, block_fp8_wgrad
 from te_seq.kernels.cute_backend import CUTE
 
 BLOCK = recipe.Float8BlockScaling()
@@ -31,6 +33,7 @@ CUDA = torch.device("cuda", 0)  # only named: nothing touches a GPU
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 TOL = 1e-2  # a real FP8 GEMM vs its emulation: summation order only (tests/test_fp8_torch.py)
 KERNEL = "cute block_scaled_grouped_mm"
+WGRAD_KERNEL = "cute block_scaled_grouped_wgrad"
 
 
 class _HybridBlocks(recipe.Float8BlockScaling):
@@ -65,10 +68,29 @@ def recording_block_scaled_grouped_mm(a, b, a_scale, b_scale, offs, out_dtype=BF
     return block_kernel_maths(a, b, a_scale, b_scale, offs, torch.float32).to(out_dtype)
 
 
+def recording_block_scaled_grouped_wgrad(a, b, a_scale, b_scale, offs, out=None,
+                                         accumulate=False):
+    """`cute.block_scaled_grouped_wgrad` with its contract checked (block_fp8_wgrad's checks
+    but the device one; spans on 128-token blocks, zeros past the last span), its maths (the
+    fp32 emulation) on CPU; the call is recorded."""
+    why = (block_fp8_wgrad._operand_problem(a, b, offs.shape[0])
+           or block_fp8_wgrad._scale_problem(a, b, a_scale, b_scale))
+    assert why == "", why
+    assert offs.dtype == torch.int32 and (offs % 128 == 0).all() and offs[-1] <= a.shape[1]
+    assert (a.view(torch.uint8)[:, int(offs[-1]):] == 0).all()
+    if out is not None:
+        assert out.dtype in (torch.float32, BF16) and out.is_contiguous()
+    recording_block_scaled_grouped_wgrad.calls.append((a, b, a_scale, b_scale, offs))
+    return fp8_wgrad.block_scaled_grouped_wgrad_emulated(a, b, a_scale, b_scale, offs, out,
+                                                         accumulate)
+
+
 @pytest.fixture
 def fake_block_gpu(fake_cute_gpu, monkeypatch):  # noqa: F811 (the imported fixture)
     recording_block_scaled_grouped_mm.calls = []
+    recording_block_scaled_grouped_wgrad.calls = []
     monkeypatch.setattr(cute, "block_scaled_grouped_mm", recording_block_scaled_grouped_mm)
+    monkeypatch.setattr(cute, "block_scaled_grouped_wgrad", recording_block_scaled_grouped_wgrad)
     return recording_block_scaled_grouped_mm.calls
 
 
@@ -79,7 +101,7 @@ def test_block_scaling_takes_the_block_kernel_for_forward_and_dgrad(monkeypatch)
     dims = [(256, 384)]
     assert fp8_gemm.forward_reason("cute", BLOCK, BF16, CUDA, dims, True) == ""
     assert fp8_gemm.backward_reason("cute", BLOCK, BF16, CUDA, dims, True) == ""
-    assert "no varlen-K block-scaled FP8 wgrad kernel" in fp8_gemm.wgrad_reason(BLOCK)
+    assert fp8_gemm.wgrad_reason(BLOCK) == ""
     assert fp8_gemm.wgrad_reason(recipe.Float8RowwiseScaling()) == ""
     for kernel in ("grouped_mm", "grouped_wgrad"):
         assert CUTE.supports(kernel, k=256, n=384, dtype=BF16, device=CUDA,
@@ -88,7 +110,7 @@ def test_block_scaling_takes_the_block_kernel_for_forward_and_dgrad(monkeypatch)
                               CUDA)
     assert note.startswith(f"FP8 Float8BlockScaling: forward and dgrad GEMMs via {KERNEL} "
                            f"(real FP8"), note
-    assert "wgrad emulated" in note and "no varlen-K block-scaled" in note
+    assert note.endswith(f"; wgrad via {WGRAD_KERNEL} (real FP8, fp32 accumulation)"), note
     # the torch backend has no block-scaled kernel: all three GEMMs emulated there
     torch_why = fp8_gemm.forward_reason("torch", BLOCK, BF16, CUDA, dims, True)
     assert "no block-scaled FP8 kernel" in torch_why and "1x128/128x128" in torch_why
@@ -239,12 +261,12 @@ def _assert_weight_operand(call, w, transpose: bool):
 
 @pytest.mark.parametrize("splits", [[37, 0, 91], [0, 50, 0], [128]],
                          ids=["empty-expert", "empty-ends", "one-expert"])
-def test_grouped_linear_runs_forward_and_dgrad_on_the_block_kernel(fake_block_gpu, splits):
+def test_grouped_linear_runs_its_gemms_on_the_block_kernels(fake_block_gpu, splits):
     groups = len(splits)
     model, op, x, dy, y, grads = _grouped_linear("cute", splits, groups)
     step = model.fusion_plan().forward[0]
     assert step.backend == "cute" and f"forward and dgrad GEMMs via {KERNEL}" in \
-        step.backend_reason and "wgrad emulated" in step.backend_reason
+        step.backend_reason and f"wgrad via {WGRAD_KERNEL}" in step.backend_reason
     assert recording_scaled_grouped_mm.calls == []  # never the row-wise kernel
     assert len(fake_block_gpu) == 2  # forward, dgrad
     w = op.stacked_weight().detach()
@@ -254,10 +276,26 @@ def test_grouped_linear_runs_forward_and_dgrad_on_the_block_kernel(fake_block_gp
     want_y, want_dx, _ = emu_grouped(BLOCK, x.detach(), w, dy, bounds_of(torch.tensor(splits)))
     assert y.dtype == BF16 and rel_err(y, want_y) < TOL
     assert x.grad.dtype == BF16 and rel_err(x.grad, want_dx) < TOL
-    # the wgrad is the emulation on both backends: the same fp32 operands and GEMMs
+    (wgrad_call,) = recording_block_scaled_grouped_wgrad.calls
+    _assert_block_wgrad_call(wgrad_call, splits, dy, x.detach())
+    # the same quantized values as the reference's emulation: summation order only
     ref_grads = _grouped_linear("reference", splits, groups)[5]
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want) < 1e-3
+
+
+def _assert_block_wgrad_call(call, splits, dy, x):
+    """The recorded wgrad got dy and x (None: not checked) quantized in 1x128 blocks along
+    each expert's tokens, token-major (`quantize_token_major_blocks`, itself the reference's
+    quantization: tests/test_fp8_wgrad_blocks.py)."""
+    offs = torch.cumsum(torch.tensor(splits), 0).to(torch.int32)
+    a, b, a_scale, b_scale, padded_offs = call
+    for data, scale, t, role in ((a, a_scale, dy, "grad"), (b, b_scale, x, "input")):
+        if t is None:
+            continue
+        want = fp8_wgrad.quantize_token_major_blocks(t, offs, BLOCK.rule(role))
+        assert torch.equal(data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(scale, want.scale_inv) and torch.equal(padded_offs, want.offs)
 
 
 def _run_mlp(name):
@@ -283,6 +321,7 @@ def test_fused_mlp_runs_its_gemms_on_the_block_kernel(fake_block_gpu, fused_glu)
     step = model.fusion_plan().forward[0]
     assert step.name == "GroupedMLP" and step.backend == "cute"
     assert f"forward and dgrad GEMMs via {KERNEL}" in step.backend_reason
+    assert f"wgrad via {WGRAD_KERNEL}" in step.backend_reason
     assert "activation after the GEMMs" in step.backend_reason
     assert fused_glu[0].calls == [] and fused_glu[1].calls == []  # no GLU epilogues
     assert recording_scaled_grouped_mm.calls == []
@@ -294,6 +333,11 @@ def test_fused_mlp_runs_its_gemms_on_the_block_kernel(fake_block_gpu, fused_glu)
     _assert_weight_operand(fake_block_gpu[1], fc2.stacked_weight().detach(), transpose=False)
     _assert_weight_operand(fake_block_gpu[2], fc2.stacked_weight().detach(), transpose=True)
     _assert_weight_operand(fake_block_gpu[3], fc1.stacked_weight().detach(), transpose=True)
+    # FC2's wgrad (on the recomputed activation), then FC1's (on x)
+    wgrads = recording_block_scaled_grouped_wgrad.calls
+    assert [(tuple(c[0].shape), tuple(c[1].shape)) for c in wgrads] == [
+        ((128, 512), (256, 512)), ((512, 512), (128, 512))]
+    _assert_block_wgrad_call(wgrads[1], [50, 0, 77], None, x.detach())
     want = _run_mlp("reference")[4]  # the emulation, the same weights, data and dy
     # h's bf16 rounding feeds FC2's quantization: an FP8 step where it crosses a boundary
     for g, w in zip(got, want):

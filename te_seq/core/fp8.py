@@ -207,7 +207,7 @@ def input_token_major(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor,
             forward or input_quantized(recipe, input_, x, backend_name), offs)
     marker = _marker(recipe, input_)
     source = x if marker is None else marker.source.reshape(x.shape)
-    return fp8_quantize.token_major(source, offs, recipe.rule("input"), backend_name)
+    return _token_major(recipe, "input", source, offs, backend_name)
 
 
 def grad_token_major(recipe: Recipe, dy: Tensor, offs: Tensor, along_n: ref.QuantizedTensor,
@@ -216,7 +216,17 @@ def grad_token_major(recipe: Recipe, dy: Tensor, offs: Tensor, along_n: ref.Quan
     wgrad operand); `along_n` is dy quantized for the dgrad (per tensor: the same data)."""
     if recipe.block("grad") == ref.QuantBlock(None, None):
         return fp8_wgrad.token_major_from(along_n, offs)
-    return fp8_quantize.token_major(dy, offs, recipe.rule("grad"), backend_name)
+    return _token_major(recipe, "grad", dy, offs, backend_name)
+
+
+def _token_major(recipe: Recipe, role: str, t: Tensor, offs: Tensor, backend_name: str
+                 ) -> fp8_wgrad.TokenMajor:
+    """t along each group's tokens, token-major: one scale per (group, column) (row-wise), or
+    per (128-token block, column) under block scaling (1x128 blocks along the tokens; torch
+    ops: the cute span kernels make per-group scales)."""
+    if recipe.block(role) == ref.QuantBlock(1, 128):
+        return fp8_wgrad.quantize_token_major_blocks(t, offs, recipe.rule(role))
+    return fp8_quantize.token_major(t, offs, recipe.rule(role), backend_name)
 
 
 def input_both(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor, backend_name: str
@@ -249,8 +259,8 @@ class GradOperands:
     wgrad's operand; None where the caller recomputes it) and W along N (the dgrad's).
     Emulated: `x` [T, K] fp32 and `w` [G, N, K] fp32, dequantized. Native (`w_scale_inv` set):
     `x` a `TokenMajor`, `w` the FP8 data of Wᵀ [G, K, N] with `w_scale_inv` [G, K, 1] (row-wise)
-    or [G, 1, 1] (per tensor); under block scaling (native dgrad, emulated wgrad) `x` [T, K]
-    fp32 along T and `w_scale_inv` Wᵀ's 128x128 grid [G, ⌈K/128⌉, ⌈N/128⌉].
+    or [G, 1, 1] (per tensor); under block scaling `x` a `BlockTokenMajor` (scales per
+    128-token block) and `w_scale_inv` Wᵀ's 128x128 grid [G, ⌈K/128⌉, ⌈N/128⌉].
     `tensors()` / `load()`: as five saved tensors (None-padded)."""
 
     x: Tensor | fp8_wgrad.TokenMajor | None
@@ -274,7 +284,11 @@ class GradOperands:
             return cls(x, w)
         if x_scale_inv is None:  # x fp32 along T (an emulated wgrad), or None
             return cls(x, w, w_scale_inv)
-        return cls(fp8_wgrad.TokenMajor(x, x_scale_inv, x_offs), w, w_scale_inv)
+        # scales per 128-token block [P / 128, K], else per group [G, K]: P / 128 > G unless
+        # there are no tokens (then both read as zeros)
+        blocks = x_scale_inv.shape[0] != x_offs.shape[0]
+        kind = fp8_wgrad.BlockTokenMajor if blocks else fp8_wgrad.TokenMajor
+        return cls(kind(x, x_scale_inv, x_offs), w, w_scale_inv)
 
 
 def _weight_pair(recipe: Recipe, w: Tensor) -> tuple[ref.QuantizedTensor, ref.QuantizedTensor]:

@@ -19,8 +19,9 @@ Per GEMM (x [T, K], W [N, K], dy [T, N]):
                          kernel on dy in 1x128 tiles and Wᵀ's 128x128 blocks. Else emulated.
     wgrad    dW = dyᵀ x  under the native backward: dy and x quantized along each group's tokens,
                          token-major (kernels/fp8_wgrad.py), `cute.scaled_grouped_wgrad` on the
-                         cute backend, its fp32 emulation on torch (`_wgrad_kernel` decides).
-                         Else (block scaling too: `wgrad_reason`) emulated on fp32 operands.
+                         cute backend (Float8BlockScaling: 1x128 blocks along the tokens,
+                         `cute.block_scaled_grouped_wgrad`), their fp32 emulations on torch
+                         (`_wgrad_kernel` decides). Else emulated on fp32 operands.
 
 `forward_reason` / `backward_reason` decide (static facts: backend, recipe, dtype, device,
 widths); the plan step says which (`step_note`). Both paths quantize exactly the same operands
@@ -82,7 +83,7 @@ def backward_reason(backend_name: str, recipe: Recipe, dtype: torch.dtype,
     natively: a grouped op whose forward runs in real FP8 and whose gradient operand has
     per-tensor or row-wise scales, E4M3, or E5M2 ("HYBRID") on the cute backend; or, under
     block scaling on the cute backend, whose dgrad the block kernel takes: E4M3 dy in 1x128
-    tiles; its wgrad then stays emulated, `wgrad_reason`)."""
+    tiles; its wgrad then runs the block-scaled wgrad kernel, `wgrad_reason`)."""
     if not grouped:
         return "BasicLinear / Linear have no FP8 backward kernels"
     why = forward_reason(backend_name, recipe, dtype, device, dims, grouped)
@@ -109,17 +110,23 @@ def _block_scaled(recipe: Recipe) -> bool:
 
 def wgrad_reason(recipe: Recipe) -> str:
     """Why the wgrad of a native FP8 backward (`backward_reason` "") is emulated under `recipe`
-    ("" when it runs on FP8 token-major operands: per-tensor or row-wise blocks)."""
-    if recipe.block("grad") in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR):
+    ("" when it runs on FP8 token-major operands: per-tensor or row-wise blocks, or block
+    scaling's 1x128 blocks along each expert's tokens)."""
+    if recipe.block("grad") in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR) or _block_scaled(recipe):
         return ""
-    return ("no varlen-K block-scaled FP8 wgrad kernel yet (1x128 blocks along each expert's "
-            "tokens)")
+    return (f"no FP8 wgrad kernel for {recipe.block('grad')} blocks of dy along the tokens "
+            f"(per tensor, row-wise or 1x128 only)")
 
 
-def _wgrad_kernel(backend_name: str):
+def _wgrad_kernel(backend_name: str, recipe: Recipe):
     """(the FP8 wgrad functional of a backend, its name for the plan): the cute kernel on the
-    cute backend (looked up at call time, so tests can replace it), the fp32 emulation of the
-    same maths elsewhere. The one place that decides."""
+    cute backend (looked up at call time, so tests can replace it; the block-scaled one under
+    block scaling), the fp32 emulation of the same maths elsewhere. The one place that
+    decides."""
+    if _block_scaled(recipe):
+        if backend_name == "cute":
+            return cute.block_scaled_grouped_wgrad, "cute block_scaled_grouped_wgrad"
+        return fp8_wgrad.block_scaled_grouped_wgrad_emulated, ""
     if backend_name == "cute":
         return cute.scaled_grouped_wgrad, "cute scaled_grouped_wgrad"
     return fp8_wgrad.scaled_grouped_wgrad_emulated, ""
@@ -145,7 +152,7 @@ def step_note(recipe: Recipe | None, backend_name: str, op: object, dtype: torch
         return (f"FP8 {recipe}: forward and dgrad GEMMs via {name} (real FP8, fp32 "
                 f"accumulation); wgrad emulated (quantize -> dequantize, fp32 GEMMs: "
                 f"{why_wgrad})")
-    wgrad = _wgrad_kernel(backend_name)[1]
+    wgrad = _wgrad_kernel(backend_name, recipe)[1]
     wgrad = (f"wgrad via {wgrad} (real FP8, fp32 accumulation)" if wgrad else
              "wgrad emulated (FP8 operands along the tokens dequantized, fp32 GEMMs)")
     return (f"FP8 {recipe}: forward and dgrad GEMMs via {name} (real FP8, fp32 "
@@ -279,7 +286,7 @@ class GroupedGrads:
         recipe, dy, offs, dy_q, x_tm = self.ctx.recipe, self.dy, self.offs, self.dy_q, \
             self.operands.x
         backend_name, made = self.ctx.backend.name, self.dy_tm
-        kernel = _wgrad_kernel(backend_name)[0]
+        kernel = _wgrad_kernel(backend_name, recipe)[0]
 
         def wgrad_fn(out: Tensor, accumulate: bool) -> Tensor:
             # made with dy's dgrad operand, else only now that dW is computed

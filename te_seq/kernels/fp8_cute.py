@@ -18,7 +18,9 @@ What the kernel takes (``cute.supports_scaled``): E4M3 operands, fp32 dequantiza
 ``Float8BlockScaling`` (1x128 tiles of x / dy, 128x128 blocks of W) runs on
 ``cute.block_scaled_grouped_mm`` under the same conditions (scales [M, ⌈K/128⌉] and
 [G, ⌈N/128⌉, ⌈K/128⌉]: `block_scales`), for the forward and the dgrad (E4M3 dy only); its
-wgrad, whose 1x128 blocks run along the tokens, has no kernel (varlen K) and is emulated.
+wgrad, whose 1x128 blocks run along each expert's tokens, on the varlen-K
+``cute.block_scaled_grouped_wgrad`` (core/fp8_gemm.py, operands from
+``fp8_wgrad.quantize_token_major_blocks``).
 There is no plain (one-matrix) FP8 kernel: BasicLinear / Linear take ``torch._scaled_mm`` on
 the torch backend.
 """

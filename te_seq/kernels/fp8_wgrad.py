@@ -10,13 +10,19 @@ what a varlen-K FP8 GEMM reads (`te_seq.kernels.cute.scaled_grouped_wgrad`):
 
 with a = dY token-major [N, P], b = X token-major [K, P], fp32 accumulation. The numbers are
 exactly `fp8_reference.qdq_columns_per_group`'s (row-wise blocks): only the layout differs.
+Block scaling (`Float8BlockScaling`: 1×128 blocks along the tokens, restarting at each group's
+first token) keeps the layout with one scale per (128-token block, column)
+(`quantize_token_major_blocks`, a `BlockTokenMajor`; `cute.block_scaled_grouped_wgrad`):
+
+    out[g] = Σ_{tb in span g} (a_scale[tb] ⊗ b_scale[tb]) ∘ (a[:, tb] @ b[:, tb]ᵀ)
 
 Everything here runs without reading the group offsets on the host (P is a bound known from
 the shapes), with a handful of large passes (`quantize_token_major`: a scatter of the rows into
 their padded spans, a block amax and a cast, both compiled kernels on CUDA, a transpose of the
 FP8 bytes). A single fused pass (quantize and transpose in one kernel, or in the epilogue that
-produces the operand) is later work. `scaled_grouped_wgrad_emulated` is the kernel's maths in
-fp32 (the torch backend's FP8 wgrad and the tests' oracle).
+produces the operand) is later work. `scaled_grouped_wgrad_emulated` and
+`block_scaled_grouped_wgrad_emulated` are the kernels' maths in fp32 (the torch backend's FP8
+wgrads and the tests' oracles).
 """
 
 from __future__ import annotations
@@ -185,6 +191,35 @@ def _cast_token_major(t: Tensor, source: Tensor, block_scale: Tensor, fp8_max: f
     return data.view(-1, t.shape[1]).t().contiguous()
 
 
+@dataclass
+class BlockTokenMajor(TokenMajor):
+    """A `TokenMajor` quantized with one scale per (128-token block, column): t [T, C] under
+    `Float8BlockScaling` along the tokens (1×128 blocks that restart at each group's first
+    token; a group's last block is partial, zero-padded). data [C, P] and offs as
+    `TokenMajor`'s; scale_inv fp32 [P / 128, C], block tb covering columns [128 tb, 128 tb +
+    128) of data (blocks past the last span: 1, over zeros). What
+    `te_seq.kernels.cute.block_scaled_grouped_wgrad` reads."""
+
+    def dequantize(self) -> Tensor:
+        """The represented values, fp32 [C, P] (padding columns zero)."""
+        return self.data.float() * self.scale_inv.t().repeat_interleave(WGRAD_PAD, 1)
+
+
+def quantize_token_major_blocks(t: Tensor, offs: Tensor, rule: ScaleRule) -> BlockTokenMajor:
+    """t [T, C] (any float dtype, any strides) quantized along the tokens of each group in
+    1×128 blocks, one scale per (block, column), as a `BlockTokenMajor`: `offs` int32 [G] the
+    cumulative row ends on t's device (rows past offs[-1] are ignored). Bitwise the values of
+    `qdq_columns_per_group(t, bounds, QuantBlock(1, 128), rule)`: every span starts on a block,
+    so a block covers the same tokens as the reference's (its padding tokens are zeros, which
+    never raise an amax); nan/inf policy included (a padding token in a nan block is nan).
+    The same passes as `quantize_token_major`, without the per-span max."""
+    source, padded_offs, _, block_amax = _span_blocks(t, offs)
+    block_scale = scales_from_amax(block_amax, rule)  # [P / 128, C]
+    data = compiled_maths.for_data(_cast_token_major, t)(t, source, block_scale, rule.fp8_max,
+                                                          rule.dtype)
+    return BlockTokenMajor(data, torch.reciprocal(block_scale), padded_offs)
+
+
 def token_major_from(q: QuantizedTensor, offs: Tensor) -> TokenMajor:
     """A per-tensor quantized q [T, C] (its data already what the wgrad reads: per-tensor
     scaling does not depend on the layout) laid out as a `TokenMajor`, its one scale expanded
@@ -209,6 +244,28 @@ def scaled_grouped_wgrad_emulated(
     groups = _column_groups(offs, a.shape[1])  # [P]
     a_rows = (a.float() * a_scale[groups].t()).t()  # [P, N]
     b_rows = (b.float() * b_scale[groups].t()).t()  # [P, K]
+    return _fp32_wgrad(a_rows, b_rows, offs, out, accumulate)
+
+
+def block_scaled_grouped_wgrad_emulated(
+    a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
+    out: Tensor | None = None, accumulate: bool = False,
+) -> Tensor:
+    """`cute.block_scaled_grouped_wgrad`'s maths on dequantized operands in fp32: a [N, P] and
+    b [K, P] FP8 token-major (`BlockTokenMajor.data`), a_scale [P / 128, N] and b_scale
+    [P / 128, K] fp32 per (128-token block, column), offs int32 [G] padded span ends.
+    out[g] [N, K] = Σ_{p in span g} a_scale[p // 128, n]·a[n, p] · b_scale[p // 128, k]·b[k, p];
+    `out` and `accumulate` as `scaled_grouped_wgrad_emulated`'s."""
+    a_rows = (a.float() * a_scale.t().repeat_interleave(WGRAD_PAD, 1)).t()  # [P, N]
+    b_rows = (b.float() * b_scale.t().repeat_interleave(WGRAD_PAD, 1)).t()  # [P, K]
+    return _fp32_wgrad(a_rows, b_rows, offs, out, accumulate)
+
+
+def _fp32_wgrad(a_rows: Tensor, b_rows: Tensor, offs: Tensor, out: Tensor | None,
+                accumulate: bool) -> Tensor:
+    """The torch backend's grouped wgrad of fp32 a_rows [P, N] and b_rows [P, K] over the
+    spans `offs`: a new bf16 tensor, or written into `out` (bf16 or fp32; `accumulate` adds,
+    one rounding into a bf16 out)."""
     if out is None:
         return torch_backend.grouped_wgrad(a_rows, b_rows, offs).to(torch.bfloat16)
     if out.dtype == torch.float32:
@@ -219,6 +276,9 @@ def scaled_grouped_wgrad_emulated(
 
 __all__ = [
     "WGRAD_PAD",
+    "BlockTokenMajor",
+    "block_scaled_grouped_wgrad_emulated",
+    "quantize_token_major_blocks",
     "TokenMajor",
     "padded_width",
     "quantize_token_major",

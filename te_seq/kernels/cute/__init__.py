@@ -17,7 +17,8 @@ activation steps ``act_fc1_forward`` / ``act_fc2_dgrad``, each with a ``.support
 scales, ``supports_scaled`` / ``supports_scaled_wgrad``), ``fp8_glu`` (the fused FP8 GLU
 steps ``scaled_glu_fc1_forward`` / ``scaled_glu_fc2_dgrad``, each with a ``.supports``),
 ``block_fp8`` (the FP8 block-scaled grouped GEMM ``block_scaled_grouped_mm``,
-``supports_block_scaled``),
+``supports_block_scaled``), ``block_fp8_wgrad`` (its varlen-K weight gradient
+``block_scaled_grouped_wgrad``, ``supports_block_scaled_wgrad``),
 ``offsets`` (``group_offsets``: the checked group offsets in one launch, ``offsets_problem``),
 ``quant`` (the FP8 quantization kernels ``quantize_rows`` / ``quantize_spans``,
 ``quant_problem``),
@@ -28,6 +29,7 @@ re-exports.
 
 from .act import act_fc1_forward, act_fc2_dgrad
 from .block_fp8 import block_scaled_grouped_mm, supports_block_scaled
+from .block_fp8_wgrad import block_scaled_grouped_wgrad, supports_block_scaled_wgrad
 from .fp8 import scaled_grouped_mm, scaled_grouped_wgrad, supports_scaled, supports_scaled_wgrad
 from .fp8_glu import scaled_glu_fc1_forward, scaled_glu_fc2_dgrad
 from .gemm import grouped_mm, grouped_wgrad, supports, supports_wgrad
@@ -85,6 +87,8 @@ __all__ = [
     "span_table",
     "block_scaled_grouped_mm",
     "supports_block_scaled",
+    "block_scaled_grouped_wgrad",
+    "supports_block_scaled_wgrad",
     "MM_TILING",
     "PINGPONG_TILE_WIDTHS",
     "WGRAD_TILING",

@@ -68,6 +68,9 @@ class GemmConfig:
     # the FP8 block-scaled kernel (``block_scaled``); out of the repr, so the other configs'
     # disk-cache keys stay as they were (its own kernels are cached under another name)
     block_scaled: bool = field(default=False, repr=False)
+    # the FP8 block-scaled wgrad kernel (``block_wgrad``): out of the repr as well, cached
+    # under its own name
+    block_wgrad: bool = field(default=False, repr=False)
 
 
 @dataclass
@@ -184,6 +187,8 @@ def _compile(name: str, cfg: object, kernel: object, fake_args: tuple) -> Compil
 @functools.lru_cache(maxsize=None)
 def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     """The grouped GEMM for ``cfg``: compiled once per config, cached in memory and on disk."""
+    if cfg.block_wgrad:  # first: it refuses block_scaled as well
+        return _compile_block_wgrad(cfg)
     if cfg.block_scaled:
         return _compile_block_scaled(cfg)
     if cfg.scaled:
@@ -224,6 +229,21 @@ def _compile_block_scaled(cfg: GemmConfig) -> CompiledGemm:
     scales = (_fake_scales(2), _fake_scales(3))
     kernel = BlockScaledGemmKernel((128, cfg.tile_n), cfg.cluster_mn)
     return _compile("block_gemm", cfg, kernel, (a, b, out, offs, clusters, *scales, route, stream))
+
+
+def _compile_block_wgrad(cfg: GemmConfig) -> CompiledGemm:
+    """The FP8 block-scaled wgrad GEMM (``block_wgrad``), cached on disk as "block_wgrad":
+    the row-wise FP8 wgrad's fake arguments (token-major operands, two rank-2 scale tensors:
+    here [PB, N] and [PB, K])."""
+    from dataclasses import replace
+
+    from .block_wgrad import BlockWgradKernel, config_problem
+
+    if config_problem(cfg):
+        raise ValueError(config_problem(cfg))
+    fake = _fake_args(replace(cfg, scaled=True, block_wgrad=False))
+    kernel = BlockWgradKernel(cfg.cluster_mn, cfg.accumulate)
+    return _compile("block_wgrad", cfg, kernel, fake)
 
 
 # ---------------------------------------------------------------- fused GLU epilogues

@@ -54,6 +54,7 @@ SOURCE_FILES = (
     "quant_kernels.py",
     "block_scaled.py",
     "offsets_kernel.py",
+    "block_wgrad.py",
     "launch.py",  # PINGPONG_TILE_WIDTHS
 )
 _VERSIONED_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
