@@ -393,6 +393,36 @@ def test_cache_weights_false_quantizes_every_call(monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("r", RECIPES, ids=IDS)
+def test_stacked_weights_quantize_like_each_expert(r, dtype):
+    """All experts at once (fp8_reference.quantize_stacked) give each expert's own quantization
+    bit for bit, forward and dgrad operands, with a nan in one expert, an all-zero expert and
+    experts of very different magnitudes (each must keep its own scales)."""
+    torch.manual_seed(0)
+    w = torch.randn(5, 256, 384) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 2.0])[:, None, None]
+    w[2, 7, 100] = float("nan")
+    w[3] = 0.0
+    w = w.to(dtype)
+    got = te_seq.core.fp8._stacked_operands(r, w)
+    pairs = [te_seq.core.fp8._weight_pair(r, m) for m in w.unbind(0)]
+    for got_q, want_q in zip(got.quantized + got.dgrad_quantized,
+                             [p[0] for p in pairs] + [p[1] for p in pairs]):
+        assert torch.equal(got_q.data.view(torch.uint8), want_q.data.view(torch.uint8))
+        assert torch.equal(got_q.scale_inv.nan_to_num(-1), want_q.scale_inv.nan_to_num(-1))
+    data, scale_inv = got.fp8
+    assert torch.equal(data.view(torch.uint8),
+                       torch.stack([p[0].data for p in pairs]).view(torch.uint8))
+    assert torch.equal(scale_inv.nan_to_num(-1), torch.stack([p[0].scale_inv for p in pairs])
+                       .nan_to_num(-1))
+    data, scale_inv = got.dgrad_fp8
+    assert data.is_contiguous() and scale_inv.is_contiguous()
+    assert torch.equal(data.view(torch.uint8),
+                       torch.stack([p[1].data for p in pairs]).view(torch.uint8))
+    assert torch.equal(scale_inv.nan_to_num(-1), torch.stack([p[1].scale_inv for p in pairs])
+                       .nan_to_num(-1))
+
+
 def test_weight_cache_unused_while_a_cuda_graph_captures(monkeypatch):
     """Under capture the weights are quantized inside the graph (a replay after an optimizer
     step must see the new weights) and the graph's outputs are never cached for eager calls."""

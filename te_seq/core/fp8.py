@@ -302,14 +302,36 @@ def _weight_pair(recipe: Recipe, w: Tensor) -> tuple[ref.QuantizedTensor, ref.Qu
     return forward, ref.quantize(w.t(), block, rule)
 
 
+def _stacked_operands(recipe: Recipe, w: Tensor) -> WeightOperands:
+    """`_weight_pair` of every expert of w [G, N, K], each quantized on its own, in a few
+    launches for all of them (`fp8_reference.quantize_stacked`): after each optimizer step, and
+    on every replay of a CUDA graph, all G experts are quantized again."""
+    block, rule = recipe.block("weight"), recipe.rule("weight")
+    forward = ref.quantize_stacked(w, block, rule)
+    if block.rows == block.cols:  # W and Wᵀ share their blocks: the dgrad operand is a view
+        dgrad = ref.QuantizedTensor(forward.data.transpose(1, 2),
+                                    forward.scale_inv.transpose(1, 2), block, rule)
+    else:
+        dgrad = ref.quantize_stacked(w.transpose(1, 2), block, rule)
+    return WeightOperands(_unstack(forward), _unstack(dgrad), stacked=True,
+                          stacked_fp8=(forward, dgrad))
+
+
+def _unstack(q: ref.QuantizedTensor) -> list[ref.QuantizedTensor]:
+    return [ref.QuantizedTensor(d, s, q.block, q.rule)
+            for d, s in zip(q.data.unbind(0), q.scale_inv.unbind(0))]
+
+
 class WeightOperands:
     """A weight's FP8 operands, one `QuantizedTensor` per [N, K] matrix (one for a 2-D W, G for
     [G, N, K]): `quantized` (W along K for the forward) and `dgrad_quantized` (Wᵀ [K, N] along
     N for the dgrad). The fp32 and the stacked forms are made on first use only."""
 
     def __init__(self, quantized: list[ref.QuantizedTensor],
-                 dgrad_quantized: list[ref.QuantizedTensor], stacked: bool):
+                 dgrad_quantized: list[ref.QuantizedTensor], stacked: bool,
+                 stacked_fp8: tuple[ref.QuantizedTensor, ref.QuantizedTensor] | None = None):
         self.quantized, self.dgrad_quantized, self.stacked = quantized, dgrad_quantized, stacked
+        self._stacked_fp8 = stacked_fp8  # (W, Wᵀ) of all experts, [G, ...], when made at once
 
     def _stack(self, values: list[Tensor]) -> Tensor:
         return torch.stack(values) if self.stacked else values[0]
@@ -327,6 +349,9 @@ class WeightOperands:
     @functools.cached_property
     def fp8(self) -> tuple[Tensor, Tensor]:
         """(data [G, N, K] FP8, scale_inv [G, Nb, Kb] fp32) of a stacked weight."""
+        if self._stacked_fp8 is not None:
+            q = self._stacked_fp8[0]
+            return q.data, q.scale_inv
         return (torch.stack([q.data for q in self.quantized]),
                 torch.stack([q.scale_inv for q in self.quantized]))
 
@@ -334,6 +359,9 @@ class WeightOperands:
     def dgrad_fp8(self) -> tuple[Tensor, Tensor]:
         """(data [G, K, N] FP8, scale_inv [G, K, 1] row-wise or [G, 1, 1] per tensor) of a
         stacked weight: the dgrad GEMM's second operand, Wᵀ along N."""
+        if self._stacked_fp8 is not None:  # contiguous, as the stacked copies were
+            q = self._stacked_fp8[1]
+            return q.data.contiguous(), q.scale_inv.contiguous()
         return (torch.stack([q.data for q in self.dgrad_quantized]),
                 torch.stack([q.scale_inv for q in self.dgrad_quantized]))
 
@@ -357,8 +385,11 @@ def cached_weights(
     cache = op.__dict__.get("_fp8_weight_cache")
     if cache is not None and cache[0] == key and not capturing:
         return cache[1]
-    pairs = [_weight_pair(recipe, w_g) for w_g in ([w] if w.dim() == 2 else w.unbind(0))]
-    weights = WeightOperands([p[0] for p in pairs], [p[1] for p in pairs], stacked=w.dim() == 3)
+    if w.dim() == 3:
+        weights = _stacked_operands(recipe, w)
+    else:
+        forward, dgrad = _weight_pair(recipe, w)
+        weights = WeightOperands([forward], [dgrad], stacked=False)
     if recipe.cache_weights and not torch.compiler.is_compiling() and not capturing:
         op.__dict__["_fp8_weight_cache"] = (key, weights)
     return weights

@@ -139,6 +139,25 @@ ROWWISE = QuantBlock(1, None)
 PER_TENSOR = QuantBlock(None, None)
 
 
+def quantize_stacked(t: Tensor, block: QuantBlock, rule: ScaleRule) -> QuantizedTensor:
+    """Each matrix of t [G, R, C] quantized on its own (`quantize` of each, bit for bit), in a
+    few launches instead of G: data [G, R, C], scale_inv [G, Rb, Cb]. Row-wise blocks, and
+    blocks whose rows divide R, never straddle two matrices: `quantize` of t as [G·R, C].
+    Per-tensor blocks take each matrix's amax. Other blocks quantize matrix by matrix."""
+    g, r, c = t.shape
+    if block == PER_TENSOR and t.numel() > 0:
+        scale = scales_from_amax(t.abs().amax(dim=(1, 2), keepdim=True).float(), rule)
+        return QuantizedTensor(scaled_cast(t, scale, rule.fp8_max, rule.dtype), inverse(scale),
+                               block, rule)
+    if block.rows == 1 or (block.rows is not None and r % block.rows == 0 and g * r > 0):
+        q = quantize(t.reshape(g * r, c), block, rule)
+        scale_inv = q.scale_inv.reshape(g, -1, q.scale_inv.shape[1])
+        return QuantizedTensor(q.data.reshape(g, r, c), scale_inv, block, rule)
+    parts = [quantize(m, block, rule) for m in t.unbind(0)]
+    return QuantizedTensor(torch.stack([q.data for q in parts]),
+                           torch.stack([q.scale_inv for q in parts]), block, rule)
+
+
 def abs_max(t: Tensor, dim: int | None) -> Tensor:
     """max |t| along `dim` (None: all; kept as a size-1 dim), in fp32; nan propagates. |t| and
     max are exact in t's dtype, so this is `block_amax`'s value without its fp32 copies."""
