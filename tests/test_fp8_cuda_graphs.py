@@ -31,6 +31,13 @@ def _mlp() -> te_seq.Sequential:
                              ops.GroupedLinear(E, F, H, **kw))
 
 
+def _step(model, x: torch.Tensor, splits: torch.Tensor) -> torch.Tensor:
+    """One forward and backward; a copy of the output (a graph's is overwritten on replay)."""
+    y = model(x, splits, splits)
+    y.backward(torch.ones_like(y))
+    return y.detach().clone()
+
+
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     scale = expected.float().abs().max().item()
     torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale,
@@ -59,14 +66,14 @@ def test_graph_replay_sees_weight_updates_under_fp8(fp8_recipe, cute_backend) ->
         sample = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         graphed = te_seq.make_graphed_callables(graphed_model, (sample, splits, splits))
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        before = graphed(x, splits, splits).detach().clone()
-        _close(before, eager(x, splits, splits), "before the update")
+        before = _step(graphed, x, splits)  # replays run in captured order: fwd, then bwd
+        _close(before, _step(eager, x, splits), "before the update")
         with torch.no_grad():  # an optimizer step: the same in-place update on both twins
             for pg, pe in zip(graphed_model.parameters(), eager.parameters()):
                 delta = torch.randn_like(pg) * pg.float().std().item()
                 pg.add_(delta)
                 pe.add_(delta)
-        after = graphed(x, splits, splits).detach().clone()
-        _close(after, eager(x, splits, splits), "after the update")
+        after = _step(graphed, x, splits)
+        _close(after, _step(eager, x, splits), "after the update")
     change = (after.float() - before.float()).norm() / before.float().norm()
     assert change > 0.3, f"the update barely moved the output ({change:.3f}): test too weak"
