@@ -15,21 +15,21 @@ pass. It also writes each group's block range into ``extents`` [G, 2] (first blo
 block): the CTA of a group's first block writes the start, that of its last block the end.
 Neither buffer needs zeroing: the cast kernel reads only entries of groups that have blocks.
 
-``SpanCastKernel`` reduces the maxima of its group's blocks per column (4 threads per column,
-a stride-4 walk over the blocks, then shared memory) into the chunk's 64 scales, stages the
-tile's raw values transposed in shared memory (fp32 [64, 128 + 1]: the odd row stride keeps
-the writes and the reads free of bank conflicts), and each thread then scales, casts and writes
-32 consecutive tokens of one column: two 16-byte stores along the token-major rows. It writes
-scale_inv for every group: its group's (on the group's first block) and 1 for the groups
-without tokens that lie before it (after the previous block's group) or, on the last block,
-after it. With ``rows`` both kernels also quantize each row of a group row-wise: the amax
-kernel takes each row's max over its 64 columns (8 lanes, shuffles) into ``row_amax`` [T] by
-atomic max (the one buffer that needs zeroing), the cast kernel writes the row-wise data and
-scale_inv on the way.
+``SpanCastKernel`` reduces the maxima of its group's blocks per column (4 threads per column, a
+stride-4 walk over the blocks, then shared memory) into the chunk's 64 scales, stages the tile's
+raw values transposed in shared memory (fp32, 129 words a column and 4 more between the two
+halves of 32 columns: the writes and the reads are free of bank conflicts), and each thread then
+scales, casts and writes 32 consecutive tokens of one column: two 16-byte stores along the
+token-major rows. It writes scale_inv for every group: its group's (on the group's first block)
+and 1 for the groups without tokens that lie before it (after the previous block's group) or, on
+the last block, after it. With ``rows`` both kernels also quantize each row of a group row-wise:
+the amax kernel takes each row's max over its 64 columns (8 lanes, shuffles) into ``row_amax``
+[T] by atomic max (the one buffer that needs zeroing), the cast kernel writes the row-wise data
+and scale_inv on the way.
 
 A group of n blocks costs each of its CTAs n reads per column of ``block_amax`` (L2-resident,
-1/64 of t's bytes): cheap for the experts' groups of a few blocks, a noticeable extra L2
-traffic for one group of thousands of tokens.
+1/64 of t's bytes): cheap for the experts' groups of a few blocks, a noticeable extra L2 traffic
+for one group of thousands of tokens. Not yet timed on a GPU (benchmarks/bench_quant.py).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ VECS_PER_ROW = SPAN_COLS // VEC  # 8 threads share a tile row
 ROWS_PER_PASS = THREADS // VECS_PER_ROW  # 32 tile rows per load pass
 PASSES = SPAN_BLOCK // ROWS_PER_PASS  # 4 loads per thread
 WARPS = THREADS // 32
-STAGE_STRIDE = SPAN_BLOCK + 1  # fp32 words per staged column: odd, no bank conflicts
+STAGE_STRIDE = SPAN_BLOCK + 1  # fp32 words per staged column: odd, see _staged_layout
+STAGE_SKEW = 4  # words between the staged columns 0..31 and 32..63, see _staged_layout
 TOKENS_PER_STORE = 32  # consecutive tokens of one column per thread
 SCALE_PARTS = THREADS // SPAN_COLS  # threads per column in the scale reduction
 
@@ -103,6 +104,15 @@ class _SpanTileKernel:
 
     def _new_tile(self) -> list:
         return [cute.make_rmem_tensor((VEC,), Float32) for _ in range(PASSES)]
+
+
+def _staged_layout():
+    """The cast kernel's transposed tile: column c, token r at word 129 c + 4 (c // 32) + r.
+    Bank conflict-free both ways: a warp's writes (lanes = 8 column vectors v x 4 tokens q; each
+    store k touches column 8 v + k) hit banks 8 v + k + 4 (v // 4) + q, 32 distinct; its reads
+    (lanes = 32 consecutive columns of one half, one token each) hit banks c + const."""
+    return cute.make_layout(((32, SPAN_COLS // 32), SPAN_BLOCK),
+                            stride=((STAGE_STRIDE, 32 * STAGE_STRIDE + STAGE_SKEW), 1))
 
 
 def _fmax(a: Float32, b: Float32) -> Float32:
@@ -217,8 +227,7 @@ class SpanCastKernel(_SpanTileKernel):
         block, chunk, tidx, col, row0 = self._coords()
         first_row, valid = table[block, 0], table[block, 1]
         allocator = memory.SmemAllocator()
-        staged = allocator.allocate_tensor(
-            Float32, cute.make_layout((SPAN_COLS, SPAN_BLOCK), stride=(STAGE_STRIDE, 1)), 16)
+        staged = allocator.allocate_tensor(Float32, _staged_layout(), 16)
         parts = allocator.allocate_tensor(
             Float32, cute.make_layout((SCALE_PARTS, SPAN_COLS), stride=(SPAN_COLS, 1)), 16)
         scales = allocator.allocate_tensor(Float32, cute.make_layout(SPAN_COLS), 16)
@@ -288,7 +297,7 @@ class SpanCastKernel(_SpanTileKernel):
                            block, chunk, tidx):
         """data[column c, this block's tokens 32 s .. 32 s + 32] = fp8(staged[c, ...] x
         scales[c]) for thread (c = tid % 64, s = tid // 64): consecutive lanes read
-        consecutive staged columns (odd stride: distinct banks)."""
+        consecutive staged columns (distinct banks: _staged_layout)."""
         c, segment = tidx % SPAN_COLS, tidx // SPAN_COLS
         column = chunk * SPAN_COLS + c
         if column < data.shape[0]:
