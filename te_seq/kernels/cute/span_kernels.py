@@ -53,6 +53,7 @@ STAGE_STRIDE = SPAN_BLOCK + 1  # fp32 words per staged column: odd, see _staged_
 STAGE_SKEW = 4  # words between the staged columns 0..31 and 32..63, see _staged_layout
 TOKENS_PER_STORE = 32  # consecutive tokens of one column per thread
 SCALE_PARTS = THREADS // SPAN_COLS  # threads per column in the scale reduction
+WALK_LOADS = 4  # block maxima loads in flight per thread in that reduction
 
 
 class _SpanTileKernel:
@@ -238,8 +239,9 @@ class SpanCastKernel(_SpanTileKernel):
             if const_expr(self.rows):
                 self._store_rows(tile, first_row, valid, row0, col, chunk, row_amax,
                                  row_data, row_scale_inv)
-        self._stage(tile, tidx, staged)
+        # the group's maxima are read while the tile's loads are in flight; then the transpose
         self._group_amax(table, block_amax, extents, block, chunk, tidx, parts)
+        self._stage(tile, tidx, staged)
         cute.arch.sync_threads()
         if tidx < SPAN_COLS:
             self._chunk_scale(table, parts, scales, scale_inv, block, chunk, tidx)
@@ -258,15 +260,19 @@ class SpanCastKernel(_SpanTileKernel):
     def _group_amax(self, table: cute.Tensor, block_amax: cute.Tensor, extents: cute.Tensor,
                     block, chunk, tidx, parts: cute.Tensor):
         """parts[p, c] = max of block_amax[b, column c] over the group's blocks b = first + p,
-        first + p + 4, ... (0 for blocks past the last span: scale 1 on zero data)."""
+        first + p + 4, ... < end (0 for blocks past the last span: scale 1 on zero data)."""
         c, part = tidx % SPAN_COLS, tidx // SPAN_COLS
         column = cutlass.min(chunk * SPAN_COLS + c, block_amax.shape[1] - 1)
         group = table[block, 2]
         amax = Float32(0.0)
         if group < extents.shape[0] and table[block, 1] > 0:
             first, end = extents[group, 0], extents[group, 1]
-            for b in cutlass.range(first + part, end, SCALE_PARTS):
-                amax = cute.arch.fmax(amax, block_amax[b, column])
+            # WALK_LOADS independent loads per step (the index clamped into the group's
+            # blocks: a block read twice leaves the max as it is), then their max
+            for start in cutlass.range(first + part, end, SCALE_PARTS * WALK_LOADS):
+                for u in cutlass.range_constexpr(WALK_LOADS):
+                    b = cutlass.min(start + u * SCALE_PARTS, end - 1)
+                    amax = cute.arch.fmax(amax, block_amax[b, column])
         parts[part, c] = amax
 
     @cute.jit
