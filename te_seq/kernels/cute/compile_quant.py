@@ -44,8 +44,8 @@ def _fake_quant_args(cfg: QuantConfig) -> tuple:
         return t, data, _fake_scales(1), stream
     table = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(), 4), stride_order=(1, 0),
                                      assumed_align=16)
-    span_amax = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(), cols),
-                                         stride_order=(1, 0), assumed_align=16)
+    block_amax = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(), cols),
+                                          stride_order=(1, 0), assumed_align=16)
     if cfg.kind == "span_table":  # offs [G] -> table [NB, 4], padded ends [G]
         offs = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),), assumed_align=4)
         return offs, table, make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),),
@@ -53,13 +53,13 @@ def _fake_quant_args(cfg: QuantConfig) -> tuple:
     row_amax = _fake_scales(1)
     extents = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(), 2),
                                        stride_order=(1, 0), assumed_align=8)
-    if cfg.kind == "span_amax":  # span_amax: the per-block maxima [NB, C]
-        return t, table, span_amax, extents, row_amax, stream
+    if cfg.kind == "span_amax":  # block_amax [NB, C], extents [G, 2] int32
+        return t, table, block_amax, extents, row_amax, stream
     width = cute.sym_int32(divisibility=128)
     data = make_fake_compact_tensor(fp8, (cols, width), stride_order=(1, 0), assumed_align=16)
     row_data = make_fake_compact_tensor(fp8, (cute.sym_int32(), cols), stride_order=(1, 0),
                                         assumed_align=16)
-    return t, table, span_amax, extents, data, _fake_scales(2), row_amax, row_data, \
+    return t, table, block_amax, extents, data, _fake_scales(2), row_amax, row_data, \
         _fake_scales(1), stream
 
 

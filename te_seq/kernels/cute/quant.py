@@ -1,8 +1,8 @@
 """FP8 quantization on the CuTe DSL backend: ``quantize_rows`` (one scale per row) and
 ``quantize_spans`` (one scale per (group, column), token-major), ``quantize_rows_and_spans``
 (both forms in the passes of the second), with ``quant_problem``.
-Kernels: ``quant_kernels``; the numbers are ``fp8_reference``'s bit for bit (E4M3 or E5M2,
-margin 0, with or without power-of-two scales).
+Kernels: ``quant_kernels`` and ``span_kernels``; the numbers are ``fp8_reference``'s bit for
+bit (E4M3 or E5M2, margin 0, with or without power-of-two scales).
 
 Each call is one or two kernel launches (~10 µs of host time) in place of a compiled torch
 region or a dozen eager kernels, and reads no sizes on the host: sync-free and CUDA-graph
