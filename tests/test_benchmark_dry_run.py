@@ -353,3 +353,27 @@ def test_bench_moe_block_dry_run(tmp_path):
         assert r["max_rel_err"] < 1e-5, r
         plan = "MoeBlock@reference" if r["variant"].startswith("fused") else "GroupedMLP@reference"
         assert plan in r["note"], r
+
+
+def test_bench_quant_dry_run(tmp_path):
+    """The quantization benchmark on the CPU: the torch definitions timed for every operand and
+    kind of the tiny shape with their traffic counted, the cute kernels skipped with a reason
+    (or timed, where they can run)."""
+    out = tmp_path / "quant.json"
+    cmd = [sys.executable, "benchmarks/bench_quant.py", "--dry-run", "--json", str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    kinds = {"spans", "rows_and_spans", "rows"}
+    timed = {(r["operand"], r["kind"]) for r in results if r["backend"] == "torch"
+             and r["status"] == "ok" and r["ms"] > 0 and r["gb_per_s"] > 0}
+    assert {kind for _, kind in timed} == kinds and len(timed) == 9, results
+    for r in results:
+        if r["backend"] == "cute":
+            assert r["status"] == "ok" or r["reason"], r
+    m, c, g = 256, 64, 4  # the dry shape's x: width P = 256 + 4 · 128 = 768
+    spans = next(r for r in results if r["C"] == c and r["kind"] == "spans")
+    assert spans["bytes"] == 2 * m * c + c * 768 + 4 * g * c
+    bad = subprocess.run([sys.executable, "benchmarks/bench_quant.py", "--shapes", "Q,nope"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown shapes" in bad.stderr

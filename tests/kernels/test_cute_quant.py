@@ -24,7 +24,9 @@ SPAN_CASES = {  # group sizes, rows of t (>= their sum: the rest belong to no gr
     "one_group": ([77], 77),
     "rows_past_the_end": ([40, 0, 90], 200),
     "all_empty": ([0, 0], 12),
+    "groups_of_many_blocks": ([700, 0, 3, 1000], 1800),  # 6 and 8 blocks, read per column
 }
+ONE_BIG_GROUP = ([32768], 32768)  # one group of 256 blocks
 
 
 def _offs(sizes: list[int], device="cpu") -> torch.Tensor:
@@ -47,6 +49,59 @@ def _spans_by_table(t: torch.Tensor, table: torch.Tensor, groups: int, rule: ref
     scales = ref.scales_from_amax(span_amax, rule)
     data = torch.cat([ref.scaled_cast(b, scales[g], rule.fp8_max, rule.dtype) for b, g in blocks])
     return data.t(), torch.reciprocal(scales[:groups])
+
+
+def _spans_by_block_maxima(t: torch.Tensor, table: torch.Tensor, groups: int,
+                           rule: ref.ScaleRule):
+    """The bandwidth span kernels' algorithm in torch: the amax pass writes each block's
+    column maxima and each group's (first, end) block from the blocks that start and end it
+    (into buffers full of garbage); the cast pass reduces its group's block maxima, and
+    writes scale_inv on a group's first block and 1 for the groups without tokens around
+    the group changes and after the last block. Garbage left anywhere shows in the result."""
+    cols, pad, rows = t.shape[1], fp8_wgrad.WGRAD_PAD, table.tolist()
+    block_amax = torch.full((len(rows), cols), -3.0)
+    extents = torch.full((max(groups, 1), 2), 10**6, dtype=torch.long)
+    for b, (first_row, valid, group, first) in enumerate(rows):
+        if group < extents.shape[0]:
+            if first:
+                extents[group, 0] = b
+            if (rows[b + 1][2] if b + 1 < len(rows) else -1) != group:
+                extents[group, 1] = b + 1
+        if valid:
+            amax = t[first_row:first_row + valid].float().abs().amax(0)
+            block_amax[b] = torch.where(amax.isnan(), float("inf"), amax)
+    scale_inv = torch.full((groups, cols), -5.0)
+    blocks = []
+    for b, (first_row, valid, group, first) in enumerate(rows):
+        amax = block_amax[extents[group, 0]:extents[group, 1]].amax(0) if valid else \
+            torch.zeros(cols)
+        scales = ref.scales_from_amax(amax, rule)
+        block = torch.cat([t[first_row:first_row + valid].float(),
+                           torch.zeros(pad - valid, cols)])
+        blocks.append(ref.scaled_cast(block, scales, rule.fp8_max, rule.dtype))
+        if group < groups and first:
+            scale_inv[group] = torch.reciprocal(scales)
+        previous = rows[b - 1][2] if b else -1
+        scale_inv[previous + 1:min(group, groups)] = 1.0
+        if b == len(rows) - 1:
+            scale_inv[group + 1:groups] = 1.0
+    return torch.cat(blocks).t(), scale_inv
+
+
+@pytest.mark.parametrize("case", [*sorted(SPAN_CASES), "one_big_group"])
+def test_block_maxima_and_extents_give_quantize_token_major(case):
+    sizes, rows = SPAN_CASES.get(case, ONE_BIG_GROUP)
+    torch.manual_seed(7)
+    t = torch.randn(rows, 16, dtype=torch.bfloat16) * torch.logspace(-2, 2, rows)[:, None]
+    if rows > 10:
+        t[7, 3] = float("nan")
+        t[9, 5] = float("-inf")
+    offs = _offs(sizes)
+    table, _ = fp8_quantize.span_table(offs, rows)
+    expected = fp8_wgrad.quantize_token_major(t, offs, E4M3_POW2)
+    data, scale_inv = _spans_by_block_maxima(t, table, len(sizes), E4M3_POW2)
+    assert _same_bits(data, expected.data)
+    assert torch.equal(scale_inv.nan_to_num(-1.0), expected.scale_inv.nan_to_num(-1.0))
 
 
 @pytest.mark.parametrize("case", sorted(SPAN_CASES))
@@ -108,6 +163,10 @@ def test_quant_kernels_compile_for_sm90a():
         "    for dtype in (torch.bfloat16, torch.float16):\n"
         "        for pow2 in (False, True):\n"
         "            compile_quant(QuantConfig(kind, dtype, pow2))\n"
+        "for kind in ('span_amax', 'span_cast'):  # the row-wise form too; E5M2\n"
+        "    compile_quant(QuantConfig(kind, torch.bfloat16, False, True))\n"
+        "    compile_quant(QuantConfig(kind, torch.float16, True, True, torch.float8_e5m2))\n"
+        "compile_quant(QuantConfig('span_table', torch.bfloat16))\n"
         "print('ALL COMPILED')\n"
     )
     compile_for_sm90a(script, timeout=600)
@@ -242,3 +301,45 @@ def test_span_table_kernel_is_the_torch_table(case):
     table, padded = cute.span_table(offs, blocks)
     want_table, want_padded = fp8_quantize._build_table(offs, rows)
     assert torch.equal(table, want_table) and torch.equal(padded, want_padded)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("cols", [16, 48, 112, 1040])  # 64-column chunks: 16 or 48 left over
+@pytest.mark.parametrize("rows_too", [False, True], ids=["spans", "rows_and_spans"])
+def test_span_kernels_take_any_column_count(cols, rows_too):
+    sizes, rows = SPAN_CASES["groups_of_many_blocks"]
+    torch.manual_seed(8)
+    t = _rows_input(rows, cols, torch.bfloat16)
+    offs = offsets(sizes)
+    want_tm = fp8_wgrad.quantize_token_major(t, offs, E4M3)
+    if rows_too:
+        along_rows, token_major = fp8_quantize.rows_and_token_major(t, offs, E4M3, "cute")
+        grouped = sum(sizes)
+        want = _eager_quantize(t[:grouped], E4M3)
+        assert _same_bits(along_rows.data[:grouped], want.data)
+        assert _same_bits(along_rows.scale_inv[:grouped], want.scale_inv)
+    else:
+        token_major = fp8_quantize.token_major(t, offs, E4M3, "cute")
+    assert _same_bits(token_major.data, want_tm.data)
+    assert _same_bits(token_major.scale_inv, want_tm.scale_inv)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("rows_too", [False, True], ids=["spans", "rows_and_spans"])
+def test_span_kernels_quantize_one_group_of_many_blocks(rows_too):
+    sizes, rows = ONE_BIG_GROUP
+    torch.manual_seed(9)
+    t = torch.randn(rows, 2064, device="cuda", dtype=torch.bfloat16)
+    t[rows - 1, 2063] = 900.0  # the column's max sits in the group's last block
+    t[5, 2000] = float("nan")
+    offs = offsets(sizes)
+    want_tm = fp8_wgrad.quantize_token_major(t, offs, E4M3)
+    if rows_too:
+        along_rows, token_major = fp8_quantize.rows_and_token_major(t, offs, E4M3, "cute")
+        assert _same_bits(along_rows.data, _eager_quantize(t, E4M3).data)
+    else:
+        token_major = fp8_quantize.token_major(t, offs, E4M3, "cute")
+    assert _same_bits(token_major.data, want_tm.data)
+    assert _same_bits(token_major.scale_inv, want_tm.scale_inv)

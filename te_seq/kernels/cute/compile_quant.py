@@ -1,5 +1,6 @@
-"""Compiling the CuTe DSL FP8 quantization kernels (``quant_kernels``): one compile per static
-config, sizes symbolic, cached in memory and on disk as the GEMMs are (``compile._compile``)."""
+"""Compiling the CuTe DSL FP8 quantization kernels (``quant_kernels``, ``span_kernels``): one
+compile per static config, sizes symbolic, cached in memory and on disk as the GEMMs are
+(``compile._compile``)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from .compile import _DTYPES, CompiledGemm, _compile, _fake_scales
 class QuantConfig:
     """An FP8 quantization kernel's static config (sizes symbolic): ``quant_kernels``.
 
-    kind "rows" (``RowQuantKernel``), "span_amax" or "span_cast" (the token-major pair, with
-    ``rows``: the row-wise form too), "span_table" (their block table; in_dtype unused);
-    in_dtype the 16-bit input; power_of_two the rule's scale rounding."""
+    kind "rows" (``RowQuantKernel``), "span_amax" or "span_cast" (``span_kernels``: the
+    token-major pair, with ``rows``: the row-wise form too), "span_table" (their block table;
+    in_dtype unused); in_dtype the 16-bit input; power_of_two the rule's scale rounding."""
 
     kind: str
     in_dtype: torch.dtype
@@ -43,21 +44,23 @@ def _fake_quant_args(cfg: QuantConfig) -> tuple:
         return t, data, _fake_scales(1), stream
     table = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(), 4), stride_order=(1, 0),
                                      assumed_align=16)
-    span_amax = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(), cols),
-                                         stride_order=(1, 0), assumed_align=16)
+    block_amax = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(), cols),
+                                          stride_order=(1, 0), assumed_align=16)
     if cfg.kind == "span_table":  # offs [G] -> table [NB, 4], padded ends [G]
         offs = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),), assumed_align=4)
         return offs, table, make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),),
                                                      assumed_align=4), stream
     row_amax = _fake_scales(1)
-    if cfg.kind == "span_amax":
-        return t, table, span_amax, row_amax, stream
+    extents = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(), 2),
+                                       stride_order=(1, 0), assumed_align=8)
+    if cfg.kind == "span_amax":  # block_amax [NB, C], extents [G, 2] int32
+        return t, table, block_amax, extents, row_amax, stream
     width = cute.sym_int32(divisibility=128)
     data = make_fake_compact_tensor(fp8, (cols, width), stride_order=(1, 0), assumed_align=16)
     row_data = make_fake_compact_tensor(fp8, (cute.sym_int32(), cols), stride_order=(1, 0),
                                         assumed_align=16)
-    return t, table, span_amax, data, _fake_scales(2), row_amax, row_data, _fake_scales(1), \
-        stream
+    return t, table, block_amax, extents, data, _fake_scales(2), row_amax, row_data, \
+        _fake_scales(1), stream
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,8 +68,9 @@ def compile_quant(cfg: QuantConfig) -> CompiledGemm:
     """An FP8 quantization kernel for ``cfg``: compiled once per config, cached in memory and
     on disk."""
     from . import quant_kernels as qk
+    from . import span_kernels
 
-    kernels = {"span_amax": qk.SpanAmaxKernel, "span_cast": qk.SpanCastKernel}
+    kernels = {"span_amax": span_kernels.SpanAmaxKernel, "span_cast": span_kernels.SpanCastKernel}
     fp8_max, fp8 = float(torch.finfo(cfg.fp8).max), _DTYPES[cfg.fp8]
     if cfg.kind == "rows":
         kernel = qk.RowQuantKernel(fp8_max, cfg.power_of_two, fp8)

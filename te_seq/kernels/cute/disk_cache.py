@@ -52,6 +52,7 @@ SOURCE_FILES = (
     "scale_epilogue.py",
     "scaled_glu.py",
     "quant_kernels.py",
+    "span_kernels.py",
     "block_scaled.py",
     "offsets_kernel.py",
     "block_wgrad.py",

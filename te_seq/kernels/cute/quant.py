@@ -1,8 +1,8 @@
 """FP8 quantization on the CuTe DSL backend: ``quantize_rows`` (one scale per row) and
 ``quantize_spans`` (one scale per (group, column), token-major), ``quantize_rows_and_spans``
 (both forms in the passes of the second), with ``quant_problem``.
-Kernels: ``quant_kernels``; the numbers are ``fp8_reference``'s bit for bit (E4M3 or E5M2,
-margin 0, with or without power-of-two scales).
+Kernels: ``quant_kernels`` and ``span_kernels``; the numbers are ``fp8_reference``'s bit for
+bit (E4M3 or E5M2, margin 0, with or without power-of-two scales).
 
 Each call is one or two kernel launches (~10 µs of host time) in place of a compiled torch
 region or a dozen eager kernels, and reads no sizes on the host: sync-free and CUDA-graph
@@ -95,21 +95,29 @@ def span_table(offs: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
 
 def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool,
            fp8_dtype: torch.dtype) -> tuple:
+    """The span kernels' buffers and launches. No output needs a fill: the cast kernel writes
+    every column of data and every group's scale_inv (1 for groups without tokens); with
+    ``rows`` the row maxima (atomic max) are the one zeroed buffer."""
     t = _aligned(_row_major(t))
-    (count, cols), width = t.shape, table.shape[0] * SPAN_BLOCK
-    device = t.device
+    (count, cols), blocks = t.shape, table.shape[0]
+    device, width = t.device, blocks * SPAN_BLOCK
     data = torch.empty(cols, width, dtype=fp8_dtype, device=device)
-    scale_inv = torch.ones(groups, cols, dtype=torch.float32, device=device)
     row_shape = (count if rows else 1, cols)  # one dummy row without the row-wise form
     row_data = torch.empty(row_shape, dtype=fp8_dtype, device=device)
-    row_amax = torch.zeros(row_shape[0], dtype=torch.float32, device=device)
     row_scale_inv = torch.empty(row_shape[0], dtype=torch.float32, device=device)
-    if width and cols:
-        span_amax = torch.zeros(groups + 1, cols, dtype=torch.float32, device=device)
-        table = table.contiguous()
-        _kernel("span_amax", t, power_of_two, rows, fp8_dtype)(t, table, span_amax, row_amax)
-        _kernel("span_cast", t, power_of_two, rows, fp8_dtype)(
-            t, table, span_amax, data, scale_inv, row_amax, row_data, row_scale_inv)
+    if not (width and cols):  # no kernel: every group without tokens
+        scale_inv = torch.ones(groups, cols, dtype=torch.float32, device=device)
+        return data, scale_inv, row_data, row_scale_inv[:, None]
+    scale_inv = torch.empty(groups, cols, dtype=torch.float32, device=device)
+    alloc = torch.zeros if rows else torch.empty
+    row_amax = alloc(row_shape[0], dtype=torch.float32, device=device)
+    block_amax = torch.empty(blocks, cols, dtype=torch.float32, device=device)
+    extents = torch.empty(max(groups, 1), 2, dtype=torch.int32, device=device)
+    table = table.contiguous()
+    _kernel("span_amax", t, power_of_two, rows, fp8_dtype)(t, table, block_amax, extents,
+                                                          row_amax)
+    _kernel("span_cast", t, power_of_two, rows, fp8_dtype)(
+        t, table, block_amax, extents, data, scale_inv, row_amax, row_data, row_scale_inv)
     return data, scale_inv, row_data, row_scale_inv[:, None]
 
 
