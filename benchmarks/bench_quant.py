@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for te_seq
 
 from _common import time_interleaved  # noqa: E402
 from mlp_case import SHAPES, Shape, zipf_counts  # noqa: E402
