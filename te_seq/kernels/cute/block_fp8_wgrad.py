@@ -20,11 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fp8 import FP8_DTYPE, WGRAD_SPAN, _aligned, _device_problem
+from .fp8 import FP8_DTYPE, WGRAD_SPAN, _aligned, _device_problem, token_major_problem
 from .launch import _check_offs, _num_sms, _row_major, no_route, varlen_k_clusters
 
 TILE_N = 128  # the kernel's tile width: accumulators, the k-tile's product and scales fit
-_ALIGN = 16  # N and K in elements: 16-byte TMA strides of 1-byte data
 _OP = "cute block_scaled_grouped_wgrad"
 _OUT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -34,15 +33,7 @@ def _operand_problem(a: Tensor, b: Tensor, groups: int) -> str:
     K > 0, N and K multiples of 16, P of 128."""
     if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
         return f"needs float8_e4m3fn a and b, got {a.dtype} and {b.dtype}"
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
-        return f"needs a [N, P] and b [K, P], got {tuple(a.shape)} and {tuple(b.shape)}"
-    (n, p), k = a.shape, b.shape[0]
-    if groups == 0 or n == 0 or k == 0:
-        return f"needs E, N and K > 0, got E={groups}, N={n}, K={k}"
-    if n % _ALIGN or k % _ALIGN or p % WGRAD_SPAN:
-        return (f"N={n} and K={k} must be multiples of {_ALIGN}, P={p} of {WGRAD_SPAN} (padded "
-                f"token spans)")
-    return ""
+    return token_major_problem(a, b, groups)
 
 
 def _scale_problem(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor) -> str:

@@ -177,11 +177,9 @@ WGRAD_SPAN = 128  # tokens: the 8-bit k-tile; every group's span in P is a multi
 _WGRAD_OP = "cute scaled_grouped_wgrad"
 
 
-def _wgrad_problem(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, groups: int) -> str:
-    """Why the wgrad operands' dtypes or shapes are unsupported ("" when they are supported)."""
-    why = _dtype_problem(a, b)
-    if why:
-        return why
+def token_major_problem(a: Tensor, b: Tensor, groups: int) -> str:
+    """Why token-major wgrad operands have unsupported shapes ("" when they are supported):
+    a [N, P] and b [K, P], E, N and K > 0, N and K multiples of 16, P of 128 (padded spans)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         return f"needs a [N, P] and b [K, P], got {tuple(a.shape)} and {tuple(b.shape)}"
     (n, p), k = a.shape, b.shape[0]
@@ -190,6 +188,15 @@ def _wgrad_problem(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, group
     if n % _ALIGN or k % _ALIGN or p % WGRAD_SPAN:
         return (f"N={n} and K={k} must be multiples of {_ALIGN}, P={p} of {WGRAD_SPAN} (padded "
                 f"token spans)")
+    return ""
+
+
+def _wgrad_problem(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, groups: int) -> str:
+    """Why the wgrad operands' dtypes or shapes are unsupported ("" when they are supported)."""
+    why = _dtype_problem(a, b) or token_major_problem(a, b, groups)
+    if why:
+        return why
+    n, k = a.shape[0], b.shape[0]
     for name, s, shape in (("a_scale", a_scale, (groups, n)), ("b_scale", b_scale, (groups, k))):
         if s.dtype != torch.float32 or tuple(s.shape) != shape:
             return f"{name} must be float32 {list(shape)}, got {s.dtype} {list(s.shape)}"
