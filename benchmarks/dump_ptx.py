@@ -64,6 +64,11 @@ def _configs() -> dict[str, object]:
                                             scaled=True),
         "fp8_glu_dgrad_silu_probs": GluConfig("dgrad", torch.float8_e4m3fn, "k", "silu", None,
                                               fp32, scaled=True),
+        # FP8 block scales promoted in the main loop (block_scaled.py, block_wgrad.py)
+        "fp8_block": GemmConfig("m", torch.float8_e4m3fn, bf16, "k", 128, (1, 2),
+                                block_scaled=True),
+        "fp8_block_wgrad_fp32_acc": GemmConfig("k", torch.float8_e4m3fn, fp32, "k", 128,
+                                               (1, 2), accumulate=True, block_wgrad=True),
     }
 
 

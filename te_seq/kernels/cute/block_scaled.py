@@ -11,24 +11,21 @@ K-major; a_scale fp32 [M, KB] holds the dequantization scale of each row's 128-w
 in fp32, rounded once to bf16; g(m) the expert of row m (``offs``). The FP8 k-tile is 128
 elements (``GroupedGemmKernel._setup``), so each k-tile is exactly one scale block along K.
 
-Promotion (in the main loop, as DeepGEMM does): each k-tile's WGMMAs accumulate into a
-temporary fp32 fragment that is zeroed per k-tile; once they are done, each accumulator value
-is promoted, ``acc += tmp · (a_scale[row, kb] · b_scale[g, n_tile, kb])``. Besides applying
-the per-block scales this bounds the partial sums Hopper's FP8 WGMMA keeps at reduced
-precision to 128 products. The CTA tile is 128 × 128, so one b scale covers a whole
-(tile, k-tile); each thread holds its accumulator values in a few rows (two per 64-row WGMMA
-of the sm90 accumulator layout) and loads those rows' a scales, plus the one b scale, from
-global memory per k-tile, before waiting for the k-tile's operands, so the loads' latency hides
-behind the pipeline wait and the MMAs.
+Promotion (in the main loop, ``promote.PromotedMainloopMixin``): each k-tile's WGMMAs
+accumulate into a fresh fp32 fragment, then each accumulator value is promoted,
+``acc += tmp · (a_scale[row, kb] · b_scale[g, n_tile, kb])``; two fragments alternate so the
+next k-tile's WGMMAs run during the promotion. The CTA tile is 128 × 128, so one b scale covers
+a whole (tile, k-tile); each thread holds its accumulator values in a few rows (two per 64-row
+WGMMA of the sm90 accumulator layout) and loads those rows' a scales, plus the one b scale,
+from global memory per k-tile, before waiting for the k-tile's WGMMAs.
 
 The K tail (K a multiple of 16, not of 128) is zero-filled by TMA, so the last block's scale
 multiplies only the valid products. Rows past offs[-1] form the virtual group E: they run no
 k-tile and are written as zeros (no scale is read for them). Scale reads past M or NB (rows of
 a partial tile that the ragged store drops, n-tiles past N) are clamped to the last entry.
 
-Not done (speed): the k-tile's WGMMAs are waited for before the next k-tile's are issued (no
-MMA overlap across k-tiles; ping-pong consumer warpgroups or two accumulator sets would hide the
-promotion); the scales are read from global memory rather than TMA-loaded with the operands.
+Not done (speed): the scales are read from global memory rather than TMA-loaded with the
+operands.
 """
 
 from __future__ import annotations
@@ -37,9 +34,10 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Int32
 
 from .grouped_gemm import GroupedGemmKernel
+from .promote import PromotedMainloopMixin
 
 SCALE_BLOCK = 128  # elements of a scale block along K (and N for the weights)
 
@@ -70,7 +68,7 @@ def row_slots(acc_shape) -> tuple[list[int], list[int]]:
     return firsts, slot
 
 
-class BlockScaledGemmKernel(GroupedGemmKernel):
+class BlockScaledGemmKernel(PromotedMainloopMixin, GroupedGemmKernel):
     """Varlen-M grouped GEMM of E4M3 operands with 1×128 (A) and 128×128 (B) block scales
     promoted into the fp32 accumulators every 128-element k-tile (module docstring)."""
 
@@ -118,38 +116,26 @@ class BlockScaledGemmKernel(GroupedGemmKernel):
         last = cute.size(bt.a_scale, mode=[0]) - 1
         return [cutlass.min(bt.first_row + bt.coords[i][0], last) for i in firsts]
 
-    @cute.jit
-    def _mainloop(self, tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles):
-        """acc = Σ_kb s_a s_b (A_kb B_kbᵀ): per k-tile the WGMMAs fill a zeroed fp32 fragment,
-        then each value is promoted into acc with its row's and the tile's block scales."""
+    def _promotion(self, acc) -> tuple:
+        """(row slot of each value, this thread's rows, the tile's expert, its weight block
+        row): what the k-tiles' scale loads and promotions share."""
         bt = self._block_tile
         firsts, slot = row_slots(cute.shape(acc))
-        rows = self._scale_rows(bt, firsts)
         group = cutlass.min(bt.group, cute.size(bt.b_scale, mode=[0]) - 1)
         n_block = cutlass.min(bt.n_block, cute.size(bt.b_scale, mode=[1]) - 1)
-        part = cute.make_rmem_tensor(acc.layout, Float32)
-        acc.fill(0.0)
-        num_k_blocks = cute.size(tCrA, mode=[2])
-        for k in range(k_tiles):
-            # issued before the wait: their latency hides behind the pipeline and the MMAs
-            b_s = bt.b_scale[group, n_block, k]
-            a_s = [bt.a_scale[r, k] for r in rows]
-            ab_pipe.consumer_wait(read)
-            part.fill(0.0)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                coord = (None, None, kb, read.index)
-                cute.gemm(tiled_mma, part, tCrA[coord], tCrB[coord], part)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipe.consumer_release(release)
-            read.advance()
-            release.advance()
-            scales = [s * b_s for s in a_s]
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = acc[i] + part[i] * scales[slot[i]]
-        return read, release
+        return slot, self._scale_rows(bt, firsts), group, n_block
 
+    def _k_scales(self, ctx, k) -> list:
+        """Per row slot, a_scale[row, k] · b_scale[expert, n block, k]."""
+        _, rows, group, n_block = ctx
+        bt = self._block_tile
+        b_s = bt.b_scale[group, n_block, k]
+        return [bt.a_scale[r, k] * b_s for r in rows]
+
+    def _promote(self, acc, part, ctx, scales) -> None:
+        slot = ctx[0]
+        for i in range(cute.size(acc)):  # trace time: unrolled
+            acc[i] = acc[i] + part[i] * scales[slot[i]]
 
 
 def config_problem(cfg) -> str:

@@ -21,17 +21,17 @@ so Hopper's reduced-precision FP8 accumulation also stays bounded to 128 product
 Each thread reads, per k-tile, the a scales of its accumulator rows (two per 64-row WGMMA of
 the sm90 accumulator layout) and the b scales of its columns (two adjacent columns per group of
 8: tile_n / 4 of them) from global memory, which values share a row or a column being read off
-the accumulator's coordinate layout at trace time (``value_offsets``, ``slots``),
-before waiting for the k-tile's operands, so the loads' latency hides behind the pipeline wait
-and the MMAs; the lanes of a warp read 4 distinct b scales per load (L1 broadcasts). Reads
-past N, K or PB (a partial last tile, whose values the TMA store drops) are clamped to the last
-entry. An empty span runs no k-tile: its C is written as zeros, or left as it was with
-``accumulate``, whatever its scales hold (none is read).
+the accumulator's coordinate layout at trace time (``value_offsets``, ``slots``). Two
+fragments alternate (``promote.PromotedMainloopMixin``): the scales are read after a k-tile's
+WGMMAs are waited for, while the next k-tile's run (read earlier, they would spill); the lanes
+of a warp read 4 distinct b scales per load (L1 broadcasts). Reads past N, K or PB (a partial
+last tile, whose values the TMA store drops) are clamped to the last entry. An empty span runs
+no k-tile: its C is written as zeros, or left as it was with ``accumulate``, whatever its
+scales hold (none is read).
 
 Not done (speed): the scales are read from global memory per k-tile rather than TMA-loaded
-into smem with the operands (tm + tn floats per stage would do); the k-tile's WGMMAs are
-waited for before the promotion (no MMA overlap across k-tiles: ping-pong consumers or two
-accumulator sets would hide it); tile_n is 128 (acc, tmp and tn / 4 scales fit the registers).
+into smem with the operands (tm + tn floats per stage would do); tile_n is 128 (acc, two
+fragments and tn / 4 scales fit the registers).
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Int32
 
 from .block_scaled import SCALE_BLOCK
 from .grouped_gemm import GroupedGemmKernel
+from .promote import PromotedMainloopMixin
 
 
 class WgradTile(NamedTuple):
@@ -81,12 +82,13 @@ def slots(offsets: list[tuple[int, int]], mode: int) -> tuple[list[int], list[in
     return firsts, [keys.index(o[mode]) for o in offsets]
 
 
-class BlockWgradKernel(GroupedGemmKernel):
+class BlockWgradKernel(PromotedMainloopMixin, GroupedGemmKernel):
     """Varlen-K grouped GEMM of token-major E4M3 operands with (128-token block, column) scales
     promoted into the fp32 accumulators every k-tile (module docstring)."""
 
     ragged_k = False  # zero-padded spans that start on a k-tile (the token-major layout)
     pingpong_ready = False  # its mainloop does not hand the tensor cores over (``issued``)
+    early_scales = False  # tile_n / 4 b scales beside three fragments would spill (ptxas -v)
 
     def __init__(self, cluster_mn: tuple[int, int] = (1, 2), accumulate: bool = False):
         super().__init__("k", (128, SCALE_BLOCK), cluster_mn, accumulate)
@@ -137,11 +139,9 @@ class BlockWgradKernel(GroupedGemmKernel):
         last = cute.size(scales, mode=[1]) - 1
         return [cutlass.min(first + coords[i][mode], last) for i in firsts]
 
-    @cute.jit
-    def _mainloop(self, tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles):
-        """acc = Σ_tb (s_a[tb] s_b[tb]ᵀ) ∘ (A_tb B_tbᵀ): per k-tile the WGMMAs fill a zeroed fp32
-        fragment, then each value is promoted into acc with its row's a scale and its column's
-        b scale of that token block."""
+    def _promotion(self, acc) -> tuple:
+        """(row slot and column slot of each value, this thread's a-scale and b-scale
+        columns, the last token block of each scale): shared by the k-tiles."""
         wt = self._wgrad_tile
         offsets = value_offsets(wt.coords, cute.size(acc))
         row_firsts, row_slot = slots(offsets, 0)
@@ -150,29 +150,22 @@ class BlockWgradKernel(GroupedGemmKernel):
         cols = self._scale_indices(wt.first_col, wt.coords, col_firsts, 1, wt.b_scale)
         last_a = cute.size(wt.a_scale, mode=[0]) - 1
         last_b = cute.size(wt.b_scale, mode=[0]) - 1
-        part = cute.make_rmem_tensor(acc.layout, Float32)
-        acc.fill(0.0)
-        num_k_blocks = cute.size(tCrA, mode=[2])
-        for k in range(k_tiles):
-            # issued before the wait: their latency hides behind the pipeline and the MMAs
-            block = wt.first_block + k
-            a_block, b_block = cutlass.min(block, last_a), cutlass.min(block, last_b)
-            a_s = [wt.a_scale[a_block, r] for r in rows]
-            b_s = [wt.b_scale[b_block, c] for c in cols]
-            ab_pipe.consumer_wait(read)
-            part.fill(0.0)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                coord = (None, None, kb, read.index)
-                cute.gemm(tiled_mma, part, tCrA[coord], tCrB[coord], part)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipe.consumer_release(release)
-            read.advance()
-            release.advance()
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = acc[i] + part[i] * (a_s[row_slot[i]] * b_s[col_slot[i]])
-        return read, release
+        return row_slot, col_slot, rows, cols, last_a, last_b
+
+    def _k_scales(self, ctx, k) -> tuple[list, list]:
+        """(a scales of this thread's rows, b scales of its columns) of the span's k-th token
+        block (clamped to the last block)."""
+        _, _, rows, cols, last_a, last_b = ctx
+        wt = self._wgrad_tile
+        block = wt.first_block + k
+        a_block, b_block = cutlass.min(block, last_a), cutlass.min(block, last_b)
+        return [wt.a_scale[a_block, r] for r in rows], [wt.b_scale[b_block, c] for c in cols]
+
+    def _promote(self, acc, part, ctx, scales) -> None:
+        row_slot, col_slot = ctx[0], ctx[1]
+        a_s, b_s = scales
+        for i in range(cute.size(acc)):  # trace time: unrolled
+            acc[i] = acc[i] + part[i] * (a_s[row_slot[i]] * b_s[col_slot[i]])
 
 
 def config_problem(cfg) -> str:
