@@ -56,6 +56,7 @@ SOURCE_FILES = (
     "block_scaled.py",
     "offsets_kernel.py",
     "block_wgrad.py",
+    "promote.py",
     "launch.py",  # PINGPONG_TILE_WIDTHS
 )
 _VERSIONED_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
