@@ -56,7 +56,7 @@ def test_compile_pingpong_configs_for_sm90a():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"varlen": "k"}, "varlen 'm'"),
+        ({"varlen": "k", "accumulate": True}, "accumulate True"),
         ({"varlen": "m", "route": "scatter"}, "route 'scatter'"),
         ({"varlen": "m", "tile_mn": (128, 256)}, "tile width"),
     ],

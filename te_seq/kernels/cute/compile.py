@@ -64,7 +64,7 @@ class GemmConfig:
     route: str | None = None  # "gather" (A's rows) or "scatter" (C's rows) by index (routed.py)
     scaled: bool = False
     a_dtype: torch.dtype | None = None  # A's dtype where it is not ab_dtype (E5M2 gradients)
-    pingpong: bool = False  # ping-pong MMA warpgroups (the plain varlen-M kernel only)
+    pingpong: bool = False  # ping-pong MMA warpgroups (the plain kernel, no accumulate)
     # the FP8 block-scaled kernel (``block_scaled``); out of the repr, so the other configs'
     # disk-cache keys stay as they were (its own kernels are cached under another name)
     block_scaled: bool = field(default=False, repr=False)

@@ -79,9 +79,15 @@ def supports_wgrad(grad_out: Tensor, x: Tensor) -> tuple[bool, str]:
 
 
 def _check_pingpong(t: Tiling, bias: Tensor | None, route: str | None) -> None:
-    """Ping-pong tilings run the plain kernel only (no bias, no routed rows) so far."""
+    """Ping-pong tilings run the plain kernel only (no bias, no routed rows; ``route``
+    "accumulate": a wgrad adding into its output) so far."""
     if not t.pingpong:
         return
+    if route == "accumulate":
+        raise ValueError(
+            f"cute grouped_wgrad: a ping-pong tiling ({t}) cannot accumulate into out yet "
+            f"(the old-C loads would race with the peer's epilogue); pass a cooperative tiling"
+        )
     if bias is not None or route is not None:
         raise ValueError(
             f"cute grouped_mm: a ping-pong tiling ({t}) supports neither a bias nor routed rows "
@@ -246,7 +252,9 @@ def _wgrad_plan(x: Tensor, n: int, k: int, groups: int, out_dtype: torch.dtype,
     from .compile import GemmConfig, compile_gemm
 
     t = tiling or default_tiling(k, WGRAD_TILING)
-    cfg = GemmConfig("k", x.dtype, out_dtype, "n", t.tile_n, t.cluster_mn, accumulate)
+    _check_pingpong(t, None, "accumulate" if accumulate else None)
+    cfg = GemmConfig("k", x.dtype, out_dtype, "n", t.tile_n, t.cluster_mn, accumulate,
+                     pingpong=t.pingpong)
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_k_clusters(groups, n, k, t.tile_n, t.cluster_mn, sms)
     return LaunchPlan(compile_gemm(cfg).fn, clusters)

@@ -132,14 +132,16 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
 
     def _check_pingpong(self, tile_mn: tuple[int, int]) -> None:
-        """Ping-pong consumers (``mainloop._pingpong_tiles``) are built for the plain varlen-M
-        kernel so far; a warpgroup's whole 128 x tile_n accumulator must fit its registers."""
+        """Ping-pong consumers (``mainloop._pingpong_tiles``) are built for the plain kernel,
+        varlen M or K, without the old-C accumulate (its loads, issued before the mainloop,
+        would overwrite the smem the peer's epilogue reads) or routed rows; a warpgroup's whole
+        128 x tile_n accumulator must fit its registers."""
         if not self.pingpong_ready:
             raise ValueError(f"{type(self).__name__}: ping-pong consumers are not supported yet")
-        if self.varlen != "m" or self.accumulate or self.route:
+        if self.accumulate or self.route:
             raise ValueError(
-                f"GroupedGemmKernel: ping-pong needs varlen 'm' without accumulate or route, got "
-                f"varlen {self.varlen!r}, accumulate {self.accumulate}, route {self.route!r}"
+                f"GroupedGemmKernel: ping-pong runs without accumulate or route, got varlen "
+                f"{self.varlen!r}, accumulate {self.accumulate}, route {self.route!r}"
             )
         if tile_mn[1] not in PINGPONG_TILE_WIDTHS:
             raise ValueError(

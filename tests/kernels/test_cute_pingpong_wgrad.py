@@ -1,0 +1,124 @@
+"""Ping-pong consumer warpgroups in the varlen-K grouped GEMM (``cute.grouped_wgrad`` with
+``Tiling(..., pingpong=True)``).
+
+Each output tile's fp32 sum over an expert's tokens runs the same k-tiles in the same order
+whether one warpgroup or two compute it, so the ping-pong result equals the cooperative
+kernel's of the same tile width bit for bit, and the float64 reference within rounding. The
+accumulate form (old C added) is refused: its loads would race with the peer's epilogue.
+Compile-only tests run on CPU; GPU tests need sm_90+.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from cute_marks import compile_for_sm90a, gpu, needs_cute, needs_dsl
+from cute_marks import offsets as _offs
+
+from te_seq.kernels import reference
+from te_seq.kernels.cute import Tiling
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    import torch
+    from te_seq.kernels.cute.compile import GemmConfig, compile_gemm
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for cfg in [
+        GemmConfig("k", bf16, bf16, "n", 128, (1, 2), pingpong=True),
+        GemmConfig("k", bf16, fp32, "n", 192, (2, 1), pingpong=True),
+    ]:
+        print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
+    print("ALL COMPILED")
+    """
+)
+
+
+@pytest.mark.slow  # DSL compiles in a subprocess
+@needs_dsl
+def test_compile_pingpong_wgrad_configs_for_sm90a():
+    compile_for_sm90a(_COMPILE_SCRIPT, timeout=900)
+
+
+def test_grouped_wgrad_refuses_pingpong_accumulate():
+    from te_seq.kernels.cute import gemm
+
+    with pytest.raises(ValueError, match="cannot accumulate into out yet"):
+        gemm._check_pingpong(Tiling(128, (1, 2), pingpong=True), None, "accumulate")
+    gemm._check_pingpong(Tiling(256, (1, 2)), None, "accumulate")  # cooperative: fine
+
+
+# (name, tokens per expert, N, K): one expert; 128 experts with empty ones; unaligned token
+# counts and widths; many tiles per CTA with long spans (the A/B ring wraps with skips of
+# every length, including the zero of an empty expert's tiles).
+_CASES = [
+    ("one_expert", [300], 256, 512),
+    (
+        "128_experts",
+        [int(s) for s in torch.randint(0, 300, (128,), generator=torch.Generator().manual_seed(5))],
+        384,
+        256,
+    ),
+    ("empty_and_unaligned", [0, 77, 0, 1, 300, 5, 0], 136, 200),
+    ("long_spans", [1100, 0, 2000, 77, 4100, 640], 768, 1536),
+]
+_TILINGS = [(128, (1, 2)), (192, (2, 1)), (128, (1, 1))]
+
+
+def _wgrad(grad_out, x, offs, tiling, pingpong, out_dtype):
+    from te_seq.kernels import cute
+
+    e, n, k = offs.shape[0], grad_out.shape[1], x.shape[1]
+    out = torch.full((e, n, k), float("nan"), device="cuda", dtype=out_dtype)
+    cute.grouped_wgrad(grad_out, x, offs, out=out, tiling=Tiling(tiling[0], tiling[1], pingpong))
+    return out
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("tiling", _TILINGS, ids=str)
+@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def test_pingpong_wgrad_equals_cooperative_and_reference(case, tiling, out_dtype):
+    _, sizes, n, k = case
+    torch.manual_seed(len(sizes) + n)
+    m = sum(sizes) + 29  # 29 token rows past offs[-1]: no expert's, never read
+    grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    offs = _offs(sizes)
+    out = _wgrad(grad_out, x, offs, tiling, True, out_dtype)
+    same_tile = _wgrad(grad_out, x, offs, tiling, False, out_dtype)
+    torch.testing.assert_close(out, same_tile, rtol=0, atol=0)
+    ref = reference.grouped_wgrad(grad_out.double(), x.double(), offs)
+    empty = [g for g, s in enumerate(sizes) if s == 0]
+    assert (out[empty] == 0).all(), "an empty expert's gradient must be written as zeros"
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-2 if out_dtype == torch.bfloat16 else 2e-3)
+
+
+@gpu
+@needs_cute
+def test_pingpong_wgrad_cuda_graph_replays_with_new_split_sizes():
+    from te_seq.kernels import cute
+
+    m, n, k = 3000, 256, 384
+    grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    offs = _offs([750, 750, 750, 750])
+    out = torch.empty(4, n, k, device="cuda", dtype=torch.bfloat16)
+    tiling = Tiling(128, (1, 2), pingpong=True)
+    cute.grouped_wgrad(grad_out, x, offs, out=out, tiling=tiling)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cute.grouped_wgrad(grad_out, x, offs, out=out, tiling=tiling)
+    for sizes in ([2900, 0, 100, 0], [0, 0, 0, 3000], [3, 1500, 1000, 497]):
+        offs.copy_(_offs(sizes))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.grouped_wgrad(grad_out.double(), x.double(), offs)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
