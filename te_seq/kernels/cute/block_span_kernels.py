@@ -6,8 +6,9 @@ to 128 tokens, scale_inv [P / 128, C]), bitwise ``fp8_wgrad.quantize_token_major
 Every span starts on a 128-token block, so a padded block is exactly one scale block: its
 scale needs the maxima of its own tile only. ``SpanBlockCastKernel`` is therefore one pass,
 one CTA (256 threads) per padded block x 64-column chunk over the span table
-(``quant_kernels.SpanTableKernel``): the tile load of ``span_kernels`` (16-byte vectors, rows
-past the block's valid ones and columns past C read as zeros), the per-(block, column)
+(``quant_kernels.SpanTableKernel``): the tile load of ``span_kernels`` (8-element vectors:
+16 bytes of bf16/fp16, two 16-byte loads of fp32; rows past the block's valid ones and
+columns past C read as zeros), the per-(block, column)
 maxima of ``SpanAmaxKernel`` (shuffles, then one shared-memory pass over the 8 warps; nan
 as inf), the transpose through shared memory and the 16-byte token-major stores of
 ``SpanCastKernel``, each column scaled by its block's own scale. It writes every element of
