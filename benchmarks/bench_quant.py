@@ -1,14 +1,17 @@
 """The FP8 quantization kernels alone (``te_seq.kernels.cute``): ``quantize_spans`` (token-major,
-one scale per (group, column)), ``quantize_rows_and_spans`` (both forms in one pass pair) and
-``quantize_rows`` (one scale per row), bf16 in, E4M3 out, on the grouped MLP's operands.
+one scale per (group, column)), ``quantize_rows_and_spans`` (both forms in one pass pair),
+``quantize_rows`` (one scale per row) and ``quantize_span_blocks`` (kind "blocks": token-major,
+one scale per (128-token block, column), ``Float8BlockScaling``'s wgrad operands), bf16 in,
+E4M3 out, on the grouped MLP's operands.
 
 Per shape (benchmarks/mlp_case.py SHAPES; uniform groups but for Z's) the operands are x and
 dy [M, H], the FC1 output gradient [M, 2F] and the activation [M, F]. Each call is timed with
 CUDA events over bursts of 10 back-to-back calls (median of the runs, variants interleaved:
 ``_common.time_interleaved``); it prints ms per call and GB/s of the compulsory traffic (t read
 once, every output written once: the span kernels read t twice, the second time partly from
-L2, so 3 TB/s on an H100 is the ceiling of this figure). ``--torch`` also times the torch
-definitions (``fp8_wgrad.quantize_token_major``, ``fp8_reference.quantize``).
+L2, so 3 TB/s on an H100 is the ceiling of this figure; the block kernel reads it once).
+``--torch`` also times the torch definitions (``fp8_wgrad.quantize_token_major``,
+``fp8_reference.quantize``, ``fp8_wgrad.quantize_token_major_blocks``).
 
     python benchmarks/bench_quant.py [--shapes Q,A] [--iters 20] [--torch] [--json f]
     python benchmarks/bench_quant.py --dry-run   # CPU: tiny shape, torch definitions only
@@ -34,6 +37,7 @@ from mlp_case import SHAPES, Shape, zipf_counts  # noqa: E402
 BURST = 10
 FP8 = torch.float8_e4m3fn
 DRY_SHAPE = Shape(E=4, H=64, F=48, M=256)  # every width a multiple of 16, like the kernels ask
+KINDS = ("spans", "rows_and_spans", "rows", "blocks")
 
 
 def operands(s: Shape) -> dict[str, int]:
@@ -43,10 +47,12 @@ def operands(s: Shape) -> dict[str, int]:
 
 def traffic_bytes(kind: str, m: int, c: int, groups: int, width: int) -> int:
     """Bytes read + written once: t (bf16) in; token-major data [C, width] and scale_inv
-    [G, C] fp32 (spans), row-wise data [M, C] and scale_inv [M] fp32 (rows)."""
+    [G, C] fp32 (spans) or [width / 128, C] (blocks), row-wise data [M, C] and scale_inv [M]
+    fp32 (rows)."""
     spans = c * width + 4 * groups * c
     rows = m * c + 4 * m
-    out = {"spans": spans, "rows_and_spans": spans + rows, "rows": rows}[kind]
+    blocks = c * width + 4 * (width // 128) * c
+    out = {"spans": spans, "rows_and_spans": spans + rows, "rows": rows, "blocks": blocks}[kind]
     return 2 * m * c + out
 
 
@@ -63,6 +69,7 @@ def calls(t: torch.Tensor, offs: torch.Tensor, use_torch: bool) -> dict[str, Cal
             "rows_and_spans": lambda: (ref.quantize(t, ref.ROWWISE, rule),
                                        fp8_wgrad.quantize_token_major(t, offs, rule)),
             "rows": lambda: ref.quantize(t, ref.ROWWISE, rule),
+            "blocks": lambda: fp8_wgrad.quantize_token_major_blocks(t, offs, rule),
         }
     from te_seq.kernels import cute
 
@@ -72,6 +79,7 @@ def calls(t: torch.Tensor, offs: torch.Tensor, use_torch: bool) -> dict[str, Cal
         "spans": lambda: cute.quantize_spans(t, table, groups),
         "rows_and_spans": lambda: cute.quantize_rows_and_spans(t, table, groups),
         "rows": lambda: cute.quantize_rows(t),
+        "blocks": lambda: cute.quantize_span_blocks(t, table),
     }
 
 
@@ -95,7 +103,7 @@ def measure(name: str, s: Shape, args, device: torch.device) -> list[dict]:
             why = cute.quant_problem(t, FP8, 0) if backend == "cute" else ""
             if why:
                 records += [dict(base, kind=k, status="skipped", reason=why)
-                            for k in ("spans", "rows_and_spans", "rows")]
+                            for k in KINDS]
                 continue
             fns = calls(t, offs, backend == "torch")
             runs = time_interleaved(fns, args.iters, args.warmup, device, burst=BURST)

@@ -364,16 +364,18 @@ def test_bench_quant_dry_run(tmp_path):
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
-    kinds = {"spans", "rows_and_spans", "rows"}
+    kinds = {"spans", "rows_and_spans", "rows", "blocks"}
     timed = {(r["operand"], r["kind"]) for r in results if r["backend"] == "torch"
              and r["status"] == "ok" and r["ms"] > 0 and r["gb_per_s"] > 0}
-    assert {kind for _, kind in timed} == kinds and len(timed) == 9, results
+    assert {kind for _, kind in timed} == kinds and len(timed) == 12, results
     for r in results:
         if r["backend"] == "cute":
             assert r["status"] == "ok" or r["reason"], r
     m, c, g = 256, 64, 4  # the dry shape's x: width P = 256 + 4 · 128 = 768
     spans = next(r for r in results if r["C"] == c and r["kind"] == "spans")
     assert spans["bytes"] == 2 * m * c + c * 768 + 4 * g * c
+    blocks = next(r for r in results if r["C"] == c and r["kind"] == "blocks")
+    assert blocks["bytes"] == 2 * m * c + c * 768 + 4 * (768 // 128) * c  # scale per block
     bad = subprocess.run([sys.executable, "benchmarks/bench_quant.py", "--shapes", "Q,nope"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown shapes" in bad.stderr

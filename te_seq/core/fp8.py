@@ -222,10 +222,9 @@ def grad_token_major(recipe: Recipe, dy: Tensor, offs: Tensor, along_n: ref.Quan
 def _token_major(recipe: Recipe, role: str, t: Tensor, offs: Tensor, backend_name: str
                  ) -> fp8_wgrad.TokenMajor:
     """t along each group's tokens, token-major: one scale per (group, column) (row-wise), or
-    per (128-token block, column) under block scaling (1x128 blocks along the tokens; torch
-    ops: the cute span kernels make per-group scales)."""
+    per (128-token block, column) under block scaling (1x128 blocks along the tokens)."""
     if recipe.block(role) == ref.QuantBlock(1, 128):
-        return fp8_wgrad.quantize_token_major_blocks(t, offs, recipe.rule(role))
+        return fp8_quantize.token_major_blocks(t, offs, recipe.rule(role), backend_name)
     return fp8_quantize.token_major(t, offs, recipe.rule(role), backend_name)
 
 

@@ -20,6 +20,7 @@ What the kernel takes (``cute.supports_scaled``): E4M3 operands, fp32 dequantiza
 [G, ⌈N/128⌉, ⌈K/128⌉]: `block_scales`), for the forward and the dgrad (E4M3 dy only); its
 wgrad, whose 1x128 blocks run along each expert's tokens, on the varlen-K
 ``cute.block_scaled_grouped_wgrad`` (core/fp8_gemm.py, operands from
+``fp8_quantize.token_major_blocks``: the one-pass ``cute.quantize_span_blocks``, bitwise
 ``fp8_wgrad.quantize_token_major_blocks``).
 There is no plain (one-matrix) FP8 kernel: BasicLinear / Linear take ``torch._scaled_mm`` on
 the torch backend.

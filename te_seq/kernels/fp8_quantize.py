@@ -4,11 +4,15 @@
     token_major(t, offs, rule, backend_name)    t [T, C] along each group's tokens, laid out
                                                 token-major (`fp8_wgrad.quantize_token_major`)
     rows_and_token_major(t, offs, rule, ...)    both (row-wise blocks), in one kernel pair
+    token_major_blocks(t, offs, rule, ...)      t along each group's tokens in 1x128 blocks,
+                                                token-major (`Float8BlockScaling`'s wgrad
+                                                operands: `quantize_token_major_blocks`)
 
 On the cute backend, row-wise blocks of 16-bit CUDA data (E4M3 or E5M2, margin 0, C a multiple
 of 16)
 run te_seq's CuTe DSL kernels (`te_seq.kernels.cute.quant`: one launch per row-wise operand,
-two per token-major one); everything else runs the torch definitions (compiled regions on CUDA,
+two per token-major one, one per block-scaled token-major one, which takes fp32 data too);
+everything else runs the torch definitions (compiled regions on CUDA,
 `compiled_maths`). Both give the same bits (tests/kernels/test_cute_quant.py), so the choice
 never changes a result. `reason` says why the kernels do not apply.
 """
@@ -32,6 +36,14 @@ def reason(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule, backend_name: 
     return cute.quant_problem(t, rule.dtype, rule.margin)
 
 
+def blocks_reason(t: Tensor, rule: ref.ScaleRule, backend_name: str) -> str:
+    """Why t is not quantized along its tokens in 1x128 blocks by the cute kernel ("" when it
+    is): the row-wise kernels' conditions on t and the rule, fp32 data allowed too."""
+    if backend_name != "cute":
+        return f"the {backend_name} backend quantizes with torch"
+    return cute.quant_problem(t, rule.dtype, rule.margin, fp32=True)
+
+
 def rows(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule,
          backend_name: str) -> ref.QuantizedTensor:
     """t [R, C] quantized along C with `block` under `rule` (`fp8_reference.quantize`)."""
@@ -51,6 +63,18 @@ def token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule,
     data, scale_inv = cute.quantize_spans(t, table, offs.shape[0], rule.power_of_two,
                                           rule.dtype)
     return fp8_wgrad.TokenMajor(data, scale_inv, padded_offs)
+
+
+def token_major_blocks(t: Tensor, offs: Tensor, rule: ref.ScaleRule,
+                       backend_name: str) -> fp8_wgrad.BlockTokenMajor:
+    """t [T, C] quantized along the tokens of each group (`offs` int32 [G] row ends) in 1x128
+    blocks, one scale per (128-token block, column), token-major
+    (`fp8_wgrad.quantize_token_major_blocks`, bit for bit)."""
+    if blocks_reason(t, rule, backend_name):
+        return fp8_wgrad.quantize_token_major_blocks(t, offs, rule)
+    table, padded_offs = span_table(offs, t.shape[0])
+    data, scale_inv = cute.quantize_span_blocks(t, table, rule.power_of_two, rule.dtype)
+    return fp8_wgrad.BlockTokenMajor(data, scale_inv, padded_offs)
 
 
 def rows_and_token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backend_name: str
@@ -111,4 +135,5 @@ def _build_table(offs: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     return table, padded_ends.to(torch.int32)
 
 
-__all__ = ["reason", "rows", "rows_and_token_major", "span_table", "token_major"]
+__all__ = ["blocks_reason", "reason", "rows", "rows_and_token_major", "span_table",
+           "token_major", "token_major_blocks"]

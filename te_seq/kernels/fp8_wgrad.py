@@ -212,7 +212,8 @@ def quantize_token_major_blocks(t: Tensor, offs: Tensor, rule: ScaleRule) -> Blo
     `qdq_columns_per_group(t, bounds, QuantBlock(1, 128), rule)`: every span starts on a block,
     so a block covers the same tokens as the reference's (its padding tokens are zeros, which
     never raise an amax); nan/inf policy included (a padding token in a nan block is nan).
-    The same passes as `quantize_token_major`, without the per-span max."""
+    The same passes as `quantize_token_major`, without the per-span max (the definition: the
+    cute backend runs one kernel for it, `fp8_quantize.token_major_blocks`)."""
     source, padded_offs, _, block_amax = _span_blocks(t, offs)
     block_scale = scales_from_amax(block_amax, rule)  # [P / 128, C]
     data = compiled_maths.for_data(_cast_token_major, t)(t, source, block_scale, rule.fp8_max,

@@ -153,6 +153,101 @@ def test_dispatch_reasons_name_the_problem():
     assert torch.equal(q.dequantize(), ref.qdq(t, ref.ROWWISE, E4M3))
 
 
+def _span_blocks_by_table(t: torch.Tensor, table: torch.Tensor, rule: ref.ScaleRule):
+    """The block-scaled span kernel's algorithm in torch: each padded block (its valid rows,
+    zeros after) scaled by its own column maxima (nan as inf), written with its scale_inv into
+    buffers full of garbage (an element the kernel would not write shows in the result)."""
+    cols, pad, rows = t.shape[1], fp8_wgrad.WGRAD_PAD, table.tolist()
+    data = torch.full((len(rows) * pad, cols), -7.0)
+    scale_inv = torch.full((len(rows), cols), -5.0)
+    for b, (first_row, valid, _, _) in enumerate(rows):
+        block = torch.cat([t[first_row:first_row + valid].float(),
+                           torch.zeros(pad - valid, cols)])
+        amax = block.abs().amax(0)
+        scales = ref.scales_from_amax(torch.where(amax.isnan(), float("inf"), amax), rule)
+        data[b * pad:(b + 1) * pad] = ref.scaled_cast(block, scales, rule.fp8_max,
+                                                      rule.dtype).float()
+        scale_inv[b] = torch.reciprocal(scales)
+    return data.to(rule.dtype).t(), scale_inv
+
+
+@pytest.mark.parametrize("case", [*sorted(SPAN_CASES), "one_big_group"])
+@pytest.mark.parametrize("rule", [E4M3, E4M3_POW2, E5M2], ids=["scale", "pow2", "e5m2"])
+def test_block_span_algorithm_gives_quantize_token_major_blocks(case, rule):
+    sizes, rows = SPAN_CASES.get(case, ONE_BIG_GROUP)
+    torch.manual_seed(10)
+    t = torch.randn(rows, 16, dtype=torch.bfloat16) * torch.logspace(-3, 3, rows)[:, None]
+    if rows > 10:
+        t[7, 3] = float("nan")
+        t[9, 5] = float("-inf")
+        t[10] = 0.0
+    offs = _offs(sizes)
+    table, padded = fp8_quantize.span_table(offs, rows)
+    expected = fp8_wgrad.quantize_token_major_blocks(t, offs, rule)
+    data, scale_inv = _span_blocks_by_table(t, table, rule)
+    assert torch.equal(padded, expected.offs)
+    assert _same_bits(data, expected.data)
+    assert _same_bits(scale_inv, expected.scale_inv)
+
+
+class _RecordingSpanBlocks:
+    """Stands in for `cute.quantize_span_blocks` on CPU: records its calls and computes the
+    kernel's algorithm (`_span_blocks_by_table`)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, t, table, power_of_two=False, fp8_dtype=torch.float8_e4m3fn):
+        self.calls.append((t, table, power_of_two, fp8_dtype))
+        rule = ref.ScaleRule("E4M3" if fp8_dtype == torch.float8_e4m3fn else "E5M2",
+                             power_of_two=power_of_two)
+        return _span_blocks_by_table(t, table, rule)
+
+
+@pytest.mark.parametrize("backend_name", ["cute", "torch"])
+def test_block_scaled_wgrad_operands_dispatch_to_the_block_span_kernel(monkeypatch, backend_name):
+    """Float8BlockScaling's token-major operands (core/fp8.py) go through
+    `fp8_quantize.token_major_blocks`: the cute kernel where the cute backend and the data
+    allow (faked here: CPU data), else the torch definition; the same bits either way."""
+    from te_seq import recipe
+    from te_seq.core import fp8
+    from te_seq.kernels import cute
+
+    recorder = _RecordingSpanBlocks()
+    monkeypatch.setattr(cute, "quantize_span_blocks", recorder)
+    monkeypatch.setattr(cute, "quant_problem", lambda t, dtype, margin, fp32=False: "")
+    block = recipe.Float8BlockScaling()
+    torch.manual_seed(11)
+    sizes = [130, 0, 77]
+    x = torch.randn(220, 48, dtype=torch.bfloat16)
+    dy = torch.randn(220, 32, dtype=torch.bfloat16)
+    offs = _offs(sizes)
+    along_n = fp8.grad_quantized(block, dy)
+    got = {"grad": fp8.grad_token_major(block, dy, offs, along_n, backend_name),
+           "input": fp8.input_token_major(block, x, x, offs, None, backend_name)}
+    assert len(recorder.calls) == (2 if backend_name == "cute" else 0)
+    for role, t in (("grad", dy), ("input", x)):
+        want = fp8_wgrad.quantize_token_major_blocks(t, offs, block.rule(role))
+        assert isinstance(got[role], fp8_wgrad.BlockTokenMajor)
+        assert _same_bits(got[role].data, want.data)
+        assert torch.equal(got[role].scale_inv, want.scale_inv)
+        assert torch.equal(got[role].offs, want.offs)
+
+
+def test_block_span_dispatch_reasons():
+    t = torch.randn(8, 32, dtype=torch.bfloat16)
+    assert "torch backend" in fp8_quantize.blocks_reason(t, E4M3, "torch")
+    assert "bf16/fp16/fp32" in fp8_quantize.blocks_reason(t.double(), E4M3, "cute")
+    assert "multiple of 16" in fp8_quantize.blocks_reason(t[:, :24], E4M3, "cute")
+    assert "margin 0" in fp8_quantize.blocks_reason(t, ref.ScaleRule("E4M3", margin=1), "cute")
+    if not torch.cuda.is_available():
+        assert "CUDA" in fp8_quantize.blocks_reason(t, E4M3, "cute")
+    offs = _offs([3, 5])  # whatever the reason, the torch definition's bits
+    got = fp8_quantize.token_major_blocks(t.float(), offs, E4M3, "cute")
+    want = fp8_wgrad.quantize_token_major_blocks(t.float(), offs, E4M3)
+    assert _same_bits(got.data, want.data) and torch.equal(got.scale_inv, want.scale_inv)
+
+
 @needs_dsl
 @pytest.mark.slow
 def test_quant_kernels_compile_for_sm90a():
@@ -167,6 +262,11 @@ def test_quant_kernels_compile_for_sm90a():
         "    compile_quant(QuantConfig(kind, torch.bfloat16, False, True))\n"
         "    compile_quant(QuantConfig(kind, torch.float16, True, True, torch.float8_e5m2))\n"
         "compile_quant(QuantConfig('span_table', torch.bfloat16))\n"
+        "for dtype in (torch.bfloat16, torch.float16):  # the block-scaled token-major kernel\n"
+        "    for pow2 in (False, True):\n"
+        "        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
+        "            compile_quant(QuantConfig('span_block_cast', dtype, pow2, False, fp8))\n"
+        "compile_quant(QuantConfig('span_block_cast', torch.float32))\n"
         "print('ALL COMPILED')\n"
     )
     compile_for_sm90a(script, timeout=600)
@@ -343,3 +443,86 @@ def test_span_kernels_quantize_one_group_of_many_blocks(rows_too):
         token_major = fp8_quantize.token_major(t, offs, E4M3, "cute")
     assert _same_bits(token_major.data, want_tm.data)
     assert _same_bits(token_major.scale_inv, want_tm.scale_inv)
+
+
+# ---------------------------------------------------------------- GPU: the block-scaled form
+
+MANY_GROUPS = [int(n) for n in torch.randint(0, 300, (128,), generator=torch.Generator()
+                                             .manual_seed(12))]  # G=128, some near-empty
+
+
+def _assert_blocks_bitwise(t: torch.Tensor, offs: torch.Tensor, rule: ref.ScaleRule) -> None:
+    """The cute block-scaled token-major kernel (through its dispatch) against the torch
+    definition: data, scale_inv and padded offsets bit for bit."""
+    assert fp8_quantize.blocks_reason(t, rule, "cute") == ""  # the kernel really runs
+    got = fp8_quantize.token_major_blocks(t, offs, rule, "cute")
+    want = fp8_wgrad.quantize_token_major_blocks(t, offs, rule)
+    assert isinstance(got, fp8_wgrad.BlockTokenMajor)
+    assert torch.equal(got.offs, want.offs)
+    assert _same_bits(got.data, want.data)
+    assert _same_bits(got.scale_inv, want.scale_inv)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("case", [*sorted(SPAN_CASES), "many_groups", "no_rows"])
+@pytest.mark.parametrize("rule", [E4M3, E4M3_POW2, E5M2], ids=["scale", "pow2", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_block_span_kernel_is_bitwise_quantize_token_major_blocks(case, rule, dtype):
+    sizes, rows = {**SPAN_CASES, "no_rows": ([0, 0], 0)}.get(
+        case, (MANY_GROUPS, sum(MANY_GROUPS) + 50))
+    torch.manual_seed(13)
+    # nan / inf / all-zero / tiny rows (bf16), magnitudes over six decades
+    t = _rows_input(max(rows, 5), 2064, dtype)[:rows]
+    _assert_blocks_bitwise(t, offsets(sizes), rule)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("cols", [16, 48, 112, 1040])  # 64-column chunks: 16 or 48 left over
+def test_block_span_kernel_takes_any_column_count(cols):
+    sizes, rows = SPAN_CASES["groups_of_many_blocks"]
+    torch.manual_seed(14)
+    _assert_blocks_bitwise(_rows_input(rows, cols, torch.bfloat16), offsets(sizes), E4M3)
+
+
+@gpu
+@needs_cute
+def test_block_span_kernel_quantizes_one_group_of_many_blocks():
+    sizes, rows = ONE_BIG_GROUP
+    torch.manual_seed(15)
+    t = torch.randn(rows, 2064, device="cuda", dtype=torch.bfloat16)
+    t[rows - 1, 2063] = 900.0  # a maximum in the last block only: its scale alone changes
+    t[5, 2000] = float("nan")  # the first block's column 2000: nan there, finite elsewhere
+    _assert_blocks_bitwise(t, offsets(sizes), E4M3_POW2)
+
+
+@gpu
+@needs_cute
+def test_block_span_kernel_takes_strided_inputs():
+    torch.manual_seed(16)
+    base = torch.randn(601, 2 * 528, device="cuda", dtype=torch.bfloat16)
+    offs = offsets([100, 0, 300, 200])
+    for t in (base[:600, ::2], base[1:, :528], base.t()[:528, :600].t()):
+        _assert_blocks_bitwise(t, offs, E4M3)
+
+
+@gpu
+@needs_cute
+def test_block_span_kernel_replays_in_a_cuda_graph_with_new_offsets():
+    from te_seq.kernels import cute
+
+    torch.manual_seed(17)
+    t = torch.randn(600, 2 * 256, device="cuda", dtype=torch.float16)[:, ::2]
+    offs = offsets([100, 0, 300, 200])
+    fp8_quantize.token_major_blocks(t, offs, E4M3, "cute")  # compile outside the capture
+    table, _ = fp8_quantize.span_table(offs, 600)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        data, scale_inv = cute.quantize_span_blocks(t, table)
+    new_offs = offsets([1, 299, 0, 300])
+    table.copy_(fp8_quantize._build_table(new_offs, 600)[0])
+    graph.replay()
+    want = fp8_wgrad.quantize_token_major_blocks(t, new_offs, E4M3)
+    assert _same_bits(data, want.data)
+    assert _same_bits(scale_inv, want.scale_inv)

@@ -20,8 +20,8 @@ steps ``scaled_glu_fc1_forward`` / ``scaled_glu_fc2_dgrad``, each with a ``.supp
 ``supports_block_scaled``), ``block_fp8_wgrad`` (its varlen-K weight gradient
 ``block_scaled_grouped_wgrad``, ``supports_block_scaled_wgrad``),
 ``offsets`` (``group_offsets``: the checked group offsets in one launch, ``offsets_problem``),
-``quant`` (the FP8 quantization kernels ``quantize_rows`` / ``quantize_spans``,
-``quant_problem``),
+``quant`` (the FP8 quantization kernels ``quantize_rows`` / ``quantize_spans`` /
+``quantize_span_blocks``, ``quant_problem``),
 ``compile`` and ``disk_cache`` (compiling and caching), and the kernels (``grouped_gemm``,
 ``glu_epilogue``, ``act_epilogue`` and the modules they are built from). This file only
 re-exports.
@@ -52,6 +52,7 @@ from .quant import (
     quant_problem,
     quantize_rows,
     quantize_rows_and_spans,
+    quantize_span_blocks,
     quantize_spans,
     span_table,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "quantize_spans",
     "quantize_rows_and_spans",
     "span_table",
+    "quantize_span_blocks",
     "block_scaled_grouped_mm",
     "supports_block_scaled",
     "block_scaled_grouped_wgrad",

@@ -21,7 +21,9 @@ class QuantConfig:
 
     kind "rows" (``RowQuantKernel``), "span_amax" or "span_cast" (``span_kernels``: the
     token-major pair, with ``rows``: the row-wise form too), "span_table" (their block table;
-    in_dtype unused); in_dtype the 16-bit input; power_of_two the rule's scale rounding."""
+    in_dtype unused), "span_block_cast" (``block_span_kernels``: token-major with one scale
+    per 128-token block; rows unused); in_dtype the input (16-bit; fp32 too for
+    "span_block_cast"); power_of_two the rule's scale rounding."""
 
     kind: str
     in_dtype: torch.dtype
@@ -57,6 +59,8 @@ def _fake_quant_args(cfg: QuantConfig) -> tuple:
         return t, table, block_amax, extents, row_amax, stream
     width = cute.sym_int32(divisibility=128)
     data = make_fake_compact_tensor(fp8, (cols, width), stride_order=(1, 0), assumed_align=16)
+    if cfg.kind == "span_block_cast":  # data [C, P], scale_inv [P / 128, C]
+        return t, table, data, _fake_scales(2), stream
     row_data = make_fake_compact_tensor(fp8, (cute.sym_int32(), cols), stride_order=(1, 0),
                                         assumed_align=16)
     return t, table, block_amax, extents, data, _fake_scales(2), row_amax, row_data, \
@@ -69,8 +73,10 @@ def compile_quant(cfg: QuantConfig) -> CompiledGemm:
     on disk."""
     from . import quant_kernels as qk
     from . import span_kernels
+    from .block_span_kernels import SpanBlockCastKernel
 
-    kernels = {"span_amax": span_kernels.SpanAmaxKernel, "span_cast": span_kernels.SpanCastKernel}
+    kernels = {"span_amax": span_kernels.SpanAmaxKernel, "span_cast": span_kernels.SpanCastKernel,
+               "span_block_cast": SpanBlockCastKernel}
     fp8_max, fp8 = float(torch.finfo(cfg.fp8).max), _DTYPES[cfg.fp8]
     if cfg.kind == "rows":
         kernel = qk.RowQuantKernel(fp8_max, cfg.power_of_two, fp8)

@@ -1,8 +1,9 @@
 """FP8 quantization on the CuTe DSL backend: ``quantize_rows`` (one scale per row) and
 ``quantize_spans`` (one scale per (group, column), token-major), ``quantize_rows_and_spans``
-(both forms in the passes of the second), with ``quant_problem``.
-Kernels: ``quant_kernels`` and ``span_kernels``; the numbers are ``fp8_reference``'s bit for
-bit (E4M3 or E5M2, margin 0, with or without power-of-two scales).
+(both forms in the passes of the second), ``quantize_span_blocks`` (token-major, one scale per
+(128-token block, column): ``Float8BlockScaling``'s wgrad operands), with ``quant_problem``.
+Kernels: ``quant_kernels``, ``span_kernels`` and ``block_span_kernels``; the numbers are
+``fp8_reference``'s bit for bit (E4M3 or E5M2, margin 0, with or without power-of-two scales).
 
 Each call is one or two kernel launches (~10 µs of host time) in place of a compiled torch
 region or a dozen eager kernels, and reads no sizes on the host: sync-free and CUDA-graph
@@ -19,14 +20,17 @@ from .launch import _row_major, available
 
 SPAN_BLOCK = 128  # tokens per padded block (fp8_wgrad.WGRAD_PAD)
 _IN_DTYPES = (torch.bfloat16, torch.float16)
+_BLOCK_IN_DTYPES = (*_IN_DTYPES, torch.float32)  # quantize_span_blocks reads fp32 too
 
 
-def quant_problem(t: Tensor, fp8_dtype: torch.dtype, margin: int) -> str:
+def quant_problem(t: Tensor, fp8_dtype: torch.dtype, margin: int, fp32: bool = False) -> str:
     """Why the cute quantization kernels cannot quantize t [R, C] into `fp8_dtype` with scale
-    margin `margin` ("" when they can): a 2-D bf16/fp16 CUDA tensor on an sm_90 GPU, C a
-    multiple of 16, E4M3, margin 0, the CuTe DSL installed."""
-    if t.dim() != 2 or t.dtype not in _IN_DTYPES:
-        return f"needs a 2-D bf16/fp16 tensor, got {t.dtype} {tuple(t.shape)}"
+    margin `margin` ("" when they can): a 2-D bf16/fp16 CUDA tensor (`fp32`: or fp32, which
+    `quantize_span_blocks` takes) on an sm_90 GPU, C a multiple of 16, E4M3 or E5M2, margin
+    0, the CuTe DSL installed."""
+    if t.dim() != 2 or t.dtype not in (_BLOCK_IN_DTYPES if fp32 else _IN_DTYPES):
+        names = "bf16/fp16/fp32" if fp32 else "bf16/fp16"
+        return f"needs a 2-D {names} tensor, got {t.dtype} {tuple(t.shape)}"
     if t.shape[1] % 16:
         return f"needs C a multiple of 16, got C={t.shape[1]}"
     if fp8_dtype not in A_DTYPES or margin != 0:
@@ -43,7 +47,7 @@ def _kernel(kind: str, t: Tensor, power_of_two: bool, rows: bool = False,
             fp8_dtype: torch.dtype = FP8_DTYPE):
     from .compile_quant import QuantConfig, compile_quant
 
-    dtype = t.dtype if t.dtype in _IN_DTYPES else torch.bfloat16  # span_table: no data
+    dtype = t.dtype if t.dtype in _BLOCK_IN_DTYPES else torch.bfloat16  # span_table: no data
     return compile_quant(QuantConfig(kind, dtype, power_of_two, rows, fp8_dtype)).fn
 
 
@@ -79,6 +83,25 @@ def quantize_rows_and_spans(t: Tensor, table: Tensor, groups: int, power_of_two:
     group's end) are not quantized row-wise: their data and scale_inv are unspecified (the
     grouped GEMMs write zeros for those rows whatever they hold)."""
     return _spans(t, table, groups, power_of_two, True, fp8_dtype)
+
+
+def quantize_span_blocks(t: Tensor, table: Tensor, power_of_two: bool = False,
+                         fp8_dtype: torch.dtype = FP8_DTYPE) -> tuple[Tensor, Tensor]:
+    """t [T, C] quantized to `fp8_dtype` along the tokens of each group in 1x128 blocks, one
+    scale per (padded 128-token block, column), token-major: (data [C, P], scale_inv fp32
+    [P / 128, C]) as `fp8_wgrad.quantize_token_major_blocks` lays them out; `table` as
+    `quantize_spans` reads it. One launch, one pass over t (a block's scale is its own tile's
+    maximum); blocks past the last span get zero data and scale_inv 1. No output is filled
+    first: the kernel writes every element. t may be bf16, fp16 or fp32 (`quant_problem`
+    with `fp32=True`)."""
+    t = _aligned(_row_major(t))
+    cols, blocks = t.shape[1], table.shape[0]
+    data = torch.empty(cols, blocks * SPAN_BLOCK, dtype=fp8_dtype, device=t.device)
+    scale_inv = torch.empty(blocks, cols, dtype=torch.float32, device=t.device)
+    if blocks and cols:
+        _kernel("span_block_cast", t, power_of_two, False, fp8_dtype)(
+            t, table.contiguous(), data, scale_inv)
+    return data, scale_inv
 
 
 def span_table(offs: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
@@ -121,5 +144,5 @@ def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool
     return data, scale_inv, row_data, row_scale_inv[:, None]
 
 
-__all__ = ["quant_problem", "quantize_rows", "quantize_rows_and_spans", "quantize_spans",
-           "span_table"]
+__all__ = ["quant_problem", "quantize_rows", "quantize_rows_and_spans", "quantize_span_blocks",
+           "quantize_spans", "span_table"]

@@ -106,6 +106,19 @@ class _SpanTileKernel:
     def _new_tile(self) -> list:
         return [cute.make_rmem_tensor((VEC,), Float32) for _ in range(PASSES)]
 
+    @cute.jit
+    def _block_maxima(self, tile: list, tidx, partial: cute.Tensor):
+        """partial[warp, c] = max |tile| over the warp's rows of column c (nan as inf): the 4
+        lanes of a column within the warp differ in lane bits 3 and 4."""
+        lane, warp = tidx % 32, tidx // 32
+        for k in cutlass.range_constexpr(VEC):
+            amax = cute.math.abs(tile[0][k])
+            for i in cutlass.range_constexpr(1, PASSES):
+                amax = _fmax(amax, cute.math.abs(tile[i][k]))
+            amax = _shuffle_max(_nan_to_inf(amax), (8, 16))
+            if lane < VECS_PER_ROW:
+                partial[warp, lane * VEC + k] = amax
+
 
 def _staged_layout():
     """The cast kernel's transposed tile: column c, token r at word 129 c + 4 (c // 32) + r.
@@ -178,19 +191,6 @@ class SpanAmaxKernel(_SpanTileKernel):
             following = cutlass.select_(block + 1 < blocks, following, Int32(-1))
             if following != group:
                 extents[group, 1] = block + 1
-
-    @cute.jit
-    def _block_maxima(self, tile: list, tidx, partial: cute.Tensor):
-        """partial[warp, c] = max |tile| over the warp's rows of column c (nan as inf): the 4
-        lanes of a column within the warp differ in lane bits 3 and 4."""
-        lane, warp = tidx % 32, tidx // 32
-        for k in cutlass.range_constexpr(VEC):
-            amax = cute.math.abs(tile[0][k])
-            for i in cutlass.range_constexpr(1, PASSES):
-                amax = _fmax(amax, cute.math.abs(tile[i][k]))
-            amax = _shuffle_max(_nan_to_inf(amax), (8, 16))
-            if lane < VECS_PER_ROW:
-                partial[warp, lane * VEC + k] = amax
 
     @cute.jit
     def _row_maxima(self, tile: list, first_row, valid, row0, tidx, row_amax: cute.Tensor):
