@@ -88,10 +88,10 @@ def _package_imports(name: str) -> set[str]:
 
 
 def test_source_files_cover_every_module_a_kernel_is_built_from():
-    # compile.py and what it imports from the package, transitively; disk_cache.py itself is
-    # versioned by FORMAT_VERSION. A new kernel module missing here would let an edit to it
-    # load stale kernels from the disk cache.
-    needed, todo = set(), ["compile.py"]
+    # compile.py, compile_quant.py and what they import from the package, transitively;
+    # disk_cache.py itself is versioned by FORMAT_VERSION. A new kernel module missing here
+    # would let an edit to it load stale kernels from the disk cache.
+    needed, todo = set(), ["compile.py", "compile_quant.py"]
     while todo:
         name = todo.pop()
         if name not in needed and name != "disk_cache.py":

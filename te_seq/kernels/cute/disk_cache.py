@@ -53,6 +53,7 @@ SOURCE_FILES = (
     "scaled_glu.py",
     "quant_kernels.py",
     "span_kernels.py",
+    "block_span_kernels.py",
     "block_scaled.py",
     "offsets_kernel.py",
     "block_wgrad.py",
