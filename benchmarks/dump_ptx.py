@@ -67,6 +67,17 @@ def _configs() -> dict[str, object]:
                                           pingpong=True),
         "glu_dgrad_silu192_pp": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=192,
                                           pingpong=True),
+        # ... with (64 x 32) epilogue subtiles: half the registers per subtile
+        "glu_fc1_silu_probs_pp64": GluConfig("fc1", bf16, "k", "silu", None, fp32, tile_n=128,
+                                             pingpong=True, epi_rows=64),
+        "glu_fc1_relu_il32_pp64": GluConfig("fc1", bf16, "k", "relu", 32, None, tile_n=128,
+                                            pingpong=True, epi_rows=64),
+        "glu_dgrad_silu128_pp64": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=128,
+                                            pingpong=True, epi_rows=64),
+        "glu_dgrad_silu192_pp64": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=192,
+                                            pingpong=True, epi_rows=64),
+        "glu_dgrad_gelu_il64_pp64": GluConfig("dgrad", bf16, "n", "gelu", 64, bf16, tile_n=192,
+                                              pingpong=True, epi_rows=64),
         # per-expert biases (bias_epilogue.py)
         "mm256_bias_scaled": GemmConfig("m", bf16, bf16, "k", bias_dtype=fp32, bias_scales=True),
         "glu_fc1_silu_bias": GluConfig("fc1", bf16, "k", "silu", None, fp32, bias_dtype=bf16),

@@ -80,6 +80,8 @@ def supports_wgrad(grad_out: Tensor, x: Tensor) -> tuple[bool, str]:
 
 def _check_pingpong(t: Tiling, bias: Tensor | None, route: str | None) -> None:
     """Ping-pong tilings run the plain kernel only (no bias, no routed rows) so far."""
+    if t.epi_rows != 128:
+        raise ValueError(f"cute grouped_mm: epilogue subtiles are 128 rows, got {t}")
     if not t.pingpong:
         return
     if bias is not None or route is not None:
