@@ -19,6 +19,11 @@ same, cute grouped_mm + the same maths compiled by torch.compile (te_seq's unfus
 the fused cute kernel, cooperative and ping-pong (1x2 and 2x1 clusters). FLOPs are the GEMM's
 only.
 
+``--glu-pp`` (implies ``--glu``) adds the fused kernels in ping-pong with (64 x 32) epilogue
+subtiles (``Tiling(..., pingpong=True, epi_rows=64)``: keys ``fused_pp1x2_e64``, ...) and the
+dgrad at both ping-pong widths, 128 and 192 (``fused_pp1x2_w128_e64``, ...), outputs checked
+against torch like every other variant.
+
 ``--fp8`` times the forward GEMMs (FC1, FC2) on E4M3 operands with row-wise scales: cute
 ``scaled_grouped_mm``, ``torch._scaled_grouped_mm`` and cute bf16 ``grouped_mm`` in one run
 (``bench_fp8_gemm.py``).
@@ -27,6 +32,7 @@ only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -217,7 +223,8 @@ def launch_overhead_us(calls: int = 2000) -> dict[str, float]:
     return res
 
 
-def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
+def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator,
+              pp64: bool = False):
     """(label, flops, {variant: fn}, check) for the FC1 forward and FC2 dgrad GLU steps."""
     from te_seq.kernels import GluSpec, cute, get_backend, reference
 
@@ -253,6 +260,14 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
     # ping-pong tilings of the fused kernels (fc1: 64 gate + 64 up columns per tile)
     pp = {c: cute.Tiling(128, c, pingpong=True) for c in ((1, 2), (2, 1))}
     pp_dgrad = {c: cute.Tiling(cute.pingpong_tile_n(f, c[1]), c, pingpong=True) for c in pp}
+    fc1_pp = {f"fused_pp{c[0]}x{c[1]}": t for c, t in pp.items()}
+    dgrad_pp = {f"fused_pp{c[0]}x{c[1]}": t for c, t in pp_dgrad.items()}
+    if pp64:  # (64 x 32) epilogue subtiles; the dgrad at both ping-pong widths
+        fc1_pp |= {f"{k}_e64": dataclasses.replace(t, epi_rows=64) for k, t in fc1_pp.items()}
+        dgrad_pp |= {
+            f"fused_pp{c[0]}x{c[1]}_w{w}_e64": cute.Tiling(w, c, pingpong=True, epi_rows=64)
+            for c in pp for w in (128, 192)
+        }
 
     yield (
         "fc1_glu_fwd",
@@ -263,9 +278,9 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
             "cute+compiled_ew": lambda: fc1(cmm, compiled),
             "fused": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs),
             **{
-                f"fused_pp{c[0]}x{c[1]}": (lambda t: lambda: cute.glu_fc1_forward(
+                key: (lambda t: lambda: cute.glu_fc1_forward(
                     x, w1t, offs, "silu", None, probs, tiling=t))(t)
-                for c, t in pp.items()
+                for key, t in fc1_pp.items()
             },
         },
     )
@@ -281,19 +296,19 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
             "fused_h2": lambda: cute.glu_fc2_dgrad(
                 dy, w2, offs, hpre, "silu", None, probs, h_prefetch=2),
             **{
-                f"fused_pp{c[0]}x{c[1]}": (lambda t: lambda: cute.glu_fc2_dgrad(
+                key: (lambda t: lambda: cute.glu_fc2_dgrad(
                     dy, w2, offs, hpre, "silu", None, probs, tiling=t))(t)
-                for c, t in pp_dgrad.items()
+                for key, t in dgrad_pp.items()
             },
         },
     )
 
 
-def run_glu_shape(name: str, iters: int) -> list[dict]:
+def run_glu_shape(name: str, iters: int, pp64: bool = False) -> list[dict]:
     e, h, f, m = SHAPES[name]
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for label, flops, fns in glu_cases(name, e, h, f, m, gen):
+    for label, flops, fns in glu_cases(name, e, h, f, m, gen, pp64):
         ref = fns["torch+ew"]()
         first, errs = {}, {}
         for key, fn in fns.items():
@@ -324,7 +339,7 @@ def run_glu_shape(name: str, iters: int) -> list[dict]:
 def main_glu(args) -> None:
     rows = []
     for name in args.shapes.split(","):
-        rows += run_glu_shape(name, args.iters)
+        rows += run_glu_shape(name, args.iters, args.glu_pp)
     print(
         f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}"
     )
@@ -346,6 +361,9 @@ def main_glu(args) -> None:
         "cew = reference maths compiled by torch.compile; h2: dgrad with two h subtiles loaded "
         "ahead)"
     )
+    for r in rows if args.glu_pp else []:  # the 64-row-subtile ping-pong variants
+        e64 = {k: v for k, v in r["tflops"].items() if k.endswith("_e64")}
+        print(f"{r['shape']:5} {r['step']:14} " + "  ".join(f"{k} {v:.0f}" for k, v in e64.items()))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"rows": rows}, fh, indent=1)
@@ -375,13 +393,15 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--tilings", default="256:1x2,256:2x1")
     p.add_argument("--glu", action="store_true", help="time the fused GLU steps instead")
+    p.add_argument("--glu-pp", action="store_true",
+                   help="--glu plus ping-pong with 64-row epilogue subtiles (both dgrad widths)")
     p.add_argument("--fp8", action="store_true", help="time the FP8 forward GEMMs instead")
     args = p.parse_args()
     BURST = args.burst
     if args.fp8:
         main_fp8(args)
         return
-    if args.glu:
+    if args.glu or args.glu_pp:
         main_glu(args)
         return
     tilings = parse_tilings(args.tilings)

@@ -11,6 +11,15 @@ run it as its own process), keeps the PTX that the DSL writes (``CUTE_DSL_KEEP=p
 temporary ``CUTE_DSL_DUMP_DIR``) and turns te_seq's disk cache off so every config compiles.
 Each config is written to ``<out>/<name>.ptx`` and printed with the sha256 of its PTX; with
 ``--compare DIR`` the exit status is 1 when any file differs from ``DIR/<name>.ptx``.
+
+``--ptxas`` also assembles each PTX for sm_90a (``ptxas -v``, ``$PTXAS`` or the CUDA toolkit's)
+and prints per config the registers per thread and the bytes of register spill stores and loads
+(the kernel's maximum over its entry points), e.g. to check that an epilogue fits the 232
+registers of a math thread. ptxas reports the launch-time count (168 for 384 threads); the
+warpgroups raise theirs with ``setmaxnreg``, so where an ``nvdisasm`` is found (``$NVDISASM``,
+PATH) the highest register the SASS names is printed too ("sass R"):
+
+    python benchmarks/dump_ptx.py --out /tmp/ptx --configs glu_dgrad_silu192_pp --ptxas
 """
 
 from __future__ import annotations
@@ -18,6 +27,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -48,6 +60,26 @@ def _configs() -> dict[str, object]:
         "glu_fc1_relu_il32": GluConfig("fc1", bf16, "k", "relu", 32, None),
         "glu_dgrad_gelu_il64": GluConfig("dgrad", bf16, "n", "gelu", 64, bf16),
         "glu_dgrad_silu192": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=192),
+        "glu_dgrad_silu192_pf2": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=192,
+                                           h_prefetch=2),
+        # ping-pong GLU epilogues (one warpgroup holds the whole 128-row tile)
+        "glu_fc1_silu_probs_pp": GluConfig("fc1", bf16, "k", "silu", None, fp32, tile_n=128,
+                                           pingpong=True),
+        "glu_dgrad_silu128_pp": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=128,
+                                          pingpong=True),
+        "glu_dgrad_silu192_pp": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=192,
+                                          pingpong=True),
+        # ... with (64 x 32) epilogue subtiles: half the registers per subtile
+        "glu_fc1_silu_probs_pp64": GluConfig("fc1", bf16, "k", "silu", None, fp32, tile_n=128,
+                                             pingpong=True, epi_rows=64),
+        "glu_fc1_relu_il32_pp64": GluConfig("fc1", bf16, "k", "relu", 32, None, tile_n=128,
+                                            pingpong=True, epi_rows=64),
+        "glu_dgrad_silu128_pp64": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=128,
+                                            pingpong=True, epi_rows=64),
+        "glu_dgrad_silu192_pp64": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=192,
+                                            pingpong=True, epi_rows=64),
+        "glu_dgrad_gelu_il64_pp64": GluConfig("dgrad", bf16, "n", "gelu", 64, bf16, tile_n=192,
+                                              pingpong=True, epi_rows=64),
         # per-expert biases (bias_epilogue.py)
         "mm256_bias_scaled": GemmConfig("m", bf16, bf16, "k", bias_dtype=fp32, bias_scales=True),
         "glu_fc1_silu_bias": GluConfig("fc1", bf16, "k", "silu", None, fp32, bias_dtype=bf16),
@@ -82,6 +114,52 @@ def _ptx_of(compiled: object) -> str:
     return Path(ptx).read_text() if os.path.isfile(ptx) else ptx
 
 
+def _ptxas_binary() -> str:
+    """ptxas: ``$PTXAS``, else on PATH, else the newest /usr/local/cuda*/bin/ptxas."""
+    found = os.environ.get("PTXAS") or shutil.which("ptxas")
+    if found:
+        return found
+    toolkits = sorted(Path("/usr/local").glob("cuda*/bin/ptxas"))
+    if not toolkits:
+        raise RuntimeError("ptxas not found: set $PTXAS")
+    return str(toolkits[-1])
+
+
+_USED = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+_SASS_REG = re.compile(r"\bR(\d+)\b")
+
+
+def _highest_sass_register(cubin: Path) -> int | None:
+    """The highest general register R<i> named in the SASS of ``cubin`` (None: no nvdisasm)."""
+    tool = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+    if not tool:
+        return None
+    sass = subprocess.run([tool, str(cubin)], capture_output=True, text=True, check=True).stdout
+    return max((int(r) for r in _SASS_REG.findall(sass)), default=0)
+
+
+def ptxas_usage(ptx_file: Path) -> tuple[int, int, int, int | None]:
+    """(registers per thread, spill store bytes, spill load bytes, highest SASS register or
+    None) of ``ptx_file`` assembled for sm_90a by ``ptxas -v``: the maximum of each over the
+    file's kernels."""
+    cubin = ptx_file.with_suffix(".cubin")
+    run = subprocess.run(
+        [_ptxas_binary(), "-arch=sm_90a", "-v", str(ptx_file), "-o", str(cubin)],
+        capture_output=True, text=True, check=True,
+    )
+    log = run.stdout + run.stderr
+    regs = [int(m) for m in _USED.findall(log)]
+    spills = [(int(a), int(b)) for a, b in _SPILLS.findall(log)]
+    if not regs or not spills:
+        raise RuntimeError(f"no register report from ptxas for {ptx_file}:\n{log}")
+    highest = _highest_sass_register(cubin)
+    cubin.unlink()
+    return max(regs), max(a for a, _ in spills), max(b for _, b in spills), highest
+
+
 def _compile(cfg: object) -> object:
     from te_seq.kernels.cute.compile import GemmConfig, compile_gemm, compile_glu
 
@@ -93,6 +171,8 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path, help="directory for <name>.ptx")
     parser.add_argument("--configs", default="", help="comma-separated names (default: all)")
     parser.add_argument("--compare", type=Path, help="directory of an earlier dump")
+    parser.add_argument("--ptxas", action="store_true",
+                        help="print registers and spill bytes per config (ptxas -v, sm_90a)")
     args = parser.parse_args()
 
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
@@ -121,6 +201,10 @@ def main() -> int:
             if not same:
                 differ.append(name)
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        if args.ptxas:
+            regs, stores, loads, highest = ptxas_usage(args.out / f"{name}.ptx")
+            verdict += f"  regs {regs:3d} spill stores {stores:5d} B loads {loads:5d} B"
+            verdict += "" if highest is None else f"  sass R{highest}"
         print(f"{name:22s} {digest} {len(text):8d} chars{verdict}", flush=True)
     if differ:
         print(f"PTX differs from {args.compare} for: {', '.join(differ)}")

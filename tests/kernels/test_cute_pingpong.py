@@ -8,11 +8,16 @@ on CPU; GPU tests need sm_90+.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
-from cute_marks import compile_for_sm90a, gpu, needs_cute, needs_dsl
+from cute_marks import ROOT, compile_for_sm90a, gpu, needs_cute, needs_dsl
 from cute_marks import offsets as _offs
 
 from te_seq.kernels import reference
@@ -38,6 +43,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
         GluConfig("fc1", bf16, "k", "relu", 32, None, (2, 1), tile_n=128, pingpong=True),
         GluConfig("dgrad", bf16, "n", "silu", None, fp32, (1, 2), tile_n=192, pingpong=True),
         GluConfig("dgrad", bf16, "n", "gelu", 64, bf16, (1, 2), tile_n=128, pingpong=True),
+        # (64 x 32) epilogue subtiles
+        GluConfig("fc1", bf16, "k", "silu", None, fp32, (1, 2), tile_n=128, pingpong=True,
+                  epi_rows=64),
+        GluConfig("fc1", bf16, "k", "relu", 32, None, (2, 1), tile_n=128, pingpong=True,
+                  epi_rows=64),
+        GluConfig("dgrad", bf16, "n", "silu", None, fp32, (1, 2), tile_n=192, pingpong=True,
+                  epi_rows=64),
+        GluConfig("dgrad", bf16, "n", "gelu", 64, bf16, (2, 1), tile_n=128, pingpong=True,
+                  epi_rows=64),
     ]
     for cfg in glu:
         print(cfg, f"{compile_glu(cfg).compile_s:.1f}s", flush=True)
@@ -79,6 +93,12 @@ def test_glu_kernel_pingpong_tiles():
         GluGemmKernel("fc1", "silu", None, True, tile_n=128, has_bias=True, pingpong=True)
     with pytest.raises(ValueError, match="interleave 128"):
         GluGemmKernel("fc1", "silu", 128, True, tile_n=128, pingpong=True)
+    kernel = GluGemmKernel("dgrad", "silu", None, True, tile_n=192, pingpong=True, epi_rows=64)
+    assert kernel.epi_rows == 64
+    with pytest.raises(ValueError, match="epi_rows 64 unsupported.*pingpong False"):
+        GluGemmKernel("dgrad", "silu", None, True, tile_n=192, epi_rows=64)
+    with pytest.raises(ValueError, match="epi_rows 32 unsupported"):
+        GluGemmKernel("dgrad", "silu", None, True, tile_n=192, pingpong=True, epi_rows=32)
 
 
 @needs_dsl
@@ -98,6 +118,8 @@ def test_grouped_mm_rejects_pingpong_with_bias_or_narrow_list():
         gemm._check_pingpong(Tiling(192, (1, 2), pingpong=True), torch.zeros(2, 4), None)
     with pytest.raises(ValueError, match="neither a bias nor routed rows"):
         gemm._check_pingpong(Tiling(192, (1, 2), pingpong=True), None, "gather")
+    with pytest.raises(ValueError, match="epilogue subtiles are 128 rows"):  # GLU only
+        gemm._check_pingpong(Tiling(192, (1, 2), pingpong=True, epi_rows=64), None, None)
     with pytest.raises(ValueError, match=r"tile_n in \(128, 192\)"):
         gemm._check_pingpong(Tiling(256, (1, 2), pingpong=True), None, None)
     gemm._check_pingpong(Tiling(256, (1, 2)), torch.zeros(2, 4), "gather")  # not ping-pong
@@ -203,6 +225,8 @@ _GLU_CASES = [
     ("one_expert", [300], 0, 256, 256),
     ("empty_experts_rows_past_end", [0, 77, 0, 0, 300, 5, 0], 40, 128, 384),
     ("many_tiles", [700, 1500, 0, 900, 1, 1300], 0, 1024, 768),
+    # 128 small unaligned experts (some empty), rows past the end: many partial 64-row halves
+    ("128_experts", [(37 * i + 11) % 53 if i % 9 else 0 for i in range(128)], 13, 256, 384),
 ]
 # (act, interleave, probs dtype, fc1 cluster, dgrad tile width)
 _GLU_CONFIGS = [
@@ -225,17 +249,17 @@ def _glu_data(case, probs_dtype):
 
 @gpu
 @needs_cute
+@pytest.mark.parametrize("epi_rows", [128, 64])
 @pytest.mark.parametrize("config", _GLU_CONFIGS, ids=str)
 @pytest.mark.parametrize("case", _GLU_CASES, ids=[c[0] for c in _GLU_CASES])
-def test_glu_fc1_pingpong_equals_cooperative(case, config):
+def test_glu_fc1_pingpong_equals_cooperative(case, config, epi_rows):
     from te_seq.kernels import cute
 
     act, il, p_dtype, cluster, _ = config
     x, w1, _, probs, offs = _glu_data(case, p_dtype)
     w1t = w1.transpose(1, 2)
-    h, a = cute.glu_fc1_forward(
-        x, w1t, offs, act, il, probs, tiling=Tiling(128, cluster, pingpong=True)
-    )
+    tiling = Tiling(128, cluster, pingpong=True, epi_rows=epi_rows)
+    h, a = cute.glu_fc1_forward(x, w1t, offs, act, il, probs, tiling=tiling)
     h_coop, a_coop = cute.glu_fc1_forward(x, w1t, offs, act, il, probs)
     torch.testing.assert_close(h, h_coop, rtol=0, atol=0)
     torch.testing.assert_close(a, a_coop, rtol=0, atol=0)
@@ -246,9 +270,10 @@ def test_glu_fc1_pingpong_equals_cooperative(case, config):
 
 @gpu
 @needs_cute
+@pytest.mark.parametrize("epi_rows", [128, 64])
 @pytest.mark.parametrize("config", _GLU_CONFIGS, ids=str)
 @pytest.mark.parametrize("case", _GLU_CASES, ids=[c[0] for c in _GLU_CASES])
-def test_glu_dgrad_pingpong_equals_cooperative(case, config):
+def test_glu_dgrad_pingpong_equals_cooperative(case, config, epi_rows):
     from te_seq.kernels import cute
 
     act, il, p_dtype, cluster, tile_n = config
@@ -256,7 +281,7 @@ def test_glu_dgrad_pingpong_equals_cooperative(case, config):
     m, f = x.shape[0], w2.shape[2]
     dy = torch.randn_like(x)
     h = torch.randn(m, 2 * f, device="cuda", dtype=x.dtype)
-    tiling = Tiling(tile_n, cluster, pingpong=True)
+    tiling = Tiling(tile_n, cluster, pingpong=True, epi_rows=epi_rows)
     dh, a, dprobs = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, tiling=tiling)
     same = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, tiling=Tiling(tile_n, cluster))
     torch.testing.assert_close(dh, same[0], rtol=0, atol=0)
@@ -295,3 +320,27 @@ def test_glu_default_tilings_stay_cooperative(monkeypatch):
     monkeypatch.setenv("TE_SEQ_PINGPONG", "1")  # the plain GEMM's opt-in leaves GLU alone
     assert tiling("fc1", 1536, False, None) == Tiling(256, (1, 2))
     assert launch.plain_mm_tiling(2048, 768).pingpong
+
+
+# ------------------------------------------------------------------ registers (ptxas, CPU)
+
+# ping-pong GLU configs that must assemble without register spills (kernel README, "Why the
+# fused GLU dgrad loses in ping-pong"): the (64 x 32) subtiles with per-row probs
+_NO_SPILL_CONFIGS = ("glu_dgrad_silu128_pp64", "glu_fc1_silu_probs_pp64", "glu_fc1_relu_il32_pp64")
+
+
+@pytest.mark.slow  # DSL compiles and ptxas in a subprocess
+@needs_dsl
+def test_pingpong_glu_epilogues_do_not_spill(tmp_path):
+    if not (os.environ.get("PTXAS") or shutil.which("ptxas")
+            or list(Path("/usr/local").glob("cuda*/bin/ptxas"))):
+        pytest.skip("no ptxas")
+    cmd = [sys.executable, "benchmarks/dump_ptx.py", "--configs", ",".join(_NO_SPILL_CONFIGS)]
+    cmd += ["--out", str(tmp_path), "--ptxas"]
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if "spill stores" in line]
+    assert len(lines) == len(_NO_SPILL_CONFIGS), proc.stdout
+    for line in lines:
+        assert "spill stores     0 B loads     0 B" in line, line

@@ -113,7 +113,7 @@ class ActGemmKernel(GluGemmKernel):
             ep.rD_out.store(ep.rD.load().to(self.c_dtype))
             f, _ = act_and_grad(ep.rD_out.load().to(Float32), self.act, False)
             if const_expr(self.has_probs):
-                f = f * t.r_p.load()
+                f = f * self._per_value(ep, t.r_p, t.slots, e)
             r_a_out.store(f.to(self.c_dtype))
             self._store_pair(ep, t, (ep.rD_out, r_a_out), t.n_tile * num_sub + e, count)
             count = count + 2
@@ -142,20 +142,23 @@ class ActGemmKernel(GluGemmKernel):
             self.epi_barrier.arrive_and_wait()  # the h buffer is free again
             if const_expr(e + 1 < num_sub):
                 self._issue_h(ep, tma_h, s_l, g_l, t.n_tile, t.f_dim, e + 1)
-            self._dact(ep.rD, r_h, t.r_p, r_s, ep.rD_out, r_a_out)
+            self._dact(ep, t, (ep.rD, r_h, e), r_s, (ep.rD_out, r_a_out))
             self._store_pair(ep, t, (ep.rD_out, r_a_out), t.n_tile * num_sub + e, count)
             count = count + 2
         return count - count0
 
     @cute.jit
-    def _dact(self, r_da, r_h, r_p, r_s, r_dh_out, r_a_out):
-        """dh = dA·p·f'(h), a = f(h)·p (rounded once); r_s += dA·f(h) (the d(probs) partial
-        sums, before the p scaling)."""
+    def _dact(self, ep, t, ins, r_s, outs):
+        """``ins`` = (dA, h, subtile index), ``outs`` = (dh, a): dh = dA·p·f'(h), a = f(h)·p
+        (rounded once); r_s[row] += dA·f(h) (the d(probs) partial sums per row slot, before the
+        p scaling)."""
+        r_da, r_h, sub = ins
+        r_dh_out, r_a_out = outs
         da = r_da.load()
         f, df = act_and_grad(r_h.load(), self.act, True)
         if const_expr(self.has_probs):
-            r_s.store(r_s.load() + da * f)
-            p = r_p.load()
+            self._add_to_rows(ep, r_s, da * f, t.slots, sub)
+            p = self._per_value(ep, t.r_p, t.slots, sub)
             da = da * p
             f = f * p
         r_dh_out.store((da * df).to(self.c_dtype))

@@ -276,6 +276,7 @@ class GluConfig:
     scaled: bool = False  # FP8 operands with row-wise dequantization scales (scaled_glu.py)
     pingpong: bool = False  # one MMA warpgroup per tile (fc1: tile_n 128; dgrad: 128 or 192)
     h_prefetch: int = 1  # dgrad: h subtiles loaded ahead (2: two buffer pairs; cooperative)
+    epi_rows: int = 128  # rows of an epilogue subtile (64: ping-pong only)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", param_values(self.act, self.params))
@@ -331,6 +332,7 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.route,
         cfg.pingpong,
         cfg.h_prefetch,
+        cfg.epi_rows,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 

@@ -47,6 +47,7 @@ SOURCE_FILES = (
     "routed.py",
     "glu_epilogue.py",
     "glu_maths.py",
+    "row_values.py",
     "act_epilogue.py",
     "bias_epilogue.py",
     "scale_epilogue.py",

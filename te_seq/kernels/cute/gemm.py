@@ -80,7 +80,10 @@ def supports_wgrad(grad_out: Tensor, x: Tensor) -> tuple[bool, str]:
 
 def _check_pingpong(t: Tiling, bias: Tensor | None, route: str | None) -> None:
     """Ping-pong tilings run the plain kernel only (no bias, no routed rows; ``route``
-    "accumulate": a wgrad adding into its output) so far."""
+    "accumulate": a wgrad adding into its output) so far; the plain epilogue's subtiles are
+    128 rows."""
+    if t.epi_rows != 128:
+        raise ValueError(f"cute grouped_mm, grouped_wgrad: epilogue subtiles are 128 rows: {t}")
     if not t.pingpong:
         return
     if route == "accumulate":

@@ -193,7 +193,7 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
         t.cluster_mn, tile_n=t.tile_n, params=params,
         bias_dtype=None if bias is None else bias.dtype,
         route=None if gather is None else "gather", scaled=scaled, pingpong=t.pingpong,
-        h_prefetch=h_prefetch,
+        h_prefetch=h_prefetch, epi_rows=t.epi_rows,
     )
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)
@@ -235,7 +235,7 @@ class _Fc1Forward:
         matrix, H a multiple of 64), read by the kernel's loads (no [M, H] copy).
         ``tiling``: None (128 x 256 tiles, two warpgroups on each) or
         ``Tiling(128, cluster, pingpong=True)`` (64 gate + 64 up columns per tile, one
-        warpgroup on each; no bias, no gather)."""
+        warpgroup on each; no bias, no gather; ``epi_rows=64``: 64 x 32 epilogue subtiles)."""
         gather = gather_rows is not None
         ok, why = self.supports(x, w1t, act, interleave, bias, gather)
         if not ok:
@@ -278,7 +278,8 @@ class _Fc2Dgrad:
         ``reference.glu_backward(h, dA, ...)``, a [M, F] = ``reference.glu_forward(h, ...)`` and
         dprobs [M] (fp32 sums, in probs.dtype; None without probs); ``params`` as in
         ``glu_fc1_forward``; ``tiling``: None (fitted to F, cooperative) or a ping-pong
-        ``Tiling(128 or 192, cluster, pingpong=True)``; ``h_prefetch``: h's subtiles loaded
+        ``Tiling(128 or 192, cluster, pingpong=True)`` (``epi_rows=64``: 64 x 32 epilogue
+        subtiles); ``h_prefetch``: h's subtiles loaded
         ahead of the one being computed (1, or 2 with a cooperative tiling: one more pair of
         smem buffers; None: ``_dgrad_h_prefetch``)."""
         ok, why = self.supports(dy, w2, act, interleave)

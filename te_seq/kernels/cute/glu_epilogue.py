@@ -43,6 +43,7 @@ from .bias_epilogue import BiasEpilogueMixin
 from .glu_maths import act_and_grad, up_and_grad
 from .grouped_gemm import GroupedGemmKernel
 from .ragged import _ragged_group, _ragged_view
+from .row_values import RowValuesMixin
 
 ACTS = epilogue_activations()  # each has a branch in glu_maths.act_and_grad
 
@@ -55,13 +56,14 @@ class _GluTile(NamedTuple):
     f_dim: object  # F
     row_base: object  # first row of the tile in M
     coords: object  # (row, col) in the tile of each accumulator value, in tRS_acc's order
-    r_p: object  # router probs of this thread's rows (1.0 without probs)
+    r_p: object  # router probs of this thread's rows, one per row slot (``row_values``)
     h_out: tuple  # (smem, gmem) TMA partitions of h's (fc1) or dh's (dgrad) stores
     a_out: tuple  # (TMA atom, smem, gmem) of a's stores
     scales: object = None  # the FP8 kernel's dequantization-scale context (``scaled_glu``)
+    slots: object = None  # the values' row slots (``row_values.RowSlots``)
 
 
-class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
+class GluGemmKernel(RowValuesMixin, BiasEpilogueMixin, GroupedGemmKernel):
     """Varlen-M grouped GEMM with a GLU epilogue (``mode`` "fc1" or "dgrad"); see the module.
 
     ``pingpong``: one warpgroup per tile (fc1: a 128-wide tile of 64 gate and 64 up columns;
@@ -83,6 +85,7 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         route: str | None = None,
         pingpong: bool = False,
         h_prefetch: int = 1,
+        epi_rows: int = 128,
     ):
         if mode not in ("fc1", "dgrad"):
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
@@ -105,7 +108,12 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
                 f"GluGemmKernel: h_prefetch {h_prefetch} unsupported (1, or 2 for a cooperative "
                 f"dgrad), mode {mode!r}, pingpong {pingpong}"
             )
-        self.h_prefetch = h_prefetch
+        if epi_rows not in (128, 64) or (epi_rows == 64 and not pingpong):
+            raise ValueError(
+                f"GluGemmKernel: epi_rows {epi_rows} unsupported (128, or 64 in ping-pong), "
+                f"pingpong {pingpong}"
+            )
+        self.h_prefetch, self.epi_rows = h_prefetch, epi_rows
         super().__init__("m", (128, tile_n), cluster_mn, route=route, pingpong=pingpong)
         self.mode, self.act, self.interleave, self.has_probs = mode, act, interleave, has_probs
         self.params = param_values(act, params)  # compile-time constants of the maths
@@ -189,21 +197,22 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         return ep.tRS_acc[i]
 
     @cute.jit
-    def _store_glu(self, ep, t, outs, blocks, count):
-        """TMA-store the (128 x 32) subtiles ``outs`` = (gate-side h, up-side h, a) registers at
-        column blocks ``blocks`` = (gate block of h, up block of h, block of a), from ring slot
-        ``count`` on."""
+    def _store_glu(self, ep, t, outs, blocks, count, half: int = 0):
+        """TMA-store the (epi_rows x 32) subtiles ``outs`` = (gate-side h, up-side h, a)
+        registers at column blocks ``blocks`` = (gate block of h, up block of h, block of a)
+        and row half ``half`` of the tile, from ring slot ``count`` on."""
         (s_h, g_h), (tma_a, s_a, g_a) = t.h_out, t.a_out
+        m_blk = t.m_tile * self._halves() + half
         items = [
-            (outs[0], ep.tma_c, s_h, g_h, (t.m_tile, blocks[0])),
-            (outs[1], ep.tma_c, s_h, g_h, (t.m_tile, blocks[1])),
-            (outs[2], tma_a, s_a, g_a, (t.m_tile, blocks[2])),
+            (outs[0], ep.tma_c, s_h, g_h, (m_blk, blocks[0])),
+            (outs[1], ep.tma_c, s_h, g_h, (m_blk, blocks[1])),
+            (outs[2], tma_a, s_a, g_a, (m_blk, blocks[2])),
         ]
         self._store_group(ep.tiled_r2s, ep.tRS_sC, ep.warp, items, count)
 
     @cute.jit
     def _partition(self, tma, m_view, sC, row0, rows):
-        """TMA partitions of a ragged (M, cols) view clipped to the group, per (128 x 32) tile."""
+        """TMA partitions of a ragged (M, cols) view clipped to the group, per subtile."""
         g = cute.zipped_divide(_ragged_group(m_view, 0, row0, rows), self.epi_tile)
         return cute.nvgpu.cpasync.tma_partition(
             tma, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), g
@@ -217,22 +226,20 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         # (row, col) in the tile of each accumulator value, in tRS_acc's order
         c_tile = cute.make_identity_tensor((tm, tn))
         tRS_c = ep.tiled_r2s.retile(ep.tiled_mma.get_slice(ep.mma_tidx).partition_C(c_tile))
-        size_rD = cute.size(ep.rD)
         rows_here = rows - m_tile * tm  # valid rows of this tile (may exceed tm)
         row_base = row0 + m_tile * tm
-        r_p = cute.make_rmem_tensor(ep.rD.shape, Float32)
-        r_s = cute.make_rmem_tensor(ep.rD.shape, Float32)
-        last_row = cute.size(probs) - 1
-        for v in cutlass.range_constexpr(size_rD):
-            r_p[v] = Float32(1.0)
-            r_s[v] = Float32(0.0)
-            if const_expr(self.has_probs):  # unpredicated (clamped) loads; rows past the tile
-                row = row_base + tRS_c[self._acc_index(ep, 0, v)][0]
-                r_p[v] = probs[cutlass.min(row, last_row)].to(Float32)
+        slots = self._row_slots(ep, tRS_c)
+        if const_expr(self._halves() > 1):
+            self._check_subtiles(ep, tRS_c)
+        r_p = None
+        r_s = cute.make_rmem_tensor((len(slots.first_index),), Float32)  # d(probs) per row
+        r_s.fill(0.0)
+        if const_expr(self.has_probs):
+            r_p = self._load_row_probs(ep, tRS_c, slots, probs, row_base)
         h_out = self._partition(ep.tma_c, ep.mC, ep.sC, row0, rows)
         a_out = (tma_o, *self._partition(tma_o, m_o, ep.sC, row0, rows))
         scales = self._scale_tile(ep, group, tRS_c)
-        t = _GluTile(m_tile, n_tile, f_dim, row_base, tRS_c, r_p, h_out, a_out, scales)
+        t = _GluTile(m_tile, n_tile, f_dim, row_base, tRS_c, r_p, h_out, a_out, scales, slots)
         if const_expr(self.mode == "fc1"):
             bt = None
             if const_expr(self.has_bias):
@@ -241,14 +248,14 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         else:
             count = self._dgrad_epilogue(ep, t, r_s, tma_h, m_h, epi_count)
             if const_expr(self.has_probs):
-                self._add_dprobs(ep, r_s, tRS_c, rows_here, row_base, dprobs)
+                self._add_row_sums(ep, r_s, tRS_c, slots, rows_here, row_base, dprobs)
         return count
 
     @cute.jit
     def _fc1_epilogue(self, ep, t, count0, bt):
         """h subtiles (gate and up of each pair, + the bias where ``bt`` is its context) and the
         activation subtile; returns #stores."""
-        n_tile, f_dim, r_p = t.n_tile, t.f_dim, t.r_p
+        n_tile, f_dim = t.n_tile, t.f_dim
         size_rD = cute.size(ep.rD)
         tn = self.tile_mnk[1]
         ts = tn // 2 if const_expr(self.interleave is None) else self.interleave
@@ -256,16 +263,18 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         r_up = cute.make_rmem_tensor(ep.rD.shape, Float32)
         r_up_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
+        halves = self._halves()
         count = count0
-        for e in cutlass.range_constexpr(tn // 32):
+        for i in cutlass.range_constexpr(tn // 32 * halves):
+            e, half = divmod(i, halves)  # column block, row half
             if const_expr((e // q) % 2 == 0):
-                eu = e + q
+                sg, su = i, (e + q) * halves + half  # the gate and up subtiles
                 for v in cutlass.range_constexpr(size_rD):
-                    ep.rD[v] = self._acc_at(ep, t, self._acc_index(ep, e, v))
-                    r_up[v] = self._acc_at(ep, t, self._acc_index(ep, eu, v))
+                    ep.rD[v] = self._acc_at(ep, t, self._sub_index(ep, sg, v))
+                    r_up[v] = self._acc_at(ep, t, self._sub_index(ep, su, v))
                     if const_expr(bt is not None):
-                        ep.rD[v] = ep.rD[v] + self._bias_at(bt, self._acc_index(ep, e, v))
-                        r_up[v] = r_up[v] + self._bias_at(bt, self._acc_index(ep, eu, v))
+                        ep.rD[v] = ep.rD[v] + self._bias_at(bt, self._sub_index(ep, sg, v))
+                        r_up[v] = r_up[v] + self._bias_at(bt, self._sub_index(ep, su, v))
                 ep.rD_out.store(ep.rD.load().to(self.c_dtype))
                 r_up_out.store(r_up.load().to(self.c_dtype))
                 # activation column block (of 32) and h column blocks of gate and up
@@ -285,9 +294,11 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
                 fg, _ = act_and_grad(gate, self.act, False, self.params)
                 res = fg * up_and_grad(up, self.act, False, self.params)[0]
                 if const_expr(self.has_probs):
-                    res = res * r_p.load()
+                    res = res * self._per_value(ep, t.r_p, t.slots, sg)
                 r_a_out.store(res.to(self.c_dtype))
-                self._store_glu(ep, t, (ep.rD_out, r_up_out, r_a_out), (g_blk, u_blk, j_blk), count)
+                self._store_glu(
+                    ep, t, (ep.rD_out, r_up_out, r_a_out), (g_blk, u_blk, j_blk), count, half
+                )
                 count = count + 3
         return count - count0
 
@@ -296,8 +307,8 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         """Per 32-column subtile of dA: dgate, dup and a stores; d(probs) partial sums in r_s.
 
         The subtile's gate and up columns of h arrive by TMA in two smem buffers (one mbarrier,
-        one phase per subtile: 4, 6 or 8 per tile, an even count, so the parity of subtile e is
-        e % 2 on every tile);
+        one phase per subtile: 4, 6 or 8 per tile, twice that with 64-row subtiles, an even
+        count, so the parity of subtile s is s % 2 on every tile);
         the next subtile's load is issued once every thread has read the current one (issuing
         the first one before the tile's mainloop measured 5-7 % slower: kernel README)."""
         n_tile, f_dim = t.n_tile, t.f_dim
@@ -307,54 +318,59 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         r_du_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         s_l, g_l = self._h_partitions(ep, tma_h, m_h, t.row_base)
-        depth = self.h_prefetch
-        num_sub = self.tile_mnk[1] // 32
+        depth, halves = self.h_prefetch, self._halves()
+        num_sub = self.tile_mnk[1] // 32 * halves  # subtile s: column block s // halves
         for d in cutlass.range_constexpr(min(depth, num_sub)):
             self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, d)
         count = count0
         for e in cutlass.range_constexpr(num_sub):
-            j0, g_col, u_col = self._h_cols(n_tile, f_dim, e)
+            j0, g_col, u_col = self._h_cols(n_tile, f_dim, e // halves)
             col_ok = j0 < f_dim
             g_buf = self.epi_stage + 2 * (e % depth)
             u_buf = g_buf + 1
             cute.arch.mbarrier_wait(self._h_bar(ep, e), self._h_parity(count0, e))
             for v in cutlass.range_constexpr(size_rD):
-                ep.rD[v] = self._acc_at(ep, t, self._acc_index(ep, e, v))
-                r, cc = t.coords[self._acc_index(ep, 0, v)]
+                ep.rD[v] = self._acc_at(ep, t, self._sub_index(ep, e, v))
+                r, cc = t.coords[self._sub_index(ep, 0, v)]  # in the subtile
                 r_g[v] = cutlass.select_(col_ok, ep.sC[r, cc, g_buf].to(Float32), Float32(0.0))
                 r_u[v] = cutlass.select_(col_ok, ep.sC[r, cc, u_buf].to(Float32), Float32(0.0))
             self.epi_barrier.arrive_and_wait()  # the h buffers are free again
             if const_expr(e + depth < num_sub):
                 self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, e + depth)
-            self._dglu(ep.rD, r_g, r_u, t.r_p, r_s, ep.rD_out, r_du_out, r_a_out)
+            self._dglu(ep, t, (ep.rD, r_g, r_u, e), r_s, (ep.rD_out, r_du_out, r_a_out))
             g_blk, u_blk, j_blk = self._drop_unless(
                 col_ok, f_dim, g_col // 32, u_col // 32, j0 // 32
             )
-            self._store_glu(ep, t, (ep.rD_out, r_du_out, r_a_out), (g_blk, u_blk, j_blk), count)
+            outs = (ep.rD_out, r_du_out, r_a_out)
+            self._store_glu(ep, t, outs, (g_blk, u_blk, j_blk), count, e % halves)
             count = count + 3
         return count - count0
 
     @cute.jit
     def _h_partitions(self, ep, tma_h, m_h, row_base):
-        """TMA partitions (smem, gmem) of h's (128 x 32) blocks for the tile at ``row_base``."""
+        """TMA partitions (smem, gmem) of h's subtile blocks for the tile at ``row_base``."""
         g_h = cute.zipped_divide(cute.domain_offset((row_base, 0), m_h), self.epi_tile)
         return cute.nvgpu.cpasync.tma_partition(
             tma_h, 0, cute.make_layout(1), cute.group_modes(ep.sC, 0, 2), g_h
         )
 
     @cute.jit
-    def _dglu(self, r_da, r_g, r_u, r_p, r_s, r_dg_out, r_du_out, r_a_out):
-        """With u = up(up half), u' = up'(up half) (the identity's: 1): dgate = dA·p·u·act'(gate),
-        dup = dA·p·act(gate)·u', a = act(gate)·u·p (rounded once); r_s += dA·act(gate)·u (the
-        d(probs) partial sums, before the p scaling)."""
+    def _dglu(self, ep, t, ins, r_s, outs):
+        """``ins`` = (dA, gate, up half) registers of subtile ``sub``, ``outs`` = (dgate, dup,
+        a).
+        With u = up(up half), u' = up'(up half) (the identity's: 1): dgate = dA·p·u·act'(gate),
+        dup = dA·p·act(gate)·u', a = act(gate)·u·p (rounded once); r_s[row] += dA·act(gate)·u
+        (the d(probs) partial sums per row slot, before the p scaling)."""
+        r_da, r_g, r_u, sub = ins
+        r_dg_out, r_du_out, r_a_out = outs
         gate = r_g.load()
         da = r_da.load()
         fg, dfg = act_and_grad(gate, self.act, True, self.params)
         up, dup = up_and_grad(r_u.load(), self.act, True, self.params)
         fgu = fg * up
         if const_expr(self.has_probs):
-            r_s.store(r_s.load() + da * fgu)
-            p = r_p.load()
+            self._add_to_rows(ep, r_s, da * fgu, t.slots, sub)
+            p = self._per_value(ep, t.r_p, t.slots, sub)
             da = da * p
             fgu = fgu * p
         r_dg_out.store((da * up * dfg).to(self.c_dtype))
@@ -393,10 +409,12 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
 
     @cute.jit
     def _issue_h(self, ep, tma_h, s_l, g_l, n_tile, f_dim, e: int):
-        """TMA-load the gate and up (128 x 32) blocks of h for dgrad subtile ``e`` into buffer
-        pair e % ``h_prefetch`` (its own mbarrier) (rows past M and columns past 2F are
-        zero-filled; other out-of-tile values are masked by the reader)."""
-        _, g_col, u_col = self._h_cols(n_tile, f_dim, e)
+        """TMA-load the gate and up (epi_rows x 32) blocks of h for dgrad subtile ``e`` (column
+        block e // halves, row half e % halves) into buffer pair e % ``h_prefetch`` (its own
+        mbarrier) (rows past M and columns past 2F are zero-filled; other out-of-tile values
+        are masked by the reader)."""
+        col, half = divmod(e, self._halves())
+        _, g_col, u_col = self._h_cols(n_tile, f_dim, col)
         warp = ep.warp
         bar = self._h_bar(ep, e)
         g_buf = self.epi_stage + 2 * (e % self.h_prefetch)
@@ -405,9 +423,11 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
                 cute.arch.mbarrier_arrive_and_expect_tx(
                     bar, 2 * self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
                 )
-            cute.copy(tma_h, g_l[(None, (0, g_col // 32))], s_l[(None, g_buf)], tma_bar_ptr=bar)
             cute.copy(
-                tma_h, g_l[(None, (0, u_col // 32))], s_l[(None, g_buf + 1)], tma_bar_ptr=bar
+                tma_h, g_l[(None, (half, g_col // 32))], s_l[(None, g_buf)], tma_bar_ptr=bar
+            )
+            cute.copy(
+                tma_h, g_l[(None, (half, u_col // 32))], s_l[(None, g_buf + 1)], tma_bar_ptr=bar
             )
 
     @cute.jit
@@ -418,15 +438,3 @@ class GluGemmKernel(BiasEpilogueMixin, GroupedGemmKernel):
         if ok:
             g, u, j = g_blk, u_blk, j_blk
         return g, u, j
-
-    @cute.jit
-    def _add_dprobs(self, ep, r_s, tRS_c, rows_here, row_base, dprobs):
-        """Reduce the row partial sums over the 4 lanes sharing a row; one atomic add each."""
-        lane = cute.arch.lane_idx()
-        for v in cutlass.range_constexpr(cute.size(r_s)):
-            val = r_s[v]
-            val = val + cute.arch.shuffle_sync_bfly(val, 1)
-            val = val + cute.arch.shuffle_sync_bfly(val, 2)
-            r = tRS_c[self._acc_index(ep, 0, v)][0]
-            if (lane % 4 == 0) & (r < rows_here):
-                cute.arch.atomic_add(dprobs.iterator + (row_base + r), val)

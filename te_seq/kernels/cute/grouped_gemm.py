@@ -73,6 +73,8 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     epi_batch: int | None = 1
     epi_extra_buffers = 0
     extra_barriers = 0
+    # rows of an epilogue subtile (None: the tile's 128); the GLU kernel's ping-pong option 64
+    epi_rows: int | None = None
     # Varlen K: clip each group's loads by ragged TMA views (True), or take every group's span as
     # whole k-tiles of zero-padded operands (False: the FP8 wgrad, whose operands are K-major,
     # and ragged views need a 16-byte stride along the ragged mode).
@@ -169,7 +171,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             (1 if self.pingpong else self.num_mma_warpgroups, 1, 1),
             tiler_mn=(64, tn),
         )
-        self.epi_tile = (tm, 32)
+        self.epi_tile = (self.epi_rows or tm, 32)
         self.epi_stage = self.epi_store_stages or (4 if self.c_dtype.width == 16 else 2)
         epi_buffers = self.epi_stage + self.epi_extra_buffers
         ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8

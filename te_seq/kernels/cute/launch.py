@@ -27,11 +27,14 @@ class Tiling:
     pingpong: the two MMA warpgroups take alternate tiles, one's epilogue overlapping the
     other's mainloop (tile_n 128 or 192; the plain varlen-M ``grouped_mm`` only, so far);
     otherwise both work on each tile (64 rows each).
+    epi_rows: rows of an epilogue subtile, 128 or (the GLU kernels in ping-pong only) 64: half
+    the registers per subtile for a warpgroup that holds the whole tile.
     """
 
     tile_n: int = 256
     cluster_mn: tuple[int, int] = (1, 2)
     pingpong: bool = False
+    epi_rows: int = 128
 
 
 # Measured on one H200 (2026-11-22, benchmarks/bench_grouped_gemm.py, shapes A/B/Q/Z):
