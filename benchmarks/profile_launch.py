@@ -14,6 +14,14 @@ on the GPU, a CPU malloc here), and the TVM-FFI call itself. Rows default to 256
 allocations stay small; H, F and E are shape Q's (H=2048, F=768, E=128).
 
   python benchmarks/profile_launch.py [--iters 2000] [--rows 256] [--top 15] [--only glu_fc1]
+
+``--mlp`` times the whole fused MLP step instead (``stubbed_step``: forward + backward of
+``Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)``, single grouped weights, device-style
+split sizes, the cute backend) in bf16 or under an FP8 recipe, every kernel stubbed (the
+quantization and offsets kernels too): µs per step, cProfile's primitive calls per step and
+the top cumulative entries:
+
+  python benchmarks/profile_launch.py --mlp [--fp8 ROWWISE|BLOCK|CURRENT] [--iters 300] [--top 25]
 """
 
 from __future__ import annotations
@@ -138,14 +146,174 @@ def time_call(fn: Callable[[], object], iters: int) -> float:
     return sorted(rounds)[2]
 
 
+# --- the whole fused MLP step --------------------------------------------------------------
+
+RECIPES = {"ROWWISE": "Float8RowwiseScaling", "BLOCK": "Float8BlockScaling",
+           "CURRENT": "Float8CurrentScaling"}
+
+
+class _OffsetsStub(StubKernel):
+    """The offsets kernel's stand-in writes what the kernel would (offs = cumsum(splits),
+    ok = 1): the device-side assert after it reads ``ok``."""
+
+    def fn(self, splits, offs, ok, rows) -> None:
+        super().fn(splits, offs, ok, rows)
+        torch.cumsum(splits, 0, out=offs)
+        ok.fill_(1)
+
+
+@contextlib.contextmanager
+def stubbed_step(record: bool = False) -> Iterator[dict[object, StubKernel]]:
+    """`stubbed_kernels` and what a whole step on the cute backend needs beyond it on CPU
+    tensors: the quantization and offsets kernels stubbed, the backend registry told the cute
+    backend is available, an sm_90 capability, the FP8 kernel checks judged for a CUDA device,
+    the split sizes taken as device ones (no host read of their values, one offsets launch),
+    the elementwise maths uncompiled (the FP8 step with GLU epilogues runs none)."""
+    from te_seq import config
+    from te_seq.core import fp8_gemm
+    from te_seq.kernels import backend as registry
+    from te_seq.kernels import fp8_cute, fp8_torch
+    from te_seq.kernels.cute import (
+        block_fp8,
+        block_fp8_wgrad,
+        compile_quant,
+        offsets,
+        offsets_kernel,
+        quant,
+    )
+    from te_seq.ops.basic import _split_sizes, grouped_linear
+
+    with stubbed_kernels(record) as stubs:
+        def make(cfg, kind=StubKernel):
+            stubs[cfg] = kind(cfg, record=record)
+            return stubs[cfg]
+
+        forward_reason = fp8_cute.forward_reason
+        cuda = torch.device("cuda", 0)
+        patches = {
+            (compile_quant, "compile_quant"): functools.lru_cache(maxsize=None)(make),
+            (offsets_kernel, "compile_offsets"): functools.lru_cache(maxsize=None)(
+                lambda dtype: make(("offsets", dtype), _OffsetsStub)),
+            (cute, "available"): lambda: (True, ""),
+            (cute, "offsets_problem"): lambda splits: "",
+            (fp8_torch, "cuda_capability"): lambda device: (9, 0),
+            (fp8_cute, "forward_reason"): lambda blocks, dtypes, gemm_dtype, device, dims:
+                forward_reason(blocks, dtypes, gemm_dtype, cuda, dims),
+            (_split_sizes, "check_host_split_values"): lambda name, splits, rows: None,
+            (grouped_linear, "check_host_split_values"): lambda name, splits, rows: None,
+        }
+        # modules that imported the device checks by name (stubbed_kernels patches the rest)
+        patches.update({(m, "_device_problem"): lambda tensors: ""
+                        for m in (quant, block_fp8, block_fp8_wgrad)})
+        patches.update({(m, "available"): lambda: (True, "") for m in (quant, offsets)})
+        patches[(block_fp8_wgrad, "_num_sms")] = lambda index: _SMS
+        saved = {key: getattr(*key) for key in patches}
+        availability = dict(registry._availability)
+        compile_elementwise = config.compile_elementwise()
+        try:
+            for (module, name), value in patches.items():
+                setattr(module, name, value)
+            registry._availability["cute"] = (True, "")
+            config.set_compile_elementwise(False)
+            fp8_gemm.clear_decisions()
+            yield stubs
+        finally:
+            fp8_gemm.clear_decisions()
+            config.set_compile_elementwise(compile_elementwise)
+            registry._availability.clear()
+            registry._availability.update(availability)
+            for (module, name), value in saved.items():
+                setattr(module, name, value)
+
+
+def mlp_step(rows: int, recipe_name: str | None, e: int = 128, h: int = 2048, f: int = 768
+             ) -> Callable[[], None]:
+    """One fwd+bwd step of the fused grouped MLP on shape Q's widths, ``rows`` tokens, bf16
+    on CPU (call it inside `stubbed_step`): the benchmark's ScaledSwiGLU with probs, fresh
+    grads (the weights' ``.grad`` dropped after each step: their two [E, N, K] CPU mallocs
+    cost ~0.1 ms a step, bf16 and FP8 alike; accumulating instead would add them up on the
+    CPU), under ``recipe_name`` (a ``te_seq.recipe`` class name) or in bf16 (None)."""
+    import te_seq
+    from te_seq import ops, recipe
+
+    kw = {"dtype": torch.bfloat16, "single_grouped_weight": True}
+    mlp = te_seq.Sequential(ops.GroupedLinear(e, h, 2 * f, bias=False, **kw), ops.ScaledSwiGLU(),
+                            ops.GroupedLinear(e, f, h, bias=False, **kw))
+    x = _rand(rows, h).requires_grad_()
+    probs = torch.rand(rows).requires_grad_()
+    splits = torch.full((e,), rows // e, dtype=torch.int64)
+    splits[0] += rows - int(splits.sum())
+    dy = _rand(rows, h)
+    fp8 = te_seq.autocast(recipe=getattr(recipe, recipe_name)()) if recipe_name \
+        else contextlib.nullcontext()
+
+    def step() -> None:
+        with te_seq.backend("cute"), fp8:
+            y = mlp(x, splits, probs, splits)
+        y.backward(dy)
+        for p in mlp.parameters():
+            p.grad = None
+        x.grad = probs.grad = None
+
+    return step
+
+
+def time_best(fn: Callable[[], object], iters: int) -> float:
+    """Best µs per call of 7 rounds of ``iters`` calls: the least disturbed by other processes
+    (a step's CPU mallocs make the median noisy on a shared machine)."""
+    fn()
+    rounds = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        rounds.append((time.perf_counter() - start) / iters * 1e6)
+    return min(rounds)
+
+
+def profile_step(step: Callable[[], None], iters: int) -> tuple[float, pstats.Stats]:
+    """(primitive Python calls per step, the cProfile statistics of ``iters`` steps)."""
+    prof = cProfile.Profile()
+    prof.runcall(lambda: [step() for _ in range(iters)])
+    stats = pstats.Stats(prof)
+    return stats.prim_calls / iters, stats
+
+
+def main_mlp(args) -> None:
+    """``--mlp``: the whole step, bf16 and under the recipes ``--fp8`` names. Only bf16 and
+    the row-wise recipe are timed: the others quantize with torch ops (not cute kernels), which
+    compute on the CPU here (seconds a step), so only their Python calls are counted."""
+    names = [None] + [RECIPES[n] for n in args.fp8.split(",") if n]
+    with stubbed_step() as stubs:
+        for name in names:
+            step = mlp_step(args.rows, name)
+            step()
+            launches = len(stubs)
+            timed = name in (None, RECIPES["ROWWISE"])
+            us = f"{time_best(step, args.iters):8.1f} µs/step" if timed else "(not timed)".rjust(16)
+            calls, stats = profile_step(step, max(args.iters // 10, 1) if timed else 2)
+            print(f"{name or 'bf16':22s} {us}  {calls:6.0f} calls/step  "
+                  f"({launches} kernel configs so far)")
+            if args.top:
+                stats.sort_stats("cumulative").print_stats(args.top)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--iters", type=int, default=None, help="default 2000 (--mlp: 300)")
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--top", type=int, default=0, help="cProfile rows per functional (0: none)")
     p.add_argument("--only", default="", help="time only functionals whose name contains this")
+    p.add_argument("--mlp", action="store_true", help="the whole fused MLP step (fwd+bwd)")
+    p.add_argument("--fp8", default="ROWWISE", help=f"with --mlp: recipes after bf16, "
+                   f"comma-separated, of {sorted(RECIPES)} ('' for bf16 only)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.mlp:
+        args.iters = args.iters or 300
+        main_mlp(args)
+        return
+    args.iters = args.iters or 2000
     with stubbed_kernels(record=False):
         for name, fn in cases(args.rows).items():
             if args.only not in name:

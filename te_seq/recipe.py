@@ -33,6 +33,9 @@ from typing import ClassVar
 from te_seq.kernels.fp8_reference import QuantBlock, ScaleRule
 
 ROLES = ("input", "weight", "grad")  # x (and the activations), W, dy
+# the recipes' blocks, made once (frozen; `block()` runs several times per FP8 call)
+_PER_TENSOR, _ROWWISE = QuantBlock(None, None), QuantBlock(1, None)
+_TILE_1X128, _BLOCK_128X128 = QuantBlock(1, 128), QuantBlock(128, 128)
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ class Float8CurrentScaling(Recipe):
     fp8_format: str = "HYBRID"
 
     def block(self, role: str) -> QuantBlock:
-        return QuantBlock(None, None)
+        return _PER_TENSOR
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class Float8BlockScaling(Recipe):
     block_multiple: ClassVar[int | None] = 128
 
     def block(self, role: str) -> QuantBlock:
-        return QuantBlock(128, 128) if role == "weight" else QuantBlock(1, 128)
+        return _BLOCK_128X128 if role == "weight" else _TILE_1X128
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ class Float8RowwiseScaling(Recipe):
     `torch._scaled_grouped_mm` take on Hopper. E4M3 by default ("HYBRID": E5M2 gradients)."""
 
     def block(self, role: str) -> QuantBlock:
-        return QuantBlock(1, None)
+        return _ROWWISE
 
 
 __all__ = [

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from te_seq.core import amp, fp8
-from te_seq.kernels import cute, fp8_cute, fp8_torch, fp8_wgrad
+from te_seq.kernels import cute, fp8_cute, fp8_quantize, fp8_torch, fp8_wgrad
 from te_seq.recipe import Recipe
 
 
@@ -172,8 +172,10 @@ def decided(key: tuple, decide):
 
 
 def clear_decisions() -> None:
-    """Forget the cached decisions (tests that fake a GPU or replace a kernel check)."""
+    """Forget the cached decisions (tests that fake a GPU or replace a kernel check), the
+    quantization kernels' choices included."""
     _DECISIONS.clear()
+    fp8_quantize.clear_reasons()
 
 
 def _runs_native(ctx, x: Tensor, w: Tensor, grouped: bool) -> bool:

@@ -21,14 +21,32 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from te_seq.kernels import cute, fp8_wgrad
 from te_seq.kernels import fp8_reference as ref
 
+# (backend, block, rule, t's dtype, rank, width, device) -> `reason`'s answer: it depends on
+# nothing else (the device's capability and the DSL's presence do not change in a process).
+# `clear_reasons()` forgets them (tests that fake a GPU; core/fp8_gemm.py's clear_decisions).
+_REASONS: dict[tuple, str] = {}
+
 
 def reason(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule, backend_name: str) -> str:
-    """Why t is not quantized by the cute kernels ("" when it is)."""
+    """Why t is not quantized by the cute kernels ("" when it is), decided once per set of
+    the facts it reads."""
+    key = (backend_name, block, rule, t.dtype, t.dim(), t.shape[-1] if t.dim() else 0, t.device)
+    found = _REASONS.get(key)
+    if found is None:
+        found = _REASONS[key] = _reason(t, block, rule, backend_name)
+    return found
+
+
+def clear_reasons() -> None:
+    """Forget `reason`'s answers."""
+    _REASONS.clear()
+
+
+def _reason(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule, backend_name: str) -> str:
     if backend_name != "cute":
         return f"the {backend_name} backend quantizes with torch"
     if block != ref.ROWWISE:
@@ -92,9 +110,11 @@ def rows_and_token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backend_n
             fp8_wgrad.TokenMajor(data, scale_inv, padded_offs))
 
 
-# offs tensor -> ((its version, rows), (table, padded offs)): one step's token-major operands
-# (x, the activation, dy, dh) share their group offsets, so the table is built once per step
-_TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# on the offs tensor: ((its version, rows), (table, padded offs)). One step's token-major
+# operands (x, the activation, dy, dh) share their group offsets, so the table is built once
+# per step; an attribute of the tensor (one lookup, gone with it; a weak-keyed dictionary
+# costs ~8 Python calls a lookup).
+_TABLE_ATTR = "_te_seq_span_table"
 
 
 def span_table(offs: Tensor, rows: int) -> tuple[Tensor, Tensor]:
@@ -104,7 +124,7 @@ def span_table(offs: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     group G and no rows. Cached per `offs` tensor (and its version); no host sync. On a GPU
     with the CuTe DSL one kernel makes it (`cute.span_table`), else torch ops."""
     key = (offs._version, rows)
-    cached = _TABLES.get(offs)
+    cached = getattr(offs, _TABLE_ATTR, None)
     if cached is not None and cached[0] == key:
         return cached[1]
     if offs.is_cuda and cute.available()[0]:
@@ -113,7 +133,7 @@ def span_table(offs: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     else:
         made = _build_table(offs, rows)  # the same table from torch ops (the definition)
     if not torch.compiler.is_compiling():
-        _TABLES[offs] = (key, made)
+        setattr(offs, _TABLE_ATTR, (key, made))
     return made
 
 

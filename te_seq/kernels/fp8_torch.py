@@ -131,8 +131,12 @@ def rowwise_scales(x: QuantizedTensor, w_scale_inv: Tensor, n: int) -> tuple[Ten
     from per-tensor or per-row `scale_inv`s (x's [1, 1] or [M, 1], W's [G, 1, 1] or [G, N, 1]);
     a per-tensor scale is repeated along its rows (the same product)."""
     m, g = x.data.shape[0], w_scale_inv.shape[0]
-    scale_a = x.scale_inv.reshape(-1).expand(m).contiguous()  # [M]
-    scale_b = w_scale_inv.reshape(g, -1).expand(g, n).contiguous()  # [G, N]
+    scale_a = x.scale_inv.reshape(-1)  # [M] (row-wise [M, 1]: a view, no copy)
+    if scale_a.shape[0] != m or not scale_a.is_contiguous():  # per tensor: repeated
+        scale_a = scale_a.expand(m).contiguous()
+    scale_b = w_scale_inv.reshape(g, -1)  # [G, N]
+    if scale_b.shape[1] != n or not scale_b.is_contiguous():
+        scale_b = scale_b.expand(g, n).contiguous()
     return scale_a, scale_b
 
 

@@ -90,5 +90,5 @@ def block_scaled_grouped_mm(
 
         return GemmConfig("m", FP8_DTYPE, out_dtype, "k", BLOCK, cluster_mn, block_scaled=True)
 
-    check = supports_block_scaled(a, b, a_scale, b_scale, out_dtype)
-    return run_scaled_mm(_OP, check, config, a, b, a_scale, b_scale, offs, out_dtype)
+    return run_scaled_mm(_OP, lambda: supports_block_scaled(a, b, a_scale, b_scale, out_dtype),
+                         config, a, b, a_scale, b_scale, offs, out_dtype, cluster_mn)

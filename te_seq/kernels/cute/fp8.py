@@ -31,6 +31,11 @@ from .launch import (
     varlen_k_clusters,
     varlen_m_clusters,
 )
+from .launch_plan import LaunchPlan, PlanCache, tensor_signature
+
+# FP8 launches by call signature: a plan exists only for a signature whose checks passed
+_MM_PLANS = PlanCache()  # scaled_grouped_mm and block_scaled_grouped_mm
+_WGRAD_PLANS = PlanCache()  # scaled_grouped_wgrad
 
 FP8_DTYPE = torch.float8_e4m3fn
 # A (the gradient in the dgrad and wgrad GEMMs) may be E5M2 ("HYBRID" recipes): WGMMA mixes them
@@ -135,16 +140,36 @@ def scaled_grouped_mm(
         return GemmConfig("m", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, scaled=True,
                           a_dtype=_a_dtype(a))
 
-    check = supports_scaled(a, b, a_scale, b_scale, out_dtype)
-    return run_scaled_mm(_OP, check, config, a, b, a_scale, b_scale, offs, out_dtype)
+    return run_scaled_mm(_OP, lambda: supports_scaled(a, b, a_scale, b_scale, out_dtype),
+                         config, a, b, a_scale, b_scale, offs, out_dtype, tiling)
 
 
-def run_scaled_mm(op: str, check: tuple[bool, str], config, a: Tensor, b: Tensor,
-                  a_scale: Tensor, b_scale: Tensor, offs: Tensor,
-                  out_dtype: torch.dtype) -> Tensor:
+def run_scaled_mm(op: str, check, config, a: Tensor, b: Tensor, a_scale: Tensor,
+                  b_scale: Tensor, offs: Tensor, out_dtype: torch.dtype, tiling=None) -> Tensor:
     """Launch an FP8 varlen-M grouped GEMM (row-wise or block scales): raise ValueError with
-    ``check``'s reason when it is (False, why); else allocate out [M, N], compile
-    ``config(N)`` (a ``GemmConfig``) and launch it over the rows with the scales as given."""
+    ``check()``'s reason when it is (False, why); else allocate out [M, N], compile
+    ``config(N)`` (a ``GemmConfig``) and launch it over the rows with the scales as given.
+    The check, the config and the grid are decided once per call signature (``launch_plan``:
+    the operands' dtypes, shapes, strides and devices, ``out_dtype``, and ``tiling``: every
+    option ``config`` reads besides those)."""
+    signature = (op, *map(tensor_signature, (a, b, a_scale, b_scale)), offs.dtype, offs.shape,
+                 offs.device, out_dtype, tiling)
+    plan = _MM_PLANS.get(signature) or _MM_PLANS.put(
+        signature, _plan_mm(op, check(), config, a, b))
+    (rows, _), (groups, n, _) = a.shape, b.shape
+    offs = _check_offs(offs, groups, a.device)
+    out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
+    if rows == 0:
+        return out
+    b_view = _aligned(b.contiguous()).permute(1, 2, 0)  # (N, K, E), K-major
+    plan.kernel(_aligned(_row_major(a)), b_view, out, offs, plan.clusters, a_scale.contiguous(),
+                b_scale.contiguous(), no_route(a.device))
+    return out
+
+
+def _plan_mm(op: str, check: tuple[bool, str], config, a: Tensor, b: Tensor) -> LaunchPlan:
+    """The checked `LaunchPlan` of an FP8 varlen-M launch (the kernel is None without rows:
+    nothing launches)."""
     ok, why = check
     if not ok:
         shown = f"a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype}"
@@ -152,18 +177,12 @@ def run_scaled_mm(op: str, check: tuple[bool, str], config, a: Tensor, b: Tensor
     from .compile import compile_gemm
 
     (rows, _), (groups, n, _) = a.shape, b.shape
-    offs = _check_offs(offs, groups, a.device)
-    out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
     if rows == 0:
-        return out
+        return LaunchPlan(None, 0)
     cfg = config(n)
-    kernel = compile_gemm(cfg).fn
     sms = _num_sms(a.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, cfg.tile_n, cfg.cluster_mn, sms)
-    b_view = _aligned(b.contiguous()).permute(1, 2, 0)  # (N, K, E), K-major
-    kernel(_aligned(_row_major(a)), b_view, out, offs, clusters, a_scale.contiguous(),
-           b_scale.contiguous(), no_route(a.device))
-    return out
+    return LaunchPlan(compile_gemm(cfg).fn, clusters)
 
 
 def _aligned(t: Tensor) -> Tensor:
@@ -235,6 +254,24 @@ def scaled_grouped_wgrad(
     scales). -> [E, N, K]: a new bf16 tensor, or written into (``accumulate=True``: added to)
     ``out``, contiguous bf16 or fp32. fp32 accumulation, sync-free, CUDA-graph capturable.
     """
+    signature = (*map(tensor_signature, (a, b, a_scale, b_scale)), offs.dtype, offs.shape,
+                 offs.device, None if out is None else (out.dtype, out.shape, out.is_contiguous()),
+                 accumulate, tiling)
+    plan = _WGRAD_PLANS.get(signature) or _WGRAD_PLANS.put(
+        signature, _plan_wgrad(a, b, a_scale, b_scale, offs, out, accumulate, tiling))
+    groups, n, k = offs.shape[0], a.shape[0], b.shape[0]
+    offs = _check_offs(offs, groups, a.device)
+    if out is None:
+        out = torch.empty(groups, n, k, dtype=torch.bfloat16, device=a.device)
+    plan.kernel(_aligned(_row_major(a)), _aligned(_row_major(b)), out.permute(1, 2, 0), offs,
+                plan.clusters, a_scale.contiguous(), b_scale.contiguous(), no_route(a.device))
+    return out
+
+
+def _plan_wgrad(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
+                out: Tensor | None, accumulate: bool, tiling: Tiling | None) -> LaunchPlan:
+    """The checked `LaunchPlan` of a ``scaled_grouped_wgrad`` launch (ValueError where the
+    operands or ``out`` do not fit)."""
     ok, why = supports_scaled_wgrad(a, b, a_scale, b_scale, offs)
     if not ok:
         raise ValueError(f"{_WGRAD_OP}: a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} "
@@ -242,19 +279,15 @@ def scaled_grouped_wgrad(
     from .compile import GemmConfig, compile_gemm
 
     groups, n, k = offs.shape[0], a.shape[0], b.shape[0]
-    offs = _check_offs(offs, groups, a.device)
-    if out is None:
-        out, accumulate = torch.empty(groups, n, k, dtype=torch.bfloat16, device=a.device), False
-    if (tuple(out.shape) != (groups, n, k) or out.dtype not in (torch.float32, torch.bfloat16)
-            or not out.is_contiguous()):
+    out_dtype = torch.bfloat16 if out is None else out.dtype
+    if out is not None and (tuple(out.shape) != (groups, n, k)
+                            or out_dtype not in (torch.float32, torch.bfloat16)
+                            or not out.is_contiguous()):
         raise ValueError(f"{_WGRAD_OP}: out must be a contiguous [{groups}, {n}, {k}] float32 or "
                          f"bfloat16 tensor, got {tuple(out.shape)} {out.dtype}")
     t = tiling or default_tiling(k, WGRAD_TILING)
-    cfg = GemmConfig("k", FP8_DTYPE, out.dtype, "k", t.tile_n, t.cluster_mn, accumulate,
-                     scaled=True, a_dtype=_a_dtype(a))
-    kernel = compile_gemm(cfg).fn
+    cfg = GemmConfig("k", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn,
+                     accumulate and out is not None, scaled=True, a_dtype=_a_dtype(a))
     sms = _num_sms(a.device.index or 0)
     clusters = varlen_k_clusters(groups, n, k, t.tile_n, t.cluster_mn, sms)
-    kernel(_aligned(_row_major(a)), _aligned(_row_major(b)), out.permute(1, 2, 0), offs, clusters,
-           a_scale.contiguous(), b_scale.contiguous(), no_route(a.device))
-    return out
+    return LaunchPlan(compile_gemm(cfg).fn, clusters)

@@ -24,6 +24,7 @@ from torch import Tensor
 from .fp8 import FP8_DTYPE, _aligned, _device_problem
 from .glu import _ACTS, _check_probs, _launch, layout_problem, run_dgrad
 from .launch import _row_major, available
+from .launch_plan import LaunchPlan, PlanCache, tensor_signature
 
 _ALIGN = 16  # H in elements: 16-byte TMA rows of 1-byte data
 
@@ -43,8 +44,22 @@ def _operand_problem(x: Tensor, w: Tensor, x_scale: Tensor, w_scale: Tensor) -> 
     return ""
 
 
+_CHECKED = PlanCache()  # call signatures whose checks passed (LaunchPlan(None, 0) each)
+
+
 def _supports(x, w, x_scale, w_scale, act, interleave, fc1: bool) -> tuple[bool, str]:
-    """Shared checks; ``w`` is w1 [E, 2F, H] (fc1) or w2t [E, F, H] (dgrad)."""
+    """Shared checks; ``w`` is w1 [E, 2F, H] (fc1) or w2t [E, F, H] (dgrad). A signature that
+    passed once (dtypes, shapes, strides, devices, options) is not checked again."""
+    signature = (*map(tensor_signature, (x, w, x_scale, w_scale)), act, interleave, fc1)
+    if _CHECKED.get(signature) is not None:
+        return True, ""
+    ok, why = _check(x, w, x_scale, w_scale, act, interleave, fc1)
+    if ok:
+        _CHECKED.put(signature, LaunchPlan(None, 0))
+    return ok, why
+
+
+def _check(x, w, x_scale, w_scale, act, interleave, fc1: bool) -> tuple[bool, str]:
     if act not in _ACTS:
         return False, f"act {act!r} has no fused epilogue (only {_ACTS})"
     if w.dim() != 3 or (fc1 and w.shape[1] % 2):

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .fp8 import A_DTYPES, FP8_DTYPE, _aligned, _device_problem
 from .launch import _row_major, available
+from .launch_plan import LaunchPlan, PlanCache
 
 SPAN_BLOCK = 128  # tokens per padded block (fp8_wgrad.WGRAD_PAD)
 _IN_DTYPES = (torch.bfloat16, torch.float16)
@@ -43,12 +44,19 @@ def quant_problem(t: Tensor, fp8_dtype: torch.dtype, margin: int, fp32: bool = F
     return "" if ok else why
 
 
+_KERNELS = PlanCache()  # (kind, dtype, options) -> LaunchPlan(the compiled kernel, 0)
+
+
 def _kernel(kind: str, t: Tensor, power_of_two: bool, rows: bool = False,
             fp8_dtype: torch.dtype = FP8_DTYPE):
-    from .compile_quant import QuantConfig, compile_quant
-
     dtype = t.dtype if t.dtype in _BLOCK_IN_DTYPES else torch.bfloat16  # span_table: no data
-    return compile_quant(QuantConfig(kind, dtype, power_of_two, rows, fp8_dtype)).fn
+    key = (kind, dtype, power_of_two, rows, fp8_dtype)
+    plan = _KERNELS.get(key)
+    if plan is None:  # the config built and looked up once per key (the import too)
+        from .compile_quant import QuantConfig, compile_quant
+
+        plan = _KERNELS.put(key, LaunchPlan(compile_quant(QuantConfig(*key)).fn, 0))
+    return plan.kernel
 
 
 def quantize_rows(t: Tensor, power_of_two: bool = False,

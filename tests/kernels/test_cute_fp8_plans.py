@@ -1,0 +1,156 @@
+"""The FP8 functionals' per-call planning caches, on the CPU with the kernels stubbed
+(benchmarks/profile_launch.py: ``stubbed_kernels``): the cute FP8 GEMMs' launch plans
+(``cute.fp8``), the FP8 GLU steps' checks (``cute.fp8_glu``) and the quantization kernels'
+choice (``fp8_quantize.reason``). Each is taken on a repeated identical call (counted, not
+timed), not taken after a change of shape or dtype, and launches what a fresh plan launches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install "
+                    "'te_seq[cute]')")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from profile_launch import stubbed_kernels  # noqa: E402
+
+from te_seq.core import fp8_gemm  # noqa: E402
+from te_seq.kernels import cute, fp8_quantize  # noqa: E402
+from te_seq.kernels import fp8_reference as ref  # noqa: E402
+from te_seq.kernels.cute import fp8, fp8_glu  # noqa: E402
+from te_seq.kernels.cute.launch_plan import clear_plans  # noqa: E402
+
+E, K, N, M = 4, 128, 256, 96
+FP8 = torch.float8_e4m3fn
+
+
+def _offs(rows: int = M) -> torch.Tensor:
+    return torch.tensor([rows // 4, rows // 2, rows // 2, rows], dtype=torch.int32)
+
+
+def _facts(args: tuple) -> list:
+    """A launch's arguments as comparable facts (tensors: dtype, shape, strides)."""
+    return [(a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a
+            for a in args]
+
+
+def _counting(monkeypatch, module, name: str) -> list:
+    """Replace ``module.name`` by a wrapper that counts its calls (the list's length)."""
+    calls, inner = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _mm_operands(rows: int = M, k: int = K, a_dtype=FP8):
+    a = torch.randn(rows, k).to(a_dtype)
+    b = torch.randn(E, N, k).to(FP8)
+    return a, b, torch.rand(rows) + 0.5, torch.rand(E, N) + 0.5
+
+
+def test_scaled_mm_plan_is_taken_on_identical_calls_only(monkeypatch):
+    checks = _counting(monkeypatch, fp8, "supports_scaled")
+    with stubbed_kernels() as stubs:
+        a, b, sa, sb = _mm_operands()
+        for _ in range(3):
+            cute.scaled_grouped_mm(a, b, sa, sb, _offs())
+        assert len(checks) == 1 and len(fp8._MM_PLANS) == 1
+        cute.scaled_grouped_mm(*_mm_operands(rows=M + 32), _offs(M + 32))  # new M
+        cute.scaled_grouped_mm(*_mm_operands(k=K + 16), _offs())  # new K
+        cute.scaled_grouped_mm(*_mm_operands(a_dtype=torch.float8_e5m2), _offs())  # new dtype
+        assert len(checks) == 4 and len(fp8._MM_PLANS) == 4
+        (stub,) = [s for cfg, s in stubs.items() if cfg.a_dtype is None and s.calls]
+        launches = stub.calls[:3]
+        clear_plans()
+        cute.scaled_grouped_mm(a, b, sa, sb, _offs())  # planned afresh: the same launch
+        assert len(checks) == 5
+    assert _facts(launches[0]) == _facts(launches[2]) == _facts(stub.calls[-1])
+    # the operands are passed as they are: the planned call reads the caller's tensors
+    assert launches[2][0].data_ptr() == a.data_ptr() and launches[2][6].data_ptr() == sb.data_ptr()
+
+
+def test_scaled_mm_plan_never_skips_a_failing_check():
+    with stubbed_kernels():
+        a, b, sa, sb = _mm_operands()
+        for _ in range(2):
+            with pytest.raises(ValueError, match="b_scale must be float32"):
+                cute.scaled_grouped_mm(a, b, sa, sb.double(), _offs())
+        assert len(fp8._MM_PLANS) == 0
+
+
+def _wgrad_operands(n: int = N):
+    p = 512  # padded token spans of 128
+    a, b = torch.randn(n, p).to(FP8), torch.randn(K, p).to(FP8)
+    offs = torch.tensor([128, 256, 384, 512], dtype=torch.int32)
+    return a, b, torch.rand(E, n), torch.rand(E, K), offs
+
+
+def test_scaled_wgrad_plan_is_taken_on_identical_calls_only(monkeypatch):
+    checks = _counting(monkeypatch, fp8, "supports_scaled_wgrad")
+    with stubbed_kernels() as stubs:
+        ops = _wgrad_operands()
+        for _ in range(3):
+            cute.scaled_grouped_wgrad(*ops)
+        assert len(checks) == 1
+        out = torch.zeros(E, N, K)
+        cute.scaled_grouped_wgrad(*ops, out=out, accumulate=True)  # new out dtype, accumulate
+        cute.scaled_grouped_wgrad(*_wgrad_operands(n=N + 16))  # new N
+        assert len(checks) == 3 and len(fp8._WGRAD_PLANS) == 3
+        accumulating = [cfg for cfg, s in stubs.items() if s.calls and cfg.accumulate]
+        assert len(accumulating) == 1 and accumulating[0].c_dtype == torch.float32
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            cute.scaled_grouped_wgrad(*ops, out=torch.zeros(E, N, K + 16))
+
+
+def test_fp8_glu_checks_are_cached_per_signature(monkeypatch):
+    checks = _counting(monkeypatch, fp8_glu, "_check")
+    x, w1 = torch.randn(M, K).to(FP8), torch.randn(E, N, K).to(FP8)
+    xs, ws = torch.rand(M), torch.rand(E, N)
+    with stubbed_kernels():
+        for _ in range(3):
+            cute.scaled_glu_fc1_forward(x, w1, xs, ws, _offs(), "silu", None)
+        assert len(checks) == 1
+        cute.scaled_glu_fc1_forward(x[: M // 2], w1, xs[: M // 2], ws, _offs(M // 2), "silu",
+                                    None)  # new M
+        assert len(checks) == 2
+        for _ in range(2):  # a failing check is made on every call
+            with pytest.raises(ValueError, match="x_scale must be float32"):
+                cute.scaled_glu_fc1_forward(x, w1, xs.double(), ws, _offs(), "silu", None)
+        assert len(checks) == 4
+
+
+def test_quantization_choice_is_decided_once_per_facts(monkeypatch):
+    problems = _counting(monkeypatch, cute, "quant_problem")
+    rule = ref.ScaleRule("E4M3", 0, False)
+    t = torch.randn(8, 64).to(torch.bfloat16)
+    first = fp8_quantize.reason(t, ref.ROWWISE, rule, "cute")
+    assert fp8_quantize.reason(torch.randn(16, 64).to(torch.bfloat16), ref.ROWWISE, rule,
+                               "cute") == first  # other rows: the same facts
+    assert len(problems) == 1 and "CUDA" in first
+    fp8_quantize.reason(torch.randn(8, 48).to(torch.bfloat16), ref.ROWWISE, rule, "cute")
+    fp8_quantize.reason(t.half(), ref.ROWWISE, rule, "cute")
+    fp8_quantize.reason(t, ref.ROWWISE, ref.ScaleRule("E5M2", 0, False), "cute")
+    assert len(problems) == 4
+    assert fp8_quantize.reason(t, ref.ROWWISE, rule, "torch") == \
+        "the torch backend quantizes with torch"
+    fp8_gemm.clear_decisions()  # what tests faking a GPU rely on
+    fp8_quantize.reason(t, ref.ROWWISE, rule, "cute")
+    assert len(problems) == 5
+
+
+def test_span_table_is_cached_on_the_offsets_until_they_change():
+    offs = _offs()
+    table = fp8_quantize.span_table(offs, M)
+    assert fp8_quantize.span_table(offs, M) is table
+    assert fp8_quantize.span_table(_offs(), M) is not table  # another tensor
+    assert fp8_quantize.span_table(offs, M + 8) is not table  # other rows
+    offs[1] += 1  # an in-place write: its version changes
+    rebuilt = fp8_quantize.span_table(offs, M)
+    assert rebuilt is not table and torch.equal(rebuilt[0], fp8_quantize._build_table(offs, M)[0])

@@ -1,0 +1,63 @@
+"""The whole-step host harness of benchmarks/profile_launch.py (``--mlp``), on the CPU.
+
+`stubbed_step` runs the fused MLP's forward + backward on the cute backend with every kernel
+stubbed: each launch the GPU step makes is recorded here, so a harness that silently fell
+back to torch ops (a device check not faked) would be caught, as would the script itself
+breaking (its dry run)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install "
+                    "'te_seq[cute]')")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from profile_launch import mlp_step, stubbed_step  # noqa: E402
+
+from te_seq.kernels.cute.compile import GemmConfig, GluConfig  # noqa: E402
+from te_seq.kernels.cute.compile_quant import QuantConfig  # noqa: E402
+
+
+def _launches(recipe_name):
+    """{config: launches} of the second step (the first compiles and plans)."""
+    with stubbed_step(record=True) as stubs:
+        step = mlp_step(256, recipe_name, e=8, h=256, f=128)
+        step()
+        for stub in stubs.values():
+            stub.calls.clear()
+        step()
+        return {cfg: len(stub.calls) for cfg, stub in stubs.items() if stub.calls}
+
+
+def test_bf16_step_launches_its_seven_kernels():
+    launches = _launches(None)
+    assert sum(launches.values()) == 7
+    glu = [c for c in launches if isinstance(c, GluConfig)]
+    assert sorted(c.mode for c in glu) == ["dgrad", "fc1"]
+    assert not any(isinstance(c, QuantConfig) for c in launches)
+
+
+def test_rowwise_step_runs_every_gemm_and_quantization_on_cute_kernels():
+    launches = _launches("Float8RowwiseScaling")
+    gemms = {c: n for c, n in launches.items() if isinstance(c, GemmConfig | GluConfig)}
+    assert all(c.scaled for c in gemms) and sum(gemms.values()) == 6  # 2 fwd, 2 dgrad, 2 wgrad
+    quant = {c.kind: 0 for c in launches if isinstance(c, QuantConfig)}
+    for c, n in launches.items():
+        if isinstance(c, QuantConfig):
+            quant[c.kind] += n
+    # x, dy, dh: rows + spans; a: rows (forward) and spans (backward); one table per step
+    assert quant == {"span_table": 1, "span_amax": 4, "span_cast": 4, "rows": 1}
+
+
+@pytest.mark.slow  # a subprocess of a few seconds
+def test_profile_launch_mlp_dry_run():
+    cmd = [sys.executable, "benchmarks/profile_launch.py", "--mlp", "--iters", "2", "--top", "3"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "calls/step" in line]
+    assert [line.split()[0] for line in lines] == ["bf16", "Float8RowwiseScaling"]
