@@ -12,12 +12,12 @@ in fp32, rounded once to bf16; g(m) the expert of row m (``offs``). The FP8 k-ti
 elements (``GroupedGemmKernel._setup``), so each k-tile is exactly one scale block along K.
 
 Promotion (in the main loop, ``promote.PromotedMainloopMixin``): each k-tile's WGMMAs
-accumulate into a fresh fp32 fragment, then each accumulator value is promoted,
-``acc += tmp · (a_scale[row, kb] · b_scale[g, n_tile, kb])``; two fragments alternate so the
-next k-tile's WGMMAs run during the promotion. The CTA tile is 128 × 128, so one b scale covers
-a whole (tile, k-tile); each thread holds its accumulator values in a few rows (two per 64-row
-WGMMA of the sm90 accumulator layout) and loads those rows' a scales, plus the one b scale,
-from global memory per k-tile, before waiting for the k-tile's WGMMAs.
+accumulate into a zeroed fp32 fragment; once they are done, each accumulator value is
+promoted, ``acc += tmp · (a_scale[row, kb] · b_scale[g, n_tile, kb])``. The CTA tile is
+128 × 128, so one b scale covers a whole (tile, k-tile); each thread holds its accumulator
+values in a few rows (two per 64-row WGMMA of the sm90 accumulator layout) and loads those
+rows' a scales, plus the one b scale, from global memory per k-tile, before waiting for the
+k-tile's operands.
 
 The K tail (K a multiple of 16, not of 128) is zero-filled by TMA, so the last block's scale
 multiplies only the valid products. Rows past offs[-1] form the virtual group E: they run no
@@ -25,7 +25,8 @@ k-tile and are written as zeros (no scale is read for them). Scale reads past M 
 a partial tile that the ragged store drops, n-tiles past N) are clamped to the last entry.
 
 Not done (speed): the scales are read from global memory rather than TMA-loaded with the
-operands.
+operands; the promotion is not overlapped with the same warpgroup's next WGMMAs (measured
+slower: ``promote``).
 """
 
 from __future__ import annotations
@@ -121,21 +122,23 @@ class BlockScaledGemmKernel(PromotedMainloopMixin, GroupedGemmKernel):
         row): what the k-tiles' scale loads and promotions share."""
         bt = self._block_tile
         firsts, slot = row_slots(cute.shape(acc))
+        rows = self._scale_rows(bt, firsts)
         group = cutlass.min(bt.group, cute.size(bt.b_scale, mode=[0]) - 1)
         n_block = cutlass.min(bt.n_block, cute.size(bt.b_scale, mode=[1]) - 1)
-        return slot, self._scale_rows(bt, firsts), group, n_block
+        return slot, rows, group, n_block
 
-    def _k_scales(self, ctx, k) -> list:
-        """Per row slot, a_scale[row, k] · b_scale[expert, n block, k]."""
+    def _k_scales(self, ctx, k) -> tuple:
+        """(b_scale[expert, n block, k], a_scale[row, k] per row slot)."""
         _, rows, group, n_block = ctx
         bt = self._block_tile
-        b_s = bt.b_scale[group, n_block, k]
-        return [bt.a_scale[r, k] * b_s for r in rows]
+        return bt.b_scale[group, n_block, k], [bt.a_scale[r, k] for r in rows]
 
     def _promote(self, acc, part, ctx, scales) -> None:
+        b_s, a_s = scales
         slot = ctx[0]
+        row_scales = [s * b_s for s in a_s]
         for i in range(cute.size(acc)):  # trace time: unrolled
-            acc[i] = acc[i] + part[i] * scales[slot[i]]
+            acc[i] = acc[i] + part[i] * row_scales[slot[i]]
 
 
 def config_problem(cfg) -> str:

@@ -21,17 +21,18 @@ so Hopper's reduced-precision FP8 accumulation also stays bounded to 128 product
 Each thread reads, per k-tile, the a scales of its accumulator rows (two per 64-row WGMMA of
 the sm90 accumulator layout) and the b scales of its columns (two adjacent columns per group of
 8: tile_n / 4 of them) from global memory, which values share a row or a column being read off
-the accumulator's coordinate layout at trace time (``value_offsets``, ``slots``). Two
-fragments alternate (``promote.PromotedMainloopMixin``): the scales are read after a k-tile's
-WGMMAs are waited for, while the next k-tile's run (read earlier, they would spill); the lanes
-of a warp read 4 distinct b scales per load (L1 broadcasts). Reads past N, K or PB (a partial
+the accumulator's coordinate layout at trace time (``value_offsets``, ``slots``), before
+waiting for the k-tile's operands (``promote.PromotedMainloopMixin``), so the loads' latency
+hides behind the pipeline wait and the MMAs; the lanes of a warp read 4 distinct b scales per
+load (L1 broadcasts). Reads past N, K or PB (a partial
 last tile, whose values the TMA store drops) are clamped to the last entry. An empty span runs
 no k-tile: its C is written as zeros, or left as it was with ``accumulate``, whatever its
 scales hold (none is read).
 
 Not done (speed): the scales are read from global memory per k-tile rather than TMA-loaded
-into smem with the operands (tm + tn floats per stage would do); tile_n is 128 (acc, two
-fragments and tn / 4 scales fit the registers).
+into smem with the operands (tm + tn floats per stage would do); tile_n is 128 (acc, tmp and
+tn / 4 scales fit the registers); two fragments per warpgroup to overlap the promotion with the
+next k-tile's WGMMAs measured slower (``promote``).
 """
 
 from __future__ import annotations
@@ -88,7 +89,6 @@ class BlockWgradKernel(PromotedMainloopMixin, GroupedGemmKernel):
 
     ragged_k = False  # zero-padded spans that start on a k-tile (the token-major layout)
     pingpong_ready = False  # its mainloop does not hand the tensor cores over (``issued``)
-    early_scales = False  # tile_n / 4 b scales beside three fragments would spill (ptxas -v)
 
     def __init__(self, cluster_mn: tuple[int, int] = (1, 2), accumulate: bool = False):
         super().__init__("k", (128, SCALE_BLOCK), cluster_mn, accumulate)
