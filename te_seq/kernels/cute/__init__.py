@@ -46,6 +46,7 @@ from .launch import (
     plain_mm_tiling,
     route_problem,
     tile_n_for,
+    wgrad_tiling,
 )
 from .offsets import group_offsets, offsets_problem
 from .quant import (
@@ -63,6 +64,7 @@ __all__ = [
     "default_tiling",
     "pingpong_tile_n",
     "plain_mm_tiling",
+    "wgrad_tiling",
     "available",
     "route_problem",
     "supports",

@@ -16,7 +16,6 @@ from .launch import (
     GATHER_CLUSTER,
     MM_TILING,
     PINGPONG_TILE_WIDTHS,
-    WGRAD_TILING,
     Tiling,
     _check_offs,
     _num_sms,
@@ -34,6 +33,7 @@ from .launch import (
     tile_n_for,
     varlen_k_clusters,
     varlen_m_clusters,
+    wgrad_tiling,
     with_route,
 )
 from .launch_plan import LaunchPlan, PlanCache
@@ -240,7 +240,8 @@ def grouped_wgrad(
     if rows == 0:
         return out if accumulate else out.zero_()
     grad_out, x = _row_major(grad_out), _row_major(x)
-    signature = (x.dtype, x.device, rows, n, k, groups, out.dtype, accumulate, tiling)
+    signature = (x.dtype, x.device, rows, n, k, groups, out.dtype, accumulate, tiling,
+                 tiling is None and pingpong_by_default())  # the default reads the environment
     plan = _WGRAD_PLANS.get(signature) or _WGRAD_PLANS.put(
         signature, _wgrad_plan(x, n, k, groups, out.dtype, accumulate, tiling)
     )
@@ -254,7 +255,7 @@ def _wgrad_plan(x: Tensor, n: int, k: int, groups: int, out_dtype: torch.dtype,
     """The `LaunchPlan` of a ``grouped_wgrad`` launch: its config compiled, the grid."""
     from .compile import GemmConfig, compile_gemm
 
-    t = tiling or default_tiling(k, WGRAD_TILING)
+    t = tiling or wgrad_tiling(k, accumulate)
     _check_pingpong(t, None, "accumulate" if accumulate else None)
     cfg = GemmConfig("k", x.dtype, out_dtype, "n", t.tile_n, t.cluster_mn, accumulate,
                      pingpong=t.pingpong)

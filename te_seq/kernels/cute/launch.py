@@ -95,6 +95,19 @@ def plain_mm_tiling(n: int, k: int) -> Tiling:
     return Tiling(pingpong_tile_n(n, MM_TILING.cluster_mn[1]), MM_TILING.cluster_mn, True)
 
 
+# Measured on one H100 (2026-11-25, bench_grouped_gemm.py, bursts of 10 calls,
+# measured/h100_2026-11-25c_gemm_pp_wgrad.json): FC1's wgrad (256 tokens per expert) in
+# ping-pong against cooperative 256 wide, TFLOP/s: Q 457 vs 415 (128 wide), B 553 vs 532 (192),
+# but Zipf-skewed Z 338 vs 373, so it too is opt-in.
+def wgrad_tiling(n: int, accumulate: bool) -> Tiling:
+    """The default tiling of the varlen-K grouped GEMM writing ``n`` output columns: with
+    ``pingpong_by_default()`` and nothing to accumulate into, ping-pong; else cooperative
+    ``WGRAD_TILING`` fitted to ``n``."""
+    if accumulate or not pingpong_by_default():
+        return default_tiling(n, WGRAD_TILING)
+    return Tiling(pingpong_tile_n(n, WGRAD_TILING.cluster_mn[1]), WGRAD_TILING.cluster_mn, True)
+
+
 @functools.lru_cache(maxsize=None)
 def available() -> tuple[bool, str]:
     """(True, "") when a CUDA device of capability >= 9.0 and the CuTe DSL (with TVM-FFI) import."""
