@@ -3,7 +3,7 @@
 Host time is the wall time of one call from an idle device until the call returns, its kernels
 not waited for (benchmarks/_common.py: time_host). With the GPU idle, a kernel starts as soon as
 it is launched, so the host time before the first kernel is what a single call pays on top of
-the kernels; it is printed directly too, from the first kernel's start on the device (profiler).
+the kernels; it is estimated as a single call's latency minus the steady-state time per call.
 
   python benchmarks/profile_host.py --shape Q --backend cute [--compile] [--top 30]
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import time
 
 import torch
@@ -50,28 +51,31 @@ def build(case, backend: str):
     return mlp, forward
 
 
-def first_kernel_us(forward, device) -> float:
-    """Microseconds from the call's start to its first kernel's start on the idle GPU.
+def exposed_host_us(forward, device, iters: int = 20) -> tuple[float, float, float]:
+    """(single-call latency, steady-state device time per call, their difference) in µs.
 
-    Kineto puts host and device events on one clock; the kernels' device-side records (CUDA
-    activity) are taken rather than their launch calls, because kernels launched through the
-    driver API (TVM-FFI, Triton) have no runtime-API launch event. The profiler's own cost per
-    recorded op inflates the host part: read it as an upper bound, next to the unprofiled
-    host time per call."""
-    torch.cuda.synchronize(device)
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        with torch.profiler.record_function("te_seq_call"):
-            forward()
+    The latency is one call from an idle GPU until its last kernel ends (CUDA events around
+    it); the device time is a burst of back-to-back calls divided by their count, so the host
+    runs ahead of the GPU there. Their difference is the host time the single call exposes:
+    mostly the time before its first kernel starts (the rest of its host work overlaps its
+    kernels while the host stays ahead). A profiler would time this directly but adds its own
+    cost to every op it records."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    latencies = []
+    for _ in range(iters):
         torch.cuda.synchronize(device)
-    events = prof.events()
-    start = next(e for e in events if e.name == "te_seq_call").time_range.start
-    kernels = [
-        e.time_range.start
-        for e in events
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= start
-    ]
-    return (min(kernels) - start) if kernels else float("nan")
+        start.record()
+        forward()
+        end.record()
+        torch.cuda.synchronize(device)
+        latencies.append(start.elapsed_time(end) * 1e3)
+    start.record()
+    for _ in range(iters):
+        forward()
+    end.record()
+    torch.cuda.synchronize(device)
+    latency, steady = statistics.median(latencies), start.elapsed_time(end) * 1e3 / iters
+    return latency, steady, latency - steady
 
 
 def profile(fn, iters: int, top: int) -> None:
@@ -170,8 +174,9 @@ def main() -> None:
         forward()
     print(mlp.fusion_plan())
     print(f"eager forward host time: {time_host(forward, args.iters, device) * 1e3:.1f} us")
-    for _ in range(3):
-        print(f"eager forward, first kernel after {first_kernel_us(forward, device):.1f} us")
+    latency, steady, exposed = exposed_host_us(forward, device)
+    print(f"eager forward: latency {latency:.1f} us from an idle GPU, {steady:.1f} us per call "
+          f"back to back, exposed host time {exposed:.1f} us")
     with torch.no_grad():
         host = time_host(forward, args.iters, device) * 1e3
     print(f"eager forward (no_grad) host time: {host:.1f} us")
