@@ -46,6 +46,7 @@ SOURCE_FILES = (
     "ragged.py",
     "routed.py",
     "glu_epilogue.py",
+    "glu_h_loads.py",
     "glu_maths.py",
     "row_values.py",
     "act_epilogue.py",

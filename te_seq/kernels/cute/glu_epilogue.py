@@ -40,6 +40,7 @@ from cutlass import Float32, Int32, const_expr
 from te_seq.kernels.activations import epilogue_activations, param_values
 
 from .bias_epilogue import BiasEpilogueMixin
+from .glu_h_loads import HLoadMixin
 from .glu_maths import act_and_grad, up_and_grad
 from .grouped_gemm import GroupedGemmKernel
 from .ragged import _ragged_group, _ragged_view
@@ -63,7 +64,7 @@ class _GluTile(NamedTuple):
     slots: object = None  # the values' row slots (``row_values.RowSlots``)
 
 
-class GluGemmKernel(RowValuesMixin, BiasEpilogueMixin, GroupedGemmKernel):
+class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKernel):
     """Varlen-M grouped GEMM with a GLU epilogue (``mode`` "fc1" or "dgrad"); see the module.
 
     ``pingpong``: one warpgroup per tile (fc1: a 128-wide tile of 64 gate and 64 up columns;
@@ -347,14 +348,6 @@ class GluGemmKernel(RowValuesMixin, BiasEpilogueMixin, GroupedGemmKernel):
         return count - count0
 
     @cute.jit
-    def _h_partitions(self, ep, tma_h, m_h, row_base):
-        """TMA partitions (smem, gmem) of h's subtile blocks for the tile at ``row_base``."""
-        g_h = cute.zipped_divide(cute.domain_offset((row_base, 0), m_h), self.epi_tile)
-        return cute.nvgpu.cpasync.tma_partition(
-            tma_h, 0, cute.make_layout(1), cute.group_modes(ep.sC, 0, 2), g_h
-        )
-
-    @cute.jit
     def _dglu(self, ep, t, ins, r_s, outs):
         """``ins`` = (dA, gate, up half) registers of subtile ``sub``, ``outs`` = (dgate, dup,
         a).
@@ -379,56 +372,6 @@ class GluGemmKernel(RowValuesMixin, BiasEpilogueMixin, GroupedGemmKernel):
             dfu = dfu * dup
         r_du_out.store(dfu.to(self.c_dtype))
         r_a_out.store(fgu.to(self.c_dtype))
-
-    @cute.jit
-    def _h_cols(self, n_tile, f_dim, e: int):
-        """(j0, gate column, up column) of dgrad subtile ``e``: dA columns [j0, j0 + 32)."""
-        j0 = n_tile * self.tile_mnk[1] + 32 * e
-        if const_expr(self.interleave is None):
-            g_col = j0
-            u_col = f_dim + j0
-        else:
-            s = self.interleave
-            g_col = (j0 // s) * (2 * s) + j0 % s
-            u_col = g_col + s
-        return j0, g_col, u_col
-
-    def _h_bar(self, ep, e: int):
-        """The mbarrier of dgrad subtile ``e``'s h pair (e % ``h_prefetch``)."""
-        pair = e % self.h_prefetch
-        return ep.extra_bar if pair == 0 else ep.extra_bar + pair
-
-    def _h_parity(self, count0, e: int):
-        """The mbarrier phase parity of dgrad subtile ``e``'s h pair. One pair (``h_prefetch``
-        1): a tile's subtile count (4, 6 or 8) is even, so it is e % 2 on every tile. Two pairs:
-        pair e % 2 has been filled once per two earlier subtiles of this CTA (``count0`` / 3 of
-        them before the tile: three stores each), so the parity comes from that running count."""
-        if self.h_prefetch == 1:
-            return e % 2
-        return ((count0 // 3 + e) // 2) % 2
-
-    @cute.jit
-    def _issue_h(self, ep, tma_h, s_l, g_l, n_tile, f_dim, e: int):
-        """TMA-load the gate and up (epi_rows x 32) blocks of h for dgrad subtile ``e`` (column
-        block e // halves, row half e % halves) into buffer pair e % ``h_prefetch`` (its own
-        mbarrier) (rows past M and columns past 2F are zero-filled; other out-of-tile values
-        are masked by the reader)."""
-        col, half = divmod(e, self._halves())
-        _, g_col, u_col = self._h_cols(n_tile, f_dim, col)
-        warp = ep.warp
-        bar = self._h_bar(ep, e)
-        g_buf = self.epi_stage + 2 * (e % self.h_prefetch)
-        if warp == self.epi_store_warp:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(
-                    bar, 2 * self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
-                )
-            cute.copy(
-                tma_h, g_l[(None, (half, g_col // 32))], s_l[(None, g_buf)], tma_bar_ptr=bar
-            )
-            cute.copy(
-                tma_h, g_l[(None, (half, u_col // 32))], s_l[(None, g_buf + 1)], tma_bar_ptr=bar
-            )
 
     @cute.jit
     def _drop_unless(self, ok, f_dim, g_blk, u_blk, j_blk):
