@@ -39,10 +39,12 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 def _configs() -> dict[str, object]:
     """Named kernel configs: both GEMM problems (tile widths, majors, cluster shapes, wgrad
-    outputs) and both GLU epilogues (activations, probs, interleaving, dgrad tile widths)."""
+    outputs), both GLU epilogues (activations, probs, interleaving, dgrad tile widths) and the
+    FP8 quantization kernels (bf16 in, E4M3 out)."""
     import torch
 
     from te_seq.kernels.cute.compile import GemmConfig, GluConfig
+    from te_seq.kernels.cute.compile_quant import QuantConfig
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     return {
@@ -103,6 +105,13 @@ def _configs() -> dict[str, object]:
                                 block_scaled=True),
         "fp8_block_wgrad_fp32_acc": GemmConfig("k", torch.float8_e4m3fn, fp32, "k", 128,
                                                (1, 2), accumulate=True, block_wgrad=True),
+        # FP8 quantization kernels (quant_kernels.py, span_kernels.py, block_span_kernels.py)
+        "quant_rows": QuantConfig("rows", bf16),
+        "quant_span_amax": QuantConfig("span_amax", bf16),
+        "quant_span_cast": QuantConfig("span_cast", bf16),
+        "quant_span_amax_rows": QuantConfig("span_amax", bf16, rows=True),
+        "quant_span_cast_rows": QuantConfig("span_cast", bf16, rows=True),
+        "quant_span_block_cast": QuantConfig("span_block_cast", bf16),
     }
 
 
@@ -162,7 +171,10 @@ def ptxas_usage(ptx_file: Path) -> tuple[int, int, int, int | None]:
 
 def _compile(cfg: object) -> object:
     from te_seq.kernels.cute.compile import GemmConfig, compile_gemm, compile_glu
+    from te_seq.kernels.cute.compile_quant import QuantConfig, compile_quant
 
+    if isinstance(cfg, QuantConfig):
+        return compile_quant(cfg).fn
     return (compile_gemm if isinstance(cfg, GemmConfig) else compile_glu)(cfg).fn
 
 

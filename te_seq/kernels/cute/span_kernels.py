@@ -15,8 +15,14 @@ pass. It also writes each group's block range into ``extents`` [G, 2] (first blo
 block): the CTA of a group's first block writes the start, that of its last block the end.
 Neither buffer needs zeroing: the cast kernel reads only entries of groups that have blocks.
 
-``SpanCastKernel`` reduces the maxima of its group's blocks per column (4 threads per column, a
-stride-4 walk over the blocks, then shared memory) into the chunk's 64 scales, stages the tile's
+``SpanCastKernel`` reads its block's table row (one 16-byte load, with the previous block's
+group) and then issues, before consuming any, the loads that need nothing else: its group's
+extent, the tile's four 16-byte loads (kept raw in registers) and with ``rows`` the rows'
+maxima. Inside the same branch it reduces the maxima of its group's blocks per column (4
+threads per column, a stride-4 walk over the blocks, 4 loads into distinct registers per
+step, then shared memory) into the chunk's 64 scales while the tile is in flight; only then is
+the tile converted (a CTA used to wait for its tile, then for the table, the extent and each
+block maximum in turn). It stages the tile's
 raw values transposed in shared memory (fp32, 129 words a column and 4 more between the two
 halves of 32 columns: the writes and the reads are free of bank conflicts), and each thread then
 scales, casts and writes 32 consecutive tokens of one column: two 16-byte stores along the
@@ -28,8 +34,7 @@ the amax kernel takes each row's max over its 64 columns (8 lanes, shuffles) int
 and scale_inv on the way.
 
 A group of n blocks costs each of its CTAs n reads per column of ``block_amax`` (L2-resident,
-1/64 of t's bytes): cheap for the experts' groups of a few blocks, a noticeable extra L2 traffic
-for one group of thousands of tokens. Not yet timed on a GPU (benchmarks/bench_quant.py).
+1/64 of t's bytes): cheap for a few blocks, much L2 traffic for one group of thousands.
 """
 
 from __future__ import annotations
@@ -226,27 +231,62 @@ class SpanCastKernel(_SpanTileKernel):
                extents: cute.Tensor, data: cute.Tensor, scale_inv: cute.Tensor,
                row_amax: cute.Tensor, row_data: cute.Tensor, row_scale_inv: cute.Tensor):
         block, chunk, tidx, col, row0 = self._coords()
-        first_row, valid = table[block, 0], table[block, 1]
+        row = _TableRow(table, block)
         allocator = memory.SmemAllocator()
         staged = allocator.allocate_tensor(Float32, _staged_layout(), 16)
         parts = allocator.allocate_tensor(
             Float32, cute.make_layout((SCALE_PARTS, SPAN_COLS), stride=(SPAN_COLS, 1)), 16)
         scales = allocator.allocate_tensor(Float32, cute.make_layout(SPAN_COLS), 16)
-        tile = self._new_tile()
-        self._zero_tile(tile)
-        if valid > 0:  # uniform over the CTA; blocks past the last span stay zeros
-            self._load_tile(t, first_row, valid, col, row0, tile)
+        # Every global load that does not need another's value is issued before any is
+        # consumed: the group's extent, the tile (raw, not yet converted) and the rows' maxima
+        # are in flight together, and the tile's loads stay in flight while the group's block
+        # maxima are read and reduced (the walk sits in the same branch, after the loads, so
+        # that the compiler cannot convert the tile before it).
+        extent = _load_extent(extents, row.group)
+        raw = _new_raw_tile(t)
+        row_maxima = cute.make_rmem_tensor((PASSES,), Float32)
+        group_amax = Float32(0.0)  # blocks past the last span: scale 1 on zero data
+        if row.valid > 0:  # uniform over the CTA; blocks past the last span stay zeros
+            self._issue_tile_loads(t, row.first_row, row.valid, col, row0, raw)
             if const_expr(self.rows):
-                self._store_rows(tile, first_row, valid, row0, col, chunk, row_amax,
+                _issue_row_maxima_loads(row_amax, row.first_row, row.valid, row0, row_maxima)
+            group_amax = self._group_amax(block_amax, row.group, extent, extents.shape[0],
+                                          chunk, tidx)
+        parts[tidx // SPAN_COLS, tidx % SPAN_COLS] = group_amax
+        tile = self._new_tile()
+        self._convert_tile(raw, row.valid, col, row0, t.shape[1], tile)
+        if const_expr(self.rows):
+            if row.valid > 0:
+                self._store_rows(tile, row.first_row, row.valid, row0, col, chunk, row_maxima,
                                  row_data, row_scale_inv)
-        # the group's maxima are read while the tile's loads are in flight; then the transpose
-        self._group_amax(table, block_amax, extents, block, chunk, tidx, parts)
         self._stage(tile, tidx, staged)
         cute.arch.sync_threads()
         if tidx < SPAN_COLS:
-            self._chunk_scale(table, parts, scales, scale_inv, block, chunk, tidx)
+            self._chunk_scale(row, parts, scales, scale_inv, block, chunk, tidx, table.shape[0])
         cute.arch.sync_threads()
         self._store_token_major(staged, scales, data, block, chunk, tidx)
+
+    @cute.jit
+    def _issue_tile_loads(self, t: cute.Tensor, first_row, valid, col, row0, raw: list):
+        """raw[i] = t[first_row + min(row0 + 32 i, valid - 1), col .. col + 8] as loaded (16
+        bytes each, ``_load_tile``'s clamped addresses), nothing consumed yet."""
+        cols = t.shape[1]
+        vector = cutlass.min(col, cols - VEC) // VEC
+        for i in cutlass.range_constexpr(PASSES):
+            r = row0 + i * ROWS_PER_PASS
+            src = cute.zipped_divide(t[first_row + cutlass.min(r, valid - 1), None], (VEC,))
+            raw[i].store(src[(None, vector)].load())
+
+    @cute.jit
+    def _convert_tile(self, raw: list, valid, col, row0, cols, tile: list):
+        """tile[i][k] = raw[i][k] in fp32, 0 past the ``valid`` rows or past the last column:
+        ``_load_tile``'s values."""
+        for i in cutlass.range_constexpr(PASSES):
+            r = row0 + i * ROWS_PER_PASS
+            values = raw[i].load().to(Float32)
+            for k in cutlass.range_constexpr(VEC):
+                kept = cutlass.select_(r < valid, values[k], Float32(0.0))
+                tile[i][k] = cutlass.select_(col < cols, kept, Float32(0.0))
 
     @cute.jit
     def _stage(self, tile: list, tidx, staged: cute.Tensor):
@@ -257,44 +297,45 @@ class SpanCastKernel(_SpanTileKernel):
                 staged[c0 + k, row0 + i * ROWS_PER_PASS] = tile[i][k]
 
     @cute.jit
-    def _group_amax(self, table: cute.Tensor, block_amax: cute.Tensor, extents: cute.Tensor,
-                    block, chunk, tidx, parts: cute.Tensor):
-        """parts[p, c] = max of block_amax[b, column c] over the group's blocks b = first + p,
-        first + p + 4, ... < end (0 for blocks past the last span: scale 1 on zero data)."""
+    def _group_amax(self, block_amax: cute.Tensor, group, extent, groups, chunk, tidx):
+        """The max of block_amax[b, column c] over the group's blocks b = first + p, first + p
+        + 4, ... < end for thread (c = tid % 64, p = tid // 64); 0 for a group out of range.
+        ``extent``: the group's (first, end) as loaded, valid for a group below ``groups``
+        (the extents' rows); called for blocks with tokens only."""
         c, part = tidx % SPAN_COLS, tidx // SPAN_COLS
         column = cutlass.min(chunk * SPAN_COLS + c, block_amax.shape[1] - 1)
-        group = table[block, 2]
+        first, end = extent[0], extent[1]
+        end = cutlass.select_(group < groups, end, first)  # else an empty walk
+        maxima = cute.make_rmem_tensor((WALK_LOADS,), Float32)
         amax = Float32(0.0)
-        if group < extents.shape[0] and table[block, 1] > 0:
-            first, end = extents[group, 0], extents[group, 1]
-            # WALK_LOADS independent loads per step (the index clamped into the group's
-            # blocks: a block read twice leaves the max as it is), then their max
-            for start in cutlass.range(first + part, end, SCALE_PARTS * WALK_LOADS):
-                for u in cutlass.range_constexpr(WALK_LOADS):
-                    b = cutlass.min(start + u * SCALE_PARTS, end - 1)
-                    amax = cute.arch.fmax(amax, block_amax[b, column])
-        parts[part, c] = amax
+        # WALK_LOADS loads into distinct registers, then their max: all in flight at once (the
+        # index clamped into the group's blocks: a block read twice leaves the max as it is)
+        for start in cutlass.range(first + part, end, SCALE_PARTS * WALK_LOADS):
+            for u in cutlass.range_constexpr(WALK_LOADS):
+                maxima[u] = block_amax[cutlass.min(start + u * SCALE_PARTS, end - 1), column]
+            for u in cutlass.range_constexpr(WALK_LOADS):
+                amax = cute.arch.fmax(amax, maxima[u])
+        return amax
 
     @cute.jit
-    def _chunk_scale(self, table: cute.Tensor, parts: cute.Tensor, scales: cute.Tensor,
-                     scale_inv: cute.Tensor, block, chunk, c):
+    def _chunk_scale(self, row, parts: cute.Tensor, scales: cute.Tensor,
+                     scale_inv: cute.Tensor, block, chunk, c, blocks):
         """scales[c] from the group's maximum of column c; scale_inv of this chunk's column c:
-        the group's (on its first block), 1 for the groups without tokens next to it."""
+        the group's (on its first block), 1 for the groups without tokens next to it. The
+        table's values were read at the kernel's start: no load between the barriers."""
         amax = parts[0, c]
         for p in cutlass.range_constexpr(1, SCALE_PARTS):
             amax = cute.arch.fmax(amax, parts[p, c])
         scale = scale_from_amax(amax, self.fp8_max, self.power_of_two)
         scales[c] = scale
         column, groups = chunk * SPAN_COLS + c, scale_inv.shape[0]
-        group = table[block, 2]
+        group = row.group
         if column < scale_inv.shape[1]:
-            if group < groups and table[block, 3] != 0:
+            if group < groups and row.starts != 0:
                 scale_inv[group, column] = Float32(1.0) / scale
-            previous = table[cutlass.max(block - 1, 0), 2]
-            previous = cutlass.select_(block > 0, previous, Int32(-1))
-            for g in cutlass.range(previous + 1, cutlass.min(group, groups)):
+            for g in cutlass.range(row.previous + 1, cutlass.min(group, groups)):
                 scale_inv[g, column] = Float32(1.0)  # no tokens: scale 1
-            if block == table.shape[0] - 1:
+            if block == blocks - 1:
                 for g in cutlass.range(group + 1, groups):
                     scale_inv[g, column] = Float32(1.0)
 
@@ -314,17 +355,54 @@ class SpanCastKernel(_SpanTileKernel):
             dst[(None, block * segments + segment)].store(values.to(self.fp8_dtype))
 
     @cute.jit
-    def _store_rows(self, tile: list, first_row, valid, row0, col, chunk, row_amax: cute.Tensor,
+    def _store_rows(self, tile: list, first_row, valid, row0, col, chunk, row_maxima: cute.Tensor,
                     row_data: cute.Tensor, row_scale_inv: cute.Tensor):
-        """The valid tile rows quantized with their rows' scales into row_data (8 bytes a
-        thread); the first thread of each row in the first chunk writes its scale_inv."""
+        """The valid tile rows quantized with their rows' scales (from ``row_maxima[i]``, the
+        row amax of tile row row0 + 32 i) into row_data (8 bytes a thread); the first thread of
+        each row in the first chunk writes its scale_inv."""
         for i in cutlass.range_constexpr(PASSES):
             r = row0 + i * ROWS_PER_PASS
             if r < valid:
                 row = first_row + r
-                scale = scale_from_amax(row_amax[row], self.fp8_max, self.power_of_two)
+                scale = scale_from_amax(row_maxima[i], self.fp8_max, self.power_of_two)
                 if col < row_data.shape[1]:
                     out = cute.zipped_divide(row_data[row, None], (VEC,))
                     out[(None, col // VEC)].store((tile[i].load() * scale).to(self.fp8_dtype))
                 if chunk == 0 and col == 0:
                     row_scale_inv[row] = Float32(1.0) / scale
+
+
+class _TableRow:
+    """Traced inline: a block's row of the span table (first_row, valid, group, starts: one
+    16-byte load) and the previous block's group (-1 for block 0), read once at the start."""
+
+    def __init__(self, table: cute.Tensor, block):
+        fields = table[block, None].load()
+        self.first_row, self.valid, self.group, self.starts = (fields[0], fields[1], fields[2],
+                                                               fields[3])
+        previous = table[cutlass.max(block - 1, 0), 2]
+        self.previous = cutlass.select_(block > 0, previous, Int32(-1))
+
+
+def _load_extent(extents: cute.Tensor, group):
+    """Traced inline: extents[group] = (first block, end block) as loaded (one 8-byte load;
+    the group clamped into the buffer, its values then used only for a group in range)."""
+    return extents[cutlass.min(group, extents.shape[0] - 1), None].load()
+
+
+def _new_raw_tile(t: cute.Tensor) -> list:
+    """Traced inline: PASSES zeroed rmem fragments of VEC elements of t's type."""
+    raw = [cute.make_rmem_tensor((VEC,), t.element_type) for _ in range(PASSES)]
+    for fragment in raw:
+        fragment.fill(0.0)
+    return raw
+
+
+@cute.jit
+def _issue_row_maxima_loads(row_amax: cute.Tensor, first_row, valid, row0,
+                            row_maxima: cute.Tensor):
+    """row_maxima[i] = row_amax[first_row + min(row0 + 32 i, valid - 1)]: the row amax of each
+    of the thread's tile rows (clamped into the valid rows, as the tile's loads are)."""
+    for i in cutlass.range_constexpr(PASSES):
+        r = row0 + i * ROWS_PER_PASS
+        row_maxima[i] = row_amax[first_row + cutlass.min(r, valid - 1)]
