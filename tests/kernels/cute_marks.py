@@ -3,8 +3,10 @@ run here (and why not), and the pytest marks built from that."""
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,12 @@ needs_dsl = pytest.mark.skipif(
 needs_tvm_ffi = pytest.mark.skipif(
     not HAS_TVM_FFI, reason=f"apache-tvm-ffi is not installed ({_INSTALL})"
 )
+# benchmarks/dump_ptx.py --ptxas finds the same ptxas ($PTXAS, PATH, a CUDA toolkit)
+HAS_PTXAS = bool(
+    os.environ.get("PTXAS") or shutil.which("ptxas")
+    or list(Path("/usr/local").glob("cuda*/bin/ptxas"))
+)
+needs_ptxas = pytest.mark.skipif(not HAS_PTXAS, reason="no ptxas (a CUDA toolkit) to assemble PTX")
 
 
 def _cute_ready() -> tuple[bool, str]:

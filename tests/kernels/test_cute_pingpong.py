@@ -9,15 +9,13 @@ on CPU; GPU tests need sm_90+.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from cute_marks import ROOT, compile_for_sm90a, gpu, needs_cute, needs_dsl
+from cute_marks import ROOT, compile_for_sm90a, gpu, needs_cute, needs_dsl, needs_ptxas
 from cute_marks import offsets as _offs
 
 from te_seq.kernels import reference
@@ -331,10 +329,8 @@ _NO_SPILL_CONFIGS = ("glu_dgrad_silu128_pp64", "glu_fc1_silu_probs_pp64", "glu_f
 
 @pytest.mark.slow  # DSL compiles and ptxas in a subprocess
 @needs_dsl
+@needs_ptxas
 def test_pingpong_glu_epilogues_do_not_spill(tmp_path):
-    if not (os.environ.get("PTXAS") or shutil.which("ptxas")
-            or list(Path("/usr/local").glob("cuda*/bin/ptxas"))):
-        pytest.skip("no ptxas")
     cmd = [sys.executable, "benchmarks/dump_ptx.py", "--configs", ",".join(_NO_SPILL_CONFIGS)]
     cmd += ["--out", str(tmp_path), "--ptxas"]
     env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from cute_marks import ROOT, needs_dsl
+from cute_marks import ROOT, needs_dsl, needs_ptxas
 
 _CONFIGS = ("quant_span_cast", "quant_span_cast_rows")
 
@@ -50,10 +49,8 @@ def test_span_cast_issues_the_tile_and_group_maxima_loads_before_converting(tmp_
 
 @pytest.mark.slow  # DSL compiles and ptxas in a subprocess
 @needs_dsl
+@needs_ptxas
 def test_span_cast_fits_five_ctas_per_sm(tmp_path):
-    if not (os.environ.get("PTXAS") or shutil.which("ptxas")
-            or list(Path("/usr/local").glob("cuda*/bin/ptxas"))):
-        pytest.skip("no ptxas")
     out = _dump(tmp_path, ptxas=True)
     line = next(x for x in out.splitlines() if x.startswith("quant_span_cast "))
     regs = int(re.search(r"regs\s+(\d+)", line).group(1))
