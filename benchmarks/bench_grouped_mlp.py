@@ -12,6 +12,8 @@ Variants, all in this process on the same random data, each checked against an f
                        te_seq.backend(); `:per-group` with one weight per expert
   te_seq:<backend>:compiled[-ro]   the same Sequential through torch.compile(fullgraph=True),
                        with `--compile default` / `reduce-overhead` (CUDA graphs)
+  te_seq:<backend>:fp8[:tm-fwd]   under Float8RowwiseScaling (`--fp8`); `:tm-fwd` with
+                       te_seq.config.set_fp8_token_major_input(True)
   te_seq:<backend>[:fp8]:graphed   the same Sequential captured by te_seq.make_graphed_callables
                        (`--graphed`; fresh grads): what a step costs with no Python per op
   kernels:<backend>    the backend's raw functionals (grouped_mm, grouped_wgrad, glu_*), unfused
@@ -173,18 +175,29 @@ class TeSeqFP8Variant(TeSeqVariant):
 
     precision, check_tol = "fp8", FP8_TOL
 
-    def __init__(self, case: Case, backend: str, grad_mode: str) -> None:
+    def __init__(self, case: Case, backend: str, grad_mode: str,
+                 token_major_input: bool = False) -> None:
         super().__init__(case, backend, grad_mode)
-        self.name = f"te_seq:{backend}:fp8"
+        self.name = f"te_seq:{backend}:fp8{':tm-fwd' if token_major_input else ''}"
         self.recipe = te_seq.recipe.Float8RowwiseScaling()
+        self.token_major_input = token_major_input  # te_seq.config's switch while it runs
 
     def run(self, x: Tensor, probs: Tensor | None) -> Tensor:
-        with te_seq.autocast(recipe=self.recipe):
+        with te_seq.autocast(recipe=self.recipe), self._token_major():
             return super().run(x, probs)
 
     def forward_backward(self) -> None:
-        with te_seq.backend(self.backend), te_seq.autocast(recipe=self.recipe):
+        with te_seq.backend(self.backend), te_seq.autocast(recipe=self.recipe), \
+                self._token_major():
             AutogradVariant.forward_backward(self)
+
+    @contextlib.contextmanager
+    def _token_major(self):
+        te_seq.config.set_fp8_token_major_input(self.token_major_input)
+        try:
+            yield
+        finally:
+            te_seq.config.set_fp8_token_major_input(False)
 
 
 class GraphedTeSeqVariant(TeSeqVariant):
@@ -335,6 +348,8 @@ def _build_te_seq(b: _Builder, backends: list[str]) -> None:
             if b.fp8:
                 b.attempt(f"te_seq:{backend}:fp8",
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode))
+                b.attempt(f"te_seq:{backend}:fp8:tm-fwd",
+                          lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode, True))
         if b.grad_mode == "fresh":  # raw kernels own no parameters: no grad modes
             b.attempt(f"kernels:{backend}", lambda k=backend: _kernels_variant(case, k))
 
@@ -470,7 +485,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quack-tuned", action="store_true", help="also quack with its autotuner")
     p.add_argument("--act", default="scaled_swiglu", choices=ACTS, help="swiglu: no router probs")
     p.add_argument("--fp8", action="store_true",
-                   help="also te_seq:<backend>:fp8, the MLP under Float8RowwiseScaling")
+                   help="also te_seq:<backend>:fp8 (the MLP under Float8RowwiseScaling) and "
+                        ":fp8:tm-fwd (the same, x quantized along the tokens in forward)")
     p.add_argument(
         "--grad-mode",
         default="fresh",

@@ -4,7 +4,9 @@ Runs the Sequential of profile_host.py (GroupedLinear -> ScaledSwiGLU -> Grouped
 sizes on the device) and measures what a forward keeps alive for its backward: the CUDA memory
 allocated after the forward returns (its output and saved tensors) minus before, with the FP8
 weight cache already warm (weights are not activations). Prints MiB per variant and the ratio
-to bf16; the target is FP8 <= bf16.
+to bf16; the target is FP8 <= bf16. Variants "+tm_fwd" run with
+`te_seq.config.set_fp8_token_major_input(True)` (x kept quantized along the tokens from the
+forward: the faster, larger choice).
 
   python benchmarks/fp8_memory.py --shapes Q,A --backend cute
 """
@@ -21,11 +23,21 @@ from profile_host import build
 import te_seq
 
 RECIPES = {"bf16": None, "fp8_rowwise": te_seq.recipe.Float8RowwiseScaling,
-           "fp8_tensor": te_seq.recipe.Float8CurrentScaling}
+           "fp8_tensor": te_seq.recipe.Float8CurrentScaling,
+           "fp8_block": te_seq.recipe.Float8BlockScaling}
 
 
-def kept_bytes(forward, recipe) -> int:
-    """Bytes a forward keeps allocated until its backward (its output included)."""
+def kept_bytes(forward, recipe, token_major_input: bool = False) -> int:
+    """Bytes a forward keeps allocated until its backward (its output included);
+    `token_major_input`: `te_seq.config.set_fp8_token_major_input` during the forward."""
+    te_seq.config.set_fp8_token_major_input(token_major_input)
+    try:
+        return _kept_bytes(forward, recipe)
+    finally:
+        te_seq.config.set_fp8_token_major_input(False)
+
+
+def _kept_bytes(forward, recipe) -> int:
     with te_seq.autocast(enabled=recipe is not None, recipe=recipe):
         forward()  # warm: plans, compiled kernels, the FP8 weight cache
         gc.collect()
@@ -47,6 +59,8 @@ def main() -> None:
         case = make_case(shape, torch.device("cuda"), torch.bfloat16)
         mlp, forward = build(case, args.backend)
         sizes = {name: kept_bytes(forward, r and r()) for name, r in RECIPES.items()}
+        sizes.update({f"{name}+tm_fwd": kept_bytes(forward, r(), True)
+                      for name, r in RECIPES.items() if r is not None})
         base = sizes["bf16"]
         for name, kept in sizes.items():
             print(f"{shape} {args.backend} {name:12s} {kept / 2**20:10.1f} MiB  "

@@ -83,3 +83,28 @@ def test_fused_grouped_mlp_cute_fp8_on_gpu(r):
     _assert_forward(res, kernel_tol=mlp_tol, emu_tol=mlp_tol)
     for got, want in zip(res["cute"][1:], res["torch"][1:]):
         assert rel_err(got, want) < mlp_tol, rel_err(got, want)
+
+
+@pytest.mark.parametrize("r", [*RECIPES, recipe.Float8BlockScaling()], ids=[*IDS, "block"])
+@pytest.mark.parametrize("case", [gpu_linear_case, gpu_mlp_case], ids=["linear", "mlp"])
+def test_token_major_input_in_forward_or_backward_gives_the_same_bits(case, r):
+    """x quantized along the tokens in backward (the default: the forward keeps x itself) or
+    in forward (`set_fp8_token_major_input(True)`: its FP8 copy kept): the same operands, so
+    the same bits, d(probs) aside (fp32 atomic adds across N tiles: summation order)."""
+    from te_seq import config
+
+    results = {}
+    for enabled in (False, True):
+        config.set_fp8_token_major_input(enabled)
+        torch.manual_seed(5)  # the same data: the case draws it when made
+        try:
+            results[enabled] = on_backends(*case(r), ("cute",))["cute"]
+        finally:
+            config.set_fp8_token_major_input(False)
+    deferred, kept = results[False], results[True]
+    probs_at = 2 if case is gpu_mlp_case else None
+    for i, (got, want) in enumerate(zip(deferred, kept)):
+        if i == probs_at:
+            assert rel_err(got, want) < 1e-5
+        else:
+            assert torch.equal(got, want), i

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from te_seq import config
 from te_seq.kernels import fp8_quantize, fp8_wgrad
 from te_seq.kernels import fp8_reference as ref
 from te_seq.recipe import Float8CurrentScaling, Recipe
@@ -253,16 +254,39 @@ def grad_quantized(recipe: Recipe, dy: Tensor, backend_name: str = "torch") -> r
 
 
 @dataclass
+class DeferredTokenMajor:
+    """x [T, K] as the forward GEMM read it, for a wgrad on token-major FP8 operands that
+    quantizes it along the tokens only when it runs (`resolve`; `te_seq.config.
+    set_fp8_token_major_input(False)`, the default): the forward keeps no FP8 copy of x.
+    `offs` int32 [G] the group ends."""
+
+    x: Tensor
+    offs: Tensor
+
+    def resolve(self, recipe: Recipe, backend_name: str) -> fp8_wgrad.TokenMajor:
+        """`input_token_major` of x: the bits the forward would have kept."""
+        return input_token_major(recipe, self.x, self.x, self.offs, None, backend_name)
+
+
+def defers_token_major(recipe: Recipe, input_: Tensor) -> bool:
+    """Whether x's token-major wgrad operand is made in backward (`DeferredTokenMajor`): unless
+    the config asks for it in forward, or `ops.Quantize` made x (its quantized form travels as
+    an attribute of the forward's input, which backward does not see)."""
+    return not config.fp8_token_major_input() and _marker(recipe, input_) is None
+
+
+@dataclass
 class GradOperands:
     """What one grouped GEMM's FP8 backward reads of its forward: x along the tokens (the
     wgrad's operand; None where the caller recomputes it) and W along N (the dgrad's).
     Emulated: `x` [T, K] fp32 and `w` [G, N, K] fp32, dequantized. Native (`w_scale_inv` set):
-    `x` a `TokenMajor`, `w` the FP8 data of Wᵀ [G, K, N] with `w_scale_inv` [G, K, 1] (row-wise)
-    or [G, 1, 1] (per tensor); under block scaling `x` a `BlockTokenMajor` (scales per
-    128-token block) and `w_scale_inv` Wᵀ's 128x128 grid [G, ⌈K/128⌉, ⌈N/128⌉].
+    `x` a `TokenMajor` (or a `DeferredTokenMajor`), `w` the FP8 data of Wᵀ [G, K, N] with
+    `w_scale_inv` [G, K, 1] (row-wise) or [G, 1, 1] (per tensor); under block scaling `x` a
+    `BlockTokenMajor` (scales per 128-token block) and `w_scale_inv` Wᵀ's 128x128 grid
+    [G, ⌈K/128⌉, ⌈N/128⌉].
     `tensors()` / `load()`: as five saved tensors (None-padded)."""
 
-    x: Tensor | fp8_wgrad.TokenMajor | None
+    x: Tensor | fp8_wgrad.TokenMajor | DeferredTokenMajor | None
     w: Tensor
     w_scale_inv: Tensor | None = None
 
@@ -272,6 +296,8 @@ class GradOperands:
 
     def tensors(self) -> tuple[Tensor | None, ...]:
         x = self.x
+        if isinstance(x, DeferredTokenMajor):  # x as read, its group ends: no scales
+            return (x.x, None, x.offs, self.w, self.w_scale_inv)
         if not isinstance(x, fp8_wgrad.TokenMajor):  # fp32 along T, or None
             return (x, None, None, self.w, self.w_scale_inv)
         return (x.data, x.scale_inv, x.offs, self.w, self.w_scale_inv)
@@ -281,8 +307,8 @@ class GradOperands:
         x, x_scale_inv, x_offs, w, w_scale_inv = tensors
         if w_scale_inv is None:
             return cls(x, w)
-        if x_scale_inv is None:  # x fp32 along T (an emulated wgrad), or None
-            return cls(x, w, w_scale_inv)
+        if x_scale_inv is None:  # x fp32 along T (an emulated wgrad), None, or deferred
+            return cls(x if x_offs is None else DeferredTokenMajor(x, x_offs), w, w_scale_inv)
         # scales per 128-token block [P / 128, K], else per group [G, K]: P / 128 > G unless
         # there are no tokens (then both read as zeros)
         blocks = x_scale_inv.shape[0] != x_offs.shape[0]

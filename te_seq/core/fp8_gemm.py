@@ -226,10 +226,11 @@ def grouped_forward(
                                                       weights.dgrad)
     native_backward = _backward_native(ctx, x, w)
     token_major = native_backward and need_wgrad and not wgrad_reason(recipe)
-    if token_major:  # both forms of x in one pass pair where possible
-        x_q, x_tm = fp8.input_both(recipe, input_, x, offs, ctx.backend.name)
-    else:
-        x_q, x_tm = fp8.input_quantized(recipe, input_, x, ctx.backend.name), None
+    if token_major and not fp8.defers_token_major(recipe, input_):
+        x_q, x_tm = fp8.input_both(recipe, input_, x, offs, ctx.backend.name)  # one pass pair
+    else:  # x itself kept for a token-major wgrad operand made in backward (the default)
+        x_q = fp8.input_quantized(recipe, input_, x, ctx.backend.name)
+        x_tm = fp8.DeferredTokenMajor(x, offs) if token_major else None
     w_data, w_scale_inv = weights.fp8
     y = (gemm or _scaled_grouped_mm(ctx.backend.name))(x_q, w_data, w_scale_inv, offs, x.dtype)
     if token_major:
@@ -294,7 +295,10 @@ class GroupedGrads:
             # made with dy's dgrad operand, else only now that dW is computed
             dy_tm = made if made is not None else \
                 fp8.grad_token_major(recipe, dy, offs, dy_q, backend_name)
-            operands = (dy_tm.data, x_tm.data, dy_tm.scale_inv, x_tm.scale_inv, dy_tm.offs)
+            x_tm_now = x_tm.resolve(recipe, backend_name) \
+                if isinstance(x_tm, fp8.DeferredTokenMajor) else x_tm
+            operands = (dy_tm.data, x_tm_now.data, dy_tm.scale_inv, x_tm_now.scale_inv,
+                        dy_tm.offs)
             if out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous():
                 return kernel(*operands, out=out, accumulate=accumulate)
             # fp16 weights or a strided buffer: one fp32 result, then one rounding into out

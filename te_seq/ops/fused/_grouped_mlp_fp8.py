@@ -8,8 +8,9 @@ activation runs in the FP8 GEMMs' epilogues where `epilogue_reasons` allows it (
 backend's `scaled_glu_fc1_forward` / `scaled_glu_fc2_dgrad`: the same quantized operands, the
 activation maths of the bf16 epilogues), else after the GEMMs. Saved: h, the offsets and
 each FC's `fp8.GradOperands` (x along tokens, the weight along N: fp32 for the emulated
-backward, FP8 token-major / quantized for the native one, core/fp8_gemm.py); the activation is
-recomputed from h in backward and quantized along the tokens there.
+backward; for the native one the quantized weight and x itself, quantized along the tokens in
+backward by default, core/fp8.py `DeferredTokenMajor`); the activation is recomputed from h in
+backward and quantized along the tokens there.
 Shape legend as in grouped_mlp.py (T tokens, G experts, H hidden, F ffn width).
 """
 
