@@ -6,6 +6,7 @@ it is launched, so the host time before the first kernel is what a single call p
 the kernels; it is estimated as a single call's latency minus the steady-state time per call.
 
   python benchmarks/profile_host.py --shape Q --backend cute [--compile] [--top 30]
+      [--step] [--fp8 Float8RowwiseScaling]
 
 `--device cpu` measures the same Sequential's Python overhead without a GPU: tiny shape "U"
 (E=4, H=32, F=24, 128 rows), float32, the "torch" backend by default, one CPU thread (kernel time
@@ -151,6 +152,14 @@ def main_cpu(args) -> None:
     profile(forward, args.iters, args.top)
 
 
+def _under_recipe(forward, recipe):
+    def fp8_forward():
+        with te_seq.autocast(recipe=recipe):
+            return forward()
+
+    return fp8_forward
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -159,6 +168,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=None, help="default 200 on cuda, 2000 on cpu")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) too")
+    p.add_argument("--step", action="store_true", help="forward+backward too (cuda)")
+    p.add_argument("--fp8", default="", help="a te_seq.recipe class name, e.g. "
+                   "Float8RowwiseScaling: the forward under te_seq.autocast (cuda)")
     args = p.parse_args()
     cpu = args.device == "cpu"
     args.shape = args.shape or ("U" if cpu else "Q")
@@ -170,6 +182,8 @@ def main() -> None:
     device = torch.device("cuda")
     case = make_case(args.shape, device, torch.bfloat16)
     mlp, forward = build(case, args.backend)
+    if args.fp8:
+        forward = _under_recipe(forward, getattr(te_seq.recipe, args.fp8)())
     for _ in range(5):
         forward()
     print(mlp.fusion_plan())
@@ -181,6 +195,14 @@ def main() -> None:
         host = time_host(forward, args.iters, device) * 1e3
     print(f"eager forward (no_grad) host time: {host:.1f} us")
     profile(forward, args.iters, args.top)
+    if args.step:
+        def step():
+            forward().backward(dy)
+
+        dy = torch.randn_like(forward())
+        host = time_host(step, args.iters, device) * 1e3
+        print(f"eager forward+backward host time: {host:.1f} us")
+        profile(step, args.iters, args.top)
     if args.compile:
         compiled = torch.compile(mlp, fullgraph=True)
         x, splits, probs = case.x.detach().requires_grad_(), case.split_sizes, case.probs
