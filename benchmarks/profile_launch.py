@@ -22,6 +22,14 @@ quantization and offsets kernels too): µs per step, cProfile's primitive calls 
 the top cumulative entries:
 
   python benchmarks/profile_launch.py --mlp [--fp8 ROWWISE|BLOCK|CURRENT] [--iters 300] [--top 25]
+
+``--mlp --first-kernel`` times the bf16 forward alone (grad enabled, then no_grad): the host
+time from the call's entry to the moment the FC1 GLU kernel's stub is called (what a single
+call exposes on an idle GPU before its first heavy kernel; the offsets kernel before it is
+tiny), the whole forward's, the aten ops dispatched before FC1 (on the GPU each costs host
+time: a new tensor or a launch most) and cProfile's view of just that part (µs per call):
+
+  python benchmarks/profile_launch.py --mlp --first-kernel [--iters 2000] [--top 40]
 """
 
 from __future__ import annotations
