@@ -22,6 +22,14 @@ quantization and offsets kernels too): µs per step, cProfile's primitive calls 
 the top cumulative entries:
 
   python benchmarks/profile_launch.py --mlp [--fp8 ROWWISE|BLOCK|CURRENT] [--iters 300] [--top 25]
+
+``--mlp --first-kernel`` times the bf16 forward alone (grad enabled, then no_grad): the host
+time from the call's entry to the moment the FC1 GLU kernel's stub is called (what a single
+call exposes on an idle GPU before its first heavy kernel; the offsets kernel before it is
+tiny), the whole forward's, the aten ops dispatched before FC1 (on the GPU each costs host
+time: a new tensor or a launch most) and cProfile's view of just that part (µs per call):
+
+  python benchmarks/profile_launch.py --mlp --first-kernel [--iters 2000] [--top 40]
 """
 
 from __future__ import annotations
@@ -56,8 +64,13 @@ class StubKernel:
     config: object
     calls: list[tuple] = field(default_factory=list)
     record: bool = True
+    last_ns: int = 0  # time.perf_counter_ns() at the last launch
+    on_launch: Callable[[], object] | None = None  # called at each launch (--first-kernel)
 
     def fn(self, *args) -> None:
+        self.last_ns = time.perf_counter_ns()
+        if self.on_launch is not None:
+            self.on_launch()
         if self.record:
             self.calls.append(args)
 
@@ -226,13 +239,10 @@ def stubbed_step(record: bool = False) -> Iterator[dict[object, StubKernel]]:
                 setattr(module, name, value)
 
 
-def mlp_step(rows: int, recipe_name: str | None, e: int = 128, h: int = 2048, f: int = 768
-             ) -> Callable[[], None]:
-    """One fwd+bwd step of the fused grouped MLP on shape Q's widths, ``rows`` tokens, bf16
-    on CPU (call it inside `stubbed_step`): the benchmark's ScaledSwiGLU with probs, fresh
-    grads (the weights' ``.grad`` dropped after each step: their two [E, N, K] CPU mallocs
-    cost ~0.1 ms a step, bf16 and FP8 alike; accumulating instead would add them up on the
-    CPU), under ``recipe_name`` (a ``te_seq.recipe`` class name) or in bf16 (None)."""
+def mlp_forward(rows: int, recipe_name: str | None = None, e: int = 128, h: int = 2048,
+                f: int = 768) -> Callable[[], torch.Tensor]:
+    """The forward of `mlp_step`'s step (the Sequential of profile_host.py: single grouped
+    weights, device-style split sizes, probs), inputs that require grad, the cute backend."""
     import te_seq
     from te_seq import ops, recipe
 
@@ -243,13 +253,30 @@ def mlp_step(rows: int, recipe_name: str | None, e: int = 128, h: int = 2048, f:
     probs = torch.rand(rows).requires_grad_()
     splits = torch.full((e,), rows // e, dtype=torch.int64)
     splits[0] += rows - int(splits.sum())
-    dy = _rand(rows, h)
     fp8 = te_seq.autocast(recipe=getattr(recipe, recipe_name)()) if recipe_name \
         else contextlib.nullcontext()
 
-    def step() -> None:
+    def forward() -> torch.Tensor:
         with te_seq.backend("cute"), fp8:
-            y = mlp(x, splits, probs, splits)
+            return mlp(x, splits, probs, splits)
+
+    forward.parts = (mlp, x, probs)  # for the step's backward and its grads
+    return forward
+
+
+def mlp_step(rows: int, recipe_name: str | None, e: int = 128, h: int = 2048, f: int = 768
+             ) -> Callable[[], None]:
+    """One fwd+bwd step of the fused grouped MLP on shape Q's widths, ``rows`` tokens, bf16
+    on CPU (call it inside `stubbed_step`): the benchmark's ScaledSwiGLU with probs, fresh
+    grads (the weights' ``.grad`` dropped after each step: their two [E, N, K] CPU mallocs
+    cost ~0.1 ms a step, bf16 and FP8 alike; accumulating instead would add them up on the
+    CPU), under ``recipe_name`` (a ``te_seq.recipe`` class name) or in bf16 (None)."""
+    forward = mlp_forward(rows, recipe_name, e, h, f)
+    mlp, x, probs = forward.parts
+    dy = _rand(rows, h)
+
+    def step() -> None:
+        y = forward()
         y.backward(dy)
         for p in mlp.parameters():
             p.grad = None
@@ -298,6 +325,104 @@ def main_mlp(args) -> None:
                 stats.sort_stats("cumulative").print_stats(args.top)
 
 
+# --- time to the first heavy kernel (the FC1 GLU GEMM) of the forward -----------------------
+
+def fc1_stub(stubs: dict[object, StubKernel]) -> StubKernel:
+    """The stub of the forward's FC1 GLU kernel (a `GluConfig` of mode "fc1")."""
+    from te_seq.kernels.cute.compile import GluConfig
+
+    found = [s for c, s in stubs.items() if isinstance(c, GluConfig) and c.mode == "fc1"]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one FC1 GLU kernel config, found {len(found)}")
+    return found[0]
+
+
+def time_to_fc1(forward: Callable[[], object], fc1: StubKernel, iters: int
+                ) -> tuple[float, float]:
+    """(µs from the call's entry to the FC1 launch, µs of the whole forward): the best of
+    ``iters`` calls each (the least disturbed ones; the two bests may come from two calls)."""
+    to_fc1, whole = [], []
+    for _ in range(iters):
+        start = time.perf_counter_ns()
+        y = forward()
+        end = time.perf_counter_ns()
+        del y  # freed outside the timed span, as the step would free it after backward
+        to_fc1.append(fc1.last_ns - start)
+        whole.append(end - start)
+    return min(to_fc1) / 1e3, min(whole) / 1e3
+
+
+def profile_to_fc1(forward: Callable[[], object], fc1: StubKernel, iters: int) -> pstats.Stats:
+    """cProfile of the forward from its entry until the FC1 launch only (the stub stops it)."""
+    prof = cProfile.Profile()
+    fc1.on_launch = prof.disable
+    try:
+        for _ in range(iters):
+            prof.enable()
+            forward()
+            prof.disable()  # a no-op: the FC1 launch disabled it
+    finally:
+        fc1.on_launch = None
+    return pstats.Stats(prof)
+
+
+def aten_ops_to_fc1(forward: Callable[[], object], fc1: StubKernel) -> list[str]:
+    """The aten ops one forward dispatches before its FC1 launch, in order (on the GPU each
+    costs host time, a new tensor or a kernel launch most)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+            self.at_fc1: int | None = None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    with Log() as log:
+        fc1.on_launch = lambda: setattr(log, "at_fc1", log.at_fc1 or len(log.ops))
+        try:
+            forward()
+        finally:
+            fc1.on_launch = None
+    return log.ops[: log.at_fc1]
+
+
+def print_per_call(stats: pstats.Stats, calls: int, top: int) -> None:
+    """cProfile's top ``top`` entries by cumulative time, in µs and calls per forward."""
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:top]
+    print(f"{'calls':>6s} {'own µs':>7s} {'cum µs':>7s}  function")
+    for (path, line, name), (_, ncalls, tottime, cumtime, _) in rows:
+        where = f"{path.rsplit('/te_seq/', 1)[-1].rsplit('/', 1)[-1]}:{line}" if line else ""
+        print(f"{ncalls / calls:6.1f} {tottime / calls * 1e6:7.2f} {cumtime / calls * 1e6:7.2f}"
+              f"  {where}({name})")
+
+
+def main_first_kernel(args) -> None:
+    """``--mlp --first-kernel``: the bf16 forward's host time to its FC1 GLU launch, grad
+    enabled and under no_grad, the whole forward's, and cProfile's view of the part before."""
+    with stubbed_step() as stubs:
+        forward = mlp_forward(args.rows)
+        step = mlp_step(args.rows, None)
+        step()
+        fc1 = fc1_stub(stubs)
+        for label, grad in (("forward", True), ("forward, no_grad", False)):
+            with torch.set_grad_enabled(grad):
+                forward()
+                to_fc1, whole = time_to_fc1(forward, fc1, args.iters)
+                stats = profile_to_fc1(forward, fc1, max(args.iters // 10, 1))
+                aten = aten_ops_to_fc1(forward, fc1)
+            profiled = max(args.iters // 10, 1)
+            print(f"{label:18s} to FC1 launch {to_fc1:7.1f} µs  whole {whole:7.1f} µs  "
+                  f"{stats.prim_calls / profiled:5.0f} Python calls, {len(aten)} aten ops "
+                  f"before FC1: {' '.join(aten)}")
+            if args.top:
+                print_per_call(stats, profiled, args.top)
+        print(f"{'fwd+bwd':18s} {time_best(step, max(args.iters // 10, 1)):7.1f} µs/step")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=None, help="default 2000 (--mlp: 300)")
@@ -305,10 +430,16 @@ def main() -> None:
     p.add_argument("--top", type=int, default=0, help="cProfile rows per functional (0: none)")
     p.add_argument("--only", default="", help="time only functionals whose name contains this")
     p.add_argument("--mlp", action="store_true", help="the whole fused MLP step (fwd+bwd)")
+    p.add_argument("--first-kernel", action="store_true", help="with --mlp: the bf16 "
+                   "forward's host time to its FC1 GLU launch (grad and no_grad)")
     p.add_argument("--fp8", default="ROWWISE", help=f"with --mlp: recipes after bf16, "
                    f"comma-separated, of {sorted(RECIPES)} ('' for bf16 only)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.mlp and args.first_kernel:
+        args.iters = args.iters or 2000
+        main_first_kernel(args)
+        return
     if args.mlp:
         args.iters = args.iters or 300
         main_mlp(args)

@@ -70,21 +70,21 @@ def _sameness_label(seen: list[Any], item: Any) -> int:
 
 def call_signature(
     ops: Sequence[BasicOperation], input_: Tensor, extra: list[tuple],
-    autocast: AutocastState | None,
+    autocast: AutocastState | None, params: Sequence[Tensor] | None = None,
 ) -> tuple | None:
     """Everything the fast path's reused decisions depend on (module docstring); None where
-    the call must take the full path."""
+    the call must take the full path. `params`: the ops' `fuser_parameters()` in order, where
+    the caller has them already."""
     extras = _extra_facts([t for group in extra for t in group])
     if extras is None:
         return None
-    params = tuple(
-        (id(p), p.shape, p.dtype, p.device, p.requires_grad, type(p))
-        for op in ops
-        for p in op.fuser_parameters()
-    )
+    if params is None:
+        params = [p for op in ops for p in op.fuser_parameters()]
+    # list comprehensions, not generators: this runs before every call's first kernel
+    param_facts = [(id(p), p.shape, p.dtype, p.device, p.requires_grad, type(p)) for p in params]
     return (
         op_state_version(),
-        tuple(op.plan_facts() for op in ops),
+        tuple([op.plan_facts() for op in ops]),
         registry_version(),
         kernel_backends.registry_version(),
         kernel_backends.current_backend(),
@@ -93,7 +93,7 @@ def call_signature(
         None if autocast is None else (autocast.dtype, autocast.device_type),
         input_.shape, input_.dtype, input_.device, input_.requires_grad, type(input_),
         extras,
-        params,
+        tuple(param_facts),
     )
 
 

@@ -235,14 +235,15 @@ class Fuser:
     ) -> tuple[Tensor, list[tuple]]:
         autocast = AutocastState.current(input_.device)
         signature = None
+        params = [p for op in self.ops for p in op.fuser_parameters()]  # read once a call
         if op_kwargs is None:
-            signature = fast_path.call_signature(self.ops, input_, extra, autocast)
+            signature = fast_path.call_signature(self.ops, input_, extra, autocast, params)
         entry = self._fast
         if signature is not None and entry is not None and entry.signature == signature:
             self.fast_calls += 1
             self.last_plan = entry.plan.public
             return self._run(entry.plan, entry.contexts(call_inputs, autocast), input_, extra,
-                             entry.with_backward, False, autocast, None, entry.counts)
+                             entry.with_backward, False, autocast, None, entry.counts, params)
         ctxs = new_contexts(self.ops, input_, extra, call_inputs, autocast)
         with_backward = any(ctx.requires_grad for ctx in ctxs)
         plan = self.plan(input_, extra, with_backward, autocast, op_kwargs)
@@ -250,7 +251,7 @@ class Fuser:
         self._fast = None
         counts = self._counts(extra)
         result = self._run(plan, ctxs, input_, extra, with_backward, False, autocast, op_kwargs,
-                           counts)
+                           counts, params)
         if signature is not None:  # checked and run: the next identical call may reuse it
             self._fast = fast_path.FastEntry.remember(signature, plan, ctxs, counts)
         return result
@@ -281,17 +282,21 @@ class Fuser:
     def _run(
         self, plan: RunPlan, ctxs, input_, extra, with_backward: bool, traced: bool, autocast,
         op_kwargs: list[dict] | None = None, counts: tuple | None = None,
+        params: list[Tensor] | None = None,
     ):
-        """Run `plan`; `counts`: `_counts(extra)` where the caller has it already."""
+        """Run `plan`; `counts`: `_counts(extra)`, `params`: the ops' `fuser_parameters()`,
+        where the caller has them already."""
         counts = counts or self._counts(extra)
         call = _Call(plan, self.ops, ctxs, counts[0], counts[1], traced=traced,
                      offset=self.offset, autocast=autocast, links=counts[2], op_kwargs=op_kwargs)
-        extra = [tuple(None if isinstance(t, ChannelRef) else t for t in group)
-                 for group in extra]  # bound slots are filled in as their publishers run
+        if counts[2]:  # each bound slot (a ChannelRef) has a link: filled in as its publisher runs
+            extra = [tuple(None if isinstance(t, ChannelRef) else t for t in group)
+                     for group in extra]
         if not with_backward:
             out, extra_out = _run_forward(call, input_, extra)
             return out, extra_out
-        params = [p for op in self.ops for p in op.fuser_parameters()]
+        if params is None:
+            params = [p for op in self.ops for p in op.fuser_parameters()]
         # A channel-bound slot (None now) is no input of the autograd bridge: made inside it.
         flat_extra = [t for group in extra for t in group]
         inputs = [input_, *flat_extra, *params]

@@ -60,10 +60,22 @@ class Sequential(torch.nn.Sequential):
         """The flat list of basic ops, in forward order (what plan indices count)."""
         return [m for m in self._flat_modules() if isinstance(m, BasicOperation)]
 
+    def _flat_list(self) -> list[torch.nn.Module]:
+        """`_flat_modules()` as a list, built without generators (read on every call)."""
+        flat: list[torch.nn.Module] = []
+        for module in self:
+            if isinstance(module, Sequential):
+                flat += module._flat_list()
+            elif isinstance(module, CompositeOperation):
+                flat += module.basic_ops()
+            else:
+                flat.append(module)
+        return flat
+
     def prepare_runs(self) -> None:
         """Split the flat modules into runs (Fusers and plain modules) if they changed."""
-        flat = list(self._flat_modules())
-        key = (*(id(m) for m in flat), bindings_version())
+        flat = self._flat_list()
+        key = (*map(id, flat), bindings_version())
         if key != self._runs_key:
             _check_no_forward_override(flat)
             self._channels = resolve_channels([m for m in flat if isinstance(m, BasicOperation)])
@@ -126,7 +138,7 @@ class Sequential(torch.nn.Sequential):
             slots = (count, layout)
             if not tracing:
                 self._extra_slots = slots
-        return [tuple(extra_inputs[i] if isinstance(i, int) else i for i in op_slots)
+        return [tuple([extra_inputs[i] if isinstance(i, int) else i for i in op_slots])
                 for op_slots in slots[1]]
 
     def _joined_plan(self, plans: list[FusionPlan]) -> FusionPlan:

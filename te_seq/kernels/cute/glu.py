@@ -120,7 +120,8 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
             f"cute {op}: probs must hold one float per row ({rows}), "
             f"got {tuple(probs.shape)} {probs.dtype}"
         )
-    probs = probs.reshape(rows)
+    if probs.dim() != 1:  # a 1-D one is [rows] already: no view made (a torch call less)
+        probs = probs.reshape(rows)
     return (probs if probs.dtype in _PROBS_DTYPES else probs.float()).contiguous()
 
 

@@ -5,12 +5,15 @@ Imports no cutlass until the kernel is first compiled (``offsets_kernel``).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
 from .launch import available
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
+_KERNEL_MODULE = __name__.rsplit(".", 1)[0] + ".offsets_kernel"
 
 
 def offsets_problem(splits: Tensor) -> str:
@@ -30,13 +33,14 @@ def group_offsets(splits: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     """(offs int32 [G], ok int32 [1]) from split sizes [G] on the GPU: offs[g] = Σ_{j≤g}
     splits[j]; ok[0] = 1 when every split is >= 0 and they sum to ``rows``, else 0. One
     launch, no host sync, CUDA-graph capturable (``offsets_problem`` says where it runs)."""
-    from .offsets_kernel import compile_offsets
-
+    kernels = sys.modules.get(_KERNEL_MODULE)  # imported (with cutlass) on first use only;
+    if kernels is None:  # read from sys.modules after that: an import statement costs ~1 µs
+        from . import offsets_kernel as kernels
     splits = splits.contiguous()
     offs = torch.empty(splits.shape[0], dtype=torch.int32, device=splits.device)
     ok = torch.empty(1, dtype=torch.int32, device=splits.device)
     if splits.shape[0] == 0:
         ok.fill_(int(rows == 0))
         return offs, ok
-    compile_offsets(splits.dtype).fn(splits, offs, ok, rows)
+    kernels.compile_offsets(splits.dtype).fn(splits, offs, ok, rows)
     return offs, ok

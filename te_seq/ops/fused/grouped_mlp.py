@@ -173,13 +173,18 @@ class GroupedMLP(FusedOperation):
         ctx = basic_op_ctxs[0]
         extras = self._unpack(basic_op_extra_inputs)
         x, w1 = self.fc1.operands(ctx, as_rows(input_, self.fc1.in_features))  # [T, H]
-        w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
         offs = self.fc1.offsets(extras.splits, input_, ctx.backend)
         if ctx.recipe is not None:
+            w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
             y = _grouped_mlp_fp8.forward(self, basic_op_ctxs, input_, x, w1, w2, offs, extras,
                                          basic_op_extra_inputs)
             return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
-        h, a, y = self.forward_rows(ctx, x, w1, w2, offs, extras, basic_op_extra_inputs[1:])
+        # FC1 is launched before FC2's operands are made (a cast under torch.autocast): only
+        # what its launch needs runs before it, the GPU starts sooner
+        inner_extra = basic_op_extra_inputs[1:]
+        h, a = self.fc1_rows(ctx, x, w1, offs, extras, inner_extra)
+        w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
+        y = self.fc2_rows(ctx, a, w2, offs, extras, inner_extra)
         # Saved when any of the three ops' backward runs: with FC1 frozen and an input that needs
         # no gradient only the activation (router probs) or FC2 may need one.
         if any(c.requires_grad for c in basic_op_ctxs):
@@ -197,16 +202,26 @@ class GroupedMLP(FusedOperation):
         """(h [T, 2F], a [T, F], y [T, H]) of rows x (with `gather`: rows x[gather.rows]; with
         `scatter`: y's row r written to row scatter.rows[r]), the activation's and FC2's input
         checks included (`inner_extra`: their extra inputs as the call gave them)."""
-        probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]
+        h, a = self.fc1_rows(ctx, x, w1, offs, extras, inner_extra, gather)
+        return h, a, self.fc2_rows(ctx, a, w2, offs, extras, inner_extra, scatter)
+
+    def fc1_rows(self, ctx: OperationContext, x: Tensor, w1: Tensor, offs: Tensor,
+                 extras: _Extras, inner_extra: Sequence[tuple], gather: Route | None = None):
+        """(h [T, 2F], a [T, F]): `forward_rows`' FC1 and activation, the activation's input
+        checks first."""
+        probs = _row_values(extras.probs)  # [T]
         seen = ctx.signature_checked  # the inner ops' checks that read only it passed before
-        rows = x.shape[0] if gather is None else gather.rows.shape[0]
         if not (seen and self.activation.checks_read_only_signature()):
+            rows = x.shape[0] if gather is None else gather.rows.shape[0]
             h_like = x.new_empty(()).expand(rows, self.fc1.out_features)  # shape only
             self.activation.forward_checks(h_like, inner_extra[0], seen)
-        h, a = self._fc1_act(x, w1, offs, extras, probs, ctx.backend, gather)  # [T, 2F], [T, F]
-        self.fc2.forward_checks(a, inner_extra[1], seen)
-        y = _linear(self.fc2, a, w2, offs, extras.fc2_scales, ctx.backend, scatter=scatter)
-        return h, a, y  # y [T, H]
+        return self._fc1_act(x, w1, offs, extras, probs, ctx.backend, gather)  # [T, 2F], [T, F]
+
+    def fc2_rows(self, ctx: OperationContext, a: Tensor, w2: Tensor, offs: Tensor,
+                 extras: _Extras, inner_extra: Sequence[tuple], scatter: Route | None = None):
+        """y [T, H]: `forward_rows`' FC2 of the activation a, FC2's input checks first."""
+        self.fc2.forward_checks(a, inner_extra[1], ctx.signature_checked)
+        return _linear(self.fc2, a, w2, offs, extras.fc2_scales, ctx.backend, scatter=scatter)
 
     # --- backward -----------------------------------------------------------------------------
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
@@ -260,6 +275,14 @@ _EPILOGUE_KERNELS = {
     True: ("glu_fc1_forward", "glu_fc2_dgrad"),
     False: ("act_fc1_forward", "act_fc2_dgrad"),
 }
+
+
+def _row_values(values: Tensor | None) -> Tensor | None:
+    """Per-row values (probs) as one column [T]: `values.reshape(-1)`, the tensor itself when
+    it is 1-D already (a view is a torch call more before the FC1 launch)."""
+    if values is None or values.dim() == 1:
+        return values
+    return values.reshape(-1)
 
 
 def _bias(fc: GroupedLinear, dtype: torch.dtype) -> Tensor | None:

@@ -1,0 +1,145 @@
+"""The fused grouped MLP's forward with FC1 launched as early as it can be (only what its launch
+needs runs before it; FC2's operands and checks after): values and gradients as pure-torch maths
+(float64, the reference backend), per-row probs given 1-D or as a column, on the full path and on
+the fuser's fast path; and, on the stubbed cute kernels of benchmarks/profile_launch.py, the
+forward's launches (kernels, order, arguments) and the harness's time to the FC1 launch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import te_seq
+from te_seq import ops
+
+D = torch.float64
+T, H, FF, G = 10, 4, 6, 3
+SPLITS = torch.tensor([4, 0, 6])
+
+
+def _mlp() -> te_seq.Sequential:
+    torch.manual_seed(0)
+    seq = te_seq.Sequential(ops.GroupedLinear(G, H, 2 * FF, bias=False, dtype=D,
+                                              single_grouped_weight=True),
+                            ops.ScaledSwiGLU(),
+                            ops.GroupedLinear(G, FF, H, bias=False, dtype=D,
+                                              single_grouped_weight=True))
+    with torch.no_grad():
+        for p in seq.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    return seq
+
+
+def _torch_mlp(x, probs, w1, w2):
+    """y_t = (silu(gate) * up * p_t) W2_eᵀ with [gate | up] = x_t W1_eᵀ, per expert e."""
+    outs, start = [], 0
+    for e, n in enumerate(SPLITS.tolist()):
+        h = x[start:start + n] @ w1[e].T
+        gate, up = h.chunk(2, dim=-1)
+        a = F.silu(gate) * up * probs.reshape(-1)[start:start + n, None]
+        outs.append(a @ w2[e].T)
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("probs_shape", [(T,), (T, 1)])
+def test_fused_forward_and_grads_match_torch_maths_on_both_paths(probs_shape):
+    seq = _mlp()
+    torch.manual_seed(1)
+    x0 = torch.randn(T, H, dtype=D)
+    p0 = torch.rand(probs_shape, dtype=D) + 0.5
+    dy = torch.randn(T, H, dtype=D)
+    w1, w2 = (p.detach().clone().requires_grad_() for p in seq.parameters())
+    xr, pr = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+    ref = _torch_mlp(xr, pr, w1, w2)
+    ref.backward(dy)
+    for call in range(3):  # the first call takes the full path, the next ones the fast path
+        x, probs = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+        for p in seq.parameters():
+            p.grad = None
+        with te_seq.backend("reference"):
+            y = seq(x, SPLITS, probs, SPLITS)
+        assert [s.name for s in seq.fusion_plan().forward] == ["GroupedMLP"]
+        y.backward(dy)
+        torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+        got = [x.grad, probs.grad, *(p.grad for p in seq.parameters())]
+        for g, r in zip(got, [xr.grad, pr.grad, w1.grad, w2.grad]):
+            torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    fuser = seq._runs[0]
+    assert fuser.fast_calls == 2
+    for _ in range(3):
+        with torch.no_grad(), te_seq.backend("reference"):
+            torch.testing.assert_close(seq(x0, SPLITS, p0, SPLITS), ref.detach(),
+                                       rtol=1e-12, atol=1e-12)
+    assert fuser.fast_calls == 4
+
+
+# --- the stubbed cute launches (benchmarks/profile_launch.py) ------------------------------
+
+def _harness():
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install "
+                        "'te_seq[cute]')")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import profile_launch
+
+    return profile_launch
+
+
+def _facts(arg):
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, tuple(arg.shape), arg.stride(), arg.storage_offset())
+    return arg
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_stubbed_forward_launches_offsets_then_fc1_then_fc2(grad):
+    """Kernels, order and arguments of a (second, planned) forward's launches, as they were
+    before FC1 was moved forward: the offsets kernel, the FC1 GLU kernel reading its offsets,
+    FC2's GEMM reading FC1's activation."""
+    pl = _harness()
+    from te_seq.kernels.cute.compile import GemmConfig, GluConfig
+
+    bf, i32 = torch.bfloat16, torch.int32
+    with pl.stubbed_step(record=True) as stubs, torch.set_grad_enabled(grad):
+        forward = pl.mlp_forward(256, None, e=8, h=256, f=128)
+        forward()
+        order = []
+        for cfg, stub in stubs.items():
+            stub.calls.clear()
+            stub.on_launch = lambda cfg=cfg: order.append(cfg)
+        forward()
+        launches = [(cfg, stubs[cfg].calls[0]) for cfg in order]
+    assert [type(c) for c, _ in launches] == [tuple, GluConfig, GemmConfig]
+    assert launches[1][0].mode == "fc1"
+    (_, offsets), (_, fc1), (_, fc2) = launches
+    assert [_facts(a) for a in offsets] == [
+        (torch.int64, (8,), (1,), 0), (i32, (8,), (1,), 0), (i32, (1,), (1,), 0), 256]
+    assert [_facts(a) for a in fc1] == [
+        (bf, (256, 256), (256, 1), 0), (bf, (256, 256, 8), (256, 1, 65536), 0),
+        (bf, (256, 256), (256, 1), 0), (i32, (8,), (1,), 0), 10, (bf, (256, 128), (128, 1), 0),
+        (torch.float32, (256,), (1,), 0), (torch.float32, (8,), (1,), 0),
+        (bf, (8, 8), (8, 1), 0), (bf, (8, 8), (8, 1), 0), (i32, (1,), (1,), 0)]
+    assert [_facts(a) for a in fc2] == [
+        (bf, (256, 128), (128, 1), 0), (bf, (256, 128, 8), (128, 1, 32768), 0),
+        (bf, (256, 256), (256, 1), 0), (i32, (8,), (1,), 0), 10, (i32, (1,), (1,), 0)]
+    assert fc1[3] is offsets[1] and fc2[3] is offsets[1]  # both GEMMs read those offsets
+    assert fc2[0] is fc1[5]  # FC2 multiplies FC1's activation
+
+
+def test_harness_times_the_forward_up_to_its_fc1_launch():
+    pl = _harness()
+    with pl.stubbed_step() as stubs:
+        forward = pl.mlp_forward(256, None, e=8, h=256, f=128)
+        forward()
+        fc1 = pl.fc1_stub(stubs)
+        to_fc1, whole = pl.time_to_fc1(forward, fc1, 3)
+        aten = pl.aten_ops_to_fc1(forward, fc1)
+        stats = pl.profile_to_fc1(forward, fc1, 2)
+    assert 0 < to_fc1 < whole
+    assert "_assert_async" in aten and "mm" not in aten  # the offsets' check, no GEMM yet
+    names = {name for (_, _, name) in stats.stats}
+    assert "fuser_forward" in names and "fc2_rows" not in names  # profiled up to FC1 only
