@@ -138,6 +138,17 @@ def test_group_amax_checks_name_the_problem():
 
 
 @needs_dsl
+def test_host_width_limit_is_the_kernels():
+    """The host's C limit (no cutlass import) is what the kernel's CTA can hold, and the row
+    slices are those the docs name."""
+    from te_seq.kernels.cute import quant, row_amax_kernels
+
+    assert quant.GROUP_AMAX_MAX_COLS == row_amax_kernels.MAX_COLS == 16384
+    assert [quant._row_slices(c) for c in (16, 2048, 2064, 4096, 4112, 16384)] == \
+        [4, 4, 2, 2, 1, 1]
+
+
+@needs_dsl
 @pytest.mark.slow
 def test_row_group_amax_kernel_compiles_for_sm90a():
     script = (
