@@ -1,8 +1,12 @@
 """The FP8 quantization kernels alone (``te_seq.kernels.cute``): ``quantize_spans`` (token-major,
 one scale per (group, column)), ``quantize_rows_and_spans`` (both forms in one pass pair),
-``quantize_rows`` (one scale per row) and ``quantize_span_blocks`` (kind "blocks": token-major,
-one scale per (128-token block, column), ``Float8BlockScaling``'s wgrad operands), bf16 in,
-E4M3 out, on the grouped MLP's operands.
+``quantize_rows`` (one scale per row), ``quantize_span_blocks`` (kind "blocks": token-major,
+one scale per (128-token block, column), ``Float8BlockScaling``'s wgrad operands),
+``quantize_rows_and_group_amax`` (kind "rows_group_amax": row-wise plus each group's column
+maxima, one read of t) and ``quantize_spans_from_group_amax`` (kind "spans_from_amax": the
+token-major cast from those maxima, one read of t; the maxima made once, untimed), bf16 in,
+E4M3 out, on the grouped MLP's operands. "rows_group_amax" + "spans_from_amax" is the pair
+that replaces "rows" + "spans" (three reads of t) when x is quantized token-major in backward.
 
 Per shape (benchmarks/mlp_case.py SHAPES; uniform groups but for Z's) the operands are x and
 dy [M, H], the FC1 output gradient [M, 2F] and the activation [M, F]. Each call is timed with
@@ -37,7 +41,8 @@ from mlp_case import SHAPES, Shape, zipf_counts  # noqa: E402
 BURST = 10
 FP8 = torch.float8_e4m3fn
 DRY_SHAPE = Shape(E=4, H=64, F=48, M=256)  # every width a multiple of 16, like the kernels ask
-KINDS = ("spans", "rows_and_spans", "rows", "blocks")
+KINDS = ("spans", "rows_and_spans", "rows", "blocks", "rows_group_amax", "spans_from_amax")
+TORCH_KINDS = KINDS[:4]  # the new kinds have no torch definition of their own
 
 
 def operands(s: Shape) -> dict[str, int]:
@@ -48,17 +53,20 @@ def operands(s: Shape) -> dict[str, int]:
 def traffic_bytes(kind: str, m: int, c: int, groups: int, width: int) -> int:
     """Bytes read + written once: t (bf16) in; token-major data [C, width] and scale_inv
     [G, C] fp32 (spans) or [width / 128, C] (blocks), row-wise data [M, C] and scale_inv [M]
-    fp32 (rows)."""
+    fp32 (rows); the group maxima [G, C] fp32 written (rows_group_amax) or read
+    (spans_from_amax) once."""
     spans = c * width + 4 * groups * c
     rows = m * c + 4 * m
     blocks = c * width + 4 * (width // 128) * c
-    out = {"spans": spans, "rows_and_spans": spans + rows, "rows": rows, "blocks": blocks}[kind]
+    amax = 4 * groups * c
+    out = {"spans": spans, "rows_and_spans": spans + rows, "rows": rows, "blocks": blocks,
+           "rows_group_amax": rows + amax, "spans_from_amax": spans + amax}[kind]
     return 2 * m * c + out
 
 
 def calls(t: torch.Tensor, offs: torch.Tensor, use_torch: bool) -> dict[str, Callable[[], object]]:
-    """{variant: call} for the three kinds, on the cute backend (where it can run) or as the
-    torch definitions."""
+    """{variant: call} for the kinds, on the cute backend (where it can run; the group-maxima
+    kinds for C <= 16384) or as the torch definitions (the first four kinds)."""
     from te_seq.kernels import fp8_quantize, fp8_wgrad
     from te_seq.kernels import fp8_reference as ref
 
@@ -75,12 +83,18 @@ def calls(t: torch.Tensor, offs: torch.Tensor, use_torch: bool) -> dict[str, Cal
 
     table, _ = fp8_quantize.span_table(offs, t.shape[0])
     groups = offs.shape[0]
-    return {
+    fns = {
         "spans": lambda: cute.quantize_spans(t, table, groups),
         "rows_and_spans": lambda: cute.quantize_rows_and_spans(t, table, groups),
         "rows": lambda: cute.quantize_rows(t),
         "blocks": lambda: cute.quantize_span_blocks(t, table),
     }
+    if cute.group_amax_problem(t, FP8, 0) == "":  # C <= 16384
+        group_amax = cute.quantize_rows_and_group_amax(t, table, groups)[2]
+        fns["rows_group_amax"] = lambda: cute.quantize_rows_and_group_amax(t, table, groups)
+        fns["spans_from_amax"] = lambda: cute.quantize_spans_from_group_amax(t, table,
+                                                                           group_amax)
+    return fns
 
 
 def measure(name: str, s: Shape, args, device: torch.device) -> list[dict]:
@@ -102,8 +116,8 @@ def measure(name: str, s: Shape, args, device: torch.device) -> list[dict]:
             base = dict(shape=name, operand=operand, M=s.M, C=c, G=s.E, backend=backend)
             why = cute.quant_problem(t, FP8, 0) if backend == "cute" else ""
             if why:
-                records += [dict(base, kind=k, status="skipped", reason=why)
-                            for k in KINDS]
+                kinds = KINDS if backend == "cute" else TORCH_KINDS
+                records += [dict(base, kind=k, status="skipped", reason=why) for k in kinds]
                 continue
             fns = calls(t, offs, backend == "torch")
             runs = time_interleaved(fns, args.iters, args.warmup, device, burst=BURST)

@@ -112,6 +112,7 @@ def _configs() -> dict[str, object]:
         "quant_span_amax_rows": QuantConfig("span_amax", bf16, rows=True),
         "quant_span_cast_rows": QuantConfig("span_cast", bf16, rows=True),
         "quant_span_block_cast": QuantConfig("span_block_cast", bf16),
+        "quant_rows_group_amax": QuantConfig("rows_group_amax", bf16),  # row_amax_kernels.py
     }
 
 

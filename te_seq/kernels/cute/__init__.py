@@ -21,7 +21,8 @@ steps ``scaled_glu_fc1_forward`` / ``scaled_glu_fc2_dgrad``, each with a ``.supp
 ``block_scaled_grouped_wgrad``, ``supports_block_scaled_wgrad``),
 ``offsets`` (``group_offsets``: the checked group offsets in one launch, ``offsets_problem``),
 ``quant`` (the FP8 quantization kernels ``quantize_rows`` / ``quantize_spans`` /
-``quantize_span_blocks``, ``quant_problem``),
+``quantize_span_blocks``, ``quantize_rows_and_group_amax`` / ``quantize_spans_from_group_amax``,
+``quant_problem``),
 ``compile`` and ``disk_cache`` (compiling and caching), and the kernels (``grouped_gemm``,
 ``glu_epilogue``, ``act_epilogue`` and the modules they are built from). This file only
 re-exports.
@@ -50,11 +51,14 @@ from .launch import (
 )
 from .offsets import group_offsets, offsets_problem
 from .quant import (
+    group_amax_problem,
     quant_problem,
     quantize_rows,
+    quantize_rows_and_group_amax,
     quantize_rows_and_spans,
     quantize_span_blocks,
     quantize_spans,
+    quantize_spans_from_group_amax,
     span_table,
 )
 
@@ -89,6 +93,9 @@ __all__ = [
     "quantize_rows_and_spans",
     "span_table",
     "quantize_span_blocks",
+    "quantize_rows_and_group_amax",
+    "quantize_spans_from_group_amax",
+    "group_amax_problem",
     "block_scaled_grouped_mm",
     "supports_block_scaled",
     "block_scaled_grouped_wgrad",

@@ -22,7 +22,8 @@ class QuantConfig:
     kind "rows" (``RowQuantKernel``), "span_amax" or "span_cast" (``span_kernels``: the
     token-major pair, with ``rows``: the row-wise form too), "span_table" (their block table;
     in_dtype unused), "span_block_cast" (``block_span_kernels``: token-major with one scale
-    per 128-token block; rows unused); in_dtype the input (16-bit; fp32 too for
+    per 128-token block; rows unused), "rows_group_amax" (``row_amax_kernels``: row-wise
+    with each group's column maxima; rows unused); in_dtype the input (16-bit; fp32 too for
     "span_block_cast"); power_of_two the rule's scale rounding."""
 
     kind: str
@@ -63,6 +64,8 @@ def _fake_quant_args(cfg: QuantConfig) -> tuple:
         return t, table, data, _fake_scales(2), stream
     row_data = make_fake_compact_tensor(fp8, (cute.sym_int32(), cols), stride_order=(1, 0),
                                         assumed_align=16)
+    if cfg.kind == "rows_group_amax":  # row_data [T, C], scale_inv [T], group_amax [G, C]
+        return t, table, row_data, _fake_scales(1), block_amax, cutlass.Int32(1), stream
     return t, table, block_amax, extents, data, _fake_scales(2), row_amax, row_data, \
         _fake_scales(1), stream
 
@@ -74,6 +77,7 @@ def compile_quant(cfg: QuantConfig) -> CompiledGemm:
     from . import quant_kernels as qk
     from . import span_kernels
     from .block_span_kernels import SpanBlockCastKernel
+    from .row_amax_kernels import RowGroupAmaxKernel
 
     kernels = {"span_amax": span_kernels.SpanAmaxKernel, "span_cast": span_kernels.SpanCastKernel,
                "span_block_cast": SpanBlockCastKernel}
@@ -82,6 +86,8 @@ def compile_quant(cfg: QuantConfig) -> CompiledGemm:
         kernel = qk.RowQuantKernel(fp8_max, cfg.power_of_two, fp8)
     elif cfg.kind == "span_table":
         kernel = qk.SpanTableKernel()
+    elif cfg.kind == "rows_group_amax":
+        kernel = RowGroupAmaxKernel(fp8_max, cfg.power_of_two, fp8)
     else:
         kernel = kernels[cfg.kind](fp8_max, cfg.power_of_two, cfg.rows, fp8)
     return _compile("quant", cfg, kernel, _fake_quant_args(cfg))

@@ -56,6 +56,7 @@ SOURCE_FILES = (
     "quant_kernels.py",
     "span_kernels.py",
     "block_span_kernels.py",
+    "row_amax_kernels.py",
     "block_scaled.py",
     "offsets_kernel.py",
     "block_wgrad.py",

@@ -1,8 +1,11 @@
 """FP8 quantization on the CuTe DSL backend: ``quantize_rows`` (one scale per row) and
 ``quantize_spans`` (one scale per (group, column), token-major), ``quantize_rows_and_spans``
-(both forms in the passes of the second), ``quantize_span_blocks`` (token-major, one scale per
-(128-token block, column): ``Float8BlockScaling``'s wgrad operands), with ``quant_problem``.
-Kernels: ``quant_kernels``, ``span_kernels`` and ``block_span_kernels``; the numbers are
+(both forms in the passes of the second), ``quantize_rows_and_group_amax`` with
+``quantize_spans_from_group_amax`` (the same two forms from one read of t each: the row-wise
+pass keeps each group's column maxima, the token-major cast reads them later),
+``quantize_span_blocks`` (token-major, one scale per (128-token block, column):
+``Float8BlockScaling``'s wgrad operands), with ``quant_problem``. Kernels: ``quant_kernels``,
+``span_kernels``, ``row_amax_kernels`` and ``block_span_kernels``; the numbers are
 ``fp8_reference``'s bit for bit (E4M3 or E5M2, margin 0, with or without power-of-two scales).
 
 Each call is one or two kernel launches (~10 µs of host time) in place of a compiled torch
@@ -22,6 +25,7 @@ from .launch_plan import LaunchPlan, PlanCache
 SPAN_BLOCK = 128  # tokens per padded block (fp8_wgrad.WGRAD_PAD)
 _IN_DTYPES = (torch.bfloat16, torch.float16)
 _BLOCK_IN_DTYPES = (*_IN_DTYPES, torch.float32)  # quantize_span_blocks reads fp32 too
+GROUP_AMAX_MAX_COLS = 16384  # row_amax_kernels.MAX_COLS: 256 threads x 64 columns
 
 
 def quant_problem(t: Tensor, fp8_dtype: torch.dtype, margin: int, fp32: bool = False) -> str:
@@ -152,5 +156,94 @@ def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool
     return data, scale_inv, row_data, row_scale_inv[:, None]
 
 
-__all__ = ["quant_problem", "quantize_rows", "quantize_rows_and_spans", "quantize_span_blocks",
-           "quantize_spans", "span_table"]
+# ---------------------------------------------------------------- row-wise + group maxima
+
+_ROWS_GROUP_AMAX_OP = "cute quantize_rows_and_group_amax"
+_SPANS_FROM_AMAX_OP = "cute quantize_spans_from_group_amax"
+_UNIT_EXTENTS: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def group_amax_problem(t: Tensor, fp8_dtype: torch.dtype, margin: int) -> str:
+    """Why `quantize_rows_and_group_amax` cannot quantize t [T, C] ("" when it can):
+    `quant_problem`'s conditions, and C at most 16384 (a CTA holds whole rows)."""
+    if t.dim() == 2 and t.shape[1] > GROUP_AMAX_MAX_COLS:
+        return f"needs C <= {GROUP_AMAX_MAX_COLS}, got C={t.shape[1]}"
+    return quant_problem(t, fp8_dtype, margin)
+
+
+def quantize_rows_and_group_amax(t: Tensor, table: Tensor, groups: int,
+                                 power_of_two: bool = False, fp8_dtype: torch.dtype = FP8_DTYPE
+                                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """t [T, C] quantized row-wise in one read of t, with each group's column maxima: (row_data
+    [T, C], row_scale_inv fp32 [T, 1], group_amax fp32 [G, C]). Rows in a group are bitwise
+    `quantize_rows`; rows in no group (past the last group's end) are unspecified, as in
+    `quantize_rows_and_spans`. group_amax[g, c] = max |t[r, c]| over group g's rows (nan as
+    inf; 0 for a group without rows): what `quantize_spans_from_group_amax` needs to cast the
+    token-major form later. `table`: `quantize_spans`' block table. C <= 16384
+    (`group_amax_problem`)."""
+    t = _aligned(_row_major(t))
+    count, cols = t.shape
+    if cols > GROUP_AMAX_MAX_COLS:
+        raise ValueError(f"{_ROWS_GROUP_AMAX_OP}: needs C <= {GROUP_AMAX_MAX_COLS}, got "
+                         f"t {tuple(t.shape)}")
+    row_data = torch.empty(t.shape, dtype=fp8_dtype, device=t.device)
+    row_scale_inv = torch.empty(count, dtype=torch.float32, device=t.device)
+    group_amax = torch.zeros(groups, cols, dtype=torch.float32, device=t.device)  # atomic max
+    if count and cols and groups and table.shape[0]:
+        _kernel("rows_group_amax", t, power_of_two, False, fp8_dtype)(
+            t, table.contiguous(), row_data, row_scale_inv, group_amax, _row_slices(cols))
+    return row_data, row_scale_inv[:, None], group_amax
+
+
+def _row_slices(cols: int) -> int:
+    """CTAs per 128-token block for `RowGroupAmaxKernel`: a CTA of one warp (C <= 2048) takes
+    32 rows, of two warps 64, wider ones the whole block; more CTAs keep more loads in flight
+    on narrow rows at the cost of one more atomic per column and slice."""
+    warps = -(-cols // 2048)
+    return 4 if warps == 1 else 2 if warps == 2 else 1
+
+
+def quantize_spans_from_group_amax(t: Tensor, table: Tensor, group_amax: Tensor,
+                                   power_of_two: bool = False,
+                                   fp8_dtype: torch.dtype = FP8_DTYPE) -> tuple[Tensor, Tensor]:
+    """`quantize_spans(t, table, G, ...)` (data [C, P], scale_inv fp32 [G, C], bit for bit)
+    in one read of t, from the group maxima `quantize_rows_and_group_amax` made (fp32
+    [G, C]). The span cast kernel reads a group's maxima as those of its blocks first..end-1;
+    with group_amax as the block maxima and extents[g] = (g, g + 1) that is group_amax[g]."""
+    t = _aligned(_row_major(t))
+    groups, cols = group_amax.shape if group_amax.dim() == 2 else (-1, -1)
+    if cols != t.shape[1] or group_amax.dtype != torch.float32:
+        raise ValueError(f"{_SPANS_FROM_AMAX_OP}: group_amax must be fp32 [G, {t.shape[1]}], "
+                         f"got {group_amax.dtype} {tuple(group_amax.shape)}")
+    device, width = t.device, table.shape[0] * SPAN_BLOCK
+    data = torch.empty(cols, width, dtype=fp8_dtype, device=device)
+    if not (width and cols):  # no kernel: every group without tokens
+        return data, torch.ones(groups, cols, dtype=torch.float32, device=device)
+    scale_inv = torch.empty(groups, cols, dtype=torch.float32, device=device)
+    maxima = group_amax.contiguous() if groups else group_amax.new_zeros(1, cols)
+    row_amax = torch.empty(1, dtype=torch.float32, device=device)  # no row-wise form:
+    row_data = torch.empty(1, cols, dtype=fp8_dtype, device=device)  # one dummy row
+    row_scale_inv = torch.empty(1, dtype=torch.float32, device=device)
+    _kernel("span_cast", t, power_of_two, False, fp8_dtype)(
+        t, table.contiguous(), maxima, _unit_extents(max(groups, 1), device), data, scale_inv,
+        row_amax, row_data, row_scale_inv)
+    return data, scale_inv
+
+
+def _unit_extents(groups: int, device: torch.device) -> Tensor:
+    """int32 [G, 2] with row g = (g, g + 1): each group's "blocks" are its own row of
+    group_amax. Cached per (G, device), except while a CUDA graph is captured (the tensor
+    would live in the graph's memory pool)."""
+    key = (groups, device)
+    found = _UNIT_EXTENTS.get(key)
+    if found is None:
+        first = torch.arange(groups, dtype=torch.int32, device=device)
+        found = torch.stack([first, first + 1], 1)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _UNIT_EXTENTS[key] = found
+    return found
+
+
+__all__ = ["group_amax_problem", "quant_problem", "quantize_rows",
+           "quantize_rows_and_group_amax", "quantize_rows_and_spans", "quantize_span_blocks",
+           "quantize_spans", "quantize_spans_from_group_amax", "span_table"]
