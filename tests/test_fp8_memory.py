@@ -160,3 +160,11 @@ def test_grad_operands_round_trip_a_deferred_input():
     assert loaded.x.x is x and loaded.x.offs is offs and loaded.w is w
     emulated = fp8.GradOperands.load((x, None, None, w, torch.ones(2, 4, 1)))
     assert emulated.x is x  # an fp32 operand along T stays one
+    amax = torch.rand(2, 4)  # x's (group, column) maxima, where the forward made them
+    with_amax = fp8.GradOperands(fp8.DeferredTokenMajor(x.bfloat16(), offs, amax), w,
+                                 torch.ones(2, 4, 1))
+    loaded = fp8.GradOperands.load(with_amax.tensors())
+    assert isinstance(loaded.x, fp8.DeferredTokenMajor) and loaded.x.amax is amax
+    data = torch.zeros(4, 256, dtype=torch.float8_e4m3fn)  # a token-major operand stays one
+    token_major = fp8.GradOperands.load((data, amax, offs, w, torch.ones(2, 4, 1)))
+    assert isinstance(token_major.x, fp8_wgrad.TokenMajor) and token_major.x.data is data

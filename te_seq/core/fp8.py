@@ -262,10 +262,26 @@ class DeferredTokenMajor:
 
     x: Tensor
     offs: Tensor
+    amax: Tensor | None = None  # x's max |x| per (group, column) [G, K], where made in forward
 
     def resolve(self, recipe: Recipe, backend_name: str) -> fp8_wgrad.TokenMajor:
         """`input_token_major` of x: the bits the forward would have kept."""
+        if self.amax is not None:  # one cast pass from the forward's maxima
+            return fp8_quantize.token_major_from_amax(self.x, self.offs, self.amax,
+                                                      recipe.rule("input"))
         return input_token_major(recipe, self.x, self.x, self.offs, None, backend_name)
+
+
+def input_deferred(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor, backend_name: str
+                   ) -> tuple[ref.QuantizedTensor, DeferredTokenMajor]:
+    """(`input_quantized`, x kept for its token-major form in backward): with row-wise blocks
+    on the cute kernels the same read of x also yields its (group, column) maxima, so that
+    backward needs one cast pass only."""
+    if recipe.block("input") != ref.ROWWISE:
+        return input_quantized(recipe, input_, x, backend_name), DeferredTokenMajor(x, offs)
+    forward, amax = fp8_quantize.rows_keeping_group_amax(x, offs, recipe.rule("input"),
+                                                         backend_name)
+    return forward, DeferredTokenMajor(x, offs, amax)
 
 
 def defers_token_major(recipe: Recipe, input_: Tensor) -> bool:
@@ -296,8 +312,8 @@ class GradOperands:
 
     def tensors(self) -> tuple[Tensor | None, ...]:
         x = self.x
-        if isinstance(x, DeferredTokenMajor):  # x as read, its group ends: no scales
-            return (x.x, None, x.offs, self.w, self.w_scale_inv)
+        if isinstance(x, DeferredTokenMajor):  # x as read, its maxima (or None), group ends
+            return (x.x, x.amax, x.offs, self.w, self.w_scale_inv)
         if not isinstance(x, fp8_wgrad.TokenMajor):  # fp32 along T, or None
             return (x, None, None, self.w, self.w_scale_inv)
         return (x.data, x.scale_inv, x.offs, self.w, self.w_scale_inv)
@@ -309,6 +325,8 @@ class GradOperands:
             return cls(x, w)
         if x_scale_inv is None:  # x fp32 along T (an emulated wgrad), None, or deferred
             return cls(x if x_offs is None else DeferredTokenMajor(x, x_offs), w, w_scale_inv)
+        if x.dtype.itemsize > 1:  # deferred, with its maxima: x is not FP8 data
+            return cls(DeferredTokenMajor(x, x_offs, x_scale_inv), w, w_scale_inv)
         # scales per 128-token block [P / 128, K], else per group [G, K]: P / 128 > G unless
         # there are no tokens (then both read as zeros)
         blocks = x_scale_inv.shape[0] != x_offs.shape[0]

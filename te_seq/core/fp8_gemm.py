@@ -228,9 +228,10 @@ def grouped_forward(
     token_major = native_backward and need_wgrad and not wgrad_reason(recipe)
     if token_major and not fp8.defers_token_major(recipe, input_):
         x_q, x_tm = fp8.input_both(recipe, input_, x, offs, ctx.backend.name)  # one pass pair
-    else:  # x itself kept for a token-major wgrad operand made in backward (the default)
-        x_q = fp8.input_quantized(recipe, input_, x, ctx.backend.name)
-        x_tm = fp8.DeferredTokenMajor(x, offs) if token_major else None
+    elif token_major:  # x itself kept for a token-major operand made in backward (default)
+        x_q, x_tm = fp8.input_deferred(recipe, input_, x, offs, ctx.backend.name)
+    else:
+        x_q, x_tm = fp8.input_quantized(recipe, input_, x, ctx.backend.name), None
     w_data, w_scale_inv = weights.fp8
     y = (gemm or _scaled_grouped_mm(ctx.backend.name))(x_q, w_data, w_scale_inv, offs, x.dtype)
     if token_major:

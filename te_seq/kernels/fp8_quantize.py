@@ -4,6 +4,9 @@
     token_major(t, offs, rule, backend_name)    t [T, C] along each group's tokens, laid out
                                                 token-major (`fp8_wgrad.quantize_token_major`)
     rows_and_token_major(t, offs, rule, ...)    both (row-wise blocks), in one kernel pair
+    rows_keeping_group_amax(t, offs, rule, ...) `rows` and t's (group, column) maxima in one
+                                                read; `token_major_from_amax` then makes
+                                                `token_major` from them in one more
     token_major_blocks(t, offs, rule, ...)      t along each group's tokens in 1x128 blocks,
                                                 token-major (`Float8BlockScaling`'s wgrad
                                                 operands: `quantize_token_major_blocks`)
@@ -52,6 +55,18 @@ def _reason(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule, backend_name:
     if block != ref.ROWWISE:
         return f"blocks {block} are not row-wise"
     return cute.quant_problem(t, rule.dtype, rule.margin)
+
+
+def group_amax_reason(t: Tensor, rule: ref.ScaleRule, backend_name: str) -> str:
+    """Why `rows_keeping_group_amax` does not run the cute kernel pair ("" when it does),
+    decided once per set of facts as `reason`."""
+    key = ("group amax", backend_name, rule, t.dtype, t.dim(), t.shape[-1] if t.dim() else 0,
+           t.device)
+    found = _REASONS.get(key)
+    if found is None:
+        found = _REASONS[key] = reason(t, ref.ROWWISE, rule, backend_name) or \
+            cute.group_amax_problem(t, rule.dtype, rule.margin)
+    return found
 
 
 def blocks_reason(t: Tensor, rule: ref.ScaleRule, backend_name: str) -> str:
@@ -110,6 +125,32 @@ def rows_and_token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backend_n
             fp8_wgrad.TokenMajor(data, scale_inv, padded_offs))
 
 
+def rows_keeping_group_amax(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backend_name: str
+                            ) -> tuple[ref.QuantizedTensor, Tensor | None]:
+    """(`rows(t, ROWWISE, ...)`, max |t| per (group, column) fp32 [G, C] with nan as inf, or
+    None): where the cute kernels run, one read of t makes both
+    (`cute.quantize_rows_and_group_amax`), and `token_major_from_amax` later makes
+    `token_major(t, ...)` from the maxima in one more read; elsewhere the maxima are None (the
+    caller then quantizes along the tokens with `token_major`). Rows past the last group's end
+    have unspecified row-wise data, as with `rows_and_token_major`."""
+    if group_amax_reason(t, rule, backend_name):
+        return rows(t, ref.ROWWISE, rule, backend_name), None
+    table, _ = span_table(offs, t.shape[0])
+    data, scale_inv, amax = cute.quantize_rows_and_group_amax(
+        t, table, offs.shape[0], rule.power_of_two, rule.dtype)
+    return ref.QuantizedTensor(data, scale_inv, ref.ROWWISE, rule), amax
+
+
+def token_major_from_amax(t: Tensor, offs: Tensor, amax: Tensor, rule: ref.ScaleRule
+                          ) -> fp8_wgrad.TokenMajor:
+    """`token_major(t, offs, rule, "cute")` from `rows_keeping_group_amax`'s maxima of the same
+    t: one cast pass (bitwise the same result)."""
+    table, padded_offs = span_table(offs, t.shape[0])
+    data, scale_inv = cute.quantize_spans_from_group_amax(t, table, amax, rule.power_of_two,
+                                                          rule.dtype)
+    return fp8_wgrad.TokenMajor(data, scale_inv, padded_offs)
+
+
 # on the offs tensor: ((its version, rows), (table, padded offs)). One step's token-major
 # operands (x, the activation, dy, dh) share their group offsets, so the table is built once
 # per step; an attribute of the tensor (one lookup, gone with it; a weak-keyed dictionary
@@ -155,5 +196,6 @@ def _build_table(offs: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     return table, padded_ends.to(torch.int32)
 
 
-__all__ = ["blocks_reason", "reason", "rows", "rows_and_token_major", "span_table",
-           "token_major", "token_major_blocks"]
+__all__ = ["blocks_reason", "group_amax_reason", "reason", "rows", "rows_and_token_major",
+           "rows_keeping_group_amax", "span_table", "token_major", "token_major_blocks",
+           "token_major_from_amax"]
