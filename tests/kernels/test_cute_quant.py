@@ -55,10 +55,9 @@ def _spans_by_block_maxima(t: torch.Tensor, table: torch.Tensor, groups: int,
                            rule: ref.ScaleRule):
     """The bandwidth span kernels' algorithm in torch: the amax pass writes each block's
     column maxima and each group's (first, end) block from the blocks that start and end it
-    (into buffers full of garbage); the cast pass reduces its group's block maxima, and
-    writes scale_inv on a group's first block and 1 for the groups without tokens around
-    the group changes and after the last block. Garbage left anywhere shows in the result."""
-    cols, pad, rows = t.shape[1], fp8_wgrad.WGRAD_PAD, table.tolist()
+    (into buffers full of garbage); then `cast_from_block_maxima`. Garbage left anywhere shows
+    in the result."""
+    cols, rows = t.shape[1], table.tolist()
     block_amax = torch.full((len(rows), cols), -3.0)
     extents = torch.full((max(groups, 1), 2), 10**6, dtype=torch.long)
     for b, (first_row, valid, group, first) in enumerate(rows):
@@ -70,11 +69,21 @@ def _spans_by_block_maxima(t: torch.Tensor, table: torch.Tensor, groups: int,
         if valid:
             amax = t[first_row:first_row + valid].float().abs().amax(0)
             block_amax[b] = torch.where(amax.isnan(), float("inf"), amax)
+    return cast_from_block_maxima(t, table, block_amax, extents.tolist(), groups, rule)
+
+
+def cast_from_block_maxima(t: torch.Tensor, table: torch.Tensor, block_amax: torch.Tensor,
+                           extents: list, groups: int, rule: ref.ScaleRule):
+    """The span cast kernel's algorithm in torch: a block with rows reduces its group's block
+    maxima block_amax[first..end-1] (`extents[group]`), the others cast zeros with scale 1;
+    scale_inv is written on a group's first block, 1 for the groups without tokens around the
+    group changes and after the last block (into a buffer of garbage)."""
+    cols, pad, rows = t.shape[1], fp8_wgrad.WGRAD_PAD, table.tolist()
     scale_inv = torch.full((groups, cols), -5.0)
     blocks = []
     for b, (first_row, valid, group, first) in enumerate(rows):
-        amax = block_amax[extents[group, 0]:extents[group, 1]].amax(0) if valid else \
-            torch.zeros(cols)
+        start, end = extents[group] if valid else (0, 0)
+        amax = block_amax[start:end].amax(0) if valid else torch.zeros(cols)
         scales = ref.scales_from_amax(amax, rule)
         block = torch.cat([t[first_row:first_row + valid].float(),
                            torch.zeros(pad - valid, cols)])
@@ -100,7 +109,7 @@ def test_block_maxima_and_extents_give_quantize_token_major(case):
     table, _ = fp8_quantize.span_table(offs, rows)
     expected = fp8_wgrad.quantize_token_major(t, offs, E4M3_POW2)
     data, scale_inv = _spans_by_block_maxima(t, table, len(sizes), E4M3_POW2)
-    assert _same_bits(data, expected.data)
+    assert same_bits(data, expected.data)
     assert torch.equal(scale_inv.nan_to_num(-1.0), expected.scale_inv.nan_to_num(-1.0))
 
 
@@ -186,8 +195,8 @@ def test_block_span_algorithm_gives_quantize_token_major_blocks(case, rule):
     expected = fp8_wgrad.quantize_token_major_blocks(t, offs, rule)
     data, scale_inv = _span_blocks_by_table(t, table, rule)
     assert torch.equal(padded, expected.offs)
-    assert _same_bits(data, expected.data)
-    assert _same_bits(scale_inv, expected.scale_inv)
+    assert same_bits(data, expected.data)
+    assert same_bits(scale_inv, expected.scale_inv)
 
 
 class _RecordingSpanBlocks:
@@ -229,7 +238,7 @@ def test_block_scaled_wgrad_operands_dispatch_to_the_block_span_kernel(monkeypat
     for role, t in (("grad", dy), ("input", x)):
         want = fp8_wgrad.quantize_token_major_blocks(t, offs, block.rule(role))
         assert isinstance(got[role], fp8_wgrad.BlockTokenMajor)
-        assert _same_bits(got[role].data, want.data)
+        assert same_bits(got[role].data, want.data)
         assert torch.equal(got[role].scale_inv, want.scale_inv)
         assert torch.equal(got[role].offs, want.offs)
 
@@ -245,7 +254,7 @@ def test_block_span_dispatch_reasons():
     offs = _offs([3, 5])  # whatever the reason, the torch definition's bits
     got = fp8_quantize.token_major_blocks(t.float(), offs, E4M3, "cute")
     want = fp8_wgrad.quantize_token_major_blocks(t.float(), offs, E4M3)
-    assert _same_bits(got.data, want.data) and torch.equal(got.scale_inv, want.scale_inv)
+    assert same_bits(got.data, want.data) and torch.equal(got.scale_inv, want.scale_inv)
 
 
 @needs_dsl
@@ -275,7 +284,7 @@ def test_quant_kernels_compile_for_sm90a():
 # ---------------------------------------------------------------- GPU: bit for bit
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bytes, a nan anywhere in one matching a nan in the other (nan's sign may differ)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -303,12 +312,12 @@ def test_rows_kernel_is_bitwise_the_reference(dtype, rule, shape):
     torch.manual_seed(2)
     t = _rows_input(max(shape[0], 5), shape[1], dtype)[: shape[0]]
     got = fp8_quantize.rows(t, ref.ROWWISE, rule, "cute")
-    want = _eager_quantize(t, rule)
-    assert _same_bits(got.data, want.data)
-    assert _same_bits(got.scale_inv, want.scale_inv)
+    want = eager_quantize(t, rule)
+    assert same_bits(got.data, want.data)
+    assert same_bits(got.scale_inv, want.scale_inv)
 
 
-def _eager_quantize(t: torch.Tensor, rule: ref.ScaleRule) -> ref.QuantizedTensor:
+def eager_quantize(t: torch.Tensor, rule: ref.ScaleRule) -> ref.QuantizedTensor:
     """The definition run op by op: the compiled region (Triton) may divide approximately."""
     from te_seq import config
 
@@ -327,7 +336,7 @@ def test_rows_kernel_takes_strided_and_unaligned_inputs():
     base = torch.randn(65, 2 * 528, device="cuda", dtype=torch.bfloat16)
     for t in (base[:, ::2], base[1:, :528], base.t()[:528, :64]):
         got = fp8_quantize.rows(t, ref.ROWWISE, E4M3, "cute")
-        assert _same_bits(got.data, _eager_quantize(t, E4M3).data)
+        assert same_bits(got.data, eager_quantize(t, E4M3).data)
 
 
 @gpu
@@ -345,8 +354,8 @@ def test_span_kernels_are_bitwise_quantize_token_major(case, rule):
     got = fp8_quantize.token_major(t, offs, rule, "cute")
     want = fp8_wgrad.quantize_token_major(t, offs, rule)
     assert torch.equal(got.offs, want.offs)
-    assert _same_bits(got.data, want.data)
-    assert _same_bits(got.scale_inv, want.scale_inv)
+    assert same_bits(got.data, want.data)
+    assert same_bits(got.scale_inv, want.scale_inv)
 
 
 @gpu
@@ -365,8 +374,8 @@ def test_span_kernels_take_a_strided_input_and_replay_in_a_cuda_graph():
     table.copy_(fp8_quantize._build_table(offsets([1, 299, 0, 300]), 600)[0])
     graph.replay()
     want = fp8_wgrad.quantize_token_major(t, offsets([1, 299, 0, 300]), E4M3)
-    assert _same_bits(data, want.data)
-    assert _same_bits(scale_inv, want.scale_inv)
+    assert same_bits(data, want.data)
+    assert same_bits(scale_inv, want.scale_inv)
 
 
 @gpu
@@ -381,12 +390,12 @@ def test_rows_and_spans_in_one_pass_pair_are_bitwise_both_definitions(case, rule
     offs = offsets(sizes)
     along_rows, token_major = fp8_quantize.rows_and_token_major(t, offs, rule, "cute")
     want_tm = fp8_wgrad.quantize_token_major(t, offs, rule)
-    assert _same_bits(token_major.data, want_tm.data)
-    assert _same_bits(token_major.scale_inv, want_tm.scale_inv)
+    assert same_bits(token_major.data, want_tm.data)
+    assert same_bits(token_major.scale_inv, want_tm.scale_inv)
     grouped = sum(sizes)  # rows past the last group's end are unspecified
-    want = _eager_quantize(t[:grouped], rule)
-    assert _same_bits(along_rows.data[:grouped], want.data)
-    assert _same_bits(along_rows.scale_inv[:grouped], want.scale_inv)
+    want = eager_quantize(t[:grouped], rule)
+    assert same_bits(along_rows.data[:grouped], want.data)
+    assert same_bits(along_rows.scale_inv[:grouped], want.scale_inv)
 
 
 @gpu
@@ -416,13 +425,13 @@ def test_span_kernels_take_any_column_count(cols, rows_too):
     if rows_too:
         along_rows, token_major = fp8_quantize.rows_and_token_major(t, offs, E4M3, "cute")
         grouped = sum(sizes)
-        want = _eager_quantize(t[:grouped], E4M3)
-        assert _same_bits(along_rows.data[:grouped], want.data)
-        assert _same_bits(along_rows.scale_inv[:grouped], want.scale_inv)
+        want = eager_quantize(t[:grouped], E4M3)
+        assert same_bits(along_rows.data[:grouped], want.data)
+        assert same_bits(along_rows.scale_inv[:grouped], want.scale_inv)
     else:
         token_major = fp8_quantize.token_major(t, offs, E4M3, "cute")
-    assert _same_bits(token_major.data, want_tm.data)
-    assert _same_bits(token_major.scale_inv, want_tm.scale_inv)
+    assert same_bits(token_major.data, want_tm.data)
+    assert same_bits(token_major.scale_inv, want_tm.scale_inv)
 
 
 @gpu
@@ -438,11 +447,11 @@ def test_span_kernels_quantize_one_group_of_many_blocks(rows_too):
     want_tm = fp8_wgrad.quantize_token_major(t, offs, E4M3)
     if rows_too:
         along_rows, token_major = fp8_quantize.rows_and_token_major(t, offs, E4M3, "cute")
-        assert _same_bits(along_rows.data, _eager_quantize(t, E4M3).data)
+        assert same_bits(along_rows.data, eager_quantize(t, E4M3).data)
     else:
         token_major = fp8_quantize.token_major(t, offs, E4M3, "cute")
-    assert _same_bits(token_major.data, want_tm.data)
-    assert _same_bits(token_major.scale_inv, want_tm.scale_inv)
+    assert same_bits(token_major.data, want_tm.data)
+    assert same_bits(token_major.scale_inv, want_tm.scale_inv)
 
 
 # ---------------------------------------------------------------- GPU: the block-scaled form
@@ -459,8 +468,8 @@ def _assert_blocks_bitwise(t: torch.Tensor, offs: torch.Tensor, rule: ref.ScaleR
     want = fp8_wgrad.quantize_token_major_blocks(t, offs, rule)
     assert isinstance(got, fp8_wgrad.BlockTokenMajor)
     assert torch.equal(got.offs, want.offs)
-    assert _same_bits(got.data, want.data)
-    assert _same_bits(got.scale_inv, want.scale_inv)
+    assert same_bits(got.data, want.data)
+    assert same_bits(got.scale_inv, want.scale_inv)
 
 
 @gpu
@@ -524,5 +533,5 @@ def test_block_span_kernel_replays_in_a_cuda_graph_with_new_offsets():
     table.copy_(fp8_quantize._build_table(new_offs, 600)[0])
     graph.replay()
     want = fp8_wgrad.quantize_token_major_blocks(t, new_offs, E4M3)
-    assert _same_bits(data, want.data)
-    assert _same_bits(scale_inv, want.scale_inv)
+    assert same_bits(data, want.data)
+    assert same_bits(scale_inv, want.scale_inv)

@@ -11,6 +11,7 @@ against the torch definitions on fresh random data."""
 import pytest
 import torch
 from cute_marks import compile_for_sm90a, gpu, needs_cute, needs_dsl, offsets
+from test_cute_quant import cast_from_block_maxima, eager_quantize, same_bits
 
 from te_seq.kernels import fp8_quantize, fp8_wgrad
 from te_seq.kernels import fp8_reference as ref
@@ -28,14 +29,6 @@ CASES = {  # group sizes, rows of t (>= their sum: the rest belong to no group)
     "all_empty": ([0, 0], 12),
     "many_blocks": ([700, 0, 3, 1000], 1800),
 }
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bytes, a nan anywhere in one matching a nan in the other (nan's sign may differ)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    same = a.view(torch.uint8) == b.view(torch.uint8) if a.element_size() == 1 else a == b
-    return bool((same | (a.float().isnan() & b.float().isnan())).all())
 
 
 def _offs(sizes: list[int], device="cpu") -> torch.Tensor:
@@ -61,31 +54,10 @@ def _group_amax_by_table(t: torch.Tensor, table: torch.Tensor, groups: int,
 def _spans_from_unit_extents(t: torch.Tensor, table: torch.Tensor, group_amax: torch.Tensor,
                              rule: ref.ScaleRule):
     """The span cast kernel's algorithm with block_amax = group_amax and extents[g] = (g, g+1):
-    a block with rows reduces block_amax[first..end-1] of its group (one row), the others cast
-    zeros with scale 1; scale_inv on a group's first block, 1 for the groups without tokens
-    around the group changes and after the last block (into buffers of garbage)."""
-    groups, cols = group_amax.shape
-    pad, rows = fp8_wgrad.WGRAD_PAD, table.tolist()
+    a block with rows reduces block_amax[first..end-1] of its group (one row)."""
+    groups = group_amax.shape[0]
     extents = [(g, g + 1) for g in range(groups)]
-    scale_inv = torch.full((groups, cols), -5.0)
-    blocks = []
-    for b, (first_row, valid, group, first) in enumerate(rows):
-        if valid:
-            start, end = extents[group]
-            amax = group_amax[start:end].amax(0)
-        else:
-            amax = torch.zeros(cols)
-        scales = ref.scales_from_amax(amax, rule)
-        block = torch.cat([t[first_row:first_row + valid].float(),
-                           torch.zeros(pad - valid, cols)])
-        blocks.append(ref.scaled_cast(block, scales, rule.fp8_max, rule.dtype))
-        if group < groups and first:
-            scale_inv[group] = torch.reciprocal(scales)
-        previous = rows[b - 1][2] if b else -1
-        scale_inv[previous + 1:min(group, groups)] = 1.0
-        if b == len(rows) - 1:
-            scale_inv[group + 1:groups] = 1.0
-    return torch.cat(blocks).t(), scale_inv
+    return cast_from_block_maxima(t, table, group_amax, extents, groups, rule)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -108,8 +80,8 @@ def test_group_maxima_as_unit_extents_give_quantize_token_major(case, slices):
         expected = fp8_wgrad.quantize_token_major(t, offs, rule)
         data, scale_inv = _spans_from_unit_extents(t, table, group_amax, rule)
         assert torch.equal(padded, expected.offs)
-        assert _same_bits(data, expected.data)
-        assert _same_bits(scale_inv, expected.scale_inv)
+        assert same_bits(data, expected.data)
+        assert same_bits(scale_inv, expected.scale_inv)
 
 
 def test_fp32_bits_order_nonnegative_floats_as_unsigned_ints():
@@ -179,18 +151,6 @@ def _rows_input(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def _eager_quantize(t: torch.Tensor, rule: ref.ScaleRule) -> ref.QuantizedTensor:
-    """The definition run op by op: the compiled region (Triton) may divide approximately."""
-    from te_seq import config
-
-    before = config.compile_elementwise()
-    config.set_compile_elementwise(False)
-    try:
-        return ref.quantize(t, ref.ROWWISE, rule)
-    finally:
-        config.set_compile_elementwise(before)
-
-
 def _group_maxima(t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """max |t| per (group, column) over each group's rows, nan as inf, 0 for an empty group."""
     out = torch.zeros(len(sizes), t.shape[1], device=t.device)
@@ -214,17 +174,17 @@ def _assert_both_forms(t: torch.Tensor, sizes: list[int], rule: ref.ScaleRule) -
     row_data, row_scale_inv, group_amax = cute.quantize_rows_and_group_amax(
         t, table, len(sizes), rule.power_of_two, rule.dtype)
     grouped = sum(sizes)  # rows past the last group's end are unspecified
-    want = _eager_quantize(t[:grouped], rule)
+    want = eager_quantize(t[:grouped], rule)
     assert row_data.shape == t.shape and row_scale_inv.shape == (t.shape[0], 1)
-    assert _same_bits(row_data[:grouped], want.data)
-    assert _same_bits(row_scale_inv[:grouped], want.scale_inv)
+    assert same_bits(row_data[:grouped], want.data)
+    assert same_bits(row_scale_inv[:grouped], want.scale_inv)
     assert torch.equal(group_amax, _group_maxima(t, sizes))
     data, scale_inv = cute.quantize_spans_from_group_amax(t, table, group_amax,
                                                           rule.power_of_two, rule.dtype)
     want_tm = fp8_wgrad.quantize_token_major(t, offs, rule)
     assert torch.equal(padded, want_tm.offs)
-    assert _same_bits(data, want_tm.data)
-    assert _same_bits(scale_inv, want_tm.scale_inv)
+    assert same_bits(data, want_tm.data)
+    assert same_bits(scale_inv, want_tm.scale_inv)
 
 
 @gpu
@@ -289,8 +249,8 @@ def test_rows_and_group_amax_replay_in_a_cuda_graph_with_new_offsets():
     new_sizes = [1, 299, 0, 300]
     table.copy_(fp8_quantize._build_table(offsets(new_sizes), 600)[0])
     graph.replay()
-    want = _eager_quantize(t, E4M3)
-    assert _same_bits(row_data, want.data) and _same_bits(row_scale_inv, want.scale_inv)
+    want = eager_quantize(t, E4M3)
+    assert same_bits(row_data, want.data) and same_bits(row_scale_inv, want.scale_inv)
     assert torch.equal(group_amax, _group_maxima(t, new_sizes))
     want_tm = fp8_wgrad.quantize_token_major(t, offsets(new_sizes), E4M3)
-    assert _same_bits(data, want_tm.data) and _same_bits(scale_inv, want_tm.scale_inv)
+    assert same_bits(data, want_tm.data) and same_bits(scale_inv, want_tm.scale_inv)
