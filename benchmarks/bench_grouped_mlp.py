@@ -14,6 +14,7 @@ Variants, all in this process on the same random data, each checked against an f
                        with `--compile default` / `reduce-overhead` (CUDA graphs)
   te_seq:<backend>:fp8[:tm-fwd]   under Float8RowwiseScaling (`--fp8`); `:tm-fwd` with
                        te_seq.config.set_fp8_token_major_input(True)
+  te_seq:<backend>:fp8-block      under Float8BlockScaling (`--fp8-block`)
   te_seq:<backend>[:fp8]:graphed   the same Sequential captured by te_seq.make_graphed_callables
                        (`--graphed`; fresh grads): what a step costs with no Python per op
   kernels:<backend>    the backend's raw functionals (grouped_mm, grouped_wgrad, glu_*), unfused
@@ -169,17 +170,19 @@ class TeSeqVariant(AutogradVariant):
 
 
 class TeSeqFP8Variant(TeSeqVariant):
-    """TeSeqVariant under te_seq.autocast(recipe=Float8RowwiseScaling()): the forward GEMMs in
-    real FP8 where the backend has them (cute: scaled_grouped_mm; torch: _scaled_grouped_mm),
-    dgrad and wgrad emulated (docs/fp8.md). Checked with the FP8 tolerance; never a bf16 peer."""
+    """TeSeqVariant under te_seq.autocast(recipe=Float8RowwiseScaling()) (`block`:
+    Float8BlockScaling()): real FP8 GEMMs where the backend has them, the rest emulated
+    (docs/fp8.md says which). Checked with the FP8 tolerance; never a bf16 peer."""
 
     precision, check_tol = "fp8", FP8_TOL
 
     def __init__(self, case: Case, backend: str, grad_mode: str,
-                 token_major_input: bool = False) -> None:
+                 token_major_input: bool = False, block: bool = False) -> None:
         super().__init__(case, backend, grad_mode)
-        self.name = f"te_seq:{backend}:fp8{':tm-fwd' if token_major_input else ''}"
-        self.recipe = te_seq.recipe.Float8RowwiseScaling()
+        kind = "fp8-block" if block else "fp8"
+        self.name = f"te_seq:{backend}:{kind}{':tm-fwd' if token_major_input else ''}"
+        self.recipe = (te_seq.recipe.Float8BlockScaling if block
+                       else te_seq.recipe.Float8RowwiseScaling)()
         self.token_major_input = token_major_input  # te_seq.config's switch while it runs
 
     def run(self, x: Tensor, probs: Tensor | None) -> Tensor:
@@ -301,6 +304,7 @@ class _Builder:
     def __init__(self, case: Case, grad_mode: str) -> None:
         self.case, self.grad_mode = case, grad_mode
         self.fp8 = False  # also te_seq:<backend>:fp8 (--fp8)
+        self.fp8_block = False  # also te_seq:<backend>:fp8-block (--fp8-block)
         self.variants: list[Variant] = []
         self.skipped: list[Result] = []
 
@@ -319,7 +323,7 @@ def build_variants(
 ) -> tuple[list[Variant], list[Result]]:
     """The variants that can run here, and a skipped Result (with the reason) for the others."""
     b = _Builder(case, grad_mode)
-    b.fp8 = args.fp8
+    b.fp8, b.fp8_block = args.fp8, args.fp8_block
     _build_te_seq(b, args.backends)
     _build_graphed_te_seq(b, args)
     _build_compiled_te_seq(b, args)
@@ -350,6 +354,9 @@ def _build_te_seq(b: _Builder, backends: list[str]) -> None:
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode))
                 b.attempt(f"te_seq:{backend}:fp8:tm-fwd",
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode, True))
+            if b.fp8_block:
+                b.attempt(f"te_seq:{backend}:fp8-block",
+                          lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode, block=True))
         if b.grad_mode == "fresh":  # raw kernels own no parameters: no grad modes
             b.attempt(f"kernels:{backend}", lambda k=backend: _kernels_variant(case, k))
 
@@ -487,6 +494,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true",
                    help="also te_seq:<backend>:fp8 (the MLP under Float8RowwiseScaling) and "
                         ":fp8:tm-fwd (the same, x quantized along the tokens in forward)")
+    p.add_argument("--fp8-block", action="store_true",
+                   help="also te_seq:<backend>:fp8-block, the MLP under Float8BlockScaling")
     p.add_argument(
         "--grad-mode",
         default="fresh",
