@@ -132,6 +132,30 @@ def test_qdq_matches_emulation(block, pow2):
     assert torch.equal(got, emu_qdq(t, *block, "E4M3", 1, pow2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rule", [ref.ScaleRule("E4M3", 0, False), ref.ScaleRule("E4M3", 1, True),
+                                  ref.ScaleRule("E5M2", 0, False)], ids=["e4m3", "pow2", "e5m2"])
+def test_1x128_blocks_of_whole_rows_are_their_rows_quantized(dtype, rule):
+    """Widths that are multiples of 128 take the row-wise path on t seen as [R·C/128, 128]:
+    the same bits as the per-block formula (block maxima, expanded scales), non-finite and
+    all-zero blocks included."""
+    torch.manual_seed(3)
+    t = (torch.randn(37, 384) * torch.logspace(-3, 3, 384)).to(dtype)
+    t[1, 5], t[2, 200], t[4, 130:250] = float("nan"), float("-inf"), 0.0
+    block = ref.QuantBlock(1, 128)
+    assert ref.splits_rows(t, block) and not ref.splits_rows(t[:, :300], block)
+    got = ref.quantize(t, block, rule)
+    scale = ref.scales_from_amax(ref.block_amax(t, block), rule)  # the per-block formula
+    scaled = t.float() * scale.repeat_interleave(128, 1)
+    want = scaled.clamp(-rule.fp8_max, rule.fp8_max).to(rule.dtype)
+    assert got.data.shape == t.shape and got.scale_inv.shape == (37, 3)
+    assert torch.equal(got.data.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(got.scale_inv.nan_to_num(-1.0), torch.reciprocal(scale).nan_to_num(-1.0))
+    assert torch.equal(ref.qdq(t, block, rule).nan_to_num(-1.0),
+                       emu_qdq(t.float(), 1, 128, rule.fmt, rule.margin,
+                               rule.power_of_two).nan_to_num(-1.0))
+
+
 def test_outlier_only_coarsens_its_own_tile():
     t = torch.randn(2, 256)
     t[0, 5] = 1e4

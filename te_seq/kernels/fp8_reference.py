@@ -128,6 +128,9 @@ def quantize(t: Tensor, block: QuantBlock, rule: ScaleRule) -> QuantizedTensor:
         raise ValueError(f"quantize: expected a 2-D tensor, got shape {tuple(t.shape)}")
     if block in (ROWWISE, PER_TENSOR) and t.numel() > 0:
         return _quantize_broadcast(t, block, rule)
+    if splits_rows(t, block):
+        return row_blocks_from_rows(t, block, _quantize_broadcast(
+            t.reshape(-1, block.cols), ROWWISE, rule))
     scale = scales_from_amax(block_amax(t, block), rule)
     size = block.size(tuple(t.shape))
     scaled = t.float() * _expand(scale, size, t.shape)
@@ -170,6 +173,22 @@ def scaled_cast(t: Tensor, scale: Tensor, fp8_max: float, dtype: torch.dtype) ->
     """fp8(clamp(t · scale, ±fp8_max)) in fp32, `scale` broadcast against t: `quantize`'s
     elementwise maths."""
     return (t.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
+
+
+def splits_rows(t: Tensor, block: QuantBlock) -> bool:
+    """Whether `block` is 1 x bc and cuts each row of t [R, C] into whole blocks (C a multiple
+    of bc, t not empty): then t's blocks are the rows of t seen as [R·C/bc, bc], and their
+    row-wise quantization is t's (`row_blocks_from_rows`), bit for bit."""
+    return block.rows == 1 and block.cols is not None and t.dim() == 2 and t.numel() > 0 \
+        and t.shape[1] % block.cols == 0
+
+
+def row_blocks_from_rows(t: Tensor, block: QuantBlock, rows: QuantizedTensor) -> QuantizedTensor:
+    """t [R, C] quantized in 1 x bc blocks, from `rows`: t seen as [R·C/bc, bc] quantized
+    row-wise (data [R, C], scale_inv [R, C/bc])."""
+    r, c = t.shape
+    return QuantizedTensor(rows.data.reshape(r, c), rows.scale_inv.reshape(r, c // block.cols),
+                           block, rows.rule)
 
 
 def _quantize_broadcast(t: Tensor, block: QuantBlock, rule: ScaleRule) -> QuantizedTensor:
