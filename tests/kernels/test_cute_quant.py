@@ -317,6 +317,26 @@ def test_rows_kernel_is_bitwise_the_reference(dtype, rule, shape):
     assert same_bits(got.scale_inv, want.scale_inv)
 
 
+@gpu
+@needs_cute
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rule", [E4M3, E4M3_POW2, E5M2], ids=["scale", "pow2", "e5m2"])
+@pytest.mark.parametrize("shape", [(37, 128), (300, 2048), (5, 4096)])
+def test_1x128_blocks_on_the_rows_kernel_are_bitwise_the_reference(dtype, rule, shape):
+    """`Float8BlockScaling`'s x and dy (1x128 blocks along whole rows) on the row-wise kernel,
+    against the per-block formula run op by op."""
+    torch.manual_seed(4)
+    t = _rows_input(max(shape[0], 5), shape[1], dtype)[: shape[0]]
+    block = ref.QuantBlock(1, 128)
+    got = fp8_quantize.rows(t, block, rule, "cute")
+    r, c = t.shape
+    scale = ref.scales_from_amax(ref.block_amax(t, block), rule)
+    want = (t.float() * scale.repeat_interleave(128, 1)).clamp(-rule.fp8_max, rule.fp8_max)
+    assert got.scale_inv.shape == (r, c // 128)
+    assert same_bits(got.data, want.to(rule.dtype))
+    assert same_bits(got.scale_inv, torch.reciprocal(scale))
+
+
 def eager_quantize(t: torch.Tensor, rule: ref.ScaleRule) -> ref.QuantizedTensor:
     """The definition run op by op: the compiled region (Triton) may divide approximately."""
     from te_seq import config
