@@ -147,16 +147,21 @@ def cases(rows: int, e: int = 128, h: int = 2048, f: int = 768) -> dict[str, Cal
     }
 
 
-def time_call(fn: Callable[[], object], iters: int) -> float:
-    """Median µs per call over 5 rounds of ``iters`` calls (after one warm-up call)."""
+def _rounds(fn: Callable[[], object], iters: int, count: int) -> list[float]:
+    """µs per call of each of `count` rounds of ``iters`` calls (after one warm-up call)."""
     fn()
     rounds = []
-    for _ in range(5):
+    for _ in range(count):
         start = time.perf_counter()
         for _ in range(iters):
             fn()
         rounds.append((time.perf_counter() - start) / iters * 1e6)
-    return sorted(rounds)[2]
+    return rounds
+
+
+def time_call(fn: Callable[[], object], iters: int) -> float:
+    """Median µs per call over 5 rounds of ``iters`` calls (after one warm-up call)."""
+    return sorted(_rounds(fn, iters, 5))[2]
 
 
 # --- the whole fused MLP step --------------------------------------------------------------
@@ -288,14 +293,7 @@ def mlp_step(rows: int, recipe_name: str | None, e: int = 128, h: int = 2048, f:
 def time_best(fn: Callable[[], object], iters: int) -> float:
     """Best µs per call of 7 rounds of ``iters`` calls: the least disturbed by other processes
     (a step's CPU mallocs make the median noisy on a shared machine)."""
-    fn()
-    rounds = []
-    for _ in range(7):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        rounds.append((time.perf_counter() - start) / iters * 1e6)
-    return min(rounds)
+    return min(_rounds(fn, iters, 7))
 
 
 def profile_step(step: Callable[[], None], iters: int) -> tuple[float, pstats.Stats]:
