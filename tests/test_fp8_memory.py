@@ -168,3 +168,21 @@ def test_grad_operands_round_trip_a_deferred_input():
     data = torch.zeros(4, 256, dtype=torch.float8_e4m3fn)  # a token-major operand stays one
     token_major = fp8.GradOperands.load((data, amax, offs, w, torch.ones(2, 4, 1)))
     assert isinstance(token_major.x, fp8_wgrad.TokenMajor) and token_major.x.data is data
+
+
+@pytest.mark.parametrize("r", NATIVE, ids=NATIVE_IDS)
+def test_frozen_weights_keep_nothing_for_a_wgrad(fake_cute_gpu, r):  # noqa: F811
+    """With the weights frozen no wgrad runs: the forward neither quantizes x along the tokens
+    nor keeps x for it, and dx is what it is with trainable weights."""
+    op, splits, x, dy = _linear(single_grouped_weight=True)
+    _, want_dx = _run(op, splits, x, dy, r)
+    calls = len(recording_scaled_grouped_wgrad.calls)
+    for p in op.parameters():
+        p.requires_grad_(False)
+    xi = x.clone().requires_grad_()
+    with te_seq.backend("cute"), te_seq.autocast(recipe=r):
+        y = te_seq.Sequential(op)(xi, splits)
+    assert xi.untyped_storage().data_ptr() not in _saved_storages(y)
+    y.backward(dy)
+    assert len(recording_scaled_grouped_wgrad.calls) == calls  # no wgrad kernel ran
+    assert torch.equal(xi.grad, want_dx)

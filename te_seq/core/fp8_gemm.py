@@ -217,6 +217,7 @@ def grouped_forward(
     `fp8_cute.scaled_grouped_mm`'s arguments in place of the backend's (a fused epilogue:
     `fp8_cute.glu_fc1`); its result is returned as y."""
     recipe = ctx.recipe
+    need_wgrad = need_wgrad and ctx.weight_requires_grad  # frozen weights, no_grad: no wgrad
     fp8.check_operands(op, recipe, x, w, w.shape[-1], w.shape[-2])
     weights = fp8.cached_weights(op, recipe, w, params)
     if not _runs_native(ctx, x, w, grouped=True):
