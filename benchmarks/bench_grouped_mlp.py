@@ -12,9 +12,10 @@ Variants, all in this process on the same random data, each checked against an f
                        te_seq.backend(); `:per-group` with one weight per expert
   te_seq:<backend>:compiled[-ro]   the same Sequential through torch.compile(fullgraph=True),
                        with `--compile default` / `reduce-overhead` (CUDA graphs)
-  te_seq:<backend>:fp8[:tm-fwd]   under Float8RowwiseScaling (`--fp8`); `:tm-fwd` with
-                       te_seq.config.set_fp8_token_major_input(True)
-  te_seq:<backend>:fp8-block      under Float8BlockScaling (`--fp8-block`)
+  te_seq:<backend>:fp8[:tm-fwd|:hp-wgrad]   under Float8RowwiseScaling (`--fp8`); `:tm-fwd`
+                       with te_seq.config.set_fp8_token_major_input(True); `:hp-wgrad` with
+                       the recipe's fp8_wgrad=False (wgrads in bf16)
+  te_seq:<backend>:fp8-block[:hp-wgrad]   under Float8BlockScaling (`--fp8-block`)
   te_seq:<backend>[:fp8]:graphed   the same Sequential captured by te_seq.make_graphed_callables
                        (`--graphed`; fresh grads): what a step costs with no Python per op
   kernels:<backend>    the backend's raw functionals (grouped_mm, grouped_wgrad, glu_*), unfused
@@ -177,12 +178,14 @@ class TeSeqFP8Variant(TeSeqVariant):
     precision, check_tol = "fp8", FP8_TOL
 
     def __init__(self, case: Case, backend: str, grad_mode: str,
-                 token_major_input: bool = False, block: bool = False) -> None:
+                 token_major_input: bool = False, block: bool = False,
+                 hp_wgrad: bool = False) -> None:
         super().__init__(case, backend, grad_mode)
         kind = "fp8-block" if block else "fp8"
-        self.name = f"te_seq:{backend}:{kind}{':tm-fwd' if token_major_input else ''}"
+        suffix = ":tm-fwd" if token_major_input else ":hp-wgrad" if hp_wgrad else ""
+        self.name = f"te_seq:{backend}:{kind}{suffix}"
         self.recipe = (te_seq.recipe.Float8BlockScaling if block
-                       else te_seq.recipe.Float8RowwiseScaling)()
+                       else te_seq.recipe.Float8RowwiseScaling)(fp8_wgrad=not hp_wgrad)
         self.token_major_input = token_major_input  # te_seq.config's switch while it runs
 
     def run(self, x: Tensor, probs: Tensor | None) -> Tensor:
@@ -354,9 +357,14 @@ def _build_te_seq(b: _Builder, backends: list[str]) -> None:
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode))
                 b.attempt(f"te_seq:{backend}:fp8:tm-fwd",
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode, True))
+                b.attempt(f"te_seq:{backend}:fp8:hp-wgrad",
+                          lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode, hp_wgrad=True))
             if b.fp8_block:
                 b.attempt(f"te_seq:{backend}:fp8-block",
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode, block=True))
+                b.attempt(f"te_seq:{backend}:fp8-block:hp-wgrad",
+                          lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode, block=True,
+                                                            hp_wgrad=True))
         if b.grad_mode == "fresh":  # raw kernels own no parameters: no grad modes
             b.attempt(f"kernels:{backend}", lambda k=backend: _kernels_variant(case, k))
 
@@ -492,10 +500,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quack-tuned", action="store_true", help="also quack with its autotuner")
     p.add_argument("--act", default="scaled_swiglu", choices=ACTS, help="swiglu: no router probs")
     p.add_argument("--fp8", action="store_true",
-                   help="also te_seq:<backend>:fp8 (the MLP under Float8RowwiseScaling) and "
-                        ":fp8:tm-fwd (the same, x quantized along the tokens in forward)")
+                   help="also te_seq:<backend>:fp8 (the MLP under Float8RowwiseScaling), "
+                        ":fp8:tm-fwd (the same, x quantized along the tokens in forward) and "
+                        ":fp8:hp-wgrad (the wgrads in bf16: fp8_wgrad=False)")
     p.add_argument("--fp8-block", action="store_true",
-                   help="also te_seq:<backend>:fp8-block, the MLP under Float8BlockScaling")
+                   help="also te_seq:<backend>:fp8-block, the MLP under Float8BlockScaling, "
+                        "and :fp8-block:hp-wgrad (its wgrads in bf16)")
     p.add_argument(
         "--grad-mode",
         default="fresh",

@@ -4,7 +4,8 @@ Runs the same Sequential as profile_host.py (GroupedLinear -> ScaledSwiGLU -> Gr
 split sizes on the device) a few times to warm up, then profiles `--iters` forward+backward
 calls with torch.profiler (CPU and CUDA) and prints, per kernel name: calls per step, device
 ms per step and share; then the step's wall time, summed kernel time and launches per step.
-`--fp8 ROWWISE|CURRENT|BLOCK` runs it under te_seq.autocast with that recipe; `--cpu` also prints
+`--fp8 ROWWISE|CURRENT|BLOCK` runs it under te_seq.autocast with that recipe (`--hp-wgrad`: its
+`fp8_wgrad=False`, the wgrads in bf16); `--cpu` also prints
 the host-side ops by self CPU time (where a host-bound step spends its time).
 
   python benchmarks/profile_kernels.py --shape Q --backend cute --fp8 ROWWISE [--top 25]
@@ -32,13 +33,20 @@ RECIPES = {
 
 
 def step_fn(mlp, forward, recipe):
-    """One fwd+bwd with fresh gradients (set to None first, as the benchmark's default mode:
-    no gradient-accumulation adds)."""
+    """One fwd+bwd with fresh gradients, as the benchmark's default mode: the weights' and the
+    inputs' (x, probs) .grad set to None first, so no gradient-accumulation add runs, and dY
+    made once, so no fill runs; the table then holds the MLP's own kernels only."""
+    grad_out = []
+
     def step():
         mlp.zero_grad(set_to_none=True)
+        for leaf in forward.inputs:
+            leaf.grad = None
         with te_seq.autocast(enabled=recipe is not None, recipe=recipe):
             y = forward()
-        y.backward(torch.ones_like(y))
+        if not grad_out:
+            grad_out.append(torch.randn_like(y))
+        y.backward(grad_out[0])
     return step
 
 
@@ -106,13 +114,15 @@ def main() -> None:
     p.add_argument("--shape", default="Q")
     p.add_argument("--backend", default="cute")
     p.add_argument("--fp8", default=None, choices=sorted(RECIPES))
+    p.add_argument("--hp-wgrad", action="store_true",
+                   help="with --fp8: the recipe's fp8_wgrad=False (wgrads in bf16)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--cpu", action="store_true", help="also the host ops by self CPU time")
     args = p.parse_args()
     case = make_case(args.shape, torch.device("cuda"), torch.bfloat16)
     mlp, forward = build(case, args.backend)
-    recipe = RECIPES[args.fp8]() if args.fp8 else None
+    recipe = RECIPES[args.fp8](fp8_wgrad=not args.hp_wgrad) if args.fp8 else None
     step = step_fn(mlp, forward, recipe)
     for _ in range(3):
         step()

@@ -379,3 +379,17 @@ def test_bench_quant_dry_run(tmp_path):
     bad = subprocess.run([sys.executable, "benchmarks/bench_quant.py", "--shapes", "Q,nope"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown shapes" in bad.stderr
+
+
+@pytest.mark.slow  # a subprocess of ~20 s; CI runs it
+def test_bench_grouped_mlp_fp8_variants_dry_run(tmp_path):
+    """--fp8 times te_seq under Float8RowwiseScaling, its :tm-fwd and :hp-wgrad forms (the
+    emulated FP8 of the torch backend on the CPU), each checked against the reference."""
+    _, _, results = _dry_run(tmp_path, "--shapes", "U", "--backends", "torch", "--peers", "",
+                             "--fp8")
+    timed = _timed(results)
+    for variant in ("te_seq:torch:fp8", "te_seq:torch:fp8:tm-fwd", "te_seq:torch:fp8:hp-wgrad"):
+        for mode in ("fwd", "fwd+bwd"):
+            assert ("U", mode, variant) in timed, (mode, variant, results)
+    fp8 = [r for r in results if r["variant"].startswith("te_seq:torch:fp8")]
+    assert all(r["max_rel_err"] <= r["check_tol"] for r in fp8 if r["status"] == "ok")

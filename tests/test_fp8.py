@@ -685,8 +685,10 @@ def test_delayed_wgrad_under_recipe(r):
     assert op.weight.grad is None and op.need_backward_dw()
     op.backward_dw()  # runs after the autocast block: the forward's recipe is what counts
     want_y, want_dx, want_dw = emu_linear(r, x.detach(), op.weight.detach(), dy)
-    assert torch.equal(y, want_y) and torch.equal(x.grad, want_dx)
-    assert torch.equal(op.weight.grad, want_dw)
+    assert torch.equal(y, want_y) and torch.equal(op.weight.grad, want_dw)
+    # dX's fp32 GEMM reads W in another layout than the emulation's: CPUs with other SIMD
+    # kernels sum it in another order (a few ulps), so it is compared to fp32 rounding
+    torch.testing.assert_close(x.grad, want_dx, rtol=1e-6, atol=1e-6)
 
 
 def test_backward_outside_the_block_uses_the_forward_recipe():

@@ -108,3 +108,27 @@ def test_token_major_input_in_forward_or_backward_gives_the_same_bits(case, r):
             assert rel_err(got, want) < 1e-5
         else:
             assert torch.equal(got, want), i
+
+
+@pytest.mark.parametrize("r", [*RECIPES, recipe.Float8BlockScaling()], ids=[*IDS, "block"])
+@pytest.mark.parametrize("case", [gpu_linear_case, gpu_mlp_case], ids=["linear", "mlp"])
+def test_high_precision_wgrad_keeps_the_fp8_forward_and_dgrad(case, r):
+    """`fp8_wgrad=False`: y and dx are the all-FP8 run's bits (d(probs) to its atomics' order);
+    the weight gradients come from the 16-bit wgrad, which for one GroupedLinear reads the very
+    dy and x of a run without a recipe, so they are that run's bits."""
+    import dataclasses
+
+    runs = {}
+    for name, each in (("fp8", r), ("high", dataclasses.replace(r, fp8_wgrad=False))):
+        torch.manual_seed(5)  # the same data: the case draws it when made
+        runs[name] = on_backends(*case(each), ("cute",))
+    high, fp8 = runs["high"]["cute"], runs["fp8"]["cute"]
+    assert "fp8_wgrad=False" in str(runs["high"]["cute_plan"])
+    count = 2 if case is gpu_linear_case else 3  # y, dx (and d(probs))
+    for i, (got, want) in enumerate(zip(high[:count], fp8[:count])):
+        assert (rel_err(got, want) < 1e-5) if i == 2 else torch.equal(got, want), i
+    if case is gpu_linear_case:  # no recipe, same data: the same 16-bit wgrad kernel
+        torch.manual_seed(5)
+        plain = on_backends(*case(None), ("cute",))["cute"]
+        for got, want in zip(high[2:], plain[2:]):
+            assert torch.equal(got, want)

@@ -241,8 +241,8 @@ def fc2_input(r, x, fc1, probs, splits):
 
 
 def gpu_linear_case(r):
-    """(build, run) of the GPU GroupedLinear case under recipe `r` (an empty group, unaligned
-    sizes): run(model) returns y, dx and every parameter's gradient."""
+    """(build, run) of the GPU GroupedLinear case under recipe `r` (None: no recipe; an empty
+    group, unaligned sizes): run(model) returns y, dx and every parameter's gradient."""
     splits = torch.tensor([37, 0, 91, 5], device="cuda")
     x = torch.randn(133, 256, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(133, 128, device="cuda", dtype=torch.bfloat16)
@@ -252,7 +252,7 @@ def gpu_linear_case(r):
 
     def run(model):
         xi = x.clone().requires_grad_()
-        with te_seq.autocast(recipe=r):
+        with te_seq.autocast(enabled=r is not None, recipe=r):
             y = model(xi, splits)
         y.backward(dy)
         return (y.detach(), xi.grad, *[p.grad for p in model.parameters()])

@@ -45,7 +45,8 @@ def recipe_key() -> tuple | None:
     r = _ACTIVE
     if r is None:
         return None
-    return (type(r).__name__, r.fp8_format, r.margin, r.power_of_two_scales, r.cache_weights)
+    return (type(r).__name__, r.fp8_format, r.margin, r.power_of_two_scales, r.cache_weights,
+            r.fp8_wgrad)
 
 
 class autocast:  # noqa: N801 (a context manager used like a function)
@@ -142,7 +143,10 @@ def _marker(recipe: Recipe, input_: Tensor) -> QuantizedInput | None:
 
 def _along_tokens(recipe: Recipe, role: str, t: Tensor, bounds, along_k) -> Tensor:
     """t [T, C] as a wgrad operand (quantized along T within each group), fp32. Per-tensor
-    scaling does not depend on the layout: that is `along_k()`, the forward operand itself."""
+    scaling does not depend on the layout: that is `along_k()`, the forward operand itself.
+    Under `fp8_wgrad=False`, t itself (the wgrad runs in high precision)."""
+    if not recipe.fp8_wgrad:
+        return t
     block = recipe.block(role)
     if block == ref.QuantBlock(None, None):
         return along_k()
@@ -164,7 +168,7 @@ def input_wgrad(recipe: Recipe, input_: Tensor, x: Tensor, bounds,
                 forward: ref.QuantizedTensor) -> Tensor:
     """x along T [T, K] fp32 for the wgrad; `forward` is `input_quantized`'s result."""
     marker = _marker(recipe, input_)
-    if marker is None:
+    if marker is None or not recipe.fp8_wgrad:  # high precision: x itself
         return _along_tokens(recipe, "input", x, bounds, lambda: forward.dequantize())
     if len(bounds) == 1 and bounds[0] == (0, x.shape[0]):
         return marker.forward.transpose.dequantize().t()
@@ -178,7 +182,8 @@ def input_operands(recipe: Recipe, input_: Tensor, x: Tensor, bounds) -> tuple[T
     quantized = input_quantized(recipe, input_, x)
     forward = quantized.dequantize()
     marker = _marker(recipe, input_)
-    if marker is None and recipe.block("input") == ref.QuantBlock(None, None):
+    if marker is None and recipe.block("input") == ref.QuantBlock(None, None) \
+            and recipe.fp8_wgrad:
         return forward, forward  # per tensor: the wgrad operand is the forward one
     return forward, input_wgrad(recipe, input_, x, bounds, quantized)
 

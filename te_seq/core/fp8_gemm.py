@@ -22,6 +22,8 @@ Per GEMM (x [T, K], W [N, K], dy [T, N]):
                          cute backend (Float8BlockScaling: 1x128 blocks along the tokens,
                          `cute.block_scaled_grouped_wgrad`), their fp32 emulations on torch
                          (`_wgrad_kernel` decides). Else emulated on fp32 operands.
+                         Under `fp8_wgrad=False`: dy and x unquantized, the backend's own
+                         (high-precision) wgrad, as without a recipe.
 
 `forward_reason` / `backward_reason` decide (static facts: backend, recipe, dtype, device,
 widths); the plan step says which (`step_note`). Both paths quantize exactly the same operands
@@ -108,10 +110,16 @@ def _block_scaled(recipe: Recipe) -> bool:
     return (recipe.block("input"), recipe.block("weight")) == fp8_torch.BLOCK_SCALED
 
 
+HIGH_PRECISION_WGRAD = "the recipe keeps the wgrad in high precision (fp8_wgrad=False)"
+
+
 def wgrad_reason(recipe: Recipe) -> str:
-    """Why the wgrad of a native FP8 backward (`backward_reason` "") is emulated under `recipe`
-    ("" when it runs on FP8 token-major operands: per-tensor or row-wise blocks, or block
-    scaling's 1x128 blocks along each expert's tokens)."""
+    """Why the wgrad of a native FP8 backward (`backward_reason` "") does not run on FP8
+    token-major operands under `recipe` ("" when it does: per-tensor or row-wise blocks, or
+    block scaling's 1x128 blocks along each expert's tokens). `HIGH_PRECISION_WGRAD` under
+    `fp8_wgrad=False`: unquantized operands in the compute dtype; else it is emulated."""
+    if not recipe.fp8_wgrad:
+        return HIGH_PRECISION_WGRAD
     if recipe.block("grad") in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR) or _block_scaled(recipe):
         return ""
     return (f"no FP8 wgrad kernel for {recipe.block('grad')} blocks of dy along the tokens "
@@ -138,15 +146,21 @@ def step_note(recipe: Recipe | None, backend_name: str, op: object, dtype: torch
     if recipe is None:
         return ""
     dims, grouped = _gemm_shapes(op)
+    high = "" if recipe.fp8_wgrad else \
+        "; wgrad in the compute dtype on unquantized operands (fp8_wgrad=False)"
     why = forward_reason(backend_name, recipe, dtype, device, dims, grouped)
     if why:
         return (f"FP8 {recipe}: GEMM operands quantized -> dequantized in fp32, fp32 GEMMs "
-                f"(emulated on {backend_name}: {why})")
+                f"(emulated on {backend_name}: {why}){high}")
     name = _kernel_name(backend_name, grouped, recipe)
     why_bwd = backward_reason(backend_name, recipe, dtype, device, dims, grouped)
     if why_bwd:
-        return (f"FP8 {recipe}: forward GEMMs via {name} (real FP8, fp32 accumulation); dgrad "
-                f"and wgrad emulated (quantize -> dequantize, fp32 GEMMs: {why_bwd})")
+        what = "dgrad emulated" if high else "dgrad and wgrad emulated"
+        return (f"FP8 {recipe}: forward GEMMs via {name} (real FP8, fp32 accumulation); {what} "
+                f"(quantize -> dequantize, fp32 GEMMs: {why_bwd}){high}")
+    if high:
+        return f"FP8 {recipe}: forward and dgrad GEMMs via {name} (real FP8, fp32 accumulation)" \
+            + high
     why_wgrad = wgrad_reason(recipe)
     if why_wgrad:
         return (f"FP8 {recipe}: forward and dgrad GEMMs via {name} (real FP8, fp32 "

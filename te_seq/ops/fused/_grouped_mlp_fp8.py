@@ -171,8 +171,10 @@ def _activation_backward(mlp, h: Tensor, da: Tensor, probs, backend):
 
 def _fc2_wgrad_input(recipe, a: Tensor, offs: Tensor, bounds, native: bool, backend_name: str):
     """FC2's wgrad operand from the recomputed activation a [T, F]: token-major FP8 (`native`:
-    the wgrad runs in FP8) or fp32 along the tokens (emulated), quantized as an unfused FC2
-    would."""
+    the wgrad runs in FP8), fp32 along the tokens (emulated), quantized as an unfused FC2
+    would, or a itself (`fp8_wgrad=False`: the wgrad runs in high precision)."""
+    if not recipe.fp8_wgrad:
+        return a
     if not native:
         return fp8.input_operands(recipe, a, a, bounds)[1]
     return fp8.input_token_major(recipe, a, a, offs, None, backend_name)
