@@ -107,6 +107,7 @@ def _configs() -> dict[str, object]:
                                                (1, 2), accumulate=True, block_wgrad=True),
         # FP8 quantization kernels (quant_kernels.py, span_kernels.py, block_span_kernels.py)
         "quant_rows": QuantConfig("rows", bf16),
+        "quant_rows_regs16": QuantConfig("rows", bf16, lane_vecs=16),  # C <= 4096 in registers
         "quant_span_amax": QuantConfig("span_amax", bf16),
         "quant_span_cast": QuantConfig("span_cast", bf16),
         "quant_span_amax_rows": QuantConfig("span_amax", bf16, rows=True),

@@ -271,6 +271,10 @@ def test_quant_kernels_compile_for_sm90a():
         "    compile_quant(QuantConfig(kind, torch.bfloat16, False, True))\n"
         "    compile_quant(QuantConfig(kind, torch.float16, True, True, torch.float8_e5m2))\n"
         "compile_quant(QuantConfig('span_table', torch.bfloat16))\n"
+        "for lanes in (4, 8, 16):  # rows of up to 4096 columns in registers\n"
+        "    compile_quant(QuantConfig('rows', torch.bfloat16, False, False,\n"
+        "                              torch.float8_e4m3fn, lanes))\n"
+        "compile_quant(QuantConfig('rows', torch.float16, True, False, torch.float8_e5m2, 16))\n"
         "for dtype in (torch.bfloat16, torch.float16):  # the block-scaled token-major kernel\n"
         "    for pow2 in (False, True):\n"
         "        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
@@ -307,7 +311,8 @@ def _rows_input(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
 @needs_cute
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rule", [E4M3, E4M3_POW2, E5M2], ids=["scale", "pow2", "e5m2"])
-@pytest.mark.parametrize("shape", [(37, 16), (300, 2064), (1, 4096)])
+@pytest.mark.parametrize("shape", [(37, 16), (50, 768), (64, 1024), (300, 2064), (1, 4096),
+                                   (9, 4112)])  # in registers (4, 8, 16 vectors a lane); 2 passes
 def test_rows_kernel_is_bitwise_the_reference(dtype, rule, shape):
     torch.manual_seed(2)
     t = _rows_input(max(shape[0], 5), shape[1], dtype)[: shape[0]]

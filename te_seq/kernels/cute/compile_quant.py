@@ -31,6 +31,7 @@ class QuantConfig:
     power_of_two: bool = False
     rows: bool = False  # span kernels: the row-wise form too
     fp8: torch.dtype = torch.float8_e4m3fn  # or float8_e5m2 (gradients under "HYBRID")
+    lane_vecs: int = 0  # "rows": 16-byte vectors a lane keeps in registers (0: two passes)
 
 
 def _fake_quant_args(cfg: QuantConfig) -> tuple:
@@ -83,7 +84,7 @@ def compile_quant(cfg: QuantConfig) -> CompiledGemm:
                "span_block_cast": SpanBlockCastKernel}
     fp8_max, fp8 = float(torch.finfo(cfg.fp8).max), _DTYPES[cfg.fp8]
     if cfg.kind == "rows":
-        kernel = qk.RowQuantKernel(fp8_max, cfg.power_of_two, fp8)
+        kernel = qk.RowQuantKernel(fp8_max, cfg.power_of_two, fp8, cfg.lane_vecs)
     elif cfg.kind == "span_table":
         kernel = qk.SpanTableKernel()
     elif cfg.kind == "rows_group_amax":

@@ -52,9 +52,9 @@ _KERNELS = PlanCache()  # (kind, dtype, options) -> LaunchPlan(the compiled kern
 
 
 def _kernel(kind: str, t: Tensor, power_of_two: bool, rows: bool = False,
-            fp8_dtype: torch.dtype = FP8_DTYPE):
+            fp8_dtype: torch.dtype = FP8_DTYPE, lane_vecs: int = 0):
     dtype = t.dtype if t.dtype in _BLOCK_IN_DTYPES else torch.bfloat16  # span_table: no data
-    key = (kind, dtype, power_of_two, rows, fp8_dtype)
+    key = (kind, dtype, power_of_two, rows, fp8_dtype, lane_vecs)
     plan = _KERNELS.get(key)
     if plan is None:  # the config built and looked up once per key (the import too)
         from .compile_quant import QuantConfig, compile_quant
@@ -72,8 +72,17 @@ def quantize_rows(t: Tensor, power_of_two: bool = False,
     data = torch.empty(t.shape, dtype=fp8_dtype, device=t.device)
     scale_inv = torch.empty(t.shape[0], dtype=torch.float32, device=t.device)
     if t.numel():
-        _kernel("rows", t, power_of_two, False, fp8_dtype)(t, data, scale_inv)
+        _kernel("rows", t, power_of_two, False, fp8_dtype, _row_lane_vecs(t.shape[1]))(
+            t, data, scale_inv)
     return data, scale_inv[:, None]
+
+
+def _row_lane_vecs(cols: int) -> int:
+    """`RowQuantKernel`'s 16-byte vectors per lane for rows of `cols` 16-bit values (one warp
+    per row): the fewest of 4, 8 or 16 that hold the row in registers, 0 (two passes over the
+    row) past 4096 columns."""
+    vectors = cols // 8
+    return next((n for n in (4, 8, 16) if vectors <= 32 * n), 0)
 
 
 def quantize_spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool = False,

@@ -6,8 +6,11 @@ Imports cutlass; only ``quant.py``'s functionals import this module, lazily (thr
 ``compile_quant.compile_quant``).
 
 ``RowQuantKernel``: t [R, C] (16-bit) -> data [R, C] FP8 and scale_inv [R] fp32, one scale per
-row (``fp8_reference.quantize`` with row-wise blocks). One warp per row: a pass for the row's
-amax (a warp shuffle reduces it), a second pass (L2-resident) for the cast.
+row (``fp8_reference.quantize`` with row-wise blocks). One warp per row. Rows of up to 4096
+columns are loaded once into registers (``lane_vecs`` 16-byte vectors per lane, 4, 8 or 16, all
+issued before the first is used; lanes past the row's end load its last vector again, which
+changes no maximum, and store nothing); the amax is a warp shuffle, the cast reads the
+registers. Wider rows take two passes: one for the amax, a second (mostly from L2) for the cast.
 
 ``SpanTableKernel``: the block table of the token-major span kernels (``span_kernels``:
 ``SpanAmaxKernel`` and ``SpanCastKernel``, t [T, C] quantized along the tokens of each group
@@ -61,17 +64,20 @@ def _vec_abs_max(v) -> Float32:
 class RowQuantKernel:
     """Row-wise FP8 quantization of a row-major [R, C] 16-bit tensor (C a multiple of 8)."""
 
-    def __init__(self, fp8_max: float, power_of_two: bool, fp8_dtype=None):
+    def __init__(self, fp8_max: float, power_of_two: bool, fp8_dtype=None, lane_vecs: int = 0):
         self.fp8_max = fp8_max
         self.power_of_two = power_of_two
         self.fp8_dtype = fp8_dtype or cutlass.Float8E4M3FN
+        self.lane_vecs = lane_vecs  # > 0: C <= 32 * lane_vecs * ROW_VEC, the row in registers
+        # 16 vectors a lane take ~160 registers: 4-warp CTAs, so that 3 fit on an SM, not 1
+        self.rows_per_cta = ROWS_PER_CTA // 2 if lane_vecs >= 16 else ROWS_PER_CTA
 
     @cute.jit
     def __call__(self, t: cute.Tensor, data: cute.Tensor, scale_inv: cute.Tensor, stream):
         rows = t.shape[0]
-        grid = (rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA
+        grid = (rows + self.rows_per_cta - 1) // self.rows_per_cta
         self.kernel(t, data, scale_inv).launch(
-            grid=(grid, 1, 1), block=(32 * ROWS_PER_CTA, 1, 1), stream=stream
+            grid=(grid, 1, 1), block=(32 * self.rows_per_cta, 1, 1), stream=stream
         )
 
     @cute.kernel
@@ -79,23 +85,54 @@ class RowQuantKernel:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
-        row = bidx * ROWS_PER_CTA + tidx // 32
+        row = bidx * self.rows_per_cta + tidx // 32
         if row < t.shape[0]:
             src = cute.zipped_divide(t[row, None], (ROW_VEC,))
             dst = cute.zipped_divide(data[row, None], (ROW_VEC,))
             vectors = t.shape[1] // ROW_VEC
-            amax = Float32(0.0)
-            for j in cutlass.range(lane, vectors, 32):
-                amax = cute.arch.fmax(amax, _vec_abs_max(src[(None, j)].load()), nan=True)
-            amax = cute.arch.warp_reduction(
-                _nan_to_inf(amax), lambda a, b: cute.arch.fmax(a, b, nan=True)
-            )
-            scale = scale_from_amax(amax, self.fp8_max, self.power_of_two)
-            for j in cutlass.range(lane, vectors, 32):
-                values = src[(None, j)].load().to(Float32) * scale
-                dst[(None, j)].store(values.to(self.fp8_dtype))
+            if const_expr(self.lane_vecs > 0):
+                scale = self._cast_from_registers(src, dst, lane, vectors)
+            else:
+                scale = self._cast_in_two_passes(src, dst, lane, vectors)
             if lane == 0:
                 scale_inv[row] = Float32(1.0) / scale
+
+    def _row_scale(self, amax: Float32) -> Float32:
+        """Traced inline: the scale of a row from its lane's partial amax (warp shuffle)."""
+        amax = cute.arch.warp_reduction(
+            _nan_to_inf(amax), lambda a, b: cute.arch.fmax(a, b, nan=True)
+        )
+        return scale_from_amax(amax, self.fp8_max, self.power_of_two)
+
+    @cute.jit
+    def _cast_in_two_passes(self, src, dst, lane, vectors) -> Float32:
+        """Any width: the amax pass, then the cast pass re-reading the row."""
+        amax = Float32(0.0)
+        for j in cutlass.range(lane, vectors, 32):
+            amax = cute.arch.fmax(amax, _vec_abs_max(src[(None, j)].load()), nan=True)
+        scale = self._row_scale(amax)
+        for j in cutlass.range(lane, vectors, 32):
+            values = src[(None, j)].load().to(Float32) * scale
+            dst[(None, j)].store(values.to(self.fp8_dtype))
+        return scale
+
+    @cute.jit
+    def _cast_from_registers(self, src, dst, lane, vectors) -> Float32:
+        """vectors <= 32 lane_vecs: lane l loads vectors l + 32 k (clamped into the row), all
+        before the first is used, then casts them from registers."""
+        raw = [cute.make_rmem_tensor((ROW_VEC,), src.element_type)
+               for _ in range(self.lane_vecs)]
+        for k in cutlass.range_constexpr(self.lane_vecs):
+            raw[k].store(src[(None, cutlass.min(lane + 32 * k, vectors - 1))].load())
+        amax = Float32(0.0)
+        for k in cutlass.range_constexpr(self.lane_vecs):
+            amax = cute.arch.fmax(amax, _vec_abs_max(raw[k].load()), nan=True)
+        scale = self._row_scale(amax)
+        for k in cutlass.range_constexpr(self.lane_vecs):
+            if lane + 32 * k < vectors:
+                values = raw[k].load().to(Float32) * scale
+                dst[(None, lane + 32 * k)].store(values.to(self.fp8_dtype))
+        return scale
 
 
 class SpanTableKernel:
