@@ -80,8 +80,12 @@ def quantize_rows(t: Tensor, power_of_two: bool = False,
 def _row_lane_vecs(cols: int) -> int:
     """`RowQuantKernel`'s 16-byte vectors per lane for rows of `cols` 16-bit values (one warp
     per row): the fewest of 4, 8 or 16 that hold the row in registers, 0 (two passes over the
-    row) past 4096 columns."""
+    row) past 4096 columns and below 1024. Measured on one H100 (2026-11-25, bench_quant.py,
+    65536 or 32768 rows): in registers 4096 columns ran 0.452 -> 0.273 ms, 2048 0.217 -> 0.142,
+    1024 0.085 -> 0.075; 768 columns 0.032 -> 0.039, so narrower rows keep two passes."""
     vectors = cols // 8
+    if vectors < 128:
+        return 0
     return next((n for n in (4, 8, 16) if vectors <= 32 * n), 0)
 
 
