@@ -166,3 +166,25 @@ def _mlp_step(model, r, x, splits, probs, dy):
     grads = [p.grad.clone() for name, p in model.named_parameters() if "weight" in name]
     model.zero_grad(set_to_none=True)
     return y.detach(), x.grad.clone(), probs.grad.clone(), grads
+
+
+@pytest.mark.parametrize("r", RECIPES, ids=IDS)
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+def test_basic_linear_wgrad_on_unquantized_operands(r, delay):
+    """BasicLinear (emulated FP8): y and dx as under the all-FP8 recipe, dW = dyᵀ x of the
+    unquantized operands, also when computed later by backward_dw()."""
+    results = []
+    for each in (r, high(r)):
+        torch.manual_seed(4)
+        op = ops.BasicLinear(128, 256, delay_wgrad_compute=delay)
+        x, dy = _rand(9, 128).requires_grad_(), _rand(9, 256)
+        with te_seq.autocast(recipe=each):
+            y = te_seq.Sequential(op)(x)
+        y.backward(dy)
+        if delay:
+            op.backward_dw()
+        results.append((y.detach(), x.grad, op.weight.grad, x.detach(), dy))
+    (y8, dx8, dw8, _, _), (y, dx, dw, x, dy) = results
+    assert torch.equal(y, y8) and torch.equal(dx, dx8)
+    want = dy.double().t() @ x.double()
+    assert (dw.double() - want).abs().max() < 1e-4 < (dw8.double() - want).abs().max() / 100
