@@ -12,9 +12,11 @@ Variants, all in this process on the same random data, each checked against an f
                        te_seq.backend(); `:per-group` with one weight per expert
   te_seq:<backend>:compiled[-ro]   the same Sequential through torch.compile(fullgraph=True),
                        with `--compile default` / `reduce-overhead` (CUDA graphs)
-  te_seq:<backend>:fp8[:tm-fwd|:hp-wgrad]   under Float8RowwiseScaling (`--fp8`); `:tm-fwd`
-                       with te_seq.config.set_fp8_token_major_input(True); `:hp-wgrad` with
-                       the recipe's fp8_wgrad=False (wgrads in bf16)
+  te_seq:<backend>:fp8[:tm-fwd|:hp-wgrad[:requant]]   under Float8RowwiseScaling (`--fp8`);
+                       `:tm-fwd` with te_seq.config.set_fp8_token_major_input(True);
+                       `:hp-wgrad` with the recipe's fp8_wgrad=False (wgrads in bf16);
+                       `:requant` with cache_weights=False: the weights quantized on every
+                       call, as after every optimizer step of a training run
   te_seq:<backend>:fp8-block[:hp-wgrad]   under Float8BlockScaling (`--fp8-block`)
   te_seq:<backend>[:fp8]:graphed   the same Sequential captured by te_seq.make_graphed_callables
                        (`--graphed`; fresh grads): what a step costs with no Python per op
@@ -179,13 +181,14 @@ class TeSeqFP8Variant(TeSeqVariant):
 
     def __init__(self, case: Case, backend: str, grad_mode: str,
                  token_major_input: bool = False, block: bool = False,
-                 hp_wgrad: bool = False) -> None:
+                 hp_wgrad: bool = False, requant: bool = False) -> None:
         super().__init__(case, backend, grad_mode)
         kind = "fp8-block" if block else "fp8"
-        suffix = ":tm-fwd" if token_major_input else ":hp-wgrad" if hp_wgrad else ""
-        self.name = f"te_seq:{backend}:{kind}{suffix}"
+        flags = ((":tm-fwd", token_major_input), (":hp-wgrad", hp_wgrad), (":requant", requant))
+        self.name = f"te_seq:{backend}:{kind}" + "".join(f for f, on in flags if on)
         self.recipe = (te_seq.recipe.Float8BlockScaling if block
-                       else te_seq.recipe.Float8RowwiseScaling)(fp8_wgrad=not hp_wgrad)
+                       else te_seq.recipe.Float8RowwiseScaling)(fp8_wgrad=not hp_wgrad,
+                                                                cache_weights=not requant)
         self.token_major_input = token_major_input  # te_seq.config's switch while it runs
 
     def run(self, x: Tensor, probs: Tensor | None) -> Tensor:
@@ -359,6 +362,9 @@ def _build_te_seq(b: _Builder, backends: list[str]) -> None:
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode, True))
                 b.attempt(f"te_seq:{backend}:fp8:hp-wgrad",
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode, hp_wgrad=True))
+                b.attempt(f"te_seq:{backend}:fp8:hp-wgrad:requant",
+                          lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode, hp_wgrad=True,
+                                                            requant=True))
             if b.fp8_block:
                 b.attempt(f"te_seq:{backend}:fp8-block",
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode, block=True))
@@ -502,7 +508,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true",
                    help="also te_seq:<backend>:fp8 (the MLP under Float8RowwiseScaling), "
                         ":fp8:tm-fwd (the same, x quantized along the tokens in forward) and "
-                        ":fp8:hp-wgrad (the wgrads in bf16: fp8_wgrad=False)")
+                        ":fp8:hp-wgrad (the wgrads in bf16: fp8_wgrad=False), with :requant "
+                        "(weights quantized every call, as in training)")
     p.add_argument("--fp8-block", action="store_true",
                    help="also te_seq:<backend>:fp8-block, the MLP under Float8BlockScaling, "
                         "and :fp8-block:hp-wgrad (its wgrads in bf16)")

@@ -18,6 +18,7 @@ L2, so 3 TB/s on an H100 is the ceiling of this figure; the block kernel reads i
 ``fp8_reference.quantize``, ``fp8_wgrad.quantize_token_major_blocks``).
 
     python benchmarks/bench_quant.py [--shapes Q,A] [--iters 20] [--torch] [--json f]
+    python benchmarks/bench_quant.py --weights [--shapes Q,B]   # the weights' two forms
     python benchmarks/bench_quant.py --dry-run   # CPU: tiny shape, torch definitions only
 """
 
@@ -130,6 +131,30 @@ def measure(name: str, s: Shape, args, device: torch.device) -> list[dict]:
     return records
 
 
+def weight_records(name: str, s: Shape, args, device: torch.device) -> list[dict]:
+    """`--weights`: the expert weights' two FP8 forms (along K for the forward, along N for the
+    dgrad; `fp8_quantize.stacked_weight_rows`, what every optimizer step re-makes) of W1
+    [E, 2F, H] and W2 [E, H, F], with the torch definitions and on the cute kernels. Traffic:
+    w read once, both forms written once."""
+    from te_seq.kernels import fp8_quantize
+    from te_seq.kernels import fp8_reference as ref
+
+    rule, records = ref.ScaleRule("E4M3"), []
+    for operand, (n, k) in {"W1 [E,2F,H]": (2 * s.F, s.H), "W2 [E,H,F]": (s.H, s.F)}.items():
+        w = torch.randn(s.E, n, k, device=device).to(torch.bfloat16)
+        fns = {backend: (lambda b=backend, t=w: fp8_quantize.stacked_weight_rows(t, rule, b))
+               for backend in ("torch", "cute")}
+        runs = time_interleaved(fns, args.iters, args.warmup, device, burst=1)
+        nbytes = w.numel() * 4 + 4 * s.E * (n + k)
+        for backend, times in runs.items():
+            ms = statistics.median(times)
+            records.append(dict(shape=name, operand=operand, M=s.E * n, C=k, G=s.E,
+                                backend=backend, kind="weights", status="ok", ms=ms,
+                                bytes=nbytes, gb_per_s=nbytes / ms / 1e6, runs=times))
+        del w
+    return records
+
+
 def print_table(records: list[dict]) -> None:
     print(f"{'shape':5} {'operand':12} {'C':>6} {'backend':7} {'kind':15} {'ms':>8} {'GB/s':>7}")
     for r in records:
@@ -147,6 +172,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--torch", action="store_true", help="also time the torch definitions")
     p.add_argument("--json", default="benchmarks/measured/bench_quant.json")
+    p.add_argument("--weights", action="store_true",
+                   help="time the expert weights' two FP8 forms instead (torch vs cute)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU: a tiny shape, the torch definitions timed, cute skipped")
     args = p.parse_args(argv)
@@ -167,7 +194,7 @@ def main(argv=None) -> None:
     device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
     records = []
     for name, s in args.shape_list:
-        records += measure(name, s, args, device)
+        records += (weight_records if args.weights else measure)(name, s, args, device)
     print_table(records)
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 burst=BURST, iters=args.iters, torch=torch.__version__, dry_run=args.dry_run)

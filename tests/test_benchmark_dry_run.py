@@ -381,14 +381,32 @@ def test_bench_quant_dry_run(tmp_path):
     assert bad.returncode != 0 and "unknown shapes" in bad.stderr
 
 
+def test_bench_quant_weights_dry_run(tmp_path):
+    """--weights times both weights' two FP8 forms per backend (the torch definitions wherever
+    the kernels cannot run), traffic counted as w read once and both forms written."""
+    out = tmp_path / "weights.json"
+    cmd = [sys.executable, "benchmarks/bench_quant.py", "--dry-run", "--weights", "--json",
+           str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert {(r["operand"], r["backend"]) for r in results if r["status"] == "ok"} == {
+        (w, b) for w in ("W1 [E,2F,H]", "W2 [E,H,F]") for b in ("torch", "cute")}
+    e, h, f = 4, 64, 48  # the dry shape
+    w1 = next(r for r in results if r["operand"] == "W1 [E,2F,H]")
+    assert w1["bytes"] == e * 2 * f * h * 4 + 4 * e * (2 * f + h)
+
+
 @pytest.mark.slow  # a subprocess of ~20 s; CI runs it
 def test_bench_grouped_mlp_fp8_variants_dry_run(tmp_path):
-    """--fp8 times te_seq under Float8RowwiseScaling, its :tm-fwd and :hp-wgrad forms (the
-    emulated FP8 of the torch backend on the CPU), each checked against the reference."""
+    """--fp8 times te_seq under Float8RowwiseScaling, its :tm-fwd, :hp-wgrad and
+    :hp-wgrad:requant forms (the emulated FP8 of the torch backend on the CPU), each checked
+    against the reference."""
     _, _, results = _dry_run(tmp_path, "--shapes", "U", "--backends", "torch", "--peers", "",
                              "--fp8")
     timed = _timed(results)
-    for variant in ("te_seq:torch:fp8", "te_seq:torch:fp8:tm-fwd", "te_seq:torch:fp8:hp-wgrad"):
+    for variant in ("te_seq:torch:fp8", "te_seq:torch:fp8:tm-fwd", "te_seq:torch:fp8:hp-wgrad",
+                    "te_seq:torch:fp8:hp-wgrad:requant"):
         for mode in ("fwd", "fwd+bwd"):
             assert ("U", mode, variant) in timed, (mode, variant, results)
     fp8 = [r for r in results if r["variant"].startswith("te_seq:torch:fp8")]

@@ -350,11 +350,16 @@ def _weight_pair(recipe: Recipe, w: Tensor) -> tuple[ref.QuantizedTensor, ref.Qu
     return forward, ref.quantize(w.t(), block, rule)
 
 
-def _stacked_operands(recipe: Recipe, w: Tensor) -> WeightOperands:
+def _stacked_operands(recipe: Recipe, w: Tensor, backend_name: str = "torch") -> WeightOperands:
     """`_weight_pair` of every expert of w [G, N, K], each quantized on its own, in a few
-    launches for all of them (`fp8_reference.quantize_stacked`): after each optimizer step, and
-    on every replay of a CUDA graph, all G experts are quantized again."""
+    launches for all of them (`fp8_reference.quantize_stacked`; row-wise blocks on the cute
+    kernels where they apply: `fp8_quantize.stacked_weight_rows`): after each optimizer step,
+    and on every replay of a CUDA graph, all G experts are quantized again."""
     block, rule = recipe.block("weight"), recipe.rule("weight")
+    if block == ref.ROWWISE:
+        forward, dgrad = fp8_quantize.stacked_weight_rows(w, rule, backend_name)
+        return WeightOperands(_unstack(forward), _unstack(dgrad), stacked=True,
+                              stacked_fp8=(forward, dgrad))
     forward = ref.quantize_stacked(w, block, rule)
     if block.rows == block.cols:  # W and Wᵀ share their blocks: the dgrad operand is a view
         dgrad = ref.QuantizedTensor(forward.data.transpose(1, 2),
@@ -415,10 +420,12 @@ class WeightOperands:
 
 
 def cached_weights(
-    op: torch.nn.Module, recipe: Recipe, w: Tensor, params: list[Tensor]
+    op: torch.nn.Module, recipe: Recipe, w: Tensor, params: list[Tensor],
+    backend_name: str = "torch",
 ) -> WeightOperands:
     """W [N, K] (or [G, N, K]: each expert's weight quantized on its own) as FP8 operands,
-    cached on `op` until a Parameter in `params` changes.
+    cached on `op` until a Parameter in `params` changes. `backend_name` picks the
+    quantization kernels (the same bits on every backend).
 
     While a CUDA graph is being captured the cache is neither read nor written: the graph must
     hold the quantization kernels (a replay after an optimizer step then quantizes the weights
@@ -434,7 +441,7 @@ def cached_weights(
     if cache is not None and cache[0] == key and not capturing:
         return cache[1]
     if w.dim() == 3:
-        weights = _stacked_operands(recipe, w)
+        weights = _stacked_operands(recipe, w, backend_name)
     else:
         forward, dgrad = _weight_pair(recipe, w)
         weights = WeightOperands([forward], [dgrad], stacked=False)

@@ -233,7 +233,7 @@ def grouped_forward(
     recipe = ctx.recipe
     need_wgrad = need_wgrad and ctx.weight_requires_grad  # frozen weights, no_grad: no wgrad
     fp8.check_operands(op, recipe, x, w, w.shape[-1], w.shape[-2])
-    weights = fp8.cached_weights(op, recipe, w, params)
+    weights = fp8.cached_weights(op, recipe, w, params, ctx.backend.name)
     if not _runs_native(ctx, x, w, grouped=True):
         x_fwd, x_wgrad = fp8.input_operands(recipe, input_, x, bounds)
         y = ctx.backend.grouped_mm(x_fwd, weights.forward.transpose(1, 2), offs)

@@ -200,6 +200,49 @@ def _build_table(offs: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     return table, padded_ends.to(torch.int32)
 
 
+def stacked_weight_rows(w: Tensor, rule: ref.ScaleRule, backend_name: str
+                        ) -> tuple[ref.QuantizedTensor, ref.QuantizedTensor]:
+    """Each expert's W_g [N, K] of w [G, N, K] quantized row-wise along K (the forward GEMM's
+    operand: data [G, N, K], scale_inv [G, N, 1]) and along N (the rows of W_gᵀ, the dgrad's
+    operand: data [G, K, N], scale_inv [G, K, 1]): bitwise `fp8_reference.quantize_stacked`
+    of w and of w.transpose(1, 2). After every optimizer step all of them are quantized again.
+
+    On the cute kernels (contiguous 16-bit w, N a multiple of 128, K of 16 up to 16384) that is
+    two reads of w: `rows_keeping_group_amax` of w as [G·N, K] with each expert a group (the
+    forward form and each (expert, column) maximum), then `token_major_from_amax` (the
+    experts' columns cast along N, laid out [K, G·N]); the dgrad form is its [G, K, N] view.
+    Elsewhere the torch definitions (eager: several fp32 passes over w per form)."""
+    g, n, k = w.shape
+    flat = w.reshape(g * n, k)
+    if g == 0 or n % fp8_wgrad.WGRAD_PAD or not w.is_contiguous() or \
+            group_amax_reason(flat, rule, backend_name):
+        return (ref.quantize_stacked(w, ref.ROWWISE, rule),
+                ref.quantize_stacked(w.transpose(1, 2), ref.ROWWISE, rule))
+    offs = _expert_ends(g, n, w.device)
+    along_k, amax = rows_keeping_group_amax(flat, offs, rule, backend_name)
+    along_n = token_major_from_amax(flat, offs, amax, rule)
+    data = along_n.data[:, : g * n].reshape(k, g, n).permute(1, 0, 2)
+    return (ref.QuantizedTensor(along_k.data.reshape(g, n, k),
+                                along_k.scale_inv.reshape(g, n, 1), ref.ROWWISE, rule),
+            ref.QuantizedTensor(data, along_n.scale_inv.reshape(g, k, 1), ref.ROWWISE, rule))
+
+
+_EXPERT_ENDS: dict[tuple[int, int, torch.device], Tensor] = {}
+
+
+def _expert_ends(groups: int, rows: int, device: torch.device) -> Tensor:
+    """int32 [G] = rows, 2 rows, ..., G rows: the group ends of G stacked [rows, K] matrices.
+    Cached per (G, rows, device), except while a CUDA graph is captured (the tensor would
+    live in the graph's memory pool); its span table is cached on it (`span_table`)."""
+    key = (groups, rows, device)
+    found = _EXPERT_ENDS.get(key)
+    if found is None:
+        found = torch.arange(1, groups + 1, dtype=torch.int32, device=device) * rows
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _EXPERT_ENDS[key] = found
+    return found
+
+
 __all__ = ["blocks_reason", "group_amax_reason", "reason", "rows", "rows_and_token_major",
-           "rows_keeping_group_amax", "span_table", "token_major", "token_major_blocks",
-           "token_major_from_amax"]
+           "rows_keeping_group_amax", "span_table", "stacked_weight_rows", "token_major",
+           "token_major_blocks", "token_major_from_amax"]

@@ -1,0 +1,85 @@
+"""The stacked expert weights' two FP8 forms (`fp8_quantize.stacked_weight_rows`): W along K
+(the forward operand) and Wᵀ along N (the dgrad's), made after every optimizer step.
+
+On the cute kernels the two forms come from two reads of w (row-wise with each expert's column
+maxima, then the cast along N from them) instead of the torch definitions' fp32 passes. Both
+must be bitwise `fp8_reference.quantize_stacked` of w and of its transpose. CPU: the layout
+wiring with the kernel pair replaced by its torch definitions; GPU: the kernels themselves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_seq.kernels import fp8_quantize, fp8_wgrad
+from te_seq.kernels import fp8_reference as ref
+from te_seq.kernels.backend import backend_available
+
+E4M3 = ref.ScaleRule("E4M3")
+RULES = [E4M3, ref.ScaleRule("E4M3", power_of_two=True)]
+
+
+def _weights(g: int, n: int, k: int, device="cpu") -> torch.Tensor:
+    w = torch.randn(g, n, k, device=device) * torch.logspace(-2, 2, n, device=device)[:, None]
+    w = w.to(torch.bfloat16)
+    w[0, 3, 5] = 0.0
+    if g > 1:
+        w[1].zero_()  # an all-zero expert: scale 1 everywhere
+    return w
+
+
+def _assert_same_as_definition(w: torch.Tensor, rule: ref.ScaleRule, backend: str) -> None:
+    along_k, along_n = fp8_quantize.stacked_weight_rows(w, rule, backend)
+    want_k = ref.quantize_stacked(w, ref.ROWWISE, rule)
+    want_n = ref.quantize_stacked(w.transpose(1, 2), ref.ROWWISE, rule)
+    for got, want in ((along_k, want_k), (along_n, want_n)):
+        assert got.data.shape == want.data.shape and got.scale_inv.shape == want.scale_inv.shape
+        assert _same_bits(got.data, want.data) and _same_bits(got.scale_inv, want.scale_inv)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values bit for bit, a nan in one matching a nan in the other (its sign aside)."""
+    a, b = a.contiguous(), b.contiguous()
+    same = a.view(torch.uint8) == b.view(torch.uint8) if a.element_size() == 1 else a == b
+    return bool((same | (a.float().isnan() & b.float().isnan())).all())
+
+
+@pytest.fixture
+def kernel_pair_as_definitions(monkeypatch):
+    """The cute kernel pair replaced by the torch definitions of what it returns."""
+    def rows_keeping_group_amax(t, offs, rule, backend_name):
+        bounds = torch.cat([offs.new_zeros(1), offs]).tolist()
+        amax = torch.stack([t[s:e].abs().amax(0).float() for s, e in zip(bounds, bounds[1:])])
+        return ref.quantize(t, ref.ROWWISE, rule), amax
+
+    def token_major_from_amax(t, offs, amax, rule):
+        return fp8_wgrad.quantize_token_major(t, offs, rule)
+
+    monkeypatch.setattr(fp8_quantize, "group_amax_reason", lambda t, rule, backend: "")
+    monkeypatch.setattr(fp8_quantize, "rows_keeping_group_amax", rows_keeping_group_amax)
+    monkeypatch.setattr(fp8_quantize, "token_major_from_amax", token_major_from_amax)
+
+
+@pytest.mark.parametrize("shape", [(3, 256, 64), (1, 128, 16)])
+def test_kernel_path_layout_is_the_definition(kernel_pair_as_definitions, shape):
+    _assert_same_as_definition(_weights(*shape), E4M3, "cute")
+
+
+@pytest.mark.parametrize("shape", [(3, 200, 64), (2, 128, 48)])
+@pytest.mark.parametrize("backend", ["torch", "cute"])
+def test_other_shapes_and_backends_take_the_definition(shape, backend):
+    """N not a multiple of 128, the torch backend, or no GPU here: the torch definitions."""
+    _assert_same_as_definition(_weights(*shape), E4M3, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not backend_available("cute")[0],
+                    reason="needs the cute backend (CUDA sm_90 and the CuTe DSL)")
+@pytest.mark.parametrize("rule", RULES, ids=["scale", "pow2"])
+@pytest.mark.parametrize("shape", [(4, 256, 128), (1, 128, 4096), (8, 384, 2064), (2, 128, 16)])
+def test_cute_weight_forms_are_bitwise_the_definition(rule, shape):
+    torch.manual_seed(3)
+    w = _weights(*shape, device="cuda")
+    w[0, 7, 9] = float("inf")  # a non-finite expert column and row: nan scales, as defined
+    _assert_same_as_definition(w, rule, "cute")
