@@ -358,16 +358,14 @@ def _stacked_operands(recipe: Recipe, w: Tensor, backend_name: str = "torch") ->
     block, rule = recipe.block("weight"), recipe.rule("weight")
     if block == ref.ROWWISE:
         forward, dgrad = fp8_quantize.stacked_weight_rows(w, rule, backend_name)
-        return WeightOperands(_unstack(forward), _unstack(dgrad), stacked=True,
-                              stacked_fp8=(forward, dgrad))
+        return WeightOperands(None, None, stacked=True, stacked_fp8=(forward, dgrad))
     forward = ref.quantize_stacked(w, block, rule)
     if block.rows == block.cols:  # W and Wᵀ share their blocks: the dgrad operand is a view
         dgrad = ref.QuantizedTensor(forward.data.transpose(1, 2),
                                     forward.scale_inv.transpose(1, 2), block, rule)
     else:
         dgrad = ref.quantize_stacked(w.transpose(1, 2), block, rule)
-    return WeightOperands(_unstack(forward), _unstack(dgrad), stacked=True,
-                          stacked_fp8=(forward, dgrad))
+    return WeightOperands(None, None, stacked=True, stacked_fp8=(forward, dgrad))
 
 
 def _unstack(q: ref.QuantizedTensor) -> list[ref.QuantizedTensor]:
@@ -378,13 +376,25 @@ def _unstack(q: ref.QuantizedTensor) -> list[ref.QuantizedTensor]:
 class WeightOperands:
     """A weight's FP8 operands, one `QuantizedTensor` per [N, K] matrix (one for a 2-D W, G for
     [G, N, K]): `quantized` (W along K for the forward) and `dgrad_quantized` (Wᵀ [K, N] along
-    N for the dgrad). The fp32 and the stacked forms are made on first use only."""
+    N for the dgrad). The fp32 and the stacked forms are made on first use only, and so are
+    the per-matrix lists of a weight quantized all at once (`stacked_fp8`: the native GEMMs
+    read the stacked form; G views and records per form cost ~1 ms of host time at G=128)."""
 
-    def __init__(self, quantized: list[ref.QuantizedTensor],
-                 dgrad_quantized: list[ref.QuantizedTensor], stacked: bool,
+    def __init__(self, quantized: list[ref.QuantizedTensor] | None,
+                 dgrad_quantized: list[ref.QuantizedTensor] | None, stacked: bool,
                  stacked_fp8: tuple[ref.QuantizedTensor, ref.QuantizedTensor] | None = None):
-        self.quantized, self.dgrad_quantized, self.stacked = quantized, dgrad_quantized, stacked
+        self._lists, self.stacked = (quantized, dgrad_quantized), stacked
         self._stacked_fp8 = stacked_fp8  # (W, Wᵀ) of all experts, [G, ...], when made at once
+
+    @functools.cached_property
+    def quantized(self) -> list[ref.QuantizedTensor]:
+        found = self._lists[0]
+        return _unstack(self._stacked_fp8[0]) if found is None else found
+
+    @functools.cached_property
+    def dgrad_quantized(self) -> list[ref.QuantizedTensor]:
+        found = self._lists[1]
+        return _unstack(self._stacked_fp8[1]) if found is None else found
 
     def _stack(self, values: list[Tensor]) -> Tensor:
         return torch.stack(values) if self.stacked else values[0]
