@@ -188,3 +188,25 @@ def test_basic_linear_wgrad_on_unquantized_operands(r, delay):
     assert torch.equal(y, y8) and torch.equal(dx, dx8)
     want = dy.double().t() @ x.double()
     assert (dw.double() - want).abs().max() < 1e-4 < (dw8.double() - want).abs().max() / 100
+
+
+@pytest.mark.parametrize("r", RECIPES, ids=IDS)
+def test_main_grad_accumulates_the_high_precision_wgrad(r):
+    """Megatron-style fp32 main_grad: += dyᵀ x of the unquantized bf16 operands (what the same
+    op adds without a recipe), nothing left in .grad."""
+    results = []
+    for each in (high(r), None):
+        torch.manual_seed(6)
+        op = ops.GroupedLinear(2, 128, 128, bias=False, dtype=torch.bfloat16,
+                               accumulate_into_main_grad=True)
+        for _, w in op.named_weights():
+            w.main_grad = torch.randn(128, 128)  # fp32 buffers, accumulated into
+        splits = torch.tensor([100, 60])
+        x, dy = _rand(160, 128, dtype=torch.bfloat16), _rand(160, 128, dtype=torch.bfloat16)
+        with te_seq.autocast(enabled=each is not None, recipe=each):
+            y = te_seq.Sequential(op)(x.requires_grad_(), splits)
+        y.backward(dy)
+        results.append([w.main_grad.clone() for _, w in op.named_weights()])
+        assert all(w.grad is None or (w.grad == 0).all() for _, w in op.named_weights())
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
