@@ -83,3 +83,24 @@ def test_cute_weight_forms_are_bitwise_the_definition(rule, shape):
     w = _weights(*shape, device="cuda")
     w[0, 7, 9] = float("inf")  # a non-finite expert column and row: nan scales, as defined
     _assert_same_as_definition(w, rule, "cute")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not backend_available("cute")[0],
+                    reason="needs the cute backend (CUDA sm_90 and the CuTe DSL)")
+def test_cute_dgrad_reads_the_weight_form_in_place():
+    """The dgrad form is a [G, K, N] view of the cast's [K, G·N] buffer (no copy per optimizer
+    step); the FP8 GEMM reads it as it reads a contiguous copy, bit for bit."""
+    from te_seq.kernels import cute
+
+    torch.manual_seed(4)
+    g, n, k, rows = 4, 256, 128, 300
+    w = _weights(g, n, k, device="cuda")
+    along_n = fp8_quantize.stacked_weight_rows(w, E4M3, "cute")[1]
+    assert along_n.data.stride(-1) == 1 and not along_n.data.is_contiguous()
+    dy = ref.quantize(torch.randn(rows, n, device="cuda").to(torch.bfloat16), ref.ROWWISE, E4M3)
+    offs = torch.tensor([90, 90, 250, 300], device="cuda", dtype=torch.int32)  # one empty expert
+    args = (dy.data, dy.scale_inv.reshape(-1), along_n.scale_inv.reshape(g, k), offs)
+    in_place = cute.scaled_grouped_mm(args[0], along_n.data, *args[1:])
+    copied = cute.scaled_grouped_mm(args[0], along_n.data.contiguous(), *args[1:])
+    assert torch.equal(in_place, copied) and in_place.abs().sum() > 0

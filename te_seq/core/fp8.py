@@ -422,9 +422,10 @@ class WeightOperands:
     def dgrad_fp8(self) -> tuple[Tensor, Tensor]:
         """(data [G, K, N] FP8, scale_inv [G, K, 1] row-wise or [G, 1, 1] per tensor) of a
         stacked weight: the dgrad GEMM's second operand, Wᵀ along N."""
-        if self._stacked_fp8 is not None:  # contiguous, as the stacked copies were
+        if self._stacked_fp8 is not None:  # as made where N is contiguous, else contiguous
             q = self._stacked_fp8[1]
-            return q.data.contiguous(), q.scale_inv.contiguous()
+            data = q.data if q.data.stride(-1) == 1 else q.data.contiguous()
+            return data, q.scale_inv.contiguous()
         return (torch.stack([q.data for q in self.dgrad_quantized]),
                 torch.stack([q.scale_inv for q in self.dgrad_quantized]))
 
@@ -443,6 +444,7 @@ def cached_weights(
     capturing = _capturing()
     key = (
         recipe,
+        backend_name,  # the kernels' layouts differ (the cute dgrad form is a strided view)
         w.dtype,
         tuple(w.shape),
         tuple((id(p), p._version, p.data_ptr()) for p in params),

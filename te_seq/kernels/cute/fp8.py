@@ -161,7 +161,7 @@ def run_scaled_mm(op: str, check, config, a: Tensor, b: Tensor, a_scale: Tensor,
     out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
     if rows == 0:
         return out
-    b_view = _aligned(b.contiguous()).permute(1, 2, 0)  # (N, K, E), K-major
+    b_view = _aligned(k_major(b)).permute(1, 2, 0)  # (N, K, E), K-major
     plan.kernel(_aligned(_row_major(a)), b_view, out, offs, plan.clusters, a_scale.contiguous(),
                 b_scale.contiguous(), no_route(a.device))
     return out
@@ -188,6 +188,16 @@ def _plan_mm(op: str, check: tuple[bool, str], config, a: Tensor, b: Tensor) -> 
 def _aligned(t: Tensor) -> Tensor:
     """``t`` (contiguous) or a copy of it whose data starts on a 16-byte boundary (TMA)."""
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def k_major(b: Tensor) -> Tensor:
+    """b [E, N, K] as the FP8 GEMMs read it: b itself where K is contiguous and the expert and
+    row strides are whole 16-byte steps (the kernels take any such strides: a stacked weight's
+    dgrad form is a [G, K, N] view of a [K, G·N] buffer, `fp8_quantize.stacked_weight_rows`),
+    else a contiguous copy."""
+    if b.stride(2) == 1 and b.stride(0) % _ALIGN == 0 and b.stride(1) % _ALIGN == 0:
+        return b
+    return b.contiguous()
 
 
 # ---------------------------------------------------------------- varlen K (weight gradient)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fp8 import FP8_DTYPE, _aligned, _device_problem
+from .fp8 import FP8_DTYPE, _aligned, _device_problem, k_major
 from .glu import _ACTS, _check_probs, _launch, layout_problem, run_dgrad
 from .launch import _row_major, available
 from .launch_plan import LaunchPlan, PlanCache, tensor_signature
@@ -75,7 +75,7 @@ def _check(x, w, x_scale, w_scale, act, interleave, fc1: bool) -> tuple[bool, st
 
 def _kernel_operands(x: Tensor, w: Tensor, x_scale: Tensor, w_scale: Tensor) -> tuple:
     """(x, w as [E, H, N] with H contiguous, (x_scale, w_scale)): 16-byte aligned data."""
-    w = _aligned(w.contiguous()).transpose(1, 2)
+    w = _aligned(k_major(w)).transpose(1, 2)
     return _aligned(_row_major(x)), w, (x_scale.contiguous(), w_scale.contiguous())
 
 
