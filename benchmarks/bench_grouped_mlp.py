@@ -18,6 +18,8 @@ Variants, all in this process on the same random data, each checked against an f
                        `:requant` with cache_weights=False: the weights quantized on every
                        call, as after every optimizer step of a training run
   te_seq:<backend>:fp8-block[:hp-wgrad]   under Float8BlockScaling (`--fp8-block`)
+  te_seq:cute:pp       the cute MLP with TE_SEQ_PINGPONG=1 (`--pingpong`): ping-pong tilings
+                       where the defaults allow them, interleaved with the cooperative run
   te_seq:<backend>[:fp8]:graphed   the same Sequential captured by te_seq.make_graphed_callables
                        (`--graphed`; fresh grads): what a step costs with no Python per op
   kernels:<backend>    the backend's raw functionals (grouped_mm, grouped_wgrad, glu_*), unfused
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -170,6 +173,37 @@ class TeSeqVariant(AutogradVariant):
         plan = self.mlp.fusion_plan()
         steps = getattr(plan, "forward", []) or []
         return " ".join(f"{st.name}@{st.backend}" for st in steps)
+
+
+class TeSeqPingPongVariant(TeSeqVariant):
+    """TeSeqVariant with TE_SEQ_PINGPONG=1 while it runs (`--pingpong`): the default tilings
+    may take ping-pong consumer warpgroups (te_seq/kernels/cute/launch.py), compared in the same
+    process, interleaved with the cooperative default."""
+
+    def __init__(self, case: Case, backend: str, grad_mode: str) -> None:
+        super().__init__(case, backend, grad_mode)
+        self.name = f"te_seq:{backend}:pp"
+
+    def run(self, x: Tensor, probs: Tensor | None) -> Tensor:
+        with _pingpong():
+            return super().run(x, probs)
+
+    def forward_backward(self) -> None:
+        with _pingpong():
+            super().forward_backward()
+
+
+@contextlib.contextmanager
+def _pingpong():
+    before = os.environ.get("TE_SEQ_PINGPONG")
+    os.environ["TE_SEQ_PINGPONG"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TE_SEQ_PINGPONG"]
+        else:
+            os.environ["TE_SEQ_PINGPONG"] = before
 
 
 class TeSeqFP8Variant(TeSeqVariant):
@@ -311,6 +345,7 @@ class _Builder:
         self.case, self.grad_mode = case, grad_mode
         self.fp8 = False  # also te_seq:<backend>:fp8 (--fp8)
         self.fp8_block = False  # also te_seq:<backend>:fp8-block (--fp8-block)
+        self.pingpong = False  # also te_seq:cute:pp (--pingpong)
         self.variants: list[Variant] = []
         self.skipped: list[Result] = []
 
@@ -329,7 +364,7 @@ def build_variants(
 ) -> tuple[list[Variant], list[Result]]:
     """The variants that can run here, and a skipped Result (with the reason) for the others."""
     b = _Builder(case, grad_mode)
-    b.fp8, b.fp8_block = args.fp8, args.fp8_block
+    b.fp8, b.fp8_block, b.pingpong = args.fp8, args.fp8_block, args.pingpong
     _build_te_seq(b, args.backends)
     _build_graphed_te_seq(b, args)
     _build_compiled_te_seq(b, args)
@@ -355,6 +390,9 @@ def _build_te_seq(b: _Builder, backends: list[str]) -> None:
             if backend == "cute":
                 name = "te_seq:cute:per-group"
                 b.attempt(name, lambda: TeSeqVariant(case, "cute", b.grad_mode, per_group=True))
+            if backend == "cute" and b.pingpong:
+                b.attempt("te_seq:cute:pp",
+                          lambda: TeSeqPingPongVariant(case, "cute", b.grad_mode))
             if b.fp8:
                 b.attempt(f"te_seq:{backend}:fp8",
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode))
@@ -518,6 +556,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="fresh",
         help=f"comma list of {','.join(GRAD_MODES)} (weight gradients: grad_modes.py)",
     )
+    p.add_argument("--pingpong", action="store_true",
+                   help="also te_seq:cute:pp, the MLP with TE_SEQ_PINGPONG=1 (same process)")
     p.add_argument("--graphed", action="store_true",
                    help="also te_seq:<backend>[:fp8]:graphed, captured by "
                    "te_seq.make_graphed_callables (host time out of the picture)")
