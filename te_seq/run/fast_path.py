@@ -38,63 +38,57 @@ from te_seq.fusion.registry import registry_version
 from te_seq.kernels import backend as kernel_backends
 
 
-def _extra_facts(flat: Sequence[Any]) -> tuple | None:
-    """Per extra input (sameness label, facts); None if one is neither a tensor nor a slot."""
-    facts: list[tuple] = []
-    seen: list[Any] = []  # one representative per sameness class
-    for item in flat:
+def _extra_facts(facts: list, flat: Sequence[Any]) -> bool:
+    """Append each extra input's (sameness label, class[, shape, dtype, device, requires_grad])
+    to `facts`; False if one is neither a tensor nor a slot (None or a ChannelRef). The class
+    comes first so that the flat list reads back one way only."""
+    ids = [id(item) for item in flat]
+    for position, item in enumerate(flat):
+        label = ids.index(id(item))  # the first slot holding this very object
         if isinstance(item, Tensor):
-            fact: tuple = (item.shape, item.dtype, item.device, item.requires_grad, type(item))
+            if label == position and item.is_cpu and not item.is_floating_point():
+                label = _first_equal(flat, position)
+            facts += (label, type(item), item.shape, item.dtype, item.device, item.requires_grad)
         elif item is None or isinstance(item, ChannelRef):
-            fact = (type(item),)
+            facts += (label, type(item))
         else:
-            return None
-        facts.append((_sameness_label(seen, item), fact))
-    return tuple(facts)
+            return False
+    return True
 
 
-def _sameness_label(seen: list[Any], item: Any) -> int:
-    """The index of `item`'s class under `same_extra_input` among `seen` (one representative
-    per class; appended if new). Identity first: only host integer tensors can be the same
-    without being one object."""
-    for i, r in enumerate(seen):
-        if r is item:
+def _first_equal(flat: Sequence[Any], position: int) -> int:
+    """The first slot before `position` that `same_extra_input` calls the same as it (equal
+    values of host integer tensors), else `position`: with identity, the smallest slot of the
+    item's sameness class labels it."""
+    item = flat[position]
+    for i in range(position):
+        if same_extra_input(flat[i], item):
             return i
-    if isinstance(item, Tensor) and item.device.type == "cpu" and not item.is_floating_point():
-        for i, r in enumerate(seen):
-            if same_extra_input(r, item):
-                return i
-    seen.append(item)
-    return len(seen) - 1
+    return position
 
 
 def call_signature(
     ops: Sequence[BasicOperation], input_: Tensor, extra: list[tuple],
     autocast: AutocastState | None, params: Sequence[Tensor] | None = None,
 ) -> tuple | None:
-    """Everything the fast path's reused decisions depend on (module docstring); None where
-    the call must take the full path. `params`: the ops' `fuser_parameters()` in order, where
-    the caller has them already."""
-    extras = _extra_facts([t for group in extra for t in group])
-    if extras is None:
-        return None
+    """Everything the fast path's reused decisions depend on (module docstring), as one flat
+    tuple (cheaper to build and compare than nested ones: this runs before every call's first
+    kernel); None where the call must take the full path. `params`: the ops'
+    `fuser_parameters()` in order, where the caller has them already."""
     if params is None:
         params = [p for op in ops for p in op.fuser_parameters()]
-    # list comprehensions, not generators: this runs before every call's first kernel
-    param_facts = [(id(p), p.shape, p.dtype, p.device, p.requires_grad, type(p)) for p in params]
-    return (
-        op_state_version(),
-        tuple([op.plan_facts() for op in ops]),
-        registry_version(),
-        kernel_backends.registry_version(),
-        kernel_backends.current_backend(),
-        fp8.recipe_key(),
-        torch.is_grad_enabled(),
+    facts: list = [
+        op_state_version(), registry_version(), kernel_backends.registry_version(),
+        kernel_backends.current_backend(), fp8.recipe_key(), torch.is_grad_enabled(),
         None if autocast is None else (autocast.dtype, autocast.device_type),
-        input_.shape, input_.dtype, input_.device, input_.requires_grad, type(input_),
-        extras,
-        tuple(param_facts),
-    )
+        type(input_), input_.shape, input_.dtype, input_.device, input_.requires_grad,
+        [op.plan_facts() for op in ops], [len(group) for group in extra], len(params),
+    ]
+    if not _extra_facts(facts, [t for group in extra for t in group]):
+        return None
+    for p in params:
+        facts += (id(p), type(p), p.shape, p.dtype, p.device, p.requires_grad)
+    return tuple(facts)
 
 
 @dataclass
