@@ -22,7 +22,7 @@ takes the full path.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,21 +38,29 @@ from te_seq.fusion.registry import registry_version
 from te_seq.kernels import backend as kernel_backends
 
 
-def _extra_facts(facts: list, flat: Sequence[Any]) -> bool:
-    """Append each extra input's (sameness label, class[, shape, dtype, device, requires_grad])
-    to `facts`; False if one is neither a tensor nor a slot (None or a ChannelRef). The class
-    comes first so that the flat list reads back one way only."""
-    ids = [id(item) for item in flat]
-    for position, item in enumerate(flat):
-        label = ids.index(id(item))  # the first slot holding this very object
-        if isinstance(item, Tensor):
-            if label == position and item.is_cpu and not item.is_floating_point():
-                label = _first_equal(flat, position)
-            facts += (label, type(item), item.shape, item.dtype, item.device, item.requires_grad)
-        elif item is None or isinstance(item, ChannelRef):
-            facts += (label, type(item))
-        else:
-            return False
+def _extra_facts(facts: list, extra: list[tuple]) -> bool:
+    """Append each extra input's facts to `facts`: its sameness label (the first slot holding
+    an input `same_extra_input` calls the same), then, for the first slot holding that very
+    object, its class and, for a tensor, its shape, dtype, device and requires_grad (a later
+    slot with the same object has the same facts). False if one is neither a tensor nor a
+    slot (None or a ChannelRef)."""
+    seen: list[Any] = []  # the inputs so far, by slot
+    for group in extra:
+        for item in group:
+            position = len(seen)
+            label = next((i for i, other in enumerate(seen) if other is item), position)
+            seen.append(item)
+            if label != position:
+                facts.append(label)
+            elif isinstance(item, Tensor):
+                if item.is_cpu and not item.is_floating_point():
+                    label = _first_equal(seen, position)
+                facts += (label, type(item), item.shape, item.dtype, item.device,
+                          item.requires_grad)
+            elif item is None or isinstance(item, ChannelRef):
+                facts += (label, type(item))
+            else:
+                return False
     return True
 
 
@@ -84,7 +92,7 @@ def call_signature(
         type(input_), input_.shape, input_.dtype, input_.device, input_.requires_grad,
         [op.plan_facts() for op in ops], [len(group) for group in extra], len(params),
     ]
-    if not _extra_facts(facts, [t for group in extra for t in group]):
+    if not _extra_facts(facts, extra):
         return None
     for p in params:
         facts += (id(p), type(p), p.shape, p.dtype, p.device, p.requires_grad)
@@ -100,6 +108,8 @@ class FastEntry:
     flags: list[tuple[bool, bool, bool, Any]]  # per op: the contexts' per-call fields
     with_backward: bool
     counts: tuple  # (extra inputs per op, parameters per op, channel links): Fuser._counts
+    # per op: the fields of a context with those flags (`contexts` copies them)
+    templates: list[dict] = field(default_factory=list)
 
     @staticmethod
     def remember(
@@ -109,16 +119,28 @@ class FastEntry:
             (c.requires_grad, c.input_requires_grad, c.weight_requires_grad, c.process_group)
             for c in ctxs
         ]
-        return FastEntry(signature, plan, flags, any(c.requires_grad for c in ctxs), counts)
+        templates = [
+            vars(OperationContext(requires_grad=rg, input_requires_grad=irg,
+                                  weight_requires_grad=wrg, process_group=group,
+                                  signature_checked=True))
+            for rg, irg, wrg, group in flags
+        ]
+        return FastEntry(signature, plan, flags, any(c.requires_grad for c in ctxs), counts,
+                         templates)
 
     def contexts(
         self, call_inputs: CallInputs | None, autocast: AutocastState | None
     ) -> list[OperationContext]:
-        """Fresh contexts for this call with the remembered flags (recipe read now)."""
+        """Fresh contexts for this call with the remembered flags (recipe read now): each a
+        copy of its template's fields, the same object `OperationContext(...)` with those
+        flags makes, for a third of its __init__'s host time."""
         recipe = fp8.active_recipe()
-        return [
-            OperationContext(requires_grad=rg, input_requires_grad=irg, weight_requires_grad=wrg,
-                             call_inputs=call_inputs, autocast=autocast, recipe=recipe,
-                             process_group=group, signature_checked=True)
-            for rg, irg, wrg, group in self.flags
-        ]
+        ctxs = []
+        for template in self.templates:
+            ctx = OperationContext.__new__(OperationContext)
+            fields = ctx.__dict__
+            fields.update(template)
+            fields["call_inputs"], fields["autocast"], fields["recipe"] = (
+                call_inputs, autocast, recipe)
+            ctxs.append(ctx)
+        return ctxs

@@ -82,6 +82,9 @@ class _Call:
     links: list[ChannelLink] = field(default_factory=list)
     # Keyword arguments per op for this call (run/op_kwargs.py); None: none given.
     op_kwargs: list[dict] | None = None
+    # The extra inputs per op as `_run` hands them to the autograd bridge: an eager forward
+    # receives those very tensors, so it reads them here instead of regrouping its arguments.
+    extra: list[tuple] | None = None
 
 
 
@@ -302,6 +305,8 @@ class Fuser:
         inputs = [input_, *flat_extra, *params]
         if traced:  # dynamo's autograd.Function takes each tensor once
             inputs, call.positions = _dedupe(inputs)
+        else:
+            call.extra = extra
         outputs = _FuserFunction.apply(call, *inputs)
         return outputs[0], _unflatten(outputs[1:], [op.num_extra_outputs for op in self.ops])
 
@@ -387,7 +392,8 @@ def _forward_steps(call: _Call, input_: Tensor, extra: list[tuple]):
                 x, outs = _forward_step(call, seg, backend, x, extra, builtin)
         for p, op_out in zip(seg.positions, outs):
             extra_out[p] = tuple(op_out)
-        feed_channels(call.links, call.ctxs, seg.positions, extra, extra_out)
+        if call.links:
+            feed_channels(call.links, call.ctxs, seg.positions, extra, extra_out)
     return x, extra_out
 
 
@@ -400,11 +406,13 @@ def _forward_step(
     first = seg.positions[0]
     call.ops[first].forward_checks(x, extra[first], ctxs[0].signature_checked)
     call.input_shapes[first] = x.shape
+    positions = seg.positions
+    kwargs = call.op_kwargs
     result = seg.op.fuser_forward(
         ctxs,
         x,
-        basic_op_extra_inputs=[extra[p] for p in seg.positions],
-        basic_op_kwargs=[call.op_kwargs[p] if call.op_kwargs else {} for p in seg.positions],
+        basic_op_extra_inputs=[extra[p] for p in positions],
+        basic_op_kwargs=[kwargs[p] for p in positions] if kwargs else [{} for _ in positions],
     )
     if builtin:
         return result
@@ -542,9 +550,11 @@ class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(func_ctx, call: _Call, *args: Any):
-        input_, *tensors = args if call.positions is None else [args[i] for i in call.positions]
-        num_extra = sum(call.extra_counts)
-        extra = _unflatten(tensors[:num_extra], call.extra_counts)
+        if call.traced:
+            input_, *tensors = args if call.positions is None else [args[i] for i in call.positions]
+            extra = _unflatten(tensors[: sum(call.extra_counts)], call.extra_counts)
+        else:
+            input_, extra = args[0], call.extra
         output, extra_out = _run_forward(call, input_, extra)
         _check_saved_unmodified(call)
         to_save: list[Tensor | None] = []

@@ -216,7 +216,8 @@ class GroupedLinear(GradContractMixin, BasicOperation):
     def value_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
         """Host split sizes' values (they may change in place between calls)."""
         splits = extra_inputs[0]
-        if splits.device.type == "cpu" and not torch.compiler.is_compiling():
+        # is_cpu, not device.type: a new device object and string each call (~0.2 µs)
+        if splits.is_cpu and not torch.compiler.is_compiling():
             check_host_split_values(checks.op_name(self), splits, rows_of(input_))
 
     def kernel_needs(self) -> list[KernelNeed]:
