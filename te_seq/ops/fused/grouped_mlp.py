@@ -130,6 +130,8 @@ class GroupedMLP(FusedOperation):
                 return routed.call(backend, "act_fc1_forward", x, w1t, offs, op.act, probs,
                                    gather=gather)
             bias = _bias(self.fc1, x.dtype)
+            if bias is None and gather is None:  # the steady state's call: no routing layer
+                return backend.glu_fc1_forward(x, w1t, offs, op.glu_spec, probs)
             if bias is None:  # backends without bias support keep their plain signature
                 return routed.call(backend, "glu_fc1_forward", x, w1t, offs, op.glu_spec, probs,
                                    gather=gather)
