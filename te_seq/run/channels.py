@@ -21,7 +21,6 @@ module in between) the Sequential hands the tensor itself, and autograd links th
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 

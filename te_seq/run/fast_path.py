@@ -45,16 +45,21 @@ def _extra_facts(facts: list, extra: list[tuple]) -> bool:
     slot with the same object has the same facts). False if one is neither a tensor nor a
     slot (None or a ChannelRef)."""
     seen: list[Any] = []  # the inputs so far, by slot
+    ids: list[int] = []  # and their ids
     for group in extra:
         for item in group:
-            position = len(seen)
-            label = next((i for i, other in enumerate(seen) if other is item), position)
+            key = id(item)
+            if key in ids:  # the first slot holding this very object
+                facts.append(ids.index(key))
+                seen.append(item)
+                ids.append(key)
+                continue
+            label = len(seen)
             seen.append(item)
-            if label != position:
-                facts.append(label)
-            elif isinstance(item, Tensor):
+            ids.append(key)
+            if isinstance(item, Tensor):
                 if item.is_cpu and not item.is_floating_point():
-                    label = _first_equal(seen, position)
+                    label = _first_equal(seen, label)
                 facts += (label, type(item), item.shape, item.dtype, item.device,
                           item.requires_grad)
             elif item is None or isinstance(item, ChannelRef):

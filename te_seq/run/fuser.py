@@ -47,6 +47,8 @@ class RunPlan:
     # autocast off (they apply its policy) and their results are trusted (tested); a user's op
     # has what it returns checked against its window (run/step_checks.py).
     builtin: dict[int, bool] = field(default_factory=dict)
+    # one forward step, run by one of te_seq's own ops (`_forward_steps` runs it straight)
+    one_builtin_step: bool = False
 
     def traced(self) -> RunPlan:
         """This plan with every backend swapped for its traced kernels (custom ops)."""
@@ -198,6 +200,7 @@ class Fuser:
             [choices[id(seg.op)].backend for seg in backward],
             public,
             builtin={id(seg.op): is_te_seq_class(type(seg.op)) for seg in forward + backward},
+            one_builtin_step=len(forward) == 1 and is_te_seq_class(type(forward[0].op)),
         )
 
     def _public(
@@ -380,6 +383,12 @@ def _run_forward(call: _Call, input_: Tensor, extra: list[tuple]) -> tuple[Tenso
 
 
 def _forward_steps(call: _Call, input_: Tensor, extra: list[tuple]):
+    plan = call.plan
+    if plan.one_builtin_step and call.autocast is None and not call.links:
+        # the loop below for one step over every op (the steady-state grouped MLP's case)
+        x, outs = _forward_step(call, plan.forward[0], plan.forward_backends[0], input_, extra,
+                                True)
+        return x, [tuple(op_out) for op_out in outs]
     x = input_
     extra_out: list[tuple] = [()] * len(call.ctxs)
     extra = list(extra)  # channel-bound slots are filled in as their publishers run

@@ -185,8 +185,8 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         """[G, N, K]: the single grouped weight, or the block the per-group weights view (no
         copy), or, when something gave them their own storage outside a module conversion
         (`param.data = ...`, FSDP2), the weights stacked (a copy; see _grouped_params.py)."""
-        if self.single_grouped_weight:
-            return self.weight
+        if self.single_grouped_weight:  # read from the table: `self.weight` is a __getattr__
+            return self._parameters["weight"]
         return self._weight_params.stacked(self._parameters)
 
     def stacked_bias(self) -> Tensor | None:
