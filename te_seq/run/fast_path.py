@@ -95,7 +95,8 @@ def call_signature(
         kernel_backends.current_backend(), fp8.recipe_key(), torch.is_grad_enabled(),
         None if autocast is None else (autocast.dtype, autocast.device_type),
         type(input_), input_.shape, input_.dtype, input_.device, input_.requires_grad,
-        [op.plan_facts() for op in ops], [len(group) for group in extra], len(params),
+        tuple([op.plan_facts() for op in ops]), tuple([len(group) for group in extra]),
+        len(params),
     ]
     if not _extra_facts(facts, extra):
         return None

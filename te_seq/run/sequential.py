@@ -102,12 +102,13 @@ class Sequential(torch.nn.Sequential):
             return self._forward_runs(self._current_runs(), input_, extra_inputs, op_kwargs)
         self.prepare_runs()
         lone = self._lone_fuser
-        if lone is None or op_kwargs:
+        if lone is None or op_kwargs or not isinstance(input_, Tensor):
             return self._forward_runs(self._runs, input_, extra_inputs, op_kwargs)
-        # one run of basic ops, nothing bound nor returned besides the output: the loop below
-        # for that case, without its bookkeeping (it runs before every call's first kernel)
+        # one run of basic ops, nothing bound nor returned besides the output, a tensor input,
+        # not traced: `_forward_runs` and `Fuser.__call__` for that case, without their
+        # bookkeeping (this runs before every call's first kernel)
         call_inputs = CallInputs(input_, extra_inputs, self.parameters)
-        x, _ = lone(input_, self._per_op_extra_inputs(extra_inputs), call_inputs)
+        x, _ = lone.run_eager(input_, self._per_op_extra_inputs(extra_inputs), call_inputs)
         plan, parts = lone.last_plan, self._plan_parts
         if len(parts) != 1 or parts[0] is not plan:  # else `_joined_plan` keeps the last one
             self._last_plan = self._joined_plan([plan])
