@@ -4,7 +4,9 @@ through the full path reuses what that call decided and validated.
 Reused: the plan (no plan key), each context's per-call flags (`requires_grad`,
 `input_requires_grad`, `weight_requires_grad`, `process_group`), the channel links, the
 per-op counts, and the input checks that read only the signature (`BasicOperation.value_checks`
-still runs every call, e.g. host split sizes' values; contexts get `signature_checked=True`).
+still runs every call, e.g. host split sizes' values; contexts get `signature_checked=True`),
+and the signature's `steady` dict: what the ops decided from its facts on its first call (e.g.
+the grouped MLP's prepared offsets and FC1 launches), made anew with each full-path call.
 
 The signature holds everything those depend on:
 - every attribute write to any basic op (`op_state_version`: settings, `training`, a Parameter
@@ -14,7 +16,7 @@ The signature holds everything those depend on:
 - the input's shape, dtype, device, requires_grad and class;
 - each extra input's shape, dtype, device, requires_grad and which of them are "the same"
   (`same_extra_input`: identity, or equal values of small host integer tensors);
-- each parameter's identity, shape, dtype, device, requires_grad and class.
+- each parameter's identity, shape, strides, dtype, device, requires_grad and class.
 A call with an extra input that is not a tensor (nor a channel slot), or with op_kwargs, always
 takes the full path.
 """
@@ -101,7 +103,7 @@ def call_signature(
     if not _extra_facts(facts, extra):
         return None
     for p in params:
-        facts += (id(p), type(p), p.shape, p.dtype, p.device, p.requires_grad)
+        facts += (id(p), type(p), p.shape, p.stride(), p.dtype, p.device, p.requires_grad)
     return tuple(facts)
 
 
@@ -121,6 +123,8 @@ class FastEntry:
     def remember(
         signature: tuple, plan: Any, ctxs: Sequence[OperationContext], counts: tuple
     ) -> FastEntry:
+        """The entry of a full-path call's decisions; its contexts' `steady` dict (made for
+        this signature by `Fuser.run_eager`, filled by the ops) goes on to the next calls."""
         flags = [
             (c.requires_grad, c.input_requires_grad, c.weight_requires_grad, c.process_group)
             for c in ctxs
@@ -128,8 +132,8 @@ class FastEntry:
         templates = [
             vars(OperationContext(requires_grad=rg, input_requires_grad=irg,
                                   weight_requires_grad=wrg, process_group=group,
-                                  signature_checked=True))
-            for rg, irg, wrg, group in flags
+                                  signature_checked=True, steady=ctx.steady))
+            for (rg, irg, wrg, group), ctx in zip(flags, ctxs)
         ]
         return FastEntry(signature, plan, flags, any(c.requires_grad for c in ctxs), counts,
                          templates)

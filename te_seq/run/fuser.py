@@ -250,7 +250,8 @@ class Fuser:
             self.last_plan = entry.plan.public
             return self._run(entry.plan, entry.contexts(call_inputs, autocast), input_, extra,
                              entry.with_backward, False, autocast, None, entry.counts, params)
-        ctxs = new_contexts(self.ops, input_, extra, call_inputs, autocast)
+        ctxs = new_contexts(self.ops, input_, extra, call_inputs, autocast,
+                            None if signature is None else {})  # this signature's steady dict
         with_backward = any(ctx.requires_grad for ctx in ctxs)
         plan = self.plan(input_, extra, with_backward, autocast, op_kwargs)
         self.last_plan = plan.public
@@ -320,6 +321,7 @@ def new_contexts(
     extra: list[tuple],
     call_inputs: CallInputs | None = None,
     autocast: AutocastState | None = None,
+    steady: dict | None = None,
 ) -> list[OperationContext]:
     """One context per basic op for this call, with which gradients its backward must produce.
 
@@ -327,7 +329,8 @@ def new_contexts(
     depends on the plan step running the op in each phase: see `_step_contexts`). `recipe` is
     te_seq.autocast's FP8 recipe (None outside); `process_group` is the op's `process_group`
     attribute (None for ops without one: the communication ops and the tensor-parallel linear
-    have one).
+    have one). `steady`: the dict of this call's signature (`OperationContext.steady`), shared
+    by all the contexts of the call.
     """
     grad_on = torch.is_grad_enabled()
     running = grad_on and input_.requires_grad  # the gradient flows from the input onward
@@ -340,7 +343,8 @@ def new_contexts(
                                      weight_requires_grad=weight_grad,
                                      call_inputs=call_inputs, autocast=autocast,
                                      recipe=fp8.active_recipe(),
-                                     process_group=getattr(op, "process_group", None)))
+                                     process_group=getattr(op, "process_group", None),
+                                     steady=steady))
         running = requires_grad
     return ctxs
 

@@ -34,7 +34,7 @@ from .launch import (
     varlen_m_clusters,
     with_route,
 )
-from .launch_plan import LaunchPlan, PlanCache, tensor_signature
+from .launch_plan import LaunchPlan, PlanCache, plans_generation, tensor_signature
 
 _PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACTS = epilogue_activations()  # the table entries with glu_epilogue=True
@@ -217,6 +217,14 @@ class _Fc1Forward:
         check = _supports(x, w1t, act, interleave, fc1=True, bias=bias)
         return with_route(check, "gather" if gather else None, x.shape[1])
 
+    @staticmethod
+    def launch_for(x: Tensor, w1: Tensor, act: str, interleave: int | None,
+                   probs: Tensor | None = None, params: tuple[float, ...] = ()) -> Fc1Launch:
+        """An `Fc1Launch`: this call without bias, gathered rows or a tiling, for later calls
+        with operands of these facts (W1 untransposed, [E, 2F, H]); ValueError as the call
+        where the kernel cannot take them."""
+        return Fc1Launch(x, w1, act, interleave, probs, tuple(params))
+
     def __call__(
         self,
         x: Tensor,
@@ -311,19 +319,67 @@ def _fc1_direct(x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int 
     signature = _fc1_signature(x, w1t, probs, act, interleave, params, bias, tiling)
     checked = _FC1_CHECKED.get(signature) or _checked_fc1(
         signature, x, w1t, probs, act, interleave, params, bias, tiling)
-    rows, f = x.shape[0], w1t.shape[2] // 2
+    probs, h, a = _fc1_outputs(x, w1t.shape[2] // 2, probs)
+    if x.shape[0]:
+        _fc1_kernel(checked, x, b_view(w1t, checked.plan.b_copy), h, a, offs, w1t.shape[0],
+                    probs, None if bias is None else bias.contiguous())
+    return h, a
+
+
+def _fc1_outputs(x: Tensor, f: int, probs: Tensor | None) -> tuple:
+    """(probs as the kernel reads them, h [M, 2F], a [M, F]) of an FC1 call on rows x."""
+    rows = x.shape[0]
     probs = _check_probs(probs, rows, "glu_fc1_forward")
     h = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device)  # [M, 2F]
     a = torch.empty(rows, f, dtype=x.dtype, device=x.device)  # [M, F]
-    if rows:
-        plan = checked.plan
-        plan.kernel(
-            _row_major(x), b_view(w1t, plan.b_copy), h, _check_offs(offs, w1t.shape[0], x.device),
-            plan.clusters, a, checked.fp32_dummy if probs is None else probs, checked.fp32_dummy,
-            checked.h_dummy, checked.mat_dummy if bias is None else bias.contiguous(),
-            checked.route,
-        )
-    return h, a
+    return probs, h, a
+
+
+def _fc1_kernel(checked: _CheckedFc1, x: Tensor, b: Tensor, h: Tensor, a: Tensor, offs: Tensor,
+                groups: int, probs: Tensor | None, bias: Tensor | None) -> None:
+    """Launch a checked FC1 plan on rows x (M > 0) and B in the kernel's (N, K, E) view."""
+    plan = checked.plan
+    plan.kernel(
+        _row_major(x), b, h, _check_offs(offs, groups, x.device), plan.clusters, a,
+        checked.fp32_dummy if probs is None else probs, checked.fp32_dummy, checked.h_dummy,
+        checked.mat_dummy if bias is None else bias, checked.route,
+    )
+
+
+class Fc1Launch:
+    """``glu_fc1_forward(x, w1.transpose(1, 2), offs, act, interleave, probs, params)`` for
+    calls whose x, w1 [E, 2F, H] and probs have the dtypes, shapes, strides and devices of the
+    ones it was made from (``glu_fc1_forward.launch_for``; x's and probs' layouts may vary):
+    the checks and the plan are found once, at its making, so a call runs only its per-call
+    work, and the kernel's view of B is read straight off W1 (one view, not a transpose and
+    then a permute). A caller that cannot vouch for those facts calls ``glu_fc1_forward``.
+    After ``clear_plans`` (compile entries swapped) it checks and plans anew."""
+
+    def __init__(self, x: Tensor, w1: Tensor, act: str, interleave: int | None,
+                 probs: Tensor | None, params: tuple) -> None:
+        w1t = w1.transpose(1, 2)  # [E, H, 2F]
+        self._args = (act, interleave, params)
+        self._signature = _fc1_signature(x, w1t, probs, act, interleave, params, None, None)
+        self._groups, self._f = w1.shape[0], w1.shape[1] // 2
+        self._checked = self._plan(x, w1t, probs)
+
+    def _plan(self, x: Tensor, w1t: Tensor, probs: Tensor | None) -> _CheckedFc1:
+        self._generation = plans_generation()
+        return _FC1_CHECKED.get(self._signature) or _checked_fc1(
+            self._signature, x, w1t, probs, *self._args, None, None)
+
+    def __call__(self, x: Tensor, w1: Tensor, offs: Tensor,
+                 probs: Tensor | None) -> tuple[Tensor, Tensor]:
+        checked = self._checked
+        if self._generation != plans_generation():
+            checked = self._checked = self._plan(x, w1.transpose(1, 2), probs)
+        probs, h, a = _fc1_outputs(x, self._f, probs)
+        if x.shape[0]:
+            # w1t.permute(2, 1, 0) is w1.permute(1, 2, 0): (N, K, E)
+            b = w1.transpose(1, 2).contiguous().permute(2, 1, 0) if checked.plan.b_copy \
+                else w1.permute(1, 2, 0)
+            _fc1_kernel(checked, x, b, h, a, offs, self._groups, probs, None)
+        return h, a
 
 
 class _Fc2Dgrad:
