@@ -343,3 +343,42 @@ def test_glu_spec_shared_and_follows_the_layout():
     assert act.glu_spec is act.glu_spec
     act.glu_interleave_size = 32
     assert act.glu_spec.glu_interleave_size == 32 and act.glu_spec.act == act.act
+
+
+def test_not_taken_after_a_weight_layout_change():
+    """Parameter strides are in the signature (prepared launches read the weight's layout):
+    new strides through .data, same shape and values, leave the fast path; results equal."""
+    mlp = make_mlp()
+    x, splits, probs = make_inputs()
+    _warm(mlp, x, splits, probs)
+    y = call(mlp, x, splits, probs)
+    weight = mlp[0].weight
+    with torch.no_grad():
+        weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
+    assert _missed(mlp, None, x, splits, probs)
+    assert not _missed(mlp, None, x, splits, probs)
+    assert torch.equal(call(mlp, x, splits, probs), y)
+
+
+def test_each_full_path_call_starts_a_new_steady_dict(monkeypatch):
+    """The contexts of a signature's calls share one `steady` dict; a full-path call (another
+    signature) gets a new one, so nothing prepared for one signature serves another."""
+    import te_seq.run.fuser as fuser_module
+
+    seen = []
+    make = fuser_module.new_contexts
+
+    def recording(*args, **kwargs):
+        ctxs = make(*args, **kwargs)
+        seen.append(ctxs[0].steady)
+        return ctxs
+
+    monkeypatch.setattr(fuser_module, "new_contexts", recording)
+    mlp = make_mlp()
+    x, splits, probs = make_inputs()
+    x2, splits2, probs2 = make_inputs(rows=ROWS + 3, sizes=[7, 3, 20, 13], seed=2)
+    call(mlp, x, splits, probs)
+    call(mlp, x2, splits2, probs2)
+    assert len(seen) == 2 and seen[0] is not seen[1]
+    assert all(isinstance(s, dict) for s in seen)
+    assert fuser(mlp)._fast.templates[0]["steady"] is seen[1]

@@ -219,3 +219,30 @@ def test_glu_fc1_checked_plan_copies_unaligned_weights_on_every_call():
         assert launched[1].data_ptr() != w1t.data_ptr()
     assert torch.equal(again[1], w1t.permute(2, 1, 0))
     assert not torch.equal(first[1], again[1])
+
+
+def test_fc1_launch_launches_what_the_functional_launches():
+    """`glu_fc1_forward.launch_for` (W1 untransposed) launches the functional's kernel with
+    the same arguments (B the same view of W1's memory); after `clear_plans` it plans anew."""
+    from te_seq.kernels.cute import glu
+
+    x, probs = torch.randn(M, H).to(BF16), torch.rand(M)
+    w1 = torch.randn(E, 2 * F, H).to(BF16)
+    with stubbed_kernels() as stubs:
+        launch = cute.glu_fc1_forward.launch_for(x, w1, "silu", None, probs)
+        cfg1, direct = _launch_of(stubs, lambda: cute.glu_fc1_forward(
+            x, w1.transpose(1, 2), _offs(), "silu", None, probs))
+        cfg2, launched = _launch_of(stubs, lambda: launch(x, w1, _offs(), probs))
+        clear_plans()
+        assert len(glu._FC1_CHECKED) == 0
+        cfg3, again = _launch_of(stubs, lambda: launch(x, w1, _offs(), probs))
+        assert len(glu._FC1_CHECKED) == 1
+    assert cfg1 == cfg2 == cfg3
+    assert _inputs_of(launched) == _inputs_of(direct) == _inputs_of(again)
+    assert launched[1].data_ptr() == direct[1].data_ptr() == w1.data_ptr()
+
+
+def test_fc1_launch_refuses_what_the_functional_refuses():
+    x, w1 = torch.randn(M, H).to(BF16), torch.randn(E, 2 * F, H).to(BF16)
+    with stubbed_kernels(), pytest.raises(ValueError, match="no fused epilogue"):
+        cute.glu_fc1_forward.launch_for(x, w1, "tanh", None, None)
