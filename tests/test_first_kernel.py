@@ -185,3 +185,20 @@ def test_steady_calls_launch_as_the_first_call_without_the_backend_call(monkeypa
         fuser = mlp._runs[0]
         assert fuser.fast_calls == 3
     assert _fc1_facts(stubs)[1] != facts[0][1]  # B's view follows the new layout
+
+
+def test_a_copy_after_steady_calls_starts_afresh():
+    """deepcopy of a Sequential whose fuser holds prepared launches: the copy's fuser holds
+    none (it decides on its first call), the original keeps its own."""
+    import copy
+
+    pl = _harness()
+    with pl.stubbed_step():
+        forward = pl.mlp_forward(256, None, e=8, h=256, f=128)
+        forward()
+        forward()
+        mlp = forward.parts[0]
+        twin = copy.deepcopy(mlp)
+    assert mlp._runs[0]._fast is not None and twin._runs[0]._fast is None
+    steady = mlp._runs[0]._fast.templates[0]["steady"]
+    assert len(steady) == 1  # the grouped MLP's launches

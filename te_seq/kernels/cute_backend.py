@@ -23,6 +23,7 @@ Shape legend: M rows, E experts, K reduction dim, N output dim, H hidden, F ffn 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -187,7 +188,7 @@ class CuteBackend(GpuBackend):
         offsets kernel's launch (None otherwise: the caller calls ``group_offsets``)."""
         if splits.device != device or cute.offsets_problem(splits):
             return None
-        return lambda splits: _kernel_offsets(splits, rows)
+        return functools.partial(_kernel_offsets, rows=rows)
 
     def group_offsets(self, splits: Tensor, rows: int, device: torch.device) -> Tensor:
         """Device split sizes: one launch for the offsets and their check

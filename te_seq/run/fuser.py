@@ -117,6 +117,12 @@ class Fuser:
         self._fast: fast_path.FastEntry | None = None  # the last full-path call's decisions
         self.fast_calls = 0  # calls that took the fast path (run/fast_path.py)
 
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) starts without a fast-path entry: what its signature's
+        first call prepared (`OperationContext.steady`) holds launches of this process's
+        kernels, and a copy's first call decides afresh anyway (its parameters are new)."""
+        return {**self.__dict__, "_fast": None}
+
     def __setstate__(self, state: dict) -> None:
         """A copy (deepcopy, pickle) gets a compile token of its own."""
         self.__dict__.update(state)
@@ -355,18 +361,18 @@ def _step_contexts(
     """The contexts of one plan step's basic ops, with the step's backend set (and, in backward,
     their saved tensors). A traced backward gets new contexts with those fields replaced (dynamo
     traces backward without side effects; a traced forward may write into its contexts)."""
-    ctxs = []
-    for p in seg.positions:
-        ctx = call.ctxs[p]
-        tensors = ctx.saved_tensors
-        if saved is not None:
-            start, n = call.saved_ranges[p]
-            tensors = tuple(saved[start : start + n])
-        if call.traced and saved is not None:
-            ctx = replace(ctx, backend=backend, saved_tensors=tensors)
+    ctxs = [call.ctxs[p] for p in seg.positions]
+    if saved is None:  # forward
+        for ctx in ctxs:
+            ctx.backend = backend
+        return ctxs
+    for i, p in enumerate(seg.positions):
+        start, n = call.saved_ranges[p]
+        tensors = tuple(saved[start : start + n])
+        if call.traced:
+            ctxs[i] = replace(ctxs[i], backend=backend, saved_tensors=tensors)
         else:
-            ctx.backend, ctx.saved_tensors = backend, tensors
-        ctxs.append(ctx)
+            ctxs[i].backend, ctxs[i].saved_tensors = backend, tensors
     return ctxs
 
 

@@ -328,10 +328,10 @@ def _fc1_direct(x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int 
 
 def _fc1_outputs(x: Tensor, f: int, probs: Tensor | None) -> tuple:
     """(probs as the kernel reads them, h [M, 2F], a [M, F]) of an FC1 call on rows x."""
-    rows = x.shape[0]
+    rows, dtype, device = x.shape[0], x.dtype, x.device
     probs = _check_probs(probs, rows, "glu_fc1_forward")
-    h = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device)  # [M, 2F]
-    a = torch.empty(rows, f, dtype=x.dtype, device=x.device)  # [M, F]
+    h = torch.empty(rows, 2 * f, dtype=dtype, device=device)  # [M, 2F]
+    a = torch.empty(rows, f, dtype=dtype, device=device)  # [M, F]
     return probs, h, a
 
 
