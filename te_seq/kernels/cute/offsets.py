@@ -20,7 +20,7 @@ def offsets_problem(splits: Tensor) -> str:
     """Why ``group_offsets`` cannot take ``splits`` ("" when it can): a contiguous 1-D int32 or
     int64 CUDA tensor, not inside torch.compile (compiled code runs the torch ops, which
     inductor fuses), the CuTe DSL installed."""
-    if not splits.is_cuda or splits.dim() != 1 or splits.dtype not in _SPLIT_DTYPES:
+    if splits.device.type != "cuda" or splits.dim() != 1 or splits.dtype not in _SPLIT_DTYPES:
         return (f"needs 1-D int32/int64 CUDA split sizes, got {splits.dtype} "
                 f"{tuple(splits.shape)} on {splits.device}")
     if torch.compiler.is_compiling():
