@@ -238,3 +238,147 @@ def test_structure_change_makes_new_runs():
     y = call(mlp, x, splits, probs)
     assert fast_calls(mlp) == 0  # a new Fuser
     assert y.shape == (ROWS, H)
+
+
+# --- what the flat signature must still see (run/fast_path.py's list) ----------------------
+
+def test_not_taken_under_another_fp8_recipe():
+    """The recipe is part of the signature: entering te_seq.autocast leaves the fast path, and
+    its calls follow the recipe (a later call without it leaves it again)."""
+    from te_seq import recipe
+
+    mlp = make_mlp(torch.float32)
+    x, splits, probs = make_inputs(torch.float32)
+    _warm(mlp, x, splits, probs)
+    with te_seq.autocast(recipe=recipe.Float8CurrentScaling()):
+        assert _missed(mlp, None, x, splits, probs)
+        assert not _missed(mlp, None, x, splits, probs)
+        assert mlp.fusion_plan().forward[0].recipe is not None
+    assert _missed(mlp, None, x, splits, probs)
+    assert mlp.fusion_plan().forward[0].recipe is None
+
+
+def test_not_taken_after_a_fusion_registry_change():
+    """Disabling a fusion (a registry write, no op attribute) leaves the fast path: the next
+    call runs unfused, and fuses again once it is enabled."""
+    mlp = make_mlp()
+    x, splits, probs = make_inputs()
+    _warm(mlp, x, splits, probs)
+    with te_seq.fusions_disabled("grouped_mlp"):
+        assert _missed(mlp, None, x, splits, probs)
+        assert "GroupedMLP" not in str(mlp.fusion_plan().forward)
+    assert _missed(mlp, None, x, splits, probs)
+    assert "GroupedMLP" in str(mlp.fusion_plan().forward)
+
+
+def test_facts_of_an_input_given_twice_are_read_at_its_first_slot():
+    """The split sizes fill two slots (one object): the second slot records only that it is
+    the same object, so a change of the object's facts (its dtype, through .data) must still
+    be seen, and a distinct tensor in the second slot is another signature."""
+    mlp = make_mlp()
+    x, splits, probs = make_inputs()
+    _warm(mlp, x, splits, probs)
+    splits.data = splits.data.to(torch.int32)  # the same object, another dtype
+    assert _missed(mlp, None, x, splits, probs)
+    assert not _missed(mlp, None, x, splits, probs)
+    assert _missed(mlp, None, x, splits, probs, splits.clone())  # equal values, two objects
+    assert "GroupedMLP" in str(mlp.fusion_plan().forward)
+
+
+def test_signature_labels_sameness_and_rejects_other_inputs():
+    from te_seq.run.fast_path import call_signature
+
+    mlp = make_mlp()
+    x, splits, probs = make_inputs()
+    ops_ = mlp.basic_ops()
+    same = call_signature(ops_, x, [(splits,), (probs,), (splits,)], None)
+    equal = call_signature(ops_, x, [(splits,), (probs,), (splits.clone(),)], None)
+    other = call_signature(ops_, x, [(splits,), (probs,), (splits + 1,)], None)
+    assert same == call_signature(ops_, x, [(splits,), (probs,), (splits,)], None)
+    assert len({same, equal, other}) == 3  # identity, equal host values, different values
+    swapped_probs = call_signature(ops_, x, [(splits,), (probs.clone(),), (splits,)], None)
+    assert swapped_probs == same  # a float tensor's identity is no decision input
+    assert call_signature(ops_, x, [(splits,), ([0.5],), (splits,)], None) is None
+
+
+# --- the lone-run Sequential call (run/sequential.py) ---------------------------------------
+
+def test_lone_run_plan_follows_calls_with_and_without_op_kwargs():
+    """A Sequential of one run takes its short call path, except with op_kwargs; the plan it
+    shows is always the last call's."""
+    seq = te_seq.Sequential(ops.BasicLinear(6, 5, dtype=torch.float64), ops.GELU())
+    x = torch.randn(3, 6, dtype=torch.float64)
+    seq(x)
+    assert seq._lone_fuser is seq._runs[0]
+    plain = seq.fusion_plan()
+    out = torch.empty(3, 5, dtype=torch.float64)
+    seq(x, op_kwargs={0: {"out": out}})
+    with_kwargs = seq.fusion_plan()
+    seq(x)
+    assert seq.fusion_plan() is not with_kwargs
+    assert str(seq.fusion_plan()) == str(plain)
+
+
+def test_lone_run_not_taken_with_extra_outputs_or_plain_modules():
+    """Extra outputs to the caller and plain modules take the general loop: the extra output
+    is still returned, the module still runs."""
+    x = torch.randn(4, 6, dtype=torch.float64)
+    seq = te_seq.Sequential(ops.MakeExtraOutput(), ops.BasicLinear(6, 5, dtype=torch.float64))
+    y, extra = seq(x)
+    assert seq._lone_fuser is None and torch.equal(extra, x)
+    mixed = te_seq.Sequential(ops.BasicLinear(6, 6, dtype=torch.float64), torch.nn.Tanh())
+    y = mixed(x)
+    assert mixed._lone_fuser is None and bool((y.abs() <= 1).all())
+
+
+def test_lone_run_input_type_error_unchanged():
+    seq = te_seq.Sequential(ops.BasicLinear(6, 5, dtype=torch.float64))
+    seq(torch.randn(2, 6, dtype=torch.float64))
+    with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+        seq([1.0] * 6)
+
+
+def test_glu_spec_shared_and_follows_the_layout():
+    act = ops.SwiGLU()
+    assert act.glu_spec is act.glu_spec
+    act.glu_interleave_size = 32
+    assert act.glu_spec.glu_interleave_size == 32 and act.glu_spec.act == act.act
+
+
+def test_not_taken_after_a_weight_layout_change():
+    """Parameter strides are in the signature (prepared launches read the weight's layout):
+    new strides through .data, same shape and values, leave the fast path; results equal."""
+    mlp = make_mlp()
+    x, splits, probs = make_inputs()
+    _warm(mlp, x, splits, probs)
+    y = call(mlp, x, splits, probs)
+    weight = mlp[0].weight
+    with torch.no_grad():
+        weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
+    assert _missed(mlp, None, x, splits, probs)
+    assert not _missed(mlp, None, x, splits, probs)
+    assert torch.equal(call(mlp, x, splits, probs), y)
+
+
+def test_each_full_path_call_starts_a_new_steady_dict(monkeypatch):
+    """The contexts of a signature's calls share one `steady` dict; a full-path call (another
+    signature) gets a new one, so nothing prepared for one signature serves another."""
+    import te_seq.run.fuser as fuser_module
+
+    seen = []
+    make = fuser_module.new_contexts
+
+    def recording(*args, **kwargs):
+        ctxs = make(*args, **kwargs)
+        seen.append(ctxs[0].steady)
+        return ctxs
+
+    monkeypatch.setattr(fuser_module, "new_contexts", recording)
+    mlp = make_mlp()
+    x, splits, probs = make_inputs()
+    x2, splits2, probs2 = make_inputs(rows=ROWS + 3, sizes=[7, 3, 20, 13], seed=2)
+    call(mlp, x, splits, probs)
+    call(mlp, x2, splits2, probs2)
+    assert len(seen) == 2 and seen[0] is not seen[1]
+    assert all(isinstance(s, dict) for s in seen)
+    assert fuser(mlp)._fast.templates[0]["steady"] is seen[1]

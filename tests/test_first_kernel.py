@@ -143,3 +143,62 @@ def test_harness_times_the_forward_up_to_its_fc1_launch():
     assert "_assert_async" in aten and "mm" not in aten  # the offsets' check, no GEMM yet
     names = {name for (_, _, name) in stats.stats}
     assert "fuser_forward" in names and "fc2_rows" not in names  # profiled up to FC1 only
+
+
+def _fc1_facts(stubs):
+    """The last FC1 launch's arguments as facts (tensors: dtype, shape, strides, offset)."""
+    from te_seq.kernels.cute.compile import GluConfig
+
+    fc1 = [s for c, s in stubs.items() if isinstance(c, GluConfig) and c.mode == "fc1"]
+    return [_facts(a) for a in max(fc1, key=lambda s: s.last_ns).calls[-1]]
+
+
+def test_steady_calls_launch_as_the_first_call_without_the_backend_call(monkeypatch):
+    """The calls after a signature's first one launch the offsets and FC1 kernels it prepared
+    (no call through the backend's glu_fc1_forward) with the same arguments; new weight
+    strides (through .data, the same Parameter) are a new signature, prepared anew."""
+    pl = _harness()
+    from te_seq.kernels.cute_backend import CuteBackend
+
+    through_backend = []
+    original = CuteBackend.glu_fc1_forward
+
+    def counted(self, *args, **kwargs):
+        through_backend.append(args[1].stride())  # w1t's strides
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CuteBackend, "glu_fc1_forward", counted)
+    with pl.stubbed_step(record=True) as stubs:
+        forward = pl.mlp_forward(256, None, e=8, h=256, f=128)
+        facts = []
+        for _ in range(3):
+            forward()
+            facts.append(_fc1_facts(stubs))
+        assert facts[0] == facts[1] == facts[2] and len(through_backend) == 1
+        mlp = forward.parts[0]
+        weight = mlp[0].weight
+        with torch.no_grad():  # the same values, H-major rows: new strides, same shape
+            weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
+        forward()
+        forward()
+        assert len(through_backend) == 2 and through_backend[1] != through_backend[0]
+        fuser = mlp._runs[0]
+        assert fuser.fast_calls == 3
+    assert _fc1_facts(stubs)[1] != facts[0][1]  # B's view follows the new layout
+
+
+def test_a_copy_after_steady_calls_starts_afresh():
+    """deepcopy of a Sequential whose fuser holds prepared launches: the copy's fuser holds
+    none (it decides on its first call), the original keeps its own."""
+    import copy
+
+    pl = _harness()
+    with pl.stubbed_step():
+        forward = pl.mlp_forward(256, None, e=8, h=256, f=128)
+        forward()
+        forward()
+        mlp = forward.parts[0]
+        twin = copy.deepcopy(mlp)
+    assert mlp._runs[0]._fast is not None and twin._runs[0]._fast is None
+    steady = mlp._runs[0]._fast.templates[0]["steady"]
+    assert len(steady) == 1  # the grouped MLP's launches

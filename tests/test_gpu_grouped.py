@@ -299,3 +299,70 @@ def test_grouped_mlp_biases_stay_in_the_epilogues(interleave, scale_bias):
     extras = [splits, probs, splits] + ([probs] if scale_bias else [])
     plan = _compare(model, x, extras, "cute", dtype)
     assert "activation fused into the FC1 and FC2-dgrad epilogues" in plan.forward[0].backend_reason
+
+
+def _single_weight_mlp(dtype):
+    """The benchmark's MLP: ScaledSwiGLU, single grouped weights, no bias, F a multiple of
+    128 (the cute backend fuses the activation and prepares its steady launches)."""
+    kw = dict(bias=False, single_grouped_weight=True, device="cuda", dtype=dtype)
+    model = te_seq.Sequential(ops.GroupedLinear(8, 128, 256, **kw), ops.ScaledSwiGLU(),
+                              ops.GroupedLinear(8, 128, 128, **kw))
+    _randomize(model)
+    return model
+
+
+@pytest.mark.skipif("cute" not in GPU_BACKENDS, reason="needs the cute backend (sm_90 + DSL)")
+def test_grouped_mlp_steady_calls_equal_the_first_call():
+    """A signature's later calls run the offsets and FC1 launches its first call prepared
+    (ops/fused/grouped_mlp.py `_Steady`): outputs and gradients bit-identical to the first
+    call's."""
+    dtype = torch.bfloat16
+    sizes = torch.tensor([0, 37, 128, 3, 0, 91, 250, 7], device="cuda")
+    rows = int(sizes.sum())
+    model = _single_weight_mlp(dtype)
+    x = torch.randn(rows, 128, device="cuda", dtype=dtype)
+    probs = torch.rand(rows, device="cuda", dtype=torch.float32)
+    grad_out = torch.randn(rows, 128, device="cuda", dtype=dtype)
+    results = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        y, grads, _ = _run(model, x, [sizes, probs, sizes], "cute", grad_out)
+        results.append([y, *grads])
+    fuser = model._runs[0]
+    assert fuser.fast_calls == 2
+    assert len(fuser._fast.templates[0]["steady"]) == 1  # the grouped MLP's launches
+    for later in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], later))
+
+
+def test_bad_device_split_sizes_fail_a_device_check_on_a_steady_call():
+    """A bad device split given on a steady call (same signature as two good calls before)
+    still trips the device-side check of the prepared offsets launch (own process)."""
+    script = textwrap.dedent(
+        """
+        import torch, te_seq
+        from te_seq import ops
+        kw = dict(bias=False, single_grouped_weight=True, device="cuda", dtype=torch.bfloat16)
+        mlp = te_seq.Sequential(ops.GroupedLinear(3, 128, 256, **kw), ops.ScaledSwiGLU(),
+                                ops.GroupedLinear(3, 128, 128, **kw))
+        x = torch.randn(10, 128, device="cuda", dtype=torch.bfloat16)
+        probs = torch.rand(10, device="cuda")
+        good = torch.tensor([3, 3, 4], device="cuda")
+        with te_seq.backend("cute"):
+            for _ in range(2):
+                mlp(x, good, probs, good)
+            torch.cuda.synchronize()
+            bad = torch.tensor([3, 3, 3], device="cuda")
+            mlp(x, bad, probs, bad)
+        assert mlp._runs[0].fast_calls == 2
+        torch.cuda.synchronize()
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode != 0
+    assert (
+        "split_sizes must be non-negative and sum to the rows" in result.stderr
+        or "device-side assert" in result.stderr
+    )

@@ -104,6 +104,9 @@ class OperationContext:
         signature_checked: this call's signature (shapes, dtypes, devices, requires_grad, the
             ops' attributes...) passed the input checks before (run/fast_path.py): a fused op
             checking its inner ops may run only their `value_checks`.
+        steady: a dict shared by the eager calls of one signature (run/fast_path.py; None
+            otherwise): an op may keep there, on the call that is not `signature_checked`,
+            what it decided from the signature's facts, and reuse it on the calls that are.
     """
 
     requires_grad: bool = False
@@ -119,6 +122,7 @@ class OperationContext:
     saved_versions: tuple[int, ...] = ()
     saved_tensors: tuple[Tensor | None, ...] = ()
     signature_checked: bool = False
+    steady: dict | None = None
 
     def __post_init__(self) -> None:
         # The default is filled here, not in the field: torch.compile (torch 2.11) cannot trace a

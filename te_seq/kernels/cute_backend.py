@@ -23,6 +23,8 @@ Shape legend: M rows, E experts, K reduction dim, N output dim, H hidden, F ffn 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -169,15 +171,39 @@ class CuteBackend(GpuBackend):
     def act_fc2_dgrad(self, dy, w2, offs, h, act: str, probs=None):
         return cute.act_fc2_dgrad(dy, w2, offs, h, act, probs)
 
+    # --- launches prepared for a steady state (ops/fused/grouped_mlp.py) --------------------
+    def prepare_glu_fc1_forward(self, x: Tensor, w1: Tensor, glu: GluSpec,
+                                probs: Tensor | None = None) -> Callable:
+        """``run(x, w1, offs, probs) -> (h, a)``, equal to ``glu_fc1_forward(x,
+        w1.transpose(1, 2), offs, glu, probs)`` for later calls whose operands have these
+        ones' dtypes, shapes, strides and devices (the caller vouches for them): checked and
+        planned once, here (``cute.glu_fc1_forward.launch_for``)."""
+        return cute.glu_fc1_forward.launch_for(x, w1, glu.act, glu.glu_interleave_size, probs,
+                                               glu.params)
+
+    def prepare_group_offsets(self, splits: Tensor, rows: int,
+                              device: torch.device) -> Callable | None:
+        """``run(splits) -> offs``, equal to ``group_offsets(splits, rows, device)`` for later
+        calls whose split sizes have these ones' dtype, shape and device, when that is the
+        offsets kernel's launch (None otherwise: the caller calls ``group_offsets``)."""
+        if splits.device != device or cute.offsets_problem(splits):
+            return None
+        return functools.partial(_kernel_offsets, rows=rows)
+
     def group_offsets(self, splits: Tensor, rows: int, device: torch.device) -> Tensor:
         """Device split sizes: one launch for the offsets and their check
         (``cute.group_offsets``) plus the device-side assert, in place of ~9 small torch kernels;
         host split sizes and traced code: the default torch ops."""
         if splits.device != device or cute.offsets_problem(splits):
             return super().group_offsets(splits, rows, device)
-        offs, ok = cute.group_offsets(splits, rows)
-        torch._assert_async(ok, offsets_maths.SPLITS_MESSAGE)
-        return offs
+        return _kernel_offsets(splits, rows)
+
+
+def _kernel_offsets(splits: Tensor, rows: int) -> Tensor:
+    """The offsets kernel's offs of device split sizes, its check asserted on the device."""
+    offs, ok = cute.group_offsets(splits, rows)
+    torch._assert_async(ok, offsets_maths.SPLITS_MESSAGE)
+    return offs
 
 
 CUTE = register_backend(CuteBackend())

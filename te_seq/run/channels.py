@@ -20,6 +20,7 @@ module in between) the Sequential hands the tensor itself, and autograd links th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,8 +39,9 @@ class ChannelPlan:
     inputs: tuple[tuple[ChannelRef | None, ...], ...]
     to_caller: tuple[tuple[bool, ...], ...]
 
-    @property
+    @functools.cached_property
     def any_bound(self) -> bool:
+        """Whether any slot is bound (read on every call: computed once per plan)."""
         return any(ref is not None for group in self.inputs for ref in group)
 
 

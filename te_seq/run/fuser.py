@@ -47,6 +47,8 @@ class RunPlan:
     # autocast off (they apply its policy) and their results are trusted (tested); a user's op
     # has what it returns checked against its window (run/step_checks.py).
     builtin: dict[int, bool] = field(default_factory=dict)
+    # one forward step, run by one of te_seq's own ops (`_forward_steps` runs it straight)
+    one_builtin_step: bool = False
 
     def traced(self) -> RunPlan:
         """This plan with every backend swapped for its traced kernels (custom ops)."""
@@ -82,6 +84,9 @@ class _Call:
     links: list[ChannelLink] = field(default_factory=list)
     # Keyword arguments per op for this call (run/op_kwargs.py); None: none given.
     op_kwargs: list[dict] | None = None
+    # The extra inputs per op as `_run` hands them to the autograd bridge: an eager forward
+    # receives those very tensors, so it reads them here instead of regrouping its arguments.
+    extra: list[tuple] | None = None
 
 
 
@@ -111,6 +116,12 @@ class Fuser:
         self.compile_token = compiled.token_for(self)
         self._fast: fast_path.FastEntry | None = None  # the last full-path call's decisions
         self.fast_calls = 0  # calls that took the fast path (run/fast_path.py)
+
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) starts without a fast-path entry: what its signature's
+        first call prepared (`OperationContext.steady`) holds launches of this process's
+        kernels, and a copy's first call decides afresh anyway (its parameters are new)."""
+        return {**self.__dict__, "_fast": None}
 
     def __setstate__(self, state: dict) -> None:
         """A copy (deepcopy, pickle) gets a compile token of its own."""
@@ -195,6 +206,7 @@ class Fuser:
             [choices[id(seg.op)].backend for seg in backward],
             public,
             builtin={id(seg.op): is_te_seq_class(type(seg.op)) for seg in forward + backward},
+            one_builtin_step=len(forward) == 1 and is_te_seq_class(type(forward[0].op)),
         )
 
     def _public(
@@ -244,7 +256,8 @@ class Fuser:
             self.last_plan = entry.plan.public
             return self._run(entry.plan, entry.contexts(call_inputs, autocast), input_, extra,
                              entry.with_backward, False, autocast, None, entry.counts, params)
-        ctxs = new_contexts(self.ops, input_, extra, call_inputs, autocast)
+        ctxs = new_contexts(self.ops, input_, extra, call_inputs, autocast,
+                            None if signature is None else {})  # this signature's steady dict
         with_backward = any(ctx.requires_grad for ctx in ctxs)
         plan = self.plan(input_, extra, with_backward, autocast, op_kwargs)
         self.last_plan = plan.public
@@ -302,6 +315,8 @@ class Fuser:
         inputs = [input_, *flat_extra, *params]
         if traced:  # dynamo's autograd.Function takes each tensor once
             inputs, call.positions = _dedupe(inputs)
+        else:
+            call.extra = extra
         outputs = _FuserFunction.apply(call, *inputs)
         return outputs[0], _unflatten(outputs[1:], [op.num_extra_outputs for op in self.ops])
 
@@ -312,6 +327,7 @@ def new_contexts(
     extra: list[tuple],
     call_inputs: CallInputs | None = None,
     autocast: AutocastState | None = None,
+    steady: dict | None = None,
 ) -> list[OperationContext]:
     """One context per basic op for this call, with which gradients its backward must produce.
 
@@ -319,7 +335,8 @@ def new_contexts(
     depends on the plan step running the op in each phase: see `_step_contexts`). `recipe` is
     te_seq.autocast's FP8 recipe (None outside); `process_group` is the op's `process_group`
     attribute (None for ops without one: the communication ops and the tensor-parallel linear
-    have one).
+    have one). `steady`: the dict of this call's signature (`OperationContext.steady`), shared
+    by all the contexts of the call.
     """
     grad_on = torch.is_grad_enabled()
     running = grad_on and input_.requires_grad  # the gradient flows from the input onward
@@ -332,7 +349,8 @@ def new_contexts(
                                      weight_requires_grad=weight_grad,
                                      call_inputs=call_inputs, autocast=autocast,
                                      recipe=fp8.active_recipe(),
-                                     process_group=getattr(op, "process_group", None)))
+                                     process_group=getattr(op, "process_group", None),
+                                     steady=steady))
         running = requires_grad
     return ctxs
 
@@ -343,18 +361,18 @@ def _step_contexts(
     """The contexts of one plan step's basic ops, with the step's backend set (and, in backward,
     their saved tensors). A traced backward gets new contexts with those fields replaced (dynamo
     traces backward without side effects; a traced forward may write into its contexts)."""
-    ctxs = []
-    for p in seg.positions:
-        ctx = call.ctxs[p]
-        tensors = ctx.saved_tensors
-        if saved is not None:
-            start, n = call.saved_ranges[p]
-            tensors = tuple(saved[start : start + n])
-        if call.traced and saved is not None:
-            ctx = replace(ctx, backend=backend, saved_tensors=tensors)
+    ctxs = [call.ctxs[p] for p in seg.positions]
+    if saved is None:  # forward
+        for ctx in ctxs:
+            ctx.backend = backend
+        return ctxs
+    for i, p in enumerate(seg.positions):
+        start, n = call.saved_ranges[p]
+        tensors = tuple(saved[start : start + n])
+        if call.traced:
+            ctxs[i] = replace(ctxs[i], backend=backend, saved_tensors=tensors)
         else:
-            ctx.backend, ctx.saved_tensors = backend, tensors
-        ctxs.append(ctx)
+            ctxs[i].backend, ctxs[i].saved_tensors = backend, tensors
     return ctxs
 
 
@@ -375,6 +393,12 @@ def _run_forward(call: _Call, input_: Tensor, extra: list[tuple]) -> tuple[Tenso
 
 
 def _forward_steps(call: _Call, input_: Tensor, extra: list[tuple]):
+    plan = call.plan
+    if plan.one_builtin_step and call.autocast is None and not call.links:
+        # the loop below for one step over every op (the steady-state grouped MLP's case)
+        x, outs = _forward_step(call, plan.forward[0], plan.forward_backends[0], input_, extra,
+                                True)
+        return x, [tuple(op_out) for op_out in outs]
     x = input_
     extra_out: list[tuple] = [()] * len(call.ctxs)
     extra = list(extra)  # channel-bound slots are filled in as their publishers run
@@ -387,7 +411,8 @@ def _forward_steps(call: _Call, input_: Tensor, extra: list[tuple]):
                 x, outs = _forward_step(call, seg, backend, x, extra, builtin)
         for p, op_out in zip(seg.positions, outs):
             extra_out[p] = tuple(op_out)
-        feed_channels(call.links, call.ctxs, seg.positions, extra, extra_out)
+        if call.links:
+            feed_channels(call.links, call.ctxs, seg.positions, extra, extra_out)
     return x, extra_out
 
 
@@ -400,11 +425,13 @@ def _forward_step(
     first = seg.positions[0]
     call.ops[first].forward_checks(x, extra[first], ctxs[0].signature_checked)
     call.input_shapes[first] = x.shape
+    positions = seg.positions
+    kwargs = call.op_kwargs
     result = seg.op.fuser_forward(
         ctxs,
         x,
-        basic_op_extra_inputs=[extra[p] for p in seg.positions],
-        basic_op_kwargs=[call.op_kwargs[p] if call.op_kwargs else {} for p in seg.positions],
+        basic_op_extra_inputs=[extra[p] for p in positions],
+        basic_op_kwargs=[kwargs[p] for p in positions] if kwargs else [{} for _ in positions],
     )
     if builtin:
         return result
@@ -542,9 +569,11 @@ class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(func_ctx, call: _Call, *args: Any):
-        input_, *tensors = args if call.positions is None else [args[i] for i in call.positions]
-        num_extra = sum(call.extra_counts)
-        extra = _unflatten(tensors[:num_extra], call.extra_counts)
+        if call.traced:
+            input_, *tensors = args if call.positions is None else [args[i] for i in call.positions]
+            extra = _unflatten(tensors[: sum(call.extra_counts)], call.extra_counts)
+        else:
+            input_, extra = args[0], call.extra
         output, extra_out = _run_forward(call, input_, extra)
         _check_saved_unmodified(call)
         to_save: list[Tensor | None] = []

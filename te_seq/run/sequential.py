@@ -39,6 +39,7 @@ class Sequential(torch.nn.Sequential):
         self._channels: ChannelPlan | None = None
         self._last_plan: FusionPlan | None = None
         self._plan_parts: list[FusionPlan] = []
+        self._lone_fuser: Fuser | None = None  # see `_lone_fuser`
         self._compile_token = compiled.token_for(self)
 
     def __setstate__(self, state: dict) -> None:
@@ -81,6 +82,7 @@ class Sequential(torch.nn.Sequential):
             self._channels = resolve_channels([m for m in flat if isinstance(m, BasicOperation)])
             self._runs, self._runs_key = _split_runs(flat), key
             self._extra_slots = None  # which extra input each op gets: per count, see below
+            self._lone_fuser = _lone_fuser(self._runs, self._channels)
 
     def _current_runs(self) -> list[Run]:
         if torch.compiler.is_compiling():
@@ -93,11 +95,30 @@ class Sequential(torch.nn.Sequential):
     def forward(
         self, input_: Tensor, *extra_inputs: Any, op_kwargs: OpKwargs | None = None
     ) -> Tensor | tuple[Tensor, ...]:
-        if torch.compiler.is_compiling() and (op_kwargs or not compiled.TRACEABLE):
-            # op_kwargs (buffers written in place) run eagerly at a graph break
-            return compiled.run_sequential_eagerly(self, input_, *extra_inputs,
-                                                   op_kwargs=op_kwargs)
-        runs = self._current_runs()
+        if torch.compiler.is_compiling():
+            if op_kwargs or not compiled.TRACEABLE:  # buffers written in place: run eagerly
+                return compiled.run_sequential_eagerly(self, input_, *extra_inputs,
+                                                       op_kwargs=op_kwargs)
+            return self._forward_runs(self._current_runs(), input_, extra_inputs, op_kwargs)
+        self.prepare_runs()
+        lone = self._lone_fuser
+        if lone is None or op_kwargs or not isinstance(input_, Tensor):
+            return self._forward_runs(self._runs, input_, extra_inputs, op_kwargs)
+        # one run of basic ops, nothing bound nor returned besides the output, a tensor input,
+        # not traced: `_forward_runs` and `Fuser.__call__` for that case, without their
+        # bookkeeping (this runs before every call's first kernel)
+        call_inputs = CallInputs(input_, extra_inputs, self.parameters)
+        x, _ = lone.run_eager(input_, self._per_op_extra_inputs(extra_inputs), call_inputs)
+        plan, parts = lone.last_plan, self._plan_parts
+        if len(parts) != 1 or parts[0] is not plan:  # else `_joined_plan` keeps the last one
+            self._last_plan = self._joined_plan([plan])
+        return x
+
+    def _forward_runs(
+        self, runs: list[Run], input_: Tensor, extra_inputs: tuple, op_kwargs: OpKwargs | None
+    ) -> Tensor | tuple[Tensor, ...]:
+        """Run `runs` in order, handing each Fuser its extra inputs and the values published
+        by earlier runs; the output, and the extra outputs that go to the caller."""
         channels = self._channels
         per_op = self._per_op_extra_inputs(extra_inputs)
         kwargs = split_op_kwargs(self.basic_ops(), op_kwargs) if op_kwargs else None
@@ -180,6 +201,16 @@ def _check_no_forward_override(flat: list[torch.nn.Module]) -> None:
                 "te_seq.Sequential never calls: put an op's maths in op_forward / op_backward "
                 "(fuser_forward / fuser_backward for extra inputs or outputs)"
             )
+
+
+def _lone_fuser(runs: list[Run], channels: ChannelPlan) -> Fuser | None:
+    """The Fuser that is the whole of `runs`, when no extra input is bound to a channel and
+    no extra output goes to the caller (then a call is that Fuser's call alone), else None."""
+    if len(runs) != 1 or not isinstance(runs[0], Fuser) or channels.any_bound:
+        return None
+    if any(any(group) for group in channels.to_caller):
+        return None
+    return runs[0]
 
 
 def _split_runs(flat: list[torch.nn.Module]) -> list[Run]:

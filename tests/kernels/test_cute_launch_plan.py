@@ -173,3 +173,76 @@ def test_errors_stay_after_a_plan():
         with pytest.raises(ValueError, match="bias_scales must hold one float per row"):
             cute.grouped_mm(a, w2.transpose(1, 2), _offs(), bias=torch.randn(E, H).to(BF16),
                             bias_scales=torch.rand(M + 1))
+
+
+def test_glu_fc1_checks_once_per_signature_and_refuses_on_every_call(monkeypatch):
+    """An FC1 call's operand checks run once per signature (their answer is the plan's); a
+    refused call is refused again each time, and keeps no plan."""
+    from te_seq.kernels.cute import glu
+
+    seen = []
+    supports = glu._Fc1Forward.supports
+
+    def counting(*args, **kwargs):
+        seen.append(args[0].shape)
+        return supports(*args, **kwargs)
+
+    monkeypatch.setattr(glu._Fc1Forward, "supports", staticmethod(counting))
+    x, probs = torch.randn(M, H).to(BF16), torch.rand(M)
+    w1t = torch.randn(E, 2 * F, H).to(BF16).transpose(1, 2)
+    with stubbed_kernels():
+        for _ in range(3):
+            cute.glu_fc1_forward(x, w1t, _offs(), "silu", None, probs)
+        assert len(seen) == 1
+        x2 = torch.randn(2 * M, H).to(BF16)  # more rows: a new signature, checked again
+        cute.glu_fc1_forward(x2, w1t, _offs(2 * M), "silu", None, torch.rand(2 * M))
+        assert len(seen) == 2
+        planned = len(glu._FC1_CHECKED)
+        for _ in range(2):
+            with pytest.raises(ValueError, match="glu_fc1_forward.*no fused epilogue"):
+                cute.glu_fc1_forward(x, w1t, _offs(), "tanh", None, probs)
+        assert len(seen) == 4 and len(glu._FC1_CHECKED) == planned
+
+
+def test_glu_fc1_checked_plan_copies_unaligned_weights_on_every_call():
+    """A w1t whose strides TMA cannot take is copied per call on the checked path too."""
+    x, probs = torch.randn(M, H).to(BF16), torch.rand(M)
+    # [E, H, 2F] N-major, row stride 2F + 4: not 16-byte aligned
+    w1t = torch.randn(E, H, 2 * F + 4).to(BF16)[:, :, : 2 * F]
+    with stubbed_kernels() as stubs:
+        _, first = _launch_of(stubs, lambda: cute.glu_fc1_forward(x, w1t, _offs(), "silu",
+                                                                  None, probs))
+        w1t.copy_(torch.randn_like(w1t))
+        _, again = _launch_of(stubs, lambda: cute.glu_fc1_forward(x, w1t, _offs(), "silu",
+                                                                  None, probs))
+    for launched in (first, again):
+        assert launched[1].data_ptr() != w1t.data_ptr()
+    assert torch.equal(again[1], w1t.permute(2, 1, 0))
+    assert not torch.equal(first[1], again[1])
+
+
+def test_fc1_launch_launches_what_the_functional_launches():
+    """`glu_fc1_forward.launch_for` (W1 untransposed) launches the functional's kernel with
+    the same arguments (B the same view of W1's memory); after `clear_plans` it plans anew."""
+    from te_seq.kernels.cute import glu
+
+    x, probs = torch.randn(M, H).to(BF16), torch.rand(M)
+    w1 = torch.randn(E, 2 * F, H).to(BF16)
+    with stubbed_kernels() as stubs:
+        launch = cute.glu_fc1_forward.launch_for(x, w1, "silu", None, probs)
+        cfg1, direct = _launch_of(stubs, lambda: cute.glu_fc1_forward(
+            x, w1.transpose(1, 2), _offs(), "silu", None, probs))
+        cfg2, launched = _launch_of(stubs, lambda: launch(x, w1, _offs(), probs))
+        clear_plans()
+        assert len(glu._FC1_CHECKED) == 0
+        cfg3, again = _launch_of(stubs, lambda: launch(x, w1, _offs(), probs))
+        assert len(glu._FC1_CHECKED) == 1
+    assert cfg1 == cfg2 == cfg3
+    assert _inputs_of(launched) == _inputs_of(direct) == _inputs_of(again)
+    assert launched[1].data_ptr() == direct[1].data_ptr() == w1.data_ptr()
+
+
+def test_fc1_launch_refuses_what_the_functional_refuses():
+    x, w1 = torch.randn(M, H).to(BF16), torch.randn(E, 2 * F, H).to(BF16)
+    with stubbed_kernels(), pytest.raises(ValueError, match="no fused epilogue"):
+        cute.glu_fc1_forward.launch_for(x, w1, "tanh", None, None)

@@ -10,6 +10,8 @@ call these when ``<fn>.supports(...)`` is (True, "") and compose GEMM + elementw
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -32,7 +34,7 @@ from .launch import (
     varlen_m_clusters,
     with_route,
 )
-from .launch_plan import LaunchPlan, PlanCache
+from .launch_plan import LaunchPlan, PlanCache, plans_generation, tensor_signature
 
 _PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACTS = epilogue_activations()  # the table entries with glu_epilogue=True
@@ -40,6 +42,7 @@ _FC1_TILE_N, _CLUSTER = 256, (1, 2)
 _DUMMY: dict = {}
 _MAT_DUMMY: dict = {}  # (device type, index, dtype) -> the [8, 8] placeholder in that dtype
 _PLANS = PlanCache()  # GLU launches (16-bit and FP8) by call signature
+_FC1_CHECKED = PlanCache()  # ungathered 16-bit FC1 calls by signature (`_fc1_direct`)
 
 
 def _supports(
@@ -214,6 +217,14 @@ class _Fc1Forward:
         check = _supports(x, w1t, act, interleave, fc1=True, bias=bias)
         return with_route(check, "gather" if gather else None, x.shape[1])
 
+    @staticmethod
+    def launch_for(x: Tensor, w1: Tensor, act: str, interleave: int | None,
+                   probs: Tensor | None = None, params: tuple[float, ...] = ()) -> Fc1Launch:
+        """An `Fc1Launch`: this call without bias, gathered rows or a tiling, for later calls
+        with operands of these facts (W1 untransposed, [E, 2F, H]); ValueError as the call
+        where the kernel cannot take them."""
+        return Fc1Launch(x, w1, act, interleave, probs, tuple(params))
+
     def __call__(
         self,
         x: Tensor,
@@ -238,6 +249,8 @@ class _Fc1Forward:
         ``Tiling(128, cluster, pingpong=True)`` (64 gate + 64 up columns per tile, one
         warpgroup on each; no bias, no gather; ``epi_rows=64``: 64 x 32 epilogue subtiles)."""
         gather = gather_rows is not None
+        if not gather:
+            return _fc1_direct(x, w1t, offs, act, interleave, probs, tuple(params), bias, tiling)
         ok, why = self.supports(x, w1t, act, interleave, bias, gather)
         if not ok:
             raise ValueError(
@@ -251,6 +264,121 @@ class _Fc1Forward:
             bias = None if bias is None else bias.contiguous()
             _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params, bias,
                     gather_rows, tiling=tiling)
+        return h, a
+
+
+class _CheckedFc1(NamedTuple):
+    """An FC1 call signature whose operands passed `_Fc1Forward.supports`: its `LaunchPlan`
+    and the kernel's placeholder arguments on its device (the unused dprobs, h_in and bias,
+    probs when not given, the route)."""
+
+    plan: LaunchPlan
+    fp32_dummy: Tensor
+    mat_dummy: Tensor
+    h_dummy: Tensor
+    route: Tensor
+
+
+def _fc1_signature(x: Tensor, w1t: Tensor, probs: Tensor | None, act: str,
+                   interleave: int | None, params: tuple, bias: Tensor | None,
+                   tiling: Tiling | None) -> tuple:
+    """Everything `_Fc1Forward.supports` and the FC1 `LaunchPlan` read of an ungathered call
+    (M = x's rows is in x.shape; data and offs are never part of it)."""
+    return (
+        x.dtype, x.shape, x.device, w1t.dtype, w1t.shape, w1t.stride(), w1t.device,
+        None if probs is None else (probs.dtype, probs.shape), act, interleave, params,
+        tensor_signature(bias), tiling,
+    )
+
+
+def _checked_fc1(signature: tuple, x: Tensor, w1t: Tensor, probs: Tensor | None, act: str,
+                 interleave: int | None, params: tuple, bias: Tensor | None,
+                 tiling: Tiling | None) -> _CheckedFc1:
+    """Check an FC1 call's operands (ValueError with the reason) and plan its launch; kept
+    for the next calls with the same `signature`."""
+    ok, why = _Fc1Forward.supports(x, w1t, act, interleave, bias)
+    if not ok:
+        raise ValueError(
+            f"cute glu_fc1_forward: x {tuple(x.shape)}, w1t {tuple(w1t.shape)}: {why}"
+        )
+    plan = _plan("fc1", x, w1t, x.shape[0], probs, act, interleave, params, bias, None, False,
+                 tiling, None)
+    fp32_dummy, mat_dummy = _dummy(x.device)
+    checked = _CheckedFc1(plan, fp32_dummy, mat_dummy, _mat_dummy(x.device, x.dtype),
+                          no_route(x.device))
+    return _FC1_CHECKED.put(signature, checked)
+
+
+def _fc1_direct(x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int | None,
+                probs: Tensor | None, params: tuple, bias: Tensor | None,
+                tiling: Tiling | None) -> tuple[Tensor, Tensor]:
+    """`glu_fc1_forward` of ungathered rows: the operand checks and the launch plan looked up
+    by the call's signature first (decided once per signature, as `_launch`'s plans are), so
+    a repeated call runs only its per-call work (probs' and offs' layout, h and a, the
+    launch) before the kernel starts: its host time is exposed on an idle GPU."""
+    signature = _fc1_signature(x, w1t, probs, act, interleave, params, bias, tiling)
+    checked = _FC1_CHECKED.get(signature) or _checked_fc1(
+        signature, x, w1t, probs, act, interleave, params, bias, tiling)
+    probs, h, a = _fc1_outputs(x, w1t.shape[2] // 2, probs)
+    if x.shape[0]:
+        _fc1_kernel(checked, x, b_view(w1t, checked.plan.b_copy), h, a, offs, w1t.shape[0],
+                    probs, None if bias is None else bias.contiguous())
+    return h, a
+
+
+def _fc1_outputs(x: Tensor, f: int, probs: Tensor | None) -> tuple:
+    """(probs as the kernel reads them, h [M, 2F], a [M, F]) of an FC1 call on rows x."""
+    rows, dtype, device = x.shape[0], x.dtype, x.device
+    probs = _check_probs(probs, rows, "glu_fc1_forward")
+    h = torch.empty(rows, 2 * f, dtype=dtype, device=device)  # [M, 2F]
+    a = torch.empty(rows, f, dtype=dtype, device=device)  # [M, F]
+    return probs, h, a
+
+
+def _fc1_kernel(checked: _CheckedFc1, x: Tensor, b: Tensor, h: Tensor, a: Tensor, offs: Tensor,
+                groups: int, probs: Tensor | None, bias: Tensor | None) -> None:
+    """Launch a checked FC1 plan on rows x (M > 0) and B in the kernel's (N, K, E) view."""
+    plan = checked.plan
+    plan.kernel(
+        _row_major(x), b, h, _check_offs(offs, groups, x.device), plan.clusters, a,
+        checked.fp32_dummy if probs is None else probs, checked.fp32_dummy, checked.h_dummy,
+        checked.mat_dummy if bias is None else bias, checked.route,
+    )
+
+
+class Fc1Launch:
+    """``glu_fc1_forward(x, w1.transpose(1, 2), offs, act, interleave, probs, params)`` for
+    calls whose x, w1 [E, 2F, H] and probs have the dtypes, shapes, strides and devices of the
+    ones it was made from (``glu_fc1_forward.launch_for``; x's and probs' layouts may vary):
+    the checks and the plan are found once, at its making, so a call runs only its per-call
+    work, and the kernel's view of B is read straight off W1 (one view, not a transpose and
+    then a permute). A caller that cannot vouch for those facts calls ``glu_fc1_forward``.
+    After ``clear_plans`` (compile entries swapped) it checks and plans anew."""
+
+    def __init__(self, x: Tensor, w1: Tensor, act: str, interleave: int | None,
+                 probs: Tensor | None, params: tuple) -> None:
+        w1t = w1.transpose(1, 2)  # [E, H, 2F]
+        self._args = (act, interleave, params)
+        self._signature = _fc1_signature(x, w1t, probs, act, interleave, params, None, None)
+        self._groups, self._f = w1.shape[0], w1.shape[1] // 2
+        self._checked = self._plan(x, w1t, probs)
+
+    def _plan(self, x: Tensor, w1t: Tensor, probs: Tensor | None) -> _CheckedFc1:
+        self._generation = plans_generation()
+        return _FC1_CHECKED.get(self._signature) or _checked_fc1(
+            self._signature, x, w1t, probs, *self._args, None, None)
+
+    def __call__(self, x: Tensor, w1: Tensor, offs: Tensor,
+                 probs: Tensor | None) -> tuple[Tensor, Tensor]:
+        checked = self._checked
+        if self._generation != plans_generation():
+            checked = self._checked = self._plan(x, w1.transpose(1, 2), probs)
+        probs, h, a = _fc1_outputs(x, self._f, probs)
+        if x.shape[0]:
+            # w1t.permute(2, 1, 0) is w1.permute(1, 2, 0): (N, K, E)
+            b = w1.transpose(1, 2).contiguous().permute(2, 1, 0) if checked.plan.b_copy \
+                else w1.permute(1, 2, 0)
+            _fc1_kernel(checked, x, b, h, a, offs, self._groups, probs, None)
         return h, a
 
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 _CACHES: list[PlanCache] = []
+_GENERATION = [0]  # bumped by every `clear_plans` (see `plans_generation`)
 _MAX_PLANS = 256  # distinct signatures per functional; a full cache starts over
 
 
@@ -38,10 +39,10 @@ class PlanCache:
 
     def __init__(self) -> None:
         self._plans: dict[tuple, LaunchPlan] = {}
+        # get(signature) -> the plan or None: the dict's own method, no Python frame (read
+        # before every launch)
+        self.get = self._plans.get
         _CACHES.append(self)
-
-    def get(self, signature: tuple) -> LaunchPlan | None:
-        return self._plans.get(signature)
 
     def put(self, signature: tuple, plan: LaunchPlan) -> LaunchPlan:
         if len(self._plans) >= _MAX_PLANS:  # a workload with ever-changing shapes: no growth
@@ -60,5 +61,12 @@ def tensor_signature(t: Tensor | None) -> tuple | None:
 
 def clear_plans() -> None:
     """Forget every plan (the compiled kernels they hold stay in the compile caches)."""
+    _GENERATION[0] += 1
     for cache in _CACHES:
         cache._plans.clear()
+
+
+def plans_generation() -> int:
+    """How many times `clear_plans` ran: a plan held outside the caches (``glu.Fc1Launch``)
+    is current while this is unchanged."""
+    return _GENERATION[0]

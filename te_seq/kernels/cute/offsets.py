@@ -37,9 +37,10 @@ def group_offsets(splits: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     if kernels is None:  # read from sys.modules after that: an import statement costs ~1 µs
         from . import offsets_kernel as kernels
     splits = splits.contiguous()
-    offs = torch.empty(splits.shape[0], dtype=torch.int32, device=splits.device)
-    ok = torch.empty(1, dtype=torch.int32, device=splits.device)
-    if splits.shape[0] == 0:
+    groups, device = splits.shape[0], splits.device
+    offs = torch.empty(groups, dtype=torch.int32, device=device)
+    ok = torch.empty(1, dtype=torch.int32, device=device)
+    if groups == 0:
         ok.fill_(int(rows == 0))
         return offs, ok
     kernels.compile_offsets(splits.dtype).fn(splits, offs, ok, rows)

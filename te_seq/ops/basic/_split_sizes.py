@@ -52,7 +52,8 @@ def check_host_split_values(name: str, splits: Tensor, rows: int) -> None:
 
 
 def rows_of(input_: Tensor) -> int:
-    return int(torch.Size(input_.shape[:-1]).numel())
+    """The input's rows: the product of its leading dimensions."""
+    return int(input_.shape[:-1].numel())
 
 
 def device_offsets(splits: Tensor, rows: int, device: torch.device,

@@ -185,8 +185,8 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         """[G, N, K]: the single grouped weight, or the block the per-group weights view (no
         copy), or, when something gave them their own storage outside a module conversion
         (`param.data = ...`, FSDP2), the weights stacked (a copy; see _grouped_params.py)."""
-        if self.single_grouped_weight:
-            return self.weight
+        if self.single_grouped_weight:  # read from the table: `self.weight` is a __getattr__
+            return self._parameters["weight"]
         return self._weight_params.stacked(self._parameters)
 
     def stacked_bias(self) -> Tensor | None:
@@ -216,7 +216,8 @@ class GroupedLinear(GradContractMixin, BasicOperation):
     def value_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
         """Host split sizes' values (they may change in place between calls)."""
         splits = extra_inputs[0]
-        if splits.device.type == "cpu" and not torch.compiler.is_compiling():
+        # is_cpu, not device.type: a new device object and string each call (~0.2 µs)
+        if splits.is_cpu and not torch.compiler.is_compiling():
             check_host_split_values(checks.op_name(self), splits, rows_of(input_))
 
     def kernel_needs(self) -> list[KernelNeed]:

@@ -14,7 +14,7 @@ are built (except for scale_bias on backends without a bias epilogue). Bias grad
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +130,8 @@ class GroupedMLP(FusedOperation):
                 return routed.call(backend, "act_fc1_forward", x, w1t, offs, op.act, probs,
                                    gather=gather)
             bias = _bias(self.fc1, x.dtype)
+            if bias is None and gather is None:  # the steady state's call: no routing layer
+                return backend.glu_fc1_forward(x, w1t, offs, op.glu_spec, probs)
             if bias is None:  # backends without bias support keep their plain signature
                 return routed.call(backend, "glu_fc1_forward", x, w1t, offs, op.glu_spec, probs,
                                    gather=gather)
@@ -173,16 +175,23 @@ class GroupedMLP(FusedOperation):
         ctx = basic_op_ctxs[0]
         extras = self._unpack(basic_op_extra_inputs)
         x, w1 = self.fc1.operands(ctx, as_rows(input_, self.fc1.in_features))  # [T, H]
-        offs = self.fc1.offsets(extras.splits, input_, ctx.backend)
-        if ctx.recipe is not None:
-            w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
-            y = _grouped_mlp_fp8.forward(self, basic_op_ctxs, input_, x, w1, w2, offs, extras,
-                                         basic_op_extra_inputs)
-            return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
-        # FC1 is launched before FC2's operands are made (a cast under torch.autocast): only
-        # what its launch needs runs before it, the GPU starts sooner
         inner_extra = basic_op_extra_inputs[1:]
-        h, a = self.fc1_rows(ctx, x, w1, offs, extras, inner_extra)
+        steady = ctx.steady.get(self) if ctx.signature_checked and ctx.steady else None
+        if steady is not None:  # this signature's launches, prepared by its first call
+            offs = steady.offsets(extras.splits)
+            h, a = steady.fc1(x, w1, offs, _row_values(extras.probs))  # [T, 2F], [T, F]
+        else:
+            offs = self.fc1.offsets(extras.splits, input_, ctx.backend)
+            if ctx.recipe is not None:
+                w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
+                y = _grouped_mlp_fp8.forward(self, basic_op_ctxs, input_, x, w1, w2, offs,
+                                             extras, basic_op_extra_inputs)
+                return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
+            # FC1 is launched before FC2's operands are made (a cast under torch.autocast):
+            # only what its launch needs runs before it, the GPU starts sooner
+            h, a = self.fc1_rows(ctx, x, w1, offs, extras, inner_extra)
+            if ctx.steady is not None and not ctx.signature_checked:
+                self._prepare_steady(ctx, x, w1, extras)
         w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
         y = self.fc2_rows(ctx, a, w2, offs, extras, inner_extra)
         # Saved when any of the three ops' backward runs: with FC1 frozen and an input that needs
@@ -195,6 +204,26 @@ class GroupedMLP(FusedOperation):
             fc2_shape = torch.Size((*input_.shape[:-1], self.fc2.in_features))  # a's, unflattened
             basic_op_ctxs[2].saved = self.fc2.saved_record(a, x.dtype, shape=fc2_shape)
         return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
+
+    def _prepare_steady(self, ctx: OperationContext, x: Tensor, w1: Tensor,
+                        extras: _Extras) -> None:
+        """Keep in `ctx.steady` (this call's signature's dict) the offsets' and FC1's launches
+        for the next calls of the signature, where the backend prepares both and this call
+        ran them as those do: the fused GLU epilogue without bias, uncast operands of one
+        grouped weight (the signature holds its strides), inner checks that read only the
+        signature, the offsets kernel of device split sizes."""
+        backend, op = ctx.backend, self.activation
+        prepare_fc1 = getattr(backend, "prepare_glu_fc1_forward", None)
+        prepare_offsets = getattr(backend, "prepare_group_offsets", None)
+        if (prepare_fc1 is None or prepare_offsets is None or ctx.autocast is not None
+                or not op.gated or self.fc1.has_bias or not self.fc1.single_grouped_weight
+                or not op.checks_read_only_signature()
+                or not self.epilogue_status(backend, x.dtype, x.device)[0]):
+            return
+        offsets = prepare_offsets(extras.splits, x.shape[0], x.device)
+        if offsets is not None:
+            fc1 = prepare_fc1(x, w1, op.glu_spec, _row_values(extras.probs))
+            ctx.steady[self] = _Steady(offsets, fc1)
 
     def forward_rows(self, ctx: OperationContext, x: Tensor, w1: Tensor, w2: Tensor,
                      offs: Tensor, extras: _Extras, inner_extra: Sequence[tuple],
@@ -268,6 +297,17 @@ class GroupedMLP(FusedOperation):
         bias_grads, dscales = _bias_grads(fc, dout, offs, scales, backend)
         weight_grads = fc.weight_grads(ctx, inp, dout, offs)
         return weight_grads + bias_grads, dscales
+
+
+@dataclass(frozen=True)
+class _Steady:
+    """The launches before FC2 that one call signature's first call prepares for its next
+    ones (`OperationContext.steady`): offsets(splits) -> offs [G], and fc1(x, w1, offs,
+    probs) -> (h [T, 2F], a [T, F]), equal to the backend's `group_offsets` and
+    `glu_fc1_forward` for those operands."""
+
+    offsets: Callable[[Tensor], Tensor]
+    fc1: Callable[..., tuple[Tensor, Tensor]]
 
 
 # (FC1 kernel, FC2-dgrad kernel) with the activation in their epilogues, by `Activation.gated`
