@@ -18,8 +18,8 @@ Variants, all in this process on the same random data, each checked against an f
                        `:requant` with cache_weights=False: the weights quantized on every
                        call, as after every optimizer step of a training run
   te_seq:<backend>:fp8-block[:hp-wgrad]   under Float8BlockScaling (`--fp8-block`)
-  te_seq:cute:pp       the cute MLP with TE_SEQ_PINGPONG=1 (`--pingpong`): ping-pong tilings
-                       where the defaults allow them, interleaved with the cooperative run
+  te_seq:cute:coop     the cute MLP with TE_SEQ_PINGPONG=0 (`--pingpong`): every default tiling
+                       cooperative, interleaved with the default (ping-pong where allowed)
   te_seq:<backend>[:fp8]:graphed   the same Sequential captured by te_seq.make_graphed_callables
                        (`--graphed`; fresh grads): what a step costs with no Python per op
   kernels:<backend>    the backend's raw functionals (grouped_mm, grouped_wgrad, glu_*), unfused
@@ -176,27 +176,31 @@ class TeSeqVariant(AutogradVariant):
 
 
 class TeSeqPingPongVariant(TeSeqVariant):
-    """TeSeqVariant with TE_SEQ_PINGPONG=1 while it runs (`--pingpong`): the default tilings
-    may take ping-pong consumer warpgroups (te_seq/kernels/cute/launch.py), compared in the same
-    process, interleaved with the cooperative default."""
+    """TeSeqVariant with the other ping-pong setting while it runs (`--pingpong`): with
+    TE_SEQ_PINGPONG=0 (te_seq:cute:coop, every default tiling cooperative) where ping-pong is
+    the default (te_seq/kernels/cute/launch.py), else with TE_SEQ_PINGPONG=1 (te_seq:cute:pp);
+    compared in the same process, interleaved with the default."""
 
     def __init__(self, case: Case, backend: str, grad_mode: str) -> None:
+        from te_seq.kernels.cute.launch import pingpong_by_default
+
         super().__init__(case, backend, grad_mode)
-        self.name = f"te_seq:{backend}:pp"
+        self.setting = "0" if pingpong_by_default() else "1"
+        self.name = f"te_seq:{backend}:{'coop' if self.setting == '0' else 'pp'}"
 
     def run(self, x: Tensor, probs: Tensor | None) -> Tensor:
-        with _pingpong():
+        with _pingpong(self.setting):
             return super().run(x, probs)
 
     def forward_backward(self) -> None:
-        with _pingpong():
+        with _pingpong(self.setting):
             super().forward_backward()
 
 
 @contextlib.contextmanager
-def _pingpong():
+def _pingpong(setting: str):
     before = os.environ.get("TE_SEQ_PINGPONG")
-    os.environ["TE_SEQ_PINGPONG"] = "1"
+    os.environ["TE_SEQ_PINGPONG"] = setting
     try:
         yield
     finally:
@@ -391,7 +395,7 @@ def _build_te_seq(b: _Builder, backends: list[str]) -> None:
                 name = "te_seq:cute:per-group"
                 b.attempt(name, lambda: TeSeqVariant(case, "cute", b.grad_mode, per_group=True))
             if backend == "cute" and b.pingpong:
-                b.attempt("te_seq:cute:pp",
+                b.attempt("te_seq:cute:coop",  # or :pp where TE_SEQ_PINGPONG=0 is set
                           lambda: TeSeqPingPongVariant(case, "cute", b.grad_mode))
             if b.fp8:
                 b.attempt(f"te_seq:{backend}:fp8",
@@ -557,7 +561,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma list of {','.join(GRAD_MODES)} (weight gradients: grad_modes.py)",
     )
     p.add_argument("--pingpong", action="store_true",
-                   help="also te_seq:cute:pp, the MLP with TE_SEQ_PINGPONG=1 (same process)")
+                   help="also te_seq:cute:coop, the MLP with TE_SEQ_PINGPONG=0 (same process)")
     p.add_argument("--graphed", action="store_true",
                    help="also te_seq:<backend>[:fp8]:graphed, captured by "
                    "te_seq.make_graphed_callables (host time out of the picture)")

@@ -149,14 +149,14 @@ def test_unaligned_b_is_copied_on_every_call():
 
 
 def test_default_tiling_follows_the_environment(monkeypatch):
-    """TE_SEQ_PINGPONG=1 turns the plain GEMM's ping-pong default on, also after a plan."""
+    """TE_SEQ_PINGPONG=0 turns the plain GEMM's ping-pong default off, also after a plan."""
     a, w2 = torch.randn(M, F).to(BF16), torch.randn(E, H, F).to(BF16)
     call = lambda: cute.grouped_mm(a, w2.transpose(1, 2), _offs())  # noqa: E731
     with stubbed_kernels() as stubs:
         monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)
-        off = _launch_of(stubs, call)[0]
-        monkeypatch.setenv("TE_SEQ_PINGPONG", "1")
         on = _launch_of(stubs, call)[0]
+        monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
+        off = _launch_of(stubs, call)[0]
     assert on.pingpong and not off.pingpong
 
 

@@ -51,12 +51,12 @@ def test_grouped_wgrad_refuses_pingpong_accumulate():
     gemm._check_pingpong(Tiling(256, (1, 2)), None, "accumulate")  # cooperative: fine
 
 
-def test_wgrad_default_tiling_is_pingpong_only_when_asked_and_not_accumulating(monkeypatch):
+def test_wgrad_default_tiling_is_pingpong_unless_turned_off_or_accumulating(monkeypatch):
     from te_seq.kernels.cute import wgrad_tiling
 
-    monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)
-    assert wgrad_tiling(2048, False) == Tiling(256, (1, 2))  # opt-in only
-    monkeypatch.setenv("TE_SEQ_PINGPONG", "1")
+    monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
+    assert wgrad_tiling(2048, False) == Tiling(256, (1, 2))  # turned off: cooperative
+    monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)  # the default
     assert wgrad_tiling(2048, False) == Tiling(128, (1, 2), True)  # 192 would pad to 2304
     assert wgrad_tiling(4096, False) == Tiling(192, (1, 2), True)
     assert wgrad_tiling(2048, True) == Tiling(256, (1, 2))  # accumulate: cooperative

@@ -65,9 +65,11 @@ def default_tiling(n: int, base: Tiling) -> Tiling:
 # beat cooperative 128 x 256 where the mainloop is short: FC2's forward (K = F = 768) on Q 417
 # vs 388 TFLOP/s, on Zipf-skewed Z 381 vs 354; FC1's dgrad (K = 2F = 1536) on Q 452 vs 429, Z
 # 416 vs 407; B's FC2 (K = 1024, 192-wide) 516 vs 494; with K >= 2048 cooperative stayed ahead
-# or level. Inside the whole MLP it did not carry over: Q fwd+bwd 2.341 ms with these
-# ping-pong GEMMs against 2.254 without (same H100, back to back,
-# measured/h100_2026-11-25_mlp_Q_final_{pp,coop}.json), so it is opt-in (TE_SEQ_PINGPONG=1).
+# or level. Whole-MLP runs in separate processes disagreed (±3-4 % apart run to run); in one
+# process, interleaved (bench_grouped_mlp.py --pingpong, same H100, 20 bursts of 10,
+# measured/h100_2026-11-25e_mlp_{Q,Z,B}_pp_inprocess.txt), fwd+bwd with ping-pong against
+# without: Q 2.090 vs 2.173 ms, Z 2.463 vs 2.493, B 8.611 vs 8.972; forward Q 0.714 vs 0.718,
+# Z 0.794 vs 0.815, B 2.808 vs 2.917. So it is the default; TE_SEQ_PINGPONG=0 turns it off.
 PINGPONG_MAX_K = 1536
 
 
@@ -81,9 +83,9 @@ def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
 
 
 def pingpong_by_default() -> bool:
-    """Whether the defaults below may choose ping-pong tilings: only with
-    ``TE_SEQ_PINGPONG=1`` (the measurement above: faster alone, not inside the MLP)."""
-    return os.environ.get("TE_SEQ_PINGPONG", "0").strip() == "1"
+    """Whether the defaults below may choose ping-pong tilings: yes (the measurement above),
+    unless ``TE_SEQ_PINGPONG=0``."""
+    return os.environ.get("TE_SEQ_PINGPONG", "1").strip() != "0"
 
 
 def plain_mm_tiling(n: int, k: int) -> Tiling:
@@ -98,7 +100,8 @@ def plain_mm_tiling(n: int, k: int) -> Tiling:
 # Measured on one H100 (2026-11-25, bench_grouped_gemm.py, bursts of 10 calls,
 # measured/h100_2026-11-25c_gemm_pp_wgrad.json): FC1's wgrad (256 tokens per expert) in
 # ping-pong against cooperative 256 wide, TFLOP/s: Q 457 vs 415 (128 wide), B 553 vs 532 (192),
-# but Zipf-skewed Z 338 vs 373, so it too is opt-in.
+# but Zipf-skewed Z 338 vs 373 alone; the whole MLP gained on all three (above), so it follows
+# the same default.
 def wgrad_tiling(n: int, accumulate: bool) -> Tiling:
     """The default tiling of the varlen-K grouped GEMM writing ``n`` output columns: with
     ``pingpong_by_default()`` and nothing to accumulate into, ping-pong; else cooperative
