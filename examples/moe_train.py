@@ -11,6 +11,7 @@ random teacher MoE of the same shape (a regression target), so its loss must fal
     python examples/moe_train.py                      # a few hundred steps, GPU if present
     python examples/moe_train.py --steps 50 --device cpu --dtype float32
     python examples/moe_train.py --fp8 block --hidden 128   # FP8 vs the same run without
+    python examples/moe_train.py --fp8 rowwise --fp8-hp-wgrad   # weight gradients in bf16
     torchrun --nproc-per-node 2 examples/moe_train.py --ep 2 --device cpu --steps 40
 
 With --ep n (under torchrun, n processes) the experts are expert-parallel: rank r holds
@@ -161,6 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also train under this FP8 recipe and compare with the run without")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks (run under torchrun with this many processes)")
+    p.add_argument("--fp8-hp-wgrad", action="store_true",
+                   help="with --fp8: the recipe's fp8_wgrad=False (weight gradients in the "
+                        "compute dtype, forward and dgrad GEMMs in FP8)")
     p.add_argument("--fp8-margin", type=float, default=0.1,
                    help="largest relative gap between the FP8 and the plain final loss")
     # At these sizes one CPU thread is as fast as two (0.75 s per 50 steps either way, 2-core
@@ -175,6 +179,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--experts {args.experts} must be divisible by --ep {args.ep} (>= 1)")
     if args.ep > 1 and args.fp8:
         p.error("--fp8 with --ep is not supported by this example")
+    if args.fp8_hp_wgrad and not args.fp8:
+        p.error("--fp8-hp-wgrad needs --fp8 {block,rowwise,tensor}")
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     return args
@@ -285,7 +291,7 @@ def _summary(label: str, losses: list[float]) -> tuple[float, float]:
 
 def _compare_fp8(args: argparse.Namespace, plain_last: float) -> int:
     """Train again under the FP8 recipe; its final loss must be within the margin."""
-    fp8 = RECIPES[args.fp8]()
+    fp8 = RECIPES[args.fp8](fp8_wgrad=not args.fp8_hp_wgrad)
     with te_seq.backend(args.backend):
         losses, plan = train(args, fp8)
     print(plan)

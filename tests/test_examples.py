@@ -114,6 +114,18 @@ def test_moe_train_fp8_loss_within_margin(fp8):
 
 
 @pytest.mark.slow
+def test_moe_train_fp8_with_the_wgrad_in_high_precision():
+    proc = run_example(ROOT / "examples" / "moe_train.py",
+                       ["--steps", "30", "--device", "cpu", "--dtype", "float32",
+                        "--fp8", "rowwise", "--fp8-hp-wgrad"])
+    assert proc.returncode == 0, _describe(proc)
+    assert "fp8 loss within the margin" in proc.stdout
+    assert "fp8=Float8RowwiseScaling(fp8_wgrad=False)" in proc.stdout
+    bad = run_example(ROOT / "examples" / "moe_train.py", ["--fp8-hp-wgrad"])
+    assert bad.returncode != 0 and "--fp8-hp-wgrad needs --fp8" in bad.stderr
+
+
+@pytest.mark.slow
 def test_moe_train_fp8_block_rejects_sizes_off_the_block():
     proc = run_example(ROOT / "examples" / "moe_train.py", ["--fp8", "block", "--hidden", "64"])
     assert proc.returncode == 2 and "multiples of 128" in proc.stderr, _describe(proc)
