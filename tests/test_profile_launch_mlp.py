@@ -63,3 +63,20 @@ def test_profile_launch_mlp_dry_run():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if "calls/step" in line]
     assert [line.split()[0] for line in lines] == ["bf16", "Float8RowwiseScaling"]
+    assert sum("kernel launches/step" in line for line in result.stdout.splitlines()) == 2
+
+
+def test_count_step_counts_aten_ops_allocations_and_launches():
+    """`count_step` sees the step's aten ops (allocations among them) and its stubbed launches,
+    but not the ops a stub runs to write its kernel's outputs (the offsets' cumsum and fill)."""
+    from profile_launch import count_step
+
+    with stubbed_step() as stubs:
+        step = mlp_step(256, None, e=8, h=256, f=128)
+        step()
+        counts = count_step(step, stubs)
+    assert counts.launches == 7  # as test_bf16_step_launches_its_seven_kernels
+    assert counts.allocations == counts.by_name["empty"] + counts.by_name.get("zeros", 0) > 0
+    assert counts.aten == sum(counts.by_name.values()) > counts.allocations + counts.views
+    assert "cumsum" not in counts.by_name and "fill_" not in counts.by_name
+    assert "aten ops/step" in counts.line() and "7 kernel launches/step" in counts.line()
