@@ -80,3 +80,15 @@ def test_count_step_counts_aten_ops_allocations_and_launches():
     assert counts.aten == sum(counts.by_name.values()) > counts.allocations + counts.views
     assert "cumsum" not in counts.by_name and "fill_" not in counts.by_name
     assert "aten ops/step" in counts.line() and "7 kernel launches/step" in counts.line()
+
+
+def test_rowwise_step_makes_no_shape_only_stand_ins():
+    """A call whose signature passed the checks before makes no stand-in tensors for them
+    (h's shape for the activation's checks, a's for FC2's saved record), as in bf16."""
+    from profile_launch import count_step
+
+    with stubbed_step() as stubs:
+        step = mlp_step(256, "Float8RowwiseScaling", e=8, h=256, f=128)
+        step()
+        counts = count_step(step, stubs)
+    assert "new_empty" not in counts.by_name and "expand" not in counts.by_name
