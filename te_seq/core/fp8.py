@@ -394,9 +394,9 @@ class WeightOperands:
         """(data [G, N, K] FP8, scale_inv [G, Nb, Kb] fp32) of a stacked weight."""
         if self._stacked_fp8 is not None:
             q = self._stacked_fp8[0]
-            return q.data, q.scale_inv
+            return q.data, _flat_rows_view(q.scale_inv)
         return (torch.stack([q.data for q in self.quantized]),
-                torch.stack([q.scale_inv for q in self.quantized]))
+                _flat_rows_view(torch.stack([q.scale_inv for q in self.quantized])))
 
     @functools.cached_property
     def dgrad_fp8(self) -> tuple[Tensor, Tensor]:
@@ -404,9 +404,20 @@ class WeightOperands:
         stacked weight: the dgrad GEMM's second operand, Wᵀ along N."""
         if self._stacked_fp8 is not None:  # contiguous, as the stacked copies were
             q = self._stacked_fp8[1]
-            return q.data.contiguous(), q.scale_inv.contiguous()
+            return q.data.contiguous(), _flat_rows_view(q.scale_inv.contiguous())
         return (torch.stack([q.data for q in self.dgrad_quantized]),
-                torch.stack([q.scale_inv for q in self.dgrad_quantized]))
+                _flat_rows_view(torch.stack([q.scale_inv for q in self.dgrad_quantized])))
+
+
+def _flat_rows_view(scale_inv: Tensor) -> Tensor:
+    """Row-wise scales [G, N, 1] as a view of a contiguous [G, N] tensor (the same values):
+    the grouped kernels' operand, which `fp8_cute.row_scales` then takes without a view op on
+    every call (made once per weight version). Other scales (per tensor, blocks) as given.
+    `detach` makes the [G, N] tensor an alias of its own (not a view), so that it is the
+    `_base` of the [G, N, 1] view."""
+    if scale_inv.dim() != 3 or scale_inv.shape[-1] != 1 or scale_inv.shape[1] == 1:
+        return scale_inv
+    return scale_inv.reshape(scale_inv.shape[:2]).contiguous().detach()[..., None]
 
 
 def cached_weights(
