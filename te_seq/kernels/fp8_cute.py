@@ -108,11 +108,10 @@ def row_scales(x: QuantizedTensor, w_scale_inv: Tensor, n: int) -> tuple[Tensor,
 def _viewed(s: Tensor) -> Tensor | None:
     """The contiguous tensor b with s = b[..., None] (s's `_base`, read without a view op), or
     None where s is not such a view."""
-    base = s._base
-    if base is None or base.dim() != s.dim() - 1 or base.data_ptr() != s.data_ptr() \
-            or base.shape != s.shape[:-1] or base.stride() != s.stride()[:-1] \
-            or not base.is_contiguous():
-        return None
+    base = s._base  # both contiguous from one address, shapes that differ by s's last 1:
+    if base is None or not (base.is_contiguous() and s.is_contiguous()) \
+            or base.data_ptr() != s.data_ptr() or base.shape != s.shape[:-1]:
+        return None  # (one element per row of s: the same layout)
     return base
 
 
