@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install "
                     "'te_seq[cute]')")
@@ -29,6 +30,16 @@ def _operands():
     offs = torch.tensor(SIZES).cumsum(0).to(torch.int32)
     table, _ = fp8_quantize.span_table(offs, ROWS)  # torch ops on the CPU: no kernel
     return t, table, offs
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def _launches(stubs, kind: str) -> list[tuple]:
@@ -104,3 +115,34 @@ def test_span_buffers_are_fresh_disjoint_aligned_and_as_compiled(rows):
         assert (tuple(x.shape), x.dtype, x.is_contiguous()) == (shape, dtype, True), name
         assert x.data_ptr() % 16 == 0, name
     assert _disjoint([x for x, _, _ in want.values()])
+
+
+def test_row_blocks_are_the_rows_kernel_on_views_of_their_final_outputs(monkeypatch):
+    """1 x 128 blocks (Float8BlockScaling's x and dy) on the cute backend: one launch of the
+    row-wise kernel on t, data and scale_inv seen as [R·C/128, 128] / [R·C/128]; with that
+    kernel faked by its torch definition the result is `fp8_reference.quantize`'s, bitwise."""
+    from te_seq.kernels import fp8_reference as ref
+
+    rule, block = ref.ScaleRule("E4M3", power_of_two=True), ref.QuantBlock(1, 128)
+    launches = []
+
+    def rows_kernel(t, data, scale_inv):  # the kernel's maths: one scale per row of t
+        launches.append((t, data, scale_inv))
+        with _disable_current_modes():  # not the host path's ops
+            q = ref.quantize(t, ref.ROWWISE, rule)
+            data.copy_(q.data)
+            scale_inv.copy_(q.scale_inv.reshape(-1))
+
+    monkeypatch.setattr(quant, "_kernel", lambda kind, *args: rows_kernel)
+    monkeypatch.setattr(fp8_quantize, "reason", lambda *args: "")
+    t = (torch.randn(40, 384) * torch.logspace(-3, 3, 384)).to(torch.bfloat16)
+    with _Ops() as ops:
+        got = fp8_quantize.rows(t, block, rule, "cute")
+    assert ops.names == ["empty", "empty", "view", "view", "view"]  # outputs, kernel views
+    want = ref.quantize(t, block, rule)
+    (kt, kdata, kscale), = launches
+    assert kt.shape == kdata.shape == (40 * 3, 128) and kscale.shape == (40 * 3,)
+    assert kdata.data_ptr() == got.data.data_ptr() and kscale.data_ptr() == got.scale_inv.data_ptr()
+    assert got.data.shape == (40, 384) and got.scale_inv.shape == (40, 3)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale_inv, want.scale_inv) and got.block == block

@@ -76,6 +76,22 @@ def quantize_rows(t: Tensor, power_of_two: bool = False,
     return data, scale_inv[:, None]
 
 
+def quantize_row_blocks(t: Tensor, block_cols: int, power_of_two: bool = False,
+                        fp8_dtype: torch.dtype = FP8_DTYPE) -> tuple[Tensor, Tensor]:
+    """t [R, C] quantized in 1 x `block_cols` blocks, C a multiple of it: (data [R, C],
+    scale_inv fp32 [R, C / block_cols]), `quantize_rows` of t seen as [R·C / block_cols,
+    block_cols] (bit for bit), its outputs made in their final shapes (the kernel reads views
+    of them: one view op a call fewer than reshaping `quantize_rows`' results)."""
+    t = _aligned(_row_major(t))
+    rows, cols = t.shape
+    data = torch.empty(rows, cols, dtype=fp8_dtype, device=t.device)
+    scale_inv = torch.empty(rows, cols // block_cols, dtype=torch.float32, device=t.device)
+    if t.numel():
+        _kernel("rows", t, power_of_two, False, fp8_dtype)(
+            t.view(-1, block_cols), data.view(-1, block_cols), scale_inv.view(-1))
+    return data, scale_inv
+
+
 def quantize_spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool = False,
                    fp8_dtype: torch.dtype = FP8_DTYPE) -> tuple[Tensor, Tensor]:
     """t [T, C] quantized to `fp8_dtype` along the tokens of each group, token-major: (data [C, P],
@@ -276,6 +292,6 @@ def _unit_extents(groups: int, device: torch.device) -> Tensor:
     return found
 
 
-__all__ = ["group_amax_problem", "quant_problem", "quantize_rows",
+__all__ = ["group_amax_problem", "quant_problem", "quantize_row_blocks", "quantize_rows",
            "quantize_rows_and_group_amax", "quantize_rows_and_spans", "quantize_span_blocks",
            "quantize_spans", "quantize_spans_from_group_amax", "span_table"]
