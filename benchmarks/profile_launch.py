@@ -18,8 +18,10 @@ allocations stay small; H, F and E are shape Q's (H=2048, F=768, E=128).
 ``--mlp`` times the whole fused MLP step instead (``stubbed_step``: forward + backward of
 ``Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)``, single grouped weights, device-style
 split sizes, the cute backend) in bf16 or under an FP8 recipe, every kernel stubbed (the
-quantization and offsets kernels too): µs per step, cProfile's primitive calls per step and
-the top cumulative entries:
+quantization and offsets kernels too): µs per step, cProfile's primitive calls per step, the
+aten ops one step dispatches (allocating ones and views among them) and its kernel launches
+(`count_step`: what predicts the step's host time on the GPU, each allocation and aten launch
+~5-7 µs there, each CuTe DSL launch 20-60 µs), and the top cumulative entries:
 
   python benchmarks/profile_launch.py --mlp [--fp8 ROWWISE|BLOCK|CURRENT] [--iters 300] [--top 25]
 
@@ -66,9 +68,11 @@ class StubKernel:
     record: bool = True
     last_ns: int = 0  # time.perf_counter_ns() at the last launch
     on_launch: Callable[[], object] | None = None  # called at each launch (--first-kernel)
+    launches: int = 0  # calls of fn so far (--mlp counts them per step)
 
     def fn(self, *args) -> None:
         self.last_ns = time.perf_counter_ns()
+        self.launches += 1
         if self.on_launch is not None:
             self.on_launch()
         if self.record:
@@ -176,8 +180,15 @@ class _OffsetsStub(StubKernel):
 
     def fn(self, splits, offs, ok, rows) -> None:
         super().fn(splits, offs, ok, rows)
-        torch.cumsum(splits, 0, out=offs)
-        ok.fill_(1)
+        _IN_STUB[0] += 1  # the kernel's own work: not host aten ops of the step (count_step)
+        try:
+            torch.cumsum(splits, 0, out=offs)
+            ok.fill_(1)
+        finally:
+            _IN_STUB[0] -= 1
+
+
+_IN_STUB = [0]  # > 0 while a stub writes a kernel's outputs (its aten ops are not counted)
 
 
 @contextlib.contextmanager
@@ -304,22 +315,79 @@ def profile_step(step: Callable[[], None], iters: int) -> tuple[float, pstats.St
     return stats.prim_calls / iters, stats
 
 
+# aten ops that make a new tensor from nothing (those that also fill it launch a kernel too)
+ALLOCATING = frozenset({
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros",
+    "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like", "new_full",
+    "scalar_tensor"})
+
+
+@dataclass
+class StepCounts:
+    """What one step dispatches on the host, the predictors of its GPU host time: aten ops
+    (views, allocations and the rest, which on the GPU launch a kernel or copy), stubbed
+    kernel launches (CuTe DSL: 20-60 µs of host each on an H100), and aten ops by name."""
+
+    aten: int
+    allocations: int
+    views: int
+    launches: int
+    by_name: dict[str, int]
+
+    def line(self) -> str:
+        other = self.aten - self.allocations - self.views
+        return (f"{self.aten} aten ops/step ({self.allocations} allocating, {self.views} views, "
+                f"{other} other), {self.launches} kernel launches/step")
+
+
+def count_step(step: Callable[[], None], stubs: dict[object, StubKernel]) -> StepCounts:
+    """`StepCounts` of one call of ``step`` (inside `stubbed_step`): a TorchDispatchMode sees
+    every aten op the step dispatches (the backward's too: CPU autograd runs on this thread),
+    except those a stub runs to write its kernel's outputs. Not used while timing."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names: Counter[str] = Counter()
+    views = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not _IN_STUB[0]:
+                names[func.overloadpacket.__name__] += 1
+                views[0] += func.is_view
+            return func(*args, **(kwargs or {}))
+
+    before = sum(s.launches for s in stubs.values())
+    with Count():
+        step()
+    launches = sum(s.launches for s in stubs.values()) - before
+    allocations = sum(n for name, n in names.items() if name in ALLOCATING)
+    return StepCounts(sum(names.values()), allocations, views[0], launches, dict(names))
+
+
 def main_mlp(args) -> None:
-    """``--mlp``: the whole step, bf16 and under the recipes ``--fp8`` names. Only bf16 and
-    the row-wise recipe are timed: the others quantize with torch ops (not cute kernels), which
-    compute on the CPU here (seconds a step), so only their Python calls are counted."""
+    """``--mlp``: the whole step, bf16 and under the recipes ``--fp8`` names. bf16, the
+    row-wise and the block recipe are timed (the block recipe's activation runs as torch ops
+    after its GEMMs, computing on the CPU here: part of its µs is that maths); per-tensor
+    scaling quantizes with torch ops (seconds a step on the CPU), so only its Python calls and
+    dispatches are counted."""
     names = [None] + [RECIPES[n] for n in args.fp8.split(",") if n]
     with stubbed_step() as stubs:
         for name in names:
             step = mlp_step(args.rows, name)
             step()
             launches = len(stubs)
-            timed = name in (None, RECIPES["ROWWISE"])
+            timed = name in (None, RECIPES["ROWWISE"], RECIPES["BLOCK"])
             us = f"{time_best(step, args.iters):8.1f} µs/step" if timed else "(not timed)".rjust(16)
             calls, stats = profile_step(step, max(args.iters // 10, 1) if timed else 2)
+            counts = count_step(step, stubs)
             print(f"{name or 'bf16':22s} {us}  {calls:6.0f} calls/step  "
                   f"({launches} kernel configs so far)")
+            print(f"{'':22s} {counts.line()}")
             if args.top:
+                ranked = sorted(counts.by_name.items(), key=lambda kv: (-kv[1], kv[0]))
+                print("aten ops/step: " + ", ".join(f"{n} {k}" for k, n in ranked))
                 stats.sort_stats("cumulative").print_stats(args.top)
 
 

@@ -455,13 +455,24 @@ def test_weight_cache_unused_while_a_cuda_graph_captures(monkeypatch):
     x = _rand(2, 128)
     with te_seq.autocast(recipe=recipe.Float8RowwiseScaling()):
         model(x)  # warm: cached
-        monkeypatch.setattr(te_seq.core.fp8, "_capturing", lambda: True)
+        monkeypatch.setattr(te_seq.core.fp8, "_capturing", lambda device: True)
         model(x)
         model(x)
         assert len(calls) == 3  # quantized on each "captured" call, the cache not read
-        monkeypatch.setattr(te_seq.core.fp8, "_capturing", lambda: False)
+        monkeypatch.setattr(te_seq.core.fp8, "_capturing", lambda device: False)
         model(x)
     assert len(calls) == 3  # the eager cache still holds the pre-capture entry
+
+
+def test_weight_cache_asks_cuda_about_capture_only_for_cuda_weights(monkeypatch):
+    """CPU weights never query the CUDA runtime (each query costs host time on every call)."""
+    def no_query(*args):
+        raise AssertionError("torch.cuda queried for CPU weights")
+
+    monkeypatch.setattr(torch.cuda, "is_available", no_query)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", no_query)
+    with te_seq.autocast(recipe=recipe.Float8RowwiseScaling()):
+        te_seq.Sequential(ops.BasicLinear(128, 128))(_rand(2, 128))
 
 
 @pytest.mark.parametrize("r", RECIPES, ids=IDS)

@@ -63,3 +63,48 @@ def test_profile_launch_mlp_dry_run():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if "calls/step" in line]
     assert [line.split()[0] for line in lines] == ["bf16", "Float8RowwiseScaling"]
+    assert sum("kernel launches/step" in line for line in result.stdout.splitlines()) == 2
+
+
+def test_count_step_counts_aten_ops_allocations_and_launches():
+    """`count_step` sees the step's aten ops (allocations among them) and its stubbed launches,
+    but not the ops a stub runs to write its kernel's outputs (the offsets' cumsum and fill)."""
+    from profile_launch import count_step
+
+    with stubbed_step() as stubs:
+        step = mlp_step(256, None, e=8, h=256, f=128)
+        step()
+        counts = count_step(step, stubs)
+    assert counts.launches == 7  # as test_bf16_step_launches_its_seven_kernels
+    assert counts.allocations == counts.by_name["empty"] + counts.by_name.get("zeros", 0) > 0
+    assert counts.aten == sum(counts.by_name.values()) > counts.allocations + counts.views
+    assert "cumsum" not in counts.by_name and "fill_" not in counts.by_name
+    assert "aten ops/step" in counts.line() and "7 kernel launches/step" in counts.line()
+
+
+def test_rowwise_step_makes_no_shape_only_stand_ins():
+    """A call whose signature passed the checks before makes no stand-in tensors for them
+    (h's shape for the activation's checks, a's for FC2's saved record), as in bf16."""
+    from profile_launch import count_step
+
+    with stubbed_step() as stubs:
+        step = mlp_step(256, "Float8RowwiseScaling", e=8, h=256, f=128)
+        step()
+        counts = count_step(step, stubs)
+    assert "new_empty" not in counts.by_name and "expand" not in counts.by_name
+
+
+@pytest.mark.parametrize("recipe_name, ceiling", [
+    ("Float8RowwiseScaling", (38, 22)),  # 2026-11-25: 46 allocations and 33 views before
+    ("Float8BlockScaling", (26, 34)),  # 28 and 40 before
+])
+def test_fp8_step_dispatches_no_more_than_measured(recipe_name, ceiling):
+    """The FP8 step's allocations and views (each ~6 µs of host on an H100) stay at or under
+    what docs/fp8.md records ("Fewer host dispatches"): a change that adds some shows here."""
+    from profile_launch import count_step
+
+    with stubbed_step() as stubs:
+        step = mlp_step(256, recipe_name, e=8, h=256, f=128)
+        step()
+        counts = count_step(step, stubs)
+    assert counts.allocations <= ceiling[0] and counts.views <= ceiling[1], counts.line()

@@ -414,9 +414,9 @@ class WeightOperands:
         """(data [G, N, K] FP8, scale_inv [G, Nb, Kb] fp32) of a stacked weight."""
         if self._stacked_fp8 is not None:
             q = self._stacked_fp8[0]
-            return q.data, q.scale_inv
+            return q.data, _flat_rows_view(q.scale_inv)
         return (torch.stack([q.data for q in self.quantized]),
-                torch.stack([q.scale_inv for q in self.quantized]))
+                _flat_rows_view(torch.stack([q.scale_inv for q in self.quantized])))
 
     @functools.cached_property
     def dgrad_fp8(self) -> tuple[Tensor, Tensor]:
@@ -425,9 +425,20 @@ class WeightOperands:
         if self._stacked_fp8 is not None:  # as made where N is contiguous, else contiguous
             q = self._stacked_fp8[1]
             data = q.data if q.data.stride(-1) == 1 else q.data.contiguous()
-            return data, q.scale_inv.contiguous()
+            return data, _flat_rows_view(q.scale_inv.contiguous())
         return (torch.stack([q.data for q in self.dgrad_quantized]),
-                torch.stack([q.scale_inv for q in self.dgrad_quantized]))
+                _flat_rows_view(torch.stack([q.scale_inv for q in self.dgrad_quantized])))
+
+
+def _flat_rows_view(scale_inv: Tensor) -> Tensor:
+    """Row-wise scales [G, N, 1] as a view of a contiguous [G, N] tensor (the same values):
+    the grouped kernels' operand, which `fp8_cute.row_scales` then takes without a view op on
+    every call (made once per weight version). Other scales (per tensor, blocks) as given.
+    `detach` makes the [G, N] tensor an alias of its own (not a view), so that it is the
+    `_base` of the [G, N, 1] view."""
+    if scale_inv.dim() != 3 or scale_inv.shape[-1] != 1 or scale_inv.shape[1] == 1:
+        return scale_inv
+    return scale_inv.reshape(scale_inv.shape[:2]).contiguous().detach()[..., None]
 
 
 def cached_weights(
@@ -441,7 +452,7 @@ def cached_weights(
     While a CUDA graph is being captured the cache is neither read nor written: the graph must
     hold the quantization kernels (a replay after an optimizer step then quantizes the weights
     it reads), and its outputs live in the graph's memory, which later replays overwrite."""
-    capturing = _capturing()
+    capturing = _capturing(w.device)
     key = (
         recipe,
         backend_name,  # the kernels' layouts differ (the cute dgrad form is a strided view)
@@ -462,9 +473,10 @@ def cached_weights(
     return weights
 
 
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def _capturing(device: torch.device) -> bool:
+    """Whether `device`'s current CUDA stream is capturing a graph (asked only for a CUDA
+    device: no `torch.cuda.is_available()` query, ~2 µs, on every call)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def clear_weight_cache(op: torch.nn.Module) -> None:

@@ -92,6 +92,29 @@ def block_scales(x: QuantizedTensor, w_scale_inv: Tensor, n: int) -> tuple[Tenso
             w_scale_inv.to(torch.float32).contiguous())
 
 
+def row_scales(x: QuantizedTensor, w_scale_inv: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """`fp8_torch.rowwise_scales` (x's [M], W's [G, N] fp32, contiguous), without its view ops
+    where both scales are `t[..., None]` views of contiguous tensors of those shapes (the cute
+    quantizers' row scales, the weight cache's: `fp8.WeightOperands`): those tensors
+    themselves, the same memory and layout. A view op costs ~6 µs of host on an H100 (the
+    2026-11-25 step profile), and a step took four pairs."""
+    scale_a, scale_b = _viewed(x.scale_inv), _viewed(w_scale_inv)
+    if scale_a is None or scale_b is None or scale_a.shape[0] != x.data.shape[0] \
+            or scale_b.shape != (w_scale_inv.shape[0], n):
+        return fp8_torch.rowwise_scales(x, w_scale_inv, n)
+    return scale_a, scale_b
+
+
+def _viewed(s: Tensor) -> Tensor | None:
+    """The contiguous tensor b with s = b[..., None] (s's `_base`, read without a view op), or
+    None where s is not such a view."""
+    base = s._base  # both contiguous from one address, shapes that differ by s's last 1:
+    if base is None or not (base.is_contiguous() and s.is_contiguous()) \
+            or base.data_ptr() != s.data_ptr() or base.shape != s.shape[:-1]:
+        return None  # (one element per row of s: the same layout)
+    return base
+
+
 def scaled_grouped_mm(
     x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
     out_dtype: torch.dtype,
@@ -106,7 +129,7 @@ def scaled_grouped_mm(
         scale_a, scale_b = block_scales(x, w_scale_inv, n)
         return cute.block_scaled_grouped_mm(x.data.contiguous(), w_data.contiguous(), scale_a,
                                             scale_b, offs32, out_dtype)
-    scale_a, scale_b = fp8_torch.rowwise_scales(x, w_scale_inv, n)
+    scale_a, scale_b = row_scales(x, w_scale_inv, n)
     return cute.scaled_grouped_mm(x.data.contiguous(), w_data.contiguous(), scale_a, scale_b,
                                   offs32, out_dtype)
 
@@ -144,7 +167,7 @@ def glu_fc1(x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tenso
             ) -> tuple[Tensor, Tensor]:
     """(h [M, 2F], a [M, F]): FC1's FP8 GEMM (`scaled_grouped_mm`'s operands: x [M, H], W1
     [G, 2F, H]) with the gated activation (· probs) in its epilogue, bf16 (`out_dtype`)."""
-    scale_a, scale_b = fp8_torch.rowwise_scales(x, w_scale_inv, w_data.shape[1])
+    scale_a, scale_b = row_scales(x, w_scale_inv, w_data.shape[1])
     return cute.scaled_glu_fc1_forward(
         x.data.contiguous(), w_data.contiguous(), scale_a, scale_b, offs.to(torch.int32),
         glu.act, glu.glu_interleave_size, probs, glu.params)
@@ -155,7 +178,7 @@ def glu_dgrad(dy: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Te
               ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dh [M, 2F], a [M, F], dprobs [M] or None): FC2's FP8 dgrad (dy [M, H], W2ᵀ [G, F, H]
     quantized along H) with the gated activation's backward from h [M, 2F] in its epilogue."""
-    scale_a, scale_b = fp8_torch.rowwise_scales(dy, w_scale_inv, w_data.shape[1])
+    scale_a, scale_b = row_scales(dy, w_scale_inv, w_data.shape[1])
     return cute.scaled_glu_fc2_dgrad(
         dy.data.contiguous(), w_data.contiguous(), scale_a, scale_b, offs.to(torch.int32),
         h, glu.act, glu.glu_interleave_size, probs, glu.params)

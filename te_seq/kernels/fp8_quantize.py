@@ -82,8 +82,11 @@ def rows(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule,
     """t [R, C] quantized along C with `block` under `rule` (`fp8_reference.quantize`). 1 x bc
     blocks that cut rows into whole blocks are the rows of t seen as [R·C/bc, bc]."""
     if ref.splits_rows(t, block):
-        flat = rows(t.reshape(-1, block.cols), ref.ROWWISE, rule, backend_name)
-        return ref.row_blocks_from_rows(t, block, flat)
+        if reason(t, ref.ROWWISE, rule, backend_name):
+            flat = ref.quantize(t.reshape(-1, block.cols), ref.ROWWISE, rule)
+            return ref.row_blocks_from_rows(t, block, flat)
+        data, scale_inv = cute.quantize_row_blocks(t, block.cols, rule.power_of_two, rule.dtype)
+        return ref.QuantizedTensor(data, scale_inv, block, rule)
     if reason(t, block, rule, backend_name):
         return ref.quantize(t, block, rule)
     data, scale_inv = cute.quantize_rows(t, rule.power_of_two, rule.dtype)

@@ -53,6 +53,7 @@ from .offsets import group_offsets, offsets_problem
 from .quant import (
     group_amax_problem,
     quant_problem,
+    quantize_row_blocks,
     quantize_rows,
     quantize_rows_and_group_amax,
     quantize_rows_and_spans,
@@ -89,6 +90,7 @@ __all__ = [
     "offsets_problem",
     "quant_problem",
     "quantize_rows",
+    "quantize_row_blocks",
     "quantize_spans",
     "quantize_rows_and_spans",
     "span_table",

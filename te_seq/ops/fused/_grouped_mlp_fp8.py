@@ -102,8 +102,7 @@ def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: 
     bounds, dtype = LazyGroupBounds(offs), x.dtype
     probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]
     fp8.check_operands(mlp.fc1, recipe, x, w1, w1.shape[-1], w1.shape[-2])
-    h_like = x.new_empty(()).expand(x.shape[0], mlp.fc1.out_features)  # shape only
-    mlp.activation.pre_forward_checks(h_like, extra_inputs[1])
+    _activation_checks(mlp, ctx, x, extra_inputs[1])
     if not epilogue_reasons(mlp, backend.name, recipe, dtype, x.device)[0]:
         glu = functools.partial(fp8_cute.glu_fc1, glu=mlp.activation.glu_spec, probs=probs)
         (h, a), ops1 = fp8_gemm.grouped_forward(mlp.fc1, ctx, input_, x, w1, _params(mlp.fc1),
@@ -111,7 +110,7 @@ def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: 
     else:
         h, ops1 = _gemm(mlp.fc1, ctx, input_, x, w1, offs, bounds, extras.fc1_scales)  # [T, 2F]
         a = _activation(mlp, h, probs, backend)  # [T, F]
-    mlp.fc2.pre_forward_checks(a, extra_inputs[2])
+    mlp.fc2.forward_checks(a, extra_inputs[2], ctx.signature_checked)
     # FC2's wgrad operand is recomputed from h in backward: not quantized along tokens here
     y, ops2 = _gemm(mlp.fc2, ctx, a, a, w2, offs, bounds, extras.fc2_scales,
                        need_wgrad=False)  # [T, H]
@@ -119,9 +118,18 @@ def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: 
         ctx.save_for_backward(h, offs, extras.probs, extras.fc1_scales, extras.fc2_scales,
                               *ops1.tensors(), *ops2.tensors())
         ctx.saved = mlp.fc1.saved_record(input_, dtype)
-        fc2_input = a.new_empty(()).expand(*input_.shape[:-1], mlp.fc2.in_features)
-        ctxs[2].saved = mlp.fc2.saved_record(fc2_input, dtype)
+        fc2_shape = torch.Size((*input_.shape[:-1], mlp.fc2.in_features))  # a's, unflattened
+        ctxs[2].saved = mlp.fc2.saved_record(a, dtype, shape=fc2_shape)
     return y
+
+
+def _activation_checks(mlp, ctx, x: Tensor, extra: tuple) -> None:
+    """The activation's input checks on a stand-in for h [T, 2F] (made only where they run:
+    a call whose signature passed checks that read only it needs none, as in bf16)."""
+    seen = ctx.signature_checked
+    if not (seen and mlp.activation.checks_read_only_signature()):
+        h_like = x.new_empty(()).expand(x.shape[0], mlp.fc1.out_features)  # shape only
+        mlp.activation.forward_checks(h_like, extra, seen)
 
 
 def backward(mlp, ctxs, grad_output: Tensor):
