@@ -130,8 +130,10 @@ def scaled_grouped_mm(
         return cute.block_scaled_grouped_mm(x.data.contiguous(), w_data.contiguous(), scale_a,
                                             scale_b, offs32, out_dtype)
     scale_a, scale_b = row_scales(x, w_scale_inv, n)
-    return cute.scaled_grouped_mm(x.data.contiguous(), w_data.contiguous(), scale_a, scale_b,
-                                  offs32, out_dtype)
+    # W as given: the cute GEMMs read any K-contiguous layout of whole 16-byte strides (a
+    # stacked weight's dgrad form is a strided view) and copy the others themselves
+    return cute.scaled_grouped_mm(x.data.contiguous(), w_data, scale_a, scale_b, offs32,
+                                  out_dtype)
 
 
 # ---------------------------------------------------------------- GLU epilogues (fused MLP)
@@ -169,7 +171,7 @@ def glu_fc1(x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tenso
     [G, 2F, H]) with the gated activation (· probs) in its epilogue, bf16 (`out_dtype`)."""
     scale_a, scale_b = row_scales(x, w_scale_inv, w_data.shape[1])
     return cute.scaled_glu_fc1_forward(
-        x.data.contiguous(), w_data.contiguous(), scale_a, scale_b, offs.to(torch.int32),
+        x.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32),
         glu.act, glu.glu_interleave_size, probs, glu.params)
 
 
@@ -180,5 +182,5 @@ def glu_dgrad(dy: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Te
     quantized along H) with the gated activation's backward from h [M, 2F] in its epilogue."""
     scale_a, scale_b = row_scales(dy, w_scale_inv, w_data.shape[1])
     return cute.scaled_glu_fc2_dgrad(
-        dy.data.contiguous(), w_data.contiguous(), scale_a, scale_b, offs.to(torch.int32),
+        dy.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32),
         h, glu.act, glu.glu_interleave_size, probs, glu.params)
