@@ -38,6 +38,7 @@ _LOCAL = {
     "test_fp8_cute_block",  # its block-kernel maths serve tests/test_fp8_cute_block_gpu.py
     "test_fp8_backward",  # its recipes, cases and runner serve tests/test_fp8_memory.py
     "test_fp8_memory",  # its saved-bytes measure serves tests/test_fp8_hp_wgrad.py
+    "aten_log",  # the aten-op recorder of the host-path tests
     "test_cute_quant",  # its span cast emulation serves tests/kernels/test_cute_row_amax.py
     # benchmarks/ (tests/test_benchmark_dry_run.py puts it on the path)
     "_common", "grad_modes", "mlp_case", "mlp_measure", "mlp_report", "peers", "peer_quack",

@@ -6,7 +6,7 @@ layout as `fp8_torch.rowwise_scales`; anything else takes `rowwise_scales` itsel
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from aten_log import AtenLog
 
 from te_seq import recipe
 from te_seq.core import fp8
@@ -15,16 +15,6 @@ from te_seq.kernels import fp8_reference as ref
 
 G, N, K, M = 3, 32, 64, 10
 E4M3 = ref.ScaleRule("E4M3")
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def _weights(r) -> fp8.WeightOperands:
@@ -59,7 +49,7 @@ def test_row_scales_dispatch_no_op_and_equal_rowwise_scales():
     weights, x = _weights(recipe.Float8RowwiseScaling()), _rows_quantized()
     w_scale_inv = weights.fp8[1]
     want = fp8_torch.rowwise_scales(x, w_scale_inv, N)
-    with _Ops() as ops:
+    with AtenLog() as ops:
         got = fp8_cute.row_scales(x, w_scale_inv, N)
     assert ops.names == [] and _same(got, want)
     assert got[0] is x.scale_inv._base and got[1] is w_scale_inv._base
@@ -73,7 +63,7 @@ def test_row_scales_fall_back_to_rowwise_scales():
     x_tensor = ref.quantize(torch.randn(M, K), ref.QuantBlock(None, None), E4M3)
     row_w = _weights(recipe.Float8RowwiseScaling()).fp8[1]
     for x, w in ((rows, row_w), (x_tensor, row_w), (_rows_quantized(), per_tensor)):
-        with _Ops() as ops:
+        with AtenLog() as ops:
             got = fp8_cute.row_scales(x, w, N)
         assert ops.names, "expected rowwise_scales' ops"
         assert _same(got, fp8_torch.rowwise_scales(x, w, N))

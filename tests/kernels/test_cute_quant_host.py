@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install "
                     "'te_seq[cute]')")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: its helper modules
+from aten_log import AtenLog  # noqa: E402
 from profile_launch import stubbed_step  # noqa: E402
 
 from te_seq.kernels import cute, fp8_quantize  # noqa: E402
@@ -30,16 +32,6 @@ def _operands():
     offs = torch.tensor(SIZES).cumsum(0).to(torch.int32)
     table, _ = fp8_quantize.span_table(offs, ROWS)  # torch ops on the CPU: no kernel
     return t, table, offs
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def _launches(stubs, kind: str) -> list[tuple]:
@@ -136,7 +128,7 @@ def test_row_blocks_are_the_rows_kernel_on_views_of_their_final_outputs(monkeypa
     monkeypatch.setattr(quant, "_kernel", lambda kind, *args: rows_kernel)
     monkeypatch.setattr(fp8_quantize, "reason", lambda *args: "")
     t = (torch.randn(40, 384) * torch.logspace(-3, 3, 384)).to(torch.bfloat16)
-    with _Ops() as ops:
+    with AtenLog() as ops:
         got = fp8_quantize.rows(t, block, rule, "cute")
     assert ops.names == ["empty", "empty", "view", "view", "view"]  # outputs, kernel views
     want = ref.quantize(t, block, rule)
