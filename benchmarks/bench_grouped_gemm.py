@@ -24,6 +24,12 @@ subtiles (``Tiling(..., pingpong=True, epi_rows=64)``: keys ``fused_pp1x2_e64``,
 dgrad at both ping-pong widths, 128 and 192 (``fused_pp1x2_w128_e64``, ...), outputs checked
 against torch like every other variant.
 
+``--glu-tilings 128:2x1p,...`` (implies ``--glu``) adds both fused steps at those tilings.
+
+``--main-grad`` times FC1's and FC2's wgrads accumulated into an fp32 ``main_grad`` (Megatron
+mode), checked against float64, and prints the TB/s of their compulsory traffic (main_grad read
+and written, the operands read): how close the accumulate is to the copy bandwidth.
+
 ``--fp8`` times the forward GEMMs (FC1, FC2) on E4M3 operands with row-wise scales: cute
 ``scaled_grouped_mm``, ``torch._scaled_grouped_mm`` and cute bf16 ``grouped_mm`` in one run
 (``bench_fp8_gemm.py``).
@@ -200,6 +206,39 @@ def run_shape(name: str, iters: int, tilings: dict) -> list[dict]:
     return rows
 
 
+def main_grad_rows(name: str, iters: int) -> list[dict]:
+    """FC1's and FC2's wgrads accumulated into an fp32 ``main_grad`` (Megatron mode), default
+    tilings: checked against a float64 reference, then ms and TB/s of their compulsory traffic
+    (main_grad read and written, both operands read once)."""
+    from te_seq.kernels import cute, reference
+
+    e, h, f, m = SHAPES[name]
+    gen = torch.Generator().manual_seed(0)
+    offs = torch.tensor(split_sizes(name, e, m, gen)).cumsum(0).to(torch.int32).cuda()
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    cases = {  # label: (dOut [M, N], X [M, K]) -> main_grad [E, N, K]
+        "fc1_wgrad_main_grad": (torch.randn(m, 2 * f, **bf), torch.randn(m, h, **bf)),
+        "fc2_wgrad_main_grad": (torch.randn(m, h, **bf), torch.randn(m, f, **bf)),
+    }
+    rows = []
+    for label, (dout, x) in cases.items():
+        main_grad = torch.randn(e, dout.shape[1], x.shape[1], device="cuda")
+        ref = reference.grouped_wgrad(dout.double(), x.double(), offs) + main_grad.double()
+        cute.grouped_wgrad(dout, x, offs, out=main_grad, accumulate=True)
+        err = rel_err(main_grad, ref)
+        del ref
+        fn = (lambda c: lambda: cute.grouped_wgrad(dout, x, offs, out=c, accumulate=True))(
+            main_grad)
+        ms = time_ms({"cute": fn}, iters)["cute"]
+        gb = (2 * main_grad.numel() * 4 + (dout.numel() + x.numel()) * 2) / 1e9
+        rows.append(dict(shape=name, gemm=label, rel_err=err, ms=ms, gb=gb, tb_per_s=gb / ms))
+        print(f"{name:5} {label:20} rel err {err:.1e}  {ms:.3f} ms  {gb:.2f} GB  "
+              f"{gb / ms:.2f} TB/s", flush=True)
+        del main_grad
+        torch.cuda.empty_cache()
+    return rows
+
+
 def launch_overhead_us(calls: int = 2000) -> dict[str, float]:
     """Host time per call on a tiny problem (the GPU keeps up, so this is the launch path)."""
     from te_seq.kernels import cute
@@ -224,7 +263,7 @@ def launch_overhead_us(calls: int = 2000) -> dict[str, float]:
 
 
 def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator,
-              pp64: bool = False):
+              pp64: bool = False, extra: dict | None = None):
     """(label, flops, {variant: fn}, check) for the FC1 forward and FC2 dgrad GLU steps."""
     from te_seq.kernels import GluSpec, cute, get_backend, reference
 
@@ -268,6 +307,8 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator,
             f"fused_pp{c[0]}x{c[1]}_w{w}_e64": cute.Tiling(w, c, pingpong=True, epi_rows=64)
             for c in pp for w in (128, 192)
         }
+    for key, t in (extra or {}).items():  # --glu-tilings: both steps at these tilings
+        fc1_pp[f"fused_{key}"] = dgrad_pp[f"fused_{key}"] = t
 
     yield (
         "fc1_glu_fwd",
@@ -304,11 +345,12 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator,
     )
 
 
-def run_glu_shape(name: str, iters: int, pp64: bool = False) -> list[dict]:
+def run_glu_shape(name: str, iters: int, pp64: bool = False,
+                  extra: dict | None = None) -> list[dict]:
     e, h, f, m = SHAPES[name]
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for label, flops, fns in glu_cases(name, e, h, f, m, gen, pp64):
+    for label, flops, fns in glu_cases(name, e, h, f, m, gen, pp64, extra):
         ref = fns["torch+ew"]()
         first, errs = {}, {}
         for key, fn in fns.items():
@@ -339,7 +381,8 @@ def run_glu_shape(name: str, iters: int, pp64: bool = False) -> list[dict]:
 def main_glu(args) -> None:
     rows = []
     for name in args.shapes.split(","):
-        rows += run_glu_shape(name, args.iters, args.glu_pp)
+        rows += run_glu_shape(name, args.iters, args.glu_pp,
+                              parse_tilings(args.glu_tilings) if args.glu_tilings else None)
     print(
         f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}"
     )
@@ -361,9 +404,11 @@ def main_glu(args) -> None:
         "cew = reference maths compiled by torch.compile; h2: dgrad with two h subtiles loaded "
         "ahead)"
     )
-    for r in rows if args.glu_pp else []:  # the 64-row-subtile ping-pong variants
-        e64 = {k: v for k, v in r["tflops"].items() if k.endswith("_e64")}
-        print(f"{r['shape']:5} {r['step']:14} " + "  ".join(f"{k} {v:.0f}" for k, v in e64.items()))
+    for r in rows if args.glu_pp or args.glu_tilings else []:  # the extra fused variants
+        more = {k: v for k, v in r["tflops"].items()
+                if k.endswith("_e64") or k.removeprefix("fused_") in (args.glu_tilings or "")}
+        print(f"{r['shape']:5} {r['step']:14} "
+              + "  ".join(f"{k} {v:.0f}" for k, v in more.items()))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"rows": rows}, fh, indent=1)
@@ -395,13 +440,23 @@ def main() -> None:
     p.add_argument("--glu", action="store_true", help="time the fused GLU steps instead")
     p.add_argument("--glu-pp", action="store_true",
                    help="--glu plus ping-pong with 64-row epilogue subtiles (both dgrad widths)")
+    p.add_argument("--glu-tilings", default="",
+                   help="--glu plus the fused steps at these tilings (as --tilings), e.g. 256:2x2")
     p.add_argument("--fp8", action="store_true", help="time the FP8 forward GEMMs instead")
+    p.add_argument("--main-grad", action="store_true",
+                   help="time the wgrads accumulated into fp32 main_grad instead (TB/s)")
     args = p.parse_args()
     BURST = args.burst
     if args.fp8:
         main_fp8(args)
         return
-    if args.glu or args.glu_pp:
+    if args.main_grad:
+        rows = [r for name in args.shapes.split(",") for r in main_grad_rows(name, args.iters)]
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"rows": rows}, fh, indent=1)
+        return
+    if args.glu or args.glu_pp or args.glu_tilings:
         main_glu(args)
         return
     tilings = parse_tilings(args.tilings)
