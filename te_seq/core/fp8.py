@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -82,10 +83,23 @@ class autocast:  # noqa: N801 (a context manager used like a function)
 # --- checks ---------------------------------------------------------------------------------
 
 
+# (recipe, x's dtype, W's dtype, K, N) of GEMMs `check_operands` passed: what it reads, so the
+# next call with the same facts passes too (a refused call is never recorded: refused again)
+_PASSED: set[tuple] = set()
+
+
 def check_operands(op: object, recipe: Recipe, x: Tensor, w: Tensor, k: int, n: int) -> None:
     """ValueError naming the op, the recipe and the values when `recipe` cannot quantize a GEMM
     of x [..., K] with W [.., N, K]: a dtype other than fp32/bf16/fp16, or K or N not a multiple
-    of the recipe's block."""
+    of the recipe's block. Facts that passed once are not checked again (one set lookup)."""
+    facts = (recipe, x.dtype, w.dtype, k, n)
+    if facts in _PASSED:
+        return
+    _check_operands(op, recipe, x, w, k, n)
+    _PASSED.add(facts)
+
+
+def _check_operands(op: object, recipe: Recipe, x: Tensor, w: Tensor, k: int, n: int) -> None:
     name = type(op).__name__
     for label, t in (("input", x), ("weight", w)):
         if t.dtype not in _DTYPES:
@@ -114,6 +128,39 @@ def check_quantizable(op: object, recipe: Recipe, x: Tensor) -> None:
 
 
 # --- operands -------------------------------------------------------------------------------
+
+
+class RoleScaling(NamedTuple):
+    """A recipe's scaling of one operand role: its block, its rule, and whether the block is
+    row-wise or one per tensor."""
+
+    block: ref.QuantBlock
+    rule: ref.ScaleRule
+    rowwise: bool
+    per_tensor: bool
+
+
+# recipe -> {role: RoleScaling}: `Recipe.rule` makes a new ScaleRule on each call, and every
+# comparison or hash of a block or a rule is a Python call; the hot paths read them from here
+_SCALINGS: dict[Recipe, dict[str, RoleScaling]] = {}
+
+
+def scaling(recipe: Recipe, role: str) -> RoleScaling:
+    """`recipe`'s `RoleScaling` of operands of `role` ("input", "weight" or "grad"), made once
+    per recipe (the same rule object on every call)."""
+    found = _SCALINGS.get(recipe)
+    if found is None:
+        if len(_SCALINGS) >= 64:  # recipes made afresh in a loop: no growth
+            _SCALINGS.clear()
+        found = _SCALINGS[recipe] = {role: _scaling(recipe, role) for role in
+                                     ("input", "weight", "grad")}
+    return found[role]
+
+
+def _scaling(recipe: Recipe, role: str) -> RoleScaling:
+    block = recipe.block(role)
+    return RoleScaling(block, recipe.rule(role), block == ref.ROWWISE,
+                       block == ref.QuantBlock(None, None))
 
 
 @dataclass(frozen=True)
@@ -161,7 +208,8 @@ def input_quantized(recipe: Recipe, input_: Tensor, x: Tensor,
     marker = _marker(recipe, input_)
     if marker is not None:
         return marker.forward
-    return fp8_quantize.rows(x, recipe.block("input"), recipe.rule("input"), backend_name)
+    x_scaling = scaling(recipe, "input")
+    return fp8_quantize.rows(x, x_scaling.block, x_scaling.rule, backend_name)
 
 
 def input_wgrad(recipe: Recipe, input_: Tensor, x: Tensor, bounds,
@@ -208,7 +256,7 @@ def input_token_major(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor,
     or per-tensor recipes; the values of `input_wgrad`): per tensor the forward operand
     `forward` itself laid out (None: quantized here), else quantized from x (or from an
     `ops.Quantize` source)."""
-    if recipe.block("input") == ref.QuantBlock(None, None):
+    if scaling(recipe, "input").per_tensor:
         return fp8_wgrad.token_major_from(
             forward or input_quantized(recipe, input_, x, backend_name), offs)
     marker = _marker(recipe, input_)
@@ -220,7 +268,7 @@ def grad_token_major(recipe: Recipe, dy: Tensor, offs: Tensor, along_n: ref.Quan
                      backend_name: str = "torch") -> fp8_wgrad.TokenMajor:
     """dy [T, N] along the tokens of each group, token-major (the values of `grad_operands`'
     wgrad operand); `along_n` is dy quantized for the dgrad (per tensor: the same data)."""
-    if recipe.block("grad") == ref.QuantBlock(None, None):
+    if scaling(recipe, "grad").per_tensor:
         return fp8_wgrad.token_major_from(along_n, offs)
     return _token_major(recipe, "grad", dy, offs, backend_name)
 
@@ -229,9 +277,10 @@ def _token_major(recipe: Recipe, role: str, t: Tensor, offs: Tensor, backend_nam
                  ) -> fp8_wgrad.TokenMajor:
     """t along each group's tokens, token-major: one scale per (group, column) (row-wise), or
     per (128-token block, column) under block scaling (1x128 blocks along the tokens)."""
-    if recipe.block(role) == ref.QuantBlock(1, 128):
-        return fp8_quantize.token_major_blocks(t, offs, recipe.rule(role), backend_name)
-    return fp8_quantize.token_major(t, offs, recipe.rule(role), backend_name)
+    t_scaling = scaling(recipe, role)
+    if t_scaling.block == ref.QuantBlock(1, 128):
+        return fp8_quantize.token_major_blocks(t, offs, t_scaling.rule, backend_name)
+    return fp8_quantize.token_major(t, offs, t_scaling.rule, backend_name)
 
 
 def input_both(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor, backend_name: str
@@ -255,7 +304,8 @@ def grad_both(recipe: Recipe, dy: Tensor, offs: Tensor, backend_name: str
 
 def grad_quantized(recipe: Recipe, dy: Tensor, backend_name: str = "torch") -> ref.QuantizedTensor:
     """dy [T, N] quantized along N as the dgrad GEMM's operand."""
-    return fp8_quantize.rows(dy, recipe.block("grad"), recipe.rule("grad"), backend_name)
+    dy_scaling = scaling(recipe, "grad")
+    return fp8_quantize.rows(dy, dy_scaling.block, dy_scaling.rule, backend_name)
 
 
 @dataclass
@@ -273,7 +323,7 @@ class DeferredTokenMajor:
         """`input_token_major` of x: the bits the forward would have kept."""
         if self.amax is not None:  # one cast pass from the forward's maxima
             return fp8_quantize.token_major_from_amax(self.x, self.offs, self.amax,
-                                                      recipe.rule("input"))
+                                                      scaling(recipe, "input").rule)
         return input_token_major(recipe, self.x, self.x, self.offs, None, backend_name)
 
 
@@ -282,9 +332,10 @@ def input_deferred(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor, back
     """(`input_quantized`, x kept for its token-major form in backward): with row-wise blocks
     on the cute kernels the same read of x also yields its (group, column) maxima, so that
     backward needs one cast pass only."""
-    if recipe.block("input") != ref.ROWWISE:
+    x_scaling = scaling(recipe, "input")
+    if not x_scaling.rowwise:
         return input_quantized(recipe, input_, x, backend_name), DeferredTokenMajor(x, offs)
-    forward, amax = fp8_quantize.rows_keeping_group_amax(x, offs, recipe.rule("input"),
+    forward, amax = fp8_quantize.rows_keeping_group_amax(x, offs, x_scaling.rule,
                                                          backend_name)
     return forward, DeferredTokenMajor(x, offs, amax)
 

@@ -33,6 +33,8 @@ bf16 rounding.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -192,16 +194,41 @@ def clear_decisions() -> None:
     fp8_quantize.clear_reasons()
 
 
+class GroupedRoute(NamedTuple):
+    """How a grouped linear's GEMMs run under a recipe, from the static facts `grouped_route`
+    reads: real FP8 forward (`forward_reason` ""), native dgrad (`backward_reason` ""), and
+    whether its wgrad then runs on FP8 token-major operands (`wgrad_reason` "")."""
+
+    forward: bool
+    backward: bool
+    fp8_wgrad: bool
+
+
+def grouped_route(ctx, x: Tensor, w: Tensor) -> GroupedRoute:
+    """The `GroupedRoute` of a grouped GEMM of x [T, K] with w [G, N, K] under ctx.recipe on
+    ctx's backend: one lookup per call, decided once per (backend, recipe, dtype, device,
+    (N, K)) by `forward_reason`, `backward_reason` and `wgrad_reason`."""
+    key = ("grouped route", ctx.backend.name, ctx.recipe, x.dtype, x.device, w.shape[-2:])
+    found = _DECISIONS.get(key)
+    if found is None:
+        found = _DECISIONS[key] = _grouped_route(*key[1:])
+    return found
+
+
+def _grouped_route(backend_name: str, recipe: Recipe, dtype: torch.dtype, device: torch.device,
+                   nk: tuple[int, int]) -> GroupedRoute:
+    facts = (backend_name, recipe, dtype, device, [(nk[1], nk[0])], True)
+    if forward_reason(*facts):
+        return GroupedRoute(False, False, False)
+    native_backward = not backward_reason(*facts)
+    return GroupedRoute(True, native_backward, native_backward and not wgrad_reason(recipe))
+
+
 def _runs_native(ctx, x: Tensor, w: Tensor, grouped: bool) -> bool:
     facts = (ctx.backend.name, ctx.recipe, x.dtype, x.device, [(w.shape[-1], w.shape[-2])],
              grouped)
     return decided(("forward", *facts[:4], w.shape[-2:], grouped),
                    lambda: not forward_reason(*facts))
-
-
-def _backward_native(ctx, x: Tensor, w: Tensor) -> bool:
-    facts = (ctx.backend.name, ctx.recipe, x.dtype, x.device, [(w.shape[-1], w.shape[-2])], True)
-    return decided(("backward", *facts[:4], w.shape[-2:]), lambda: not backward_reason(*facts))
 
 
 def linear_forward(op, ctx, input_: Tensor, x: Tensor, w: Tensor, params: list[Tensor],
@@ -234,13 +261,14 @@ def grouped_forward(
     need_wgrad = need_wgrad and ctx.weight_requires_grad  # frozen weights, no_grad: no wgrad
     fp8.check_operands(op, recipe, x, w, w.shape[-1], w.shape[-2])
     weights = fp8.cached_weights(op, recipe, w, params, ctx.backend.name)
-    if not _runs_native(ctx, x, w, grouped=True):
+    route = grouped_route(ctx, x, w)
+    if not route.forward:
         x_fwd, x_wgrad = fp8.input_operands(recipe, input_, x, bounds)
         y = ctx.backend.grouped_mm(x_fwd, weights.forward.transpose(1, 2), offs)
         return amp.cast(y, x.dtype), fp8.GradOperands(x_wgrad if need_wgrad else None,
                                                       weights.dgrad)
-    native_backward = _backward_native(ctx, x, w)
-    token_major = native_backward and need_wgrad and not wgrad_reason(recipe)
+    native_backward = route.backward
+    token_major = need_wgrad and route.fp8_wgrad
     if token_major and not fp8.defers_token_major(recipe, input_):
         x_q, x_tm = fp8.input_both(recipe, input_, x, offs, ctx.backend.name)  # one pass pair
     elif token_major:  # x itself kept for a token-major operand made in backward (default)

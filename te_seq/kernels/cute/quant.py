@@ -15,6 +15,8 @@ capturable. Imports no cutlass until a kernel is first compiled.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -157,14 +159,34 @@ def span_table(offs: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
     return table, padded_offs
 
 
+class _SpanPlan(NamedTuple):
+    """A `_spans` call signature's compiled kernels (the amax pass, the cast pass) and whether
+    t must be copied into a row-major layout first."""
+
+    amax: object
+    cast: object
+    t_copy: bool
+
+
+_SPAN_PLANS = PlanCache()  # _spans signatures (t's dtype, shape, strides, device; options)
+
+
 def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool,
            fp8_dtype: torch.dtype) -> tuple:
     """The span kernels' buffers and launches: (data, scale_inv), and with ``rows`` (row_data,
     row_scale_inv [T, 1]) after them. No output needs a fill: the cast kernel writes
     every column of data and every group's scale_inv (1 for groups without tokens); with
     ``rows`` the row maxima (atomic max) are the one zeroed buffer. Without ``rows`` the
-    kernels' row-wise arguments are constant dummies (`_span_dummies`): no allocation."""
-    t = _aligned(_row_major(t))
+    kernels' row-wise arguments are constant dummies (`_span_dummies`): no allocation. The
+    kernels and t's copy are decided once per call signature (`_SpanPlan`)."""
+    signature = (t.dtype, t.shape, t.stride(), t.device, power_of_two, rows, fp8_dtype)
+    plan = _SPAN_PLANS.get(signature) or _SPAN_PLANS.put(
+        signature, _SpanPlan(_kernel("span_amax", t, power_of_two, rows, fp8_dtype),
+                             _kernel("span_cast", t, power_of_two, rows, fp8_dtype),
+                             _row_major(t) is not t))
+    if plan.t_copy:
+        t = t.contiguous()
+    t = t if t.data_ptr() % 16 == 0 else t.clone()  # 16-byte aligned data (TMA), per call
     (count, cols), blocks = t.shape, table.shape[0]
     device, width = t.device, blocks * SPAN_BLOCK
     data = torch.empty(cols, width, dtype=fp8_dtype, device=device)
@@ -185,10 +207,8 @@ def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool
     block_amax = torch.empty(blocks, cols, dtype=torch.float32, device=device)
     extents = torch.empty(max(groups, 1), 2, dtype=torch.int32, device=device)
     table = table.contiguous()
-    _kernel("span_amax", t, power_of_two, rows, fp8_dtype)(t, table, block_amax, extents,
-                                                          row_amax)
-    _kernel("span_cast", t, power_of_two, rows, fp8_dtype)(
-        t, table, block_amax, extents, data, scale_inv, row_amax, row_data, row_scale_inv)
+    plan.amax(t, table, block_amax, extents, row_amax)
+    plan.cast(t, table, block_amax, extents, data, scale_inv, row_amax, row_data, row_scale_inv)
     if not rows:
         return data, scale_inv
     return data, scale_inv, row_data, row_scale_inv[:, None]
