@@ -140,21 +140,23 @@ class RoleScaling(NamedTuple):
     per_tensor: bool
 
 
-# recipe -> {role: RoleScaling}: `Recipe.rule` makes a new ScaleRule on each call, and every
-# comparison or hash of a block or a rule is a Python call; the hot paths read them from here
-_SCALINGS: dict[Recipe, dict[str, RoleScaling]] = {}
+# id(recipe) -> (recipe, {role: RoleScaling}): `Recipe.rule` makes a new ScaleRule on each
+# call, and every hash or comparison of a recipe, a block or a rule is a Python call; the hot
+# paths read them from here. Keyed by identity (the entry holds the recipe, so its id is not
+# reused while the entry lives); a recipe made afresh per call misses and replaces entries.
+_SCALINGS: dict[int, tuple[Recipe, dict[str, RoleScaling]]] = {}
 
 
 def scaling(recipe: Recipe, role: str) -> RoleScaling:
     """`recipe`'s `RoleScaling` of operands of `role` ("input", "weight" or "grad"), made once
-    per recipe (the same rule object on every call)."""
-    found = _SCALINGS.get(recipe)
+    per recipe object (the same rule object on every call)."""
+    found = _SCALINGS.get(id(recipe))
     if found is None:
         if len(_SCALINGS) >= 64:  # recipes made afresh in a loop: no growth
             _SCALINGS.clear()
-        found = _SCALINGS[recipe] = {role: _scaling(recipe, role) for role in
-                                     ("input", "weight", "grad")}
-    return found[role]
+        found = _SCALINGS[id(recipe)] = (recipe, {r: _scaling(recipe, r) for r in
+                                                  ("input", "weight", "grad")})
+    return found[1][role]
 
 
 def _scaling(recipe: Recipe, role: str) -> RoleScaling:
@@ -296,8 +298,9 @@ def input_both(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor, backend_
 def grad_both(recipe: Recipe, dy: Tensor, offs: Tensor, backend_name: str
               ) -> tuple[ref.QuantizedTensor, fp8_wgrad.TokenMajor]:
     """(`grad_quantized`, `grad_token_major`) of dy, made together where one pass pair can."""
-    if recipe.block("grad") == ref.ROWWISE:
-        return fp8_quantize.rows_and_token_major(dy, offs, recipe.rule("grad"), backend_name)
+    dy_scaling = scaling(recipe, "grad")
+    if dy_scaling.rowwise:
+        return fp8_quantize.rows_and_token_major(dy, offs, dy_scaling.rule, backend_name)
     along_n = grad_quantized(recipe, dy, backend_name)
     return along_n, grad_token_major(recipe, dy, offs, along_n, backend_name)
 
@@ -509,7 +512,7 @@ def cached_weights(
         backend_name,  # the kernels' layouts differ (the cute dgrad form is a strided view)
         w.dtype,
         tuple(w.shape),
-        tuple((id(p), p._version, p.data_ptr()) for p in params),
+        _versions(params),
     )
     cache = op.__dict__.get("_fp8_weight_cache")
     if cache is not None and cache[0] == key and not capturing:
@@ -522,6 +525,15 @@ def cached_weights(
     if recipe.cache_weights and not torch.compiler.is_compiling() and not capturing:
         op.__dict__["_fp8_weight_cache"] = (key, weights)
     return weights
+
+
+def _versions(params: list[Tensor]) -> tuple:
+    """(identity, version counter, data pointer) of each Parameter: what a cached weight form
+    depends on (one weight, the usual case, without a generator's frames)."""
+    if len(params) == 1:
+        p = params[0]
+        return ((id(p), p._version, p.data_ptr()),)
+    return tuple((id(p), p._version, p.data_ptr()) for p in params)
 
 
 def _capturing(device: torch.device) -> bool:
