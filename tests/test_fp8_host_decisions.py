@@ -29,7 +29,7 @@ def _counting(monkeypatch, module, name: str) -> list:
 
 def test_operand_checks_run_once_per_facts_and_refuse_every_time(monkeypatch):
     checks = _counting(monkeypatch, fp8, "_check_operands")
-    monkeypatch.setattr(fp8, "_PASSED", set())  # none passed yet
+    monkeypatch.setattr(fp8, "_PASSED", {})  # none passed yet
     recipe, op = Float8BlockScaling(), torch.nn.Identity()
     x, w = torch.randn(4, 256), torch.randn(2, 128, 256)
     for _ in range(3):

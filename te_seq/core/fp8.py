@@ -83,20 +83,24 @@ class autocast:  # noqa: N801 (a context manager used like a function)
 # --- checks ---------------------------------------------------------------------------------
 
 
-# (recipe, x's dtype, W's dtype, K, N) of GEMMs `check_operands` passed: what it reads, so the
-# next call with the same facts passes too (a refused call is never recorded: refused again)
-_PASSED: set[tuple] = set()
+# (id(recipe), x's dtype, W's dtype, K, N) -> recipe, of GEMMs `check_operands` passed: what
+# it reads, so the next call with the same facts passes too (a refused call is never recorded:
+# refused again). Keyed by the recipe's identity (hashing a recipe is a Python call), which
+# the entry holds (no id reuse).
+_PASSED: dict[tuple, Recipe] = {}
 
 
 def check_operands(op: object, recipe: Recipe, x: Tensor, w: Tensor, k: int, n: int) -> None:
     """ValueError naming the op, the recipe and the values when `recipe` cannot quantize a GEMM
     of x [..., K] with W [.., N, K]: a dtype other than fp32/bf16/fp16, or K or N not a multiple
     of the recipe's block. Facts that passed once are not checked again (one set lookup)."""
-    facts = (recipe, x.dtype, w.dtype, k, n)
-    if facts in _PASSED:
+    facts = (id(recipe), x.dtype, w.dtype, k, n)
+    if _PASSED.get(facts) is recipe:
         return
     _check_operands(op, recipe, x, w, k, n)
-    _PASSED.add(facts)
+    if len(_PASSED) >= 256:  # recipes made afresh in a loop: no growth
+        _PASSED.clear()
+    _PASSED[facts] = recipe
 
 
 def _check_operands(op: object, recipe: Recipe, x: Tensor, w: Tensor, k: int, n: int) -> None:
@@ -132,37 +136,50 @@ def check_quantizable(op: object, recipe: Recipe, x: Tensor) -> None:
 
 class RoleScaling(NamedTuple):
     """A recipe's scaling of one operand role: its block, its rule, and whether the block is
-    row-wise or one per tensor."""
+    row-wise, one per tensor, or 1x128 tiles."""
 
     block: ref.QuantBlock
     rule: ref.ScaleRule
     rowwise: bool
     per_tensor: bool
+    tiles: bool
 
 
 # id(recipe) -> (recipe, {role: RoleScaling}): `Recipe.rule` makes a new ScaleRule on each
 # call, and every hash or comparison of a recipe, a block or a rule is a Python call; the hot
 # paths read them from here. Keyed by identity (the entry holds the recipe, so its id is not
 # reused while the entry lives); a recipe made afresh per call misses and replaces entries.
-_SCALINGS: dict[int, tuple[Recipe, dict[str, RoleScaling]]] = {}
+_SCALINGS: dict[int, tuple[Recipe, dict[str, RoleScaling], bool]] = {}
 
 
 def scaling(recipe: Recipe, role: str) -> RoleScaling:
     """`recipe`'s `RoleScaling` of operands of `role` ("input", "weight" or "grad"), made once
     per recipe object (the same rule object on every call)."""
+    return _recipe_scalings(recipe)[1][role]
+
+
+def block_scaled(recipe: Recipe) -> bool:
+    """Whether `recipe` quantizes x / dy in 1x128 tiles and W in 128x128 blocks (made once per
+    recipe object, as `scaling`)."""
+    return _recipe_scalings(recipe)[2]
+
+
+def _recipe_scalings(recipe: Recipe) -> tuple[Recipe, dict[str, RoleScaling], bool]:
     found = _SCALINGS.get(id(recipe))
     if found is None:
         if len(_SCALINGS) >= 64:  # recipes made afresh in a loop: no growth
             _SCALINGS.clear()
-        found = _SCALINGS[id(recipe)] = (recipe, {r: _scaling(recipe, r) for r in
-                                                  ("input", "weight", "grad")})
-    return found[1][role]
+        roles = {r: _scaling(recipe, r) for r in ("input", "weight", "grad")}
+        blocks = (roles["input"].block, roles["weight"].block)
+        found = _SCALINGS[id(recipe)] = (recipe, roles, blocks == (ref.QuantBlock(1, 128),
+                                                                   ref.QuantBlock(128, 128)))
+    return found
 
 
 def _scaling(recipe: Recipe, role: str) -> RoleScaling:
     block = recipe.block(role)
     return RoleScaling(block, recipe.rule(role), block == ref.ROWWISE,
-                       block == ref.QuantBlock(None, None))
+                       block == ref.QuantBlock(None, None), block == ref.QuantBlock(1, 128))
 
 
 @dataclass(frozen=True)
@@ -280,7 +297,7 @@ def _token_major(recipe: Recipe, role: str, t: Tensor, offs: Tensor, backend_nam
     """t along each group's tokens, token-major: one scale per (group, column) (row-wise), or
     per (128-token block, column) under block scaling (1x128 blocks along the tokens)."""
     t_scaling = scaling(recipe, role)
-    if t_scaling.block == ref.QuantBlock(1, 128):
+    if t_scaling.tiles:
         return fp8_quantize.token_major_blocks(t, offs, t_scaling.rule, backend_name)
     return fp8_quantize.token_major(t, offs, t_scaling.rule, backend_name)
 

@@ -109,7 +109,7 @@ def backward_reason(backend_name: str, recipe: Recipe, dtype: torch.dtype,
 
 def _block_scaled(recipe: Recipe) -> bool:
     """Whether `recipe` quantizes x / dy in 1x128 tiles and W in 128x128 blocks."""
-    return (recipe.block("input"), recipe.block("weight")) == fp8_torch.BLOCK_SCALED
+    return fp8.block_scaled(recipe)
 
 
 HIGH_PRECISION_WGRAD = "the recipe keeps the wgrad in high precision (fp8_wgrad=False)"
@@ -122,7 +122,8 @@ def wgrad_reason(recipe: Recipe) -> str:
     `fp8_wgrad=False`: unquantized operands in the compute dtype; else it is emulated."""
     if not recipe.fp8_wgrad:
         return HIGH_PRECISION_WGRAD
-    if recipe.block("grad") in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR) or _block_scaled(recipe):
+    dy_scaling = fp8.scaling(recipe, "grad")
+    if dy_scaling.rowwise or dy_scaling.per_tensor or _block_scaled(recipe):
         return ""
     return (f"no FP8 wgrad kernel for {recipe.block('grad')} blocks of dy along the tokens "
             f"(per tensor, row-wise or 1x128 only)")
@@ -181,16 +182,22 @@ _DECISIONS: dict[tuple, object] = {}
 
 
 def decided(key: tuple, decide):
-    """`decide()` for the static facts `key` (which fully determine it), computed once."""
-    if key not in _DECISIONS:
-        _DECISIONS[key] = decide()
-    return _DECISIONS[key]
+    """`decide()` for the static facts `key` (which fully determine it), computed once (one
+    lookup per call: hashing a key of recipes and specs is a Python call per dataclass)."""
+    found = _DECISIONS.get(key, _UNDECIDED)
+    if found is _UNDECIDED:
+        found = _DECISIONS[key] = decide()
+    return found
+
+
+_UNDECIDED = object()
 
 
 def clear_decisions() -> None:
     """Forget the cached decisions (tests that fake a GPU or replace a kernel check), the
     quantization kernels' choices included."""
     _DECISIONS.clear()
+    _ROUTES.clear()
     fp8_quantize.clear_reasons()
 
 
@@ -208,11 +215,19 @@ def grouped_route(ctx, x: Tensor, w: Tensor) -> GroupedRoute:
     """The `GroupedRoute` of a grouped GEMM of x [T, K] with w [G, N, K] under ctx.recipe on
     ctx's backend: one lookup per call, decided once per (backend, recipe, dtype, device,
     (N, K)) by `forward_reason`, `backward_reason` and `wgrad_reason`."""
-    key = ("grouped route", ctx.backend.name, ctx.recipe, x.dtype, x.device, w.shape[-2:])
-    found = _DECISIONS.get(key)
-    if found is None:
-        found = _DECISIONS[key] = _grouped_route(*key[1:])
-    return found
+    recipe = ctx.recipe
+    key = (ctx.backend.name, id(recipe), x.dtype, x.device, w.shape[-2:])
+    found = _ROUTES.get(key)
+    if found is None or found[0] is not recipe:
+        if len(_ROUTES) >= 256:  # recipes made afresh in a loop: no growth
+            _ROUTES.clear()
+        found = _ROUTES[key] = (recipe, _grouped_route(key[0], recipe, *key[2:]))
+    return found[1]
+
+
+# (backend, id(recipe), dtype, device, (N, K)) -> (recipe, GroupedRoute): keyed by the
+# recipe's identity (hashing a recipe is a Python call), which the entry holds (no id reuse)
+_ROUTES: dict[tuple, tuple[Recipe, GroupedRoute]] = {}
 
 
 def _grouped_route(backend_name: str, recipe: Recipe, dtype: torch.dtype, device: torch.device,
