@@ -155,24 +155,24 @@ _SCALINGS: dict[int, tuple[Recipe, dict[str, RoleScaling], bool]] = {}
 def scaling(recipe: Recipe, role: str) -> RoleScaling:
     """`recipe`'s `RoleScaling` of operands of `role` ("input", "weight" or "grad"), made once
     per recipe object (the same rule object on every call)."""
-    return _recipe_scalings(recipe)[1][role]
+    found = _SCALINGS.get(id(recipe)) or _recipe_scalings(recipe)
+    return found[1][role]
 
 
 def block_scaled(recipe: Recipe) -> bool:
     """Whether `recipe` quantizes x / dy in 1x128 tiles and W in 128x128 blocks (made once per
     recipe object, as `scaling`)."""
-    return _recipe_scalings(recipe)[2]
+    return (_SCALINGS.get(id(recipe)) or _recipe_scalings(recipe))[2]
 
 
 def _recipe_scalings(recipe: Recipe) -> tuple[Recipe, dict[str, RoleScaling], bool]:
-    found = _SCALINGS.get(id(recipe))
-    if found is None:
-        if len(_SCALINGS) >= 64:  # recipes made afresh in a loop: no growth
-            _SCALINGS.clear()
-        roles = {r: _scaling(recipe, r) for r in ("input", "weight", "grad")}
-        blocks = (roles["input"].block, roles["weight"].block)
-        found = _SCALINGS[id(recipe)] = (recipe, roles, blocks == (ref.QuantBlock(1, 128),
-                                                                   ref.QuantBlock(128, 128)))
+    """`_SCALINGS`' entry of a recipe not in it yet."""
+    if len(_SCALINGS) >= 64:  # recipes made afresh in a loop: no growth
+        _SCALINGS.clear()
+    roles = {r: _scaling(recipe, r) for r in ("input", "weight", "grad")}
+    blocks = (roles["input"].block, roles["weight"].block)
+    found = _SCALINGS[id(recipe)] = (recipe, roles, blocks == (ref.QuantBlock(1, 128),
+                                                               ref.QuantBlock(128, 128)))
     return found
 
 

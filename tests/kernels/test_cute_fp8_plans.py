@@ -238,7 +238,7 @@ def test_fp8_glu_copies_an_n_major_weight_as_before(monkeypatch):
 def test_span_quantization_plan_per_signature():
     """`quantize_spans` plans its kernels per signature of t: a strided t is copied row-major
     (the launch reads what a contiguous t gives, planned or not), another width is another
-    plan."""
+    plan; a call that launches nothing (no tokens) makes none."""
     from te_seq.kernels.cute import quant
 
     t = torch.randn(M, K).to(torch.bfloat16)
@@ -253,6 +253,39 @@ def test_span_quantization_plan_per_signature():
             got = [s.calls[-1] for s in launched]
             assert [_facts(g) for g in got] == [_facts(p) for p in plain]
             assert all(torch.equal(g[0], p[0]) for g, p in zip(got, plain))
-        assert len(quant._SPAN_PLANS) == 2
+        assert len(quant._QUANT_PLANS) == 2
         quant.quantize_spans(torch.randn(M, K + 16).to(torch.bfloat16), table, E)
-        assert len(quant._SPAN_PLANS) == 3
+        assert len(quant._QUANT_PLANS) == 3
+        quant.quantize_spans(t[:, :0], table, E)  # no columns: no kernel
+        quant.quantize_spans(t, table[:0], E)  # no blocks: no kernel
+        assert len(quant._QUANT_PLANS) == 3
+
+
+@pytest.mark.parametrize("kind", ["rows", "rows_group_amax", "spans_from_amax"])
+def test_row_quantization_plans_copy_strided_inputs(kind):
+    """The row-wise quantizers plan their kernel (and the group-amax kernel its CTA slices)
+    per signature of t: a strided t launches as a contiguous one does, on its first and its
+    planned calls; a new width is a new plan."""
+    from te_seq.kernels.cute import quant
+
+    table, _ = fp8_quantize.span_table(_offs(), M)
+
+    def call(t):
+        if kind == "rows":
+            return quant.quantize_rows(t)
+        if kind == "rows_group_amax":
+            return quant.quantize_rows_and_group_amax(t, table, E)
+        return quant.quantize_spans_from_group_amax(t, table, torch.rand(E, t.shape[1]))
+
+    t = torch.randn(M, K).to(torch.bfloat16)
+    with stubbed_step(record=True) as stubs:
+        call(t)
+        (stub,) = [s for s in stubs.values() if s.calls]
+        plain = stub.calls[-1]
+        for _ in range(2):
+            call(torch.cat([t, t], 1)[:, :K])
+            assert _facts(stub.calls[-1]) == _facts(plain)
+            assert torch.equal(stub.calls[-1][0], plain[0])
+        assert len(quant._QUANT_PLANS) == 2
+        call(torch.randn(M, K + 16).to(torch.bfloat16))
+        assert len(quant._QUANT_PLANS) == 3
