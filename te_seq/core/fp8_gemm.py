@@ -94,7 +94,7 @@ def backward_reason(backend_name: str, recipe: Recipe, dtype: torch.dtype,
     if why:
         return why
     rule, block = recipe.rule("grad"), recipe.block("grad")
-    if _block_scaled(recipe):  # dgrad on the block kernel: dy 1x128 along N, Wᵀ 128x128
+    if fp8.block_scaled(recipe):  # dgrad on the block kernel: dy 1x128 along N, Wᵀ 128x128
         why = fp8_cute.forward_reason((block, recipe.block("weight")),
                                       (rule.dtype, recipe.rule("weight").dtype), dtype, device,
                                       [(n, k) for k, n in dims])
@@ -105,11 +105,6 @@ def backward_reason(backend_name: str, recipe: Recipe, dtype: torch.dtype,
     if block not in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR):
         return "the gradient's blocks are not per-tensor or row-wise"
     return ""
-
-
-def _block_scaled(recipe: Recipe) -> bool:
-    """Whether `recipe` quantizes x / dy in 1x128 tiles and W in 128x128 blocks."""
-    return fp8.block_scaled(recipe)
 
 
 HIGH_PRECISION_WGRAD = "the recipe keeps the wgrad in high precision (fp8_wgrad=False)"
@@ -123,7 +118,7 @@ def wgrad_reason(recipe: Recipe) -> str:
     if not recipe.fp8_wgrad:
         return HIGH_PRECISION_WGRAD
     dy_scaling = fp8.scaling(recipe, "grad")
-    if dy_scaling.rowwise or dy_scaling.per_tensor or _block_scaled(recipe):
+    if dy_scaling.rowwise or dy_scaling.per_tensor or fp8.block_scaled(recipe):
         return ""
     return (f"no FP8 wgrad kernel for {recipe.block('grad')} blocks of dy along the tokens "
             f"(per tensor, row-wise or 1x128 only)")
@@ -134,7 +129,7 @@ def _wgrad_kernel(backend_name: str, recipe: Recipe):
     cute backend (looked up at call time, so tests can replace it; the block-scaled one under
     block scaling), the fp32 emulation of the same maths elsewhere. The one place that
     decides."""
-    if _block_scaled(recipe):
+    if fp8.block_scaled(recipe):
         if backend_name == "cute":
             return cute.block_scaled_grouped_wgrad, "cute block_scaled_grouped_wgrad"
         return fp8_wgrad.block_scaled_grouped_wgrad_emulated, ""
