@@ -23,7 +23,11 @@ aten ops one step dispatches (allocating ones and views among them) and its kern
 (`count_step`: what predicts the step's host time on the GPU, each allocation and aten launch
 ~5-7 µs there, each CuTe DSL launch 20-60 µs), and the top cumulative entries:
 
-  python benchmarks/profile_launch.py --mlp [--fp8 ROWWISE|BLOCK|CURRENT] [--iters 300] [--top 25]
+  python benchmarks/profile_launch.py --mlp [--fp8 ROWWISE|BLOCK|CURRENT] [--hp-wgrad]
+      [--iters 300] [--top 25]
+
+``--hp-wgrad`` builds the recipes with ``fp8_wgrad=False`` (forward and dgrad GEMMs in FP8,
+the wgrads in bf16 on unquantized operands).
 
 ``--mlp --first-kernel`` times the bf16 forward alone (grad enabled, then no_grad): the host
 time from the call's entry to the moment the FC1 GLU kernel's stub is called (what a single
@@ -256,9 +260,10 @@ def stubbed_step(record: bool = False) -> Iterator[dict[object, StubKernel]]:
 
 
 def mlp_forward(rows: int, recipe_name: str | None = None, e: int = 128, h: int = 2048,
-                f: int = 768) -> Callable[[], torch.Tensor]:
+                f: int = 768, fp8_wgrad: bool = True) -> Callable[[], torch.Tensor]:
     """The forward of `mlp_step`'s step (the Sequential of profile_host.py: single grouped
-    weights, device-style split sizes, probs), inputs that require grad, the cute backend."""
+    weights, device-style split sizes, probs), inputs that require grad, the cute backend;
+    ``fp8_wgrad=False`` builds the recipe with its high-precision wgrads."""
     import te_seq
     from te_seq import ops, recipe
 
@@ -269,8 +274,8 @@ def mlp_forward(rows: int, recipe_name: str | None = None, e: int = 128, h: int 
     probs = torch.rand(rows).requires_grad_()
     splits = torch.full((e,), rows // e, dtype=torch.int64)
     splits[0] += rows - int(splits.sum())
-    fp8 = te_seq.autocast(recipe=getattr(recipe, recipe_name)()) if recipe_name \
-        else contextlib.nullcontext()
+    fp8 = te_seq.autocast(recipe=getattr(recipe, recipe_name)(fp8_wgrad=fp8_wgrad)) \
+        if recipe_name else contextlib.nullcontext()
 
     def forward() -> torch.Tensor:
         with te_seq.backend("cute"), fp8:
@@ -280,14 +285,15 @@ def mlp_forward(rows: int, recipe_name: str | None = None, e: int = 128, h: int 
     return forward
 
 
-def mlp_step(rows: int, recipe_name: str | None, e: int = 128, h: int = 2048, f: int = 768
-             ) -> Callable[[], None]:
+def mlp_step(rows: int, recipe_name: str | None, e: int = 128, h: int = 2048, f: int = 768,
+             fp8_wgrad: bool = True) -> Callable[[], None]:
     """One fwd+bwd step of the fused grouped MLP on shape Q's widths, ``rows`` tokens, bf16
     on CPU (call it inside `stubbed_step`): the benchmark's ScaledSwiGLU with probs, fresh
     grads (the weights' ``.grad`` dropped after each step: their two [E, N, K] CPU mallocs
     cost ~0.1 ms a step, bf16 and FP8 alike; accumulating instead would add them up on the
-    CPU), under ``recipe_name`` (a ``te_seq.recipe`` class name) or in bf16 (None)."""
-    forward = mlp_forward(rows, recipe_name, e, h, f)
+    CPU), under ``recipe_name`` (a ``te_seq.recipe`` class name, with ``fp8_wgrad``) or in
+    bf16 (None)."""
+    forward = mlp_forward(rows, recipe_name, e, h, f, fp8_wgrad)
     mlp, x, probs = forward.parts
     dy = _rand(rows, h)
 
@@ -375,14 +381,15 @@ def main_mlp(args) -> None:
     names = [None] + [RECIPES[n] for n in args.fp8.split(",") if n]
     with stubbed_step() as stubs:
         for name in names:
-            step = mlp_step(args.rows, name)
+            step = mlp_step(args.rows, name, fp8_wgrad=not (name and args.hp_wgrad))
             step()
             launches = len(stubs)
             timed = name in (None, RECIPES["ROWWISE"], RECIPES["BLOCK"])
             us = f"{time_best(step, args.iters):8.1f} µs/step" if timed else "(not timed)".rjust(16)
             calls, stats = profile_step(step, max(args.iters // 10, 1) if timed else 2)
             counts = count_step(step, stubs)
-            print(f"{name or 'bf16':22s} {us}  {calls:6.0f} calls/step  "
+            label = f"{name}(fp8_wgrad=False)" if name and args.hp_wgrad else name or "bf16"
+            print(f"{label:22s} {us}  {calls:6.0f} calls/step  "
                   f"({launches} kernel configs so far)")
             print(f"{'':22s} {counts.line()}")
             if args.top:
@@ -500,6 +507,8 @@ def main() -> None:
                    "forward's host time to its FC1 GLU launch (grad and no_grad)")
     p.add_argument("--fp8", default="ROWWISE", help=f"with --mlp: recipes after bf16, "
                    f"comma-separated, of {sorted(RECIPES)} ('' for bf16 only)")
+    p.add_argument("--hp-wgrad", action="store_true", help="with --mlp: the --fp8 recipes "
+                   "with fp8_wgrad=False (high-precision wgrads)")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.mlp and args.first_kernel:

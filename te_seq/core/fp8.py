@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -82,10 +83,27 @@ class autocast:  # noqa: N801 (a context manager used like a function)
 # --- checks ---------------------------------------------------------------------------------
 
 
+# (id(recipe), x's dtype, W's dtype, K, N) -> recipe, of GEMMs `check_operands` passed: what
+# it reads, so the next call with the same facts passes too (a refused call is never recorded:
+# refused again). Keyed by the recipe's identity (hashing a recipe is a Python call), which
+# the entry holds (no id reuse).
+_PASSED: dict[tuple, Recipe] = {}
+
+
 def check_operands(op: object, recipe: Recipe, x: Tensor, w: Tensor, k: int, n: int) -> None:
     """ValueError naming the op, the recipe and the values when `recipe` cannot quantize a GEMM
     of x [..., K] with W [.., N, K]: a dtype other than fp32/bf16/fp16, or K or N not a multiple
-    of the recipe's block."""
+    of the recipe's block. Facts that passed once are not checked again (one set lookup)."""
+    facts = (id(recipe), x.dtype, w.dtype, k, n)
+    if _PASSED.get(facts) is recipe:
+        return
+    _check_operands(op, recipe, x, w, k, n)
+    if len(_PASSED) >= 256:  # recipes made afresh in a loop: no growth
+        _PASSED.clear()
+    _PASSED[facts] = recipe
+
+
+def _check_operands(op: object, recipe: Recipe, x: Tensor, w: Tensor, k: int, n: int) -> None:
     name = type(op).__name__
     for label, t in (("input", x), ("weight", w)):
         if t.dtype not in _DTYPES:
@@ -114,6 +132,54 @@ def check_quantizable(op: object, recipe: Recipe, x: Tensor) -> None:
 
 
 # --- operands -------------------------------------------------------------------------------
+
+
+class RoleScaling(NamedTuple):
+    """A recipe's scaling of one operand role: its block, its rule, and whether the block is
+    row-wise, one per tensor, or 1x128 tiles."""
+
+    block: ref.QuantBlock
+    rule: ref.ScaleRule
+    rowwise: bool
+    per_tensor: bool
+    tiles: bool
+
+
+# id(recipe) -> (recipe, {role: RoleScaling}): `Recipe.rule` makes a new ScaleRule on each
+# call, and every hash or comparison of a recipe, a block or a rule is a Python call; the hot
+# paths read them from here. Keyed by identity (the entry holds the recipe, so its id is not
+# reused while the entry lives); a recipe made afresh per call misses and replaces entries.
+_SCALINGS: dict[int, tuple[Recipe, dict[str, RoleScaling], bool]] = {}
+
+
+def scaling(recipe: Recipe, role: str) -> RoleScaling:
+    """`recipe`'s `RoleScaling` of operands of `role` ("input", "weight" or "grad"), made once
+    per recipe object (the same rule object on every call)."""
+    found = _SCALINGS.get(id(recipe)) or _recipe_scalings(recipe)
+    return found[1][role]
+
+
+def block_scaled(recipe: Recipe) -> bool:
+    """Whether `recipe` quantizes x / dy in 1x128 tiles and W in 128x128 blocks (made once per
+    recipe object, as `scaling`)."""
+    return (_SCALINGS.get(id(recipe)) or _recipe_scalings(recipe))[2]
+
+
+def _recipe_scalings(recipe: Recipe) -> tuple[Recipe, dict[str, RoleScaling], bool]:
+    """`_SCALINGS`' entry of a recipe not in it yet."""
+    if len(_SCALINGS) >= 64:  # recipes made afresh in a loop: no growth
+        _SCALINGS.clear()
+    roles = {r: _scaling(recipe, r) for r in ("input", "weight", "grad")}
+    blocks = (roles["input"].block, roles["weight"].block)
+    found = _SCALINGS[id(recipe)] = (recipe, roles, blocks == (ref.QuantBlock(1, 128),
+                                                               ref.QuantBlock(128, 128)))
+    return found
+
+
+def _scaling(recipe: Recipe, role: str) -> RoleScaling:
+    block = recipe.block(role)
+    return RoleScaling(block, recipe.rule(role), block == ref.ROWWISE,
+                       block == ref.QuantBlock(None, None), block == ref.QuantBlock(1, 128))
 
 
 @dataclass(frozen=True)
@@ -161,7 +227,8 @@ def input_quantized(recipe: Recipe, input_: Tensor, x: Tensor,
     marker = _marker(recipe, input_)
     if marker is not None:
         return marker.forward
-    return fp8_quantize.rows(x, recipe.block("input"), recipe.rule("input"), backend_name)
+    x_scaling = scaling(recipe, "input")
+    return fp8_quantize.rows(x, x_scaling.block, x_scaling.rule, backend_name)
 
 
 def input_wgrad(recipe: Recipe, input_: Tensor, x: Tensor, bounds,
@@ -208,7 +275,7 @@ def input_token_major(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor,
     or per-tensor recipes; the values of `input_wgrad`): per tensor the forward operand
     `forward` itself laid out (None: quantized here), else quantized from x (or from an
     `ops.Quantize` source)."""
-    if recipe.block("input") == ref.QuantBlock(None, None):
+    if scaling(recipe, "input").per_tensor:
         return fp8_wgrad.token_major_from(
             forward or input_quantized(recipe, input_, x, backend_name), offs)
     marker = _marker(recipe, input_)
@@ -220,7 +287,7 @@ def grad_token_major(recipe: Recipe, dy: Tensor, offs: Tensor, along_n: ref.Quan
                      backend_name: str = "torch") -> fp8_wgrad.TokenMajor:
     """dy [T, N] along the tokens of each group, token-major (the values of `grad_operands`'
     wgrad operand); `along_n` is dy quantized for the dgrad (per tensor: the same data)."""
-    if recipe.block("grad") == ref.QuantBlock(None, None):
+    if scaling(recipe, "grad").per_tensor:
         return fp8_wgrad.token_major_from(along_n, offs)
     return _token_major(recipe, "grad", dy, offs, backend_name)
 
@@ -229,9 +296,10 @@ def _token_major(recipe: Recipe, role: str, t: Tensor, offs: Tensor, backend_nam
                  ) -> fp8_wgrad.TokenMajor:
     """t along each group's tokens, token-major: one scale per (group, column) (row-wise), or
     per (128-token block, column) under block scaling (1x128 blocks along the tokens)."""
-    if recipe.block(role) == ref.QuantBlock(1, 128):
-        return fp8_quantize.token_major_blocks(t, offs, recipe.rule(role), backend_name)
-    return fp8_quantize.token_major(t, offs, recipe.rule(role), backend_name)
+    t_scaling = scaling(recipe, role)
+    if t_scaling.tiles:
+        return fp8_quantize.token_major_blocks(t, offs, t_scaling.rule, backend_name)
+    return fp8_quantize.token_major(t, offs, t_scaling.rule, backend_name)
 
 
 def input_both(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor, backend_name: str
@@ -247,15 +315,17 @@ def input_both(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor, backend_
 def grad_both(recipe: Recipe, dy: Tensor, offs: Tensor, backend_name: str
               ) -> tuple[ref.QuantizedTensor, fp8_wgrad.TokenMajor]:
     """(`grad_quantized`, `grad_token_major`) of dy, made together where one pass pair can."""
-    if recipe.block("grad") == ref.ROWWISE:
-        return fp8_quantize.rows_and_token_major(dy, offs, recipe.rule("grad"), backend_name)
+    dy_scaling = scaling(recipe, "grad")
+    if dy_scaling.rowwise:
+        return fp8_quantize.rows_and_token_major(dy, offs, dy_scaling.rule, backend_name)
     along_n = grad_quantized(recipe, dy, backend_name)
     return along_n, grad_token_major(recipe, dy, offs, along_n, backend_name)
 
 
 def grad_quantized(recipe: Recipe, dy: Tensor, backend_name: str = "torch") -> ref.QuantizedTensor:
     """dy [T, N] quantized along N as the dgrad GEMM's operand."""
-    return fp8_quantize.rows(dy, recipe.block("grad"), recipe.rule("grad"), backend_name)
+    dy_scaling = scaling(recipe, "grad")
+    return fp8_quantize.rows(dy, dy_scaling.block, dy_scaling.rule, backend_name)
 
 
 @dataclass
@@ -273,7 +343,7 @@ class DeferredTokenMajor:
         """`input_token_major` of x: the bits the forward would have kept."""
         if self.amax is not None:  # one cast pass from the forward's maxima
             return fp8_quantize.token_major_from_amax(self.x, self.offs, self.amax,
-                                                      recipe.rule("input"))
+                                                      scaling(recipe, "input").rule)
         return input_token_major(recipe, self.x, self.x, self.offs, None, backend_name)
 
 
@@ -282,9 +352,10 @@ def input_deferred(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor, back
     """(`input_quantized`, x kept for its token-major form in backward): with row-wise blocks
     on the cute kernels the same read of x also yields its (group, column) maxima, so that
     backward needs one cast pass only."""
-    if recipe.block("input") != ref.ROWWISE:
+    x_scaling = scaling(recipe, "input")
+    if not x_scaling.rowwise:
         return input_quantized(recipe, input_, x, backend_name), DeferredTokenMajor(x, offs)
-    forward, amax = fp8_quantize.rows_keeping_group_amax(x, offs, recipe.rule("input"),
+    forward, amax = fp8_quantize.rows_keeping_group_amax(x, offs, x_scaling.rule,
                                                          backend_name)
     return forward, DeferredTokenMajor(x, offs, amax)
 
@@ -458,7 +529,7 @@ def cached_weights(
         backend_name,  # the kernels' layouts differ (the cute dgrad form is a strided view)
         w.dtype,
         tuple(w.shape),
-        tuple((id(p), p._version, p.data_ptr()) for p in params),
+        _versions(params),
     )
     cache = op.__dict__.get("_fp8_weight_cache")
     if cache is not None and cache[0] == key and not capturing:
@@ -471,6 +542,15 @@ def cached_weights(
     if recipe.cache_weights and not torch.compiler.is_compiling() and not capturing:
         op.__dict__["_fp8_weight_cache"] = (key, weights)
     return weights
+
+
+def _versions(params: list[Tensor]) -> tuple:
+    """(identity, version counter, data pointer) of each Parameter: what a cached weight form
+    depends on (one weight, the usual case, without a generator's frames)."""
+    if len(params) == 1:
+        p = params[0]
+        return ((id(p), p._version, p.data_ptr()),)
+    return tuple((id(p), p._version, p.data_ptr()) for p in params)
 
 
 def _capturing(device: torch.device) -> bool:

@@ -33,6 +33,8 @@ bf16 rounding.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -92,7 +94,7 @@ def backward_reason(backend_name: str, recipe: Recipe, dtype: torch.dtype,
     if why:
         return why
     rule, block = recipe.rule("grad"), recipe.block("grad")
-    if _block_scaled(recipe):  # dgrad on the block kernel: dy 1x128 along N, Wᵀ 128x128
+    if fp8.block_scaled(recipe):  # dgrad on the block kernel: dy 1x128 along N, Wᵀ 128x128
         why = fp8_cute.forward_reason((block, recipe.block("weight")),
                                       (rule.dtype, recipe.rule("weight").dtype), dtype, device,
                                       [(n, k) for k, n in dims])
@@ -105,11 +107,6 @@ def backward_reason(backend_name: str, recipe: Recipe, dtype: torch.dtype,
     return ""
 
 
-def _block_scaled(recipe: Recipe) -> bool:
-    """Whether `recipe` quantizes x / dy in 1x128 tiles and W in 128x128 blocks."""
-    return (recipe.block("input"), recipe.block("weight")) == fp8_torch.BLOCK_SCALED
-
-
 HIGH_PRECISION_WGRAD = "the recipe keeps the wgrad in high precision (fp8_wgrad=False)"
 
 
@@ -120,7 +117,8 @@ def wgrad_reason(recipe: Recipe) -> str:
     `fp8_wgrad=False`: unquantized operands in the compute dtype; else it is emulated."""
     if not recipe.fp8_wgrad:
         return HIGH_PRECISION_WGRAD
-    if recipe.block("grad") in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR) or _block_scaled(recipe):
+    dy_scaling = fp8.scaling(recipe, "grad")
+    if dy_scaling.rowwise or dy_scaling.per_tensor or fp8.block_scaled(recipe):
         return ""
     return (f"no FP8 wgrad kernel for {recipe.block('grad')} blocks of dy along the tokens "
             f"(per tensor, row-wise or 1x128 only)")
@@ -131,7 +129,7 @@ def _wgrad_kernel(backend_name: str, recipe: Recipe):
     cute backend (looked up at call time, so tests can replace it; the block-scaled one under
     block scaling), the fp32 emulation of the same maths elsewhere. The one place that
     decides."""
-    if _block_scaled(recipe):
+    if fp8.block_scaled(recipe):
         if backend_name == "cute":
             return cute.block_scaled_grouped_wgrad, "cute block_scaled_grouped_wgrad"
         return fp8_wgrad.block_scaled_grouped_wgrad_emulated, ""
@@ -179,17 +177,61 @@ _DECISIONS: dict[tuple, object] = {}
 
 
 def decided(key: tuple, decide):
-    """`decide()` for the static facts `key` (which fully determine it), computed once."""
-    if key not in _DECISIONS:
-        _DECISIONS[key] = decide()
-    return _DECISIONS[key]
+    """`decide()` for the static facts `key` (which fully determine it), computed once (one
+    lookup per call: hashing a key of recipes and specs is a Python call per dataclass)."""
+    found = _DECISIONS.get(key, _UNDECIDED)
+    if found is _UNDECIDED:
+        found = _DECISIONS[key] = decide()
+    return found
+
+
+_UNDECIDED = object()
 
 
 def clear_decisions() -> None:
     """Forget the cached decisions (tests that fake a GPU or replace a kernel check), the
     quantization kernels' choices included."""
     _DECISIONS.clear()
+    _ROUTES.clear()
     fp8_quantize.clear_reasons()
+
+
+class GroupedRoute(NamedTuple):
+    """How a grouped linear's GEMMs run under a recipe, from the static facts `grouped_route`
+    reads: real FP8 forward (`forward_reason` ""), native dgrad (`backward_reason` ""), and
+    whether its wgrad then runs on FP8 token-major operands (`wgrad_reason` "")."""
+
+    forward: bool
+    backward: bool
+    fp8_wgrad: bool
+
+
+def grouped_route(ctx, x: Tensor, w: Tensor) -> GroupedRoute:
+    """The `GroupedRoute` of a grouped GEMM of x [T, K] with w [G, N, K] under ctx.recipe on
+    ctx's backend: one lookup per call, decided once per (backend, recipe, dtype, device,
+    (N, K)) by `forward_reason`, `backward_reason` and `wgrad_reason`."""
+    recipe = ctx.recipe
+    key = (ctx.backend.name, id(recipe), x.dtype, x.device, w.shape[-2:])
+    found = _ROUTES.get(key)
+    if found is None or found[0] is not recipe:
+        if len(_ROUTES) >= 256:  # recipes made afresh in a loop: no growth
+            _ROUTES.clear()
+        found = _ROUTES[key] = (recipe, _grouped_route(key[0], recipe, *key[2:]))
+    return found[1]
+
+
+# (backend, id(recipe), dtype, device, (N, K)) -> (recipe, GroupedRoute): keyed by the
+# recipe's identity (hashing a recipe is a Python call), which the entry holds (no id reuse)
+_ROUTES: dict[tuple, tuple[Recipe, GroupedRoute]] = {}
+
+
+def _grouped_route(backend_name: str, recipe: Recipe, dtype: torch.dtype, device: torch.device,
+                   nk: tuple[int, int]) -> GroupedRoute:
+    facts = (backend_name, recipe, dtype, device, [(nk[1], nk[0])], True)
+    if forward_reason(*facts):
+        return GroupedRoute(False, False, False)
+    native_backward = not backward_reason(*facts)
+    return GroupedRoute(True, native_backward, native_backward and not wgrad_reason(recipe))
 
 
 def _runs_native(ctx, x: Tensor, w: Tensor, grouped: bool) -> bool:
@@ -197,11 +239,6 @@ def _runs_native(ctx, x: Tensor, w: Tensor, grouped: bool) -> bool:
              grouped)
     return decided(("forward", *facts[:4], w.shape[-2:], grouped),
                    lambda: not forward_reason(*facts))
-
-
-def _backward_native(ctx, x: Tensor, w: Tensor) -> bool:
-    facts = (ctx.backend.name, ctx.recipe, x.dtype, x.device, [(w.shape[-1], w.shape[-2])], True)
-    return decided(("backward", *facts[:4], w.shape[-2:]), lambda: not backward_reason(*facts))
 
 
 def linear_forward(op, ctx, input_: Tensor, x: Tensor, w: Tensor, params: list[Tensor],
@@ -234,13 +271,14 @@ def grouped_forward(
     need_wgrad = need_wgrad and ctx.weight_requires_grad  # frozen weights, no_grad: no wgrad
     fp8.check_operands(op, recipe, x, w, w.shape[-1], w.shape[-2])
     weights = fp8.cached_weights(op, recipe, w, params, ctx.backend.name)
-    if not _runs_native(ctx, x, w, grouped=True):
+    route = grouped_route(ctx, x, w)
+    if not route.forward:
         x_fwd, x_wgrad = fp8.input_operands(recipe, input_, x, bounds)
         y = ctx.backend.grouped_mm(x_fwd, weights.forward.transpose(1, 2), offs)
         return amp.cast(y, x.dtype), fp8.GradOperands(x_wgrad if need_wgrad else None,
                                                       weights.dgrad)
-    native_backward = _backward_native(ctx, x, w)
-    token_major = native_backward and need_wgrad and not wgrad_reason(recipe)
+    native_backward = route.backward
+    token_major = need_wgrad and route.fp8_wgrad
     if token_major and not fp8.defers_token_major(recipe, input_):
         x_q, x_tm = fp8.input_both(recipe, input_, x, offs, ctx.backend.name)  # one pass pair
     elif token_major:  # x itself kept for a token-major operand made in backward (default)

@@ -36,6 +36,7 @@ from te_seq.kernels.activations import GluSpec
 from te_seq.kernels.fp8_reference import QuantBlock, QuantizedTensor
 
 _KERNEL = "cute scaled_grouped_mm"
+_TILES = (fp8_torch.BLOCK_SCALED[0].rows, fp8_torch.BLOCK_SCALED[0].cols)  # x's 1x128 blocks
 _BLOCK_KERNEL = "cute block_scaled_grouped_mm"
 
 
@@ -125,7 +126,7 @@ def scaled_grouped_mm(
     `block_scales`), offs [G] cumulative row ends. Checked by `forward_reason` first."""
     n, offs32 = w_data.shape[1], offs.to(torch.int32)
     # looked up on the package at call time: the one place the cute FP8 kernels are called
-    if x.block == fp8_torch.BLOCK_SCALED[0]:
+    if (x.block.rows, x.block.cols) == _TILES:  # 1x128 (tuples: no dataclass comparison)
         scale_a, scale_b = block_scales(x, w_scale_inv, n)
         return cute.block_scaled_grouped_mm(x.data.contiguous(), w_data.contiguous(), scale_a,
                                             scale_b, offs32, out_dtype)

@@ -30,14 +30,17 @@ from te_seq.kernels import fp8_reference as ref
 
 # (backend, block, rule, t's dtype, rank, width, device) -> `reason`'s answer: it depends on
 # nothing else (the device's capability and the DSL's presence do not change in a process).
-# `clear_reasons()` forgets them (tests that fake a GPU; core/fp8_gemm.py's clear_decisions).
+# The block and the rule enter the key as their field values (hashing or comparing the frozen
+# dataclasses themselves is a Python call each). `clear_reasons()` forgets them (tests that
+# fake a GPU; core/fp8_gemm.py's clear_decisions).
 _REASONS: dict[tuple, str] = {}
 
 
 def reason(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule, backend_name: str) -> str:
     """Why t is not quantized by the cute kernels ("" when it is), decided once per set of
     the facts it reads."""
-    key = (backend_name, block, rule, t.dtype, t.dim(), t.shape[-1] if t.dim() else 0, t.device)
+    key = (backend_name, block.rows, block.cols, rule.fmt, rule.margin, rule.power_of_two,
+           t.dtype, t.shape[-1:], t.dim(), t.device)
     found = _REASONS.get(key)
     if found is None:
         found = _REASONS[key] = _reason(t, block, rule, backend_name)
@@ -60,8 +63,8 @@ def _reason(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule, backend_name:
 def group_amax_reason(t: Tensor, rule: ref.ScaleRule, backend_name: str) -> str:
     """Why `rows_keeping_group_amax` does not run the cute kernel pair ("" when it does),
     decided once per set of facts as `reason`."""
-    key = ("group amax", backend_name, rule, t.dtype, t.dim(), t.shape[-1] if t.dim() else 0,
-           t.device)
+    key = ("group amax", backend_name, rule.fmt, rule.margin, rule.power_of_two, t.dtype,
+           t.shape[-1:], t.dim(), t.device)
     found = _REASONS.get(key)
     if found is None:
         found = _REASONS[key] = reason(t, ref.ROWWISE, rule, backend_name) or \

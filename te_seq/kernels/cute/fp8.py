@@ -15,6 +15,7 @@ Imports no cutlass until a kernel is first compiled; no host reads of ``offs``.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,7 +32,7 @@ from .launch import (
     varlen_k_clusters,
     varlen_m_clusters,
 )
-from .launch_plan import LaunchPlan, PlanCache, tensor_signature
+from .launch_plan import PlanCache
 
 # FP8 launches by call signature: a plan exists only for a signature whose checks passed
 _MM_PLANS = PlanCache()  # scaled_grouped_mm and block_scaled_grouped_mm
@@ -144,31 +145,57 @@ def scaled_grouped_mm(
                          config, a, b, a_scale, b_scale, offs, out_dtype, tiling)
 
 
+class MmPlan(NamedTuple):
+    """A checked FP8 varlen-M call signature's decisions: the compiled kernel (None without
+    rows: nothing launches), its persistent grid's cluster count, which operands must be made
+    contiguous first (a not row-major, b not K-major with 16-byte strides: `k_major`, a scale
+    not contiguous, offs not contiguous int32), and the kernel's route placeholder."""
+
+    kernel: object
+    clusters: int
+    a_copy: bool = False
+    b_copy: bool = False
+    scales_copy: bool = False
+    offs_copy: bool = False
+    route: Tensor | None = None
+
+
 def run_scaled_mm(op: str, check, config, a: Tensor, b: Tensor, a_scale: Tensor,
                   b_scale: Tensor, offs: Tensor, out_dtype: torch.dtype, tiling=None) -> Tensor:
     """Launch an FP8 varlen-M grouped GEMM (row-wise or block scales): raise ValueError with
-    ``check()``'s reason when it is (False, why); else allocate out [M, N], compile
-    ``config(N)`` (a ``GemmConfig``) and launch it over the rows with the scales as given.
-    The check, the config and the grid are decided once per call signature (``launch_plan``:
-    the operands' dtypes, shapes, strides and devices, ``out_dtype``, and ``tiling``: every
-    option ``config`` reads besides those)."""
-    signature = (op, *map(tensor_signature, (a, b, a_scale, b_scale)), offs.dtype, offs.shape,
-                 offs.device, out_dtype, tiling)
+    ``check()``'s reason when it is (False, why), or `_check_offs`' where offs do not fit;
+    else allocate out [M, N], compile ``config(N)`` (a ``GemmConfig``) and launch it over the
+    rows with the scales as given. The checks, the config, the grid and the operands' copies
+    are decided once per call signature (``launch_plan``: the operands' dtypes, shapes,
+    strides and devices, ``out_dtype``, and ``tiling``: every option ``config`` reads besides
+    those); a refused signature is never planned, so it is refused on every call."""
+    signature = (op, a.dtype, a.shape, a.stride(), a.device, b.dtype, b.shape, b.stride(),
+                 b.device, a_scale.dtype, a_scale.shape, a_scale.stride(), a_scale.device,
+                 b_scale.dtype, b_scale.shape, b_scale.stride(), b_scale.device, offs.dtype,
+                 offs.shape, offs.stride(), offs.device, out_dtype, tiling)
     plan = _MM_PLANS.get(signature) or _MM_PLANS.put(
-        signature, _plan_mm(op, check(), config, a, b))
-    (rows, _), (groups, n, _) = a.shape, b.shape
-    offs = _check_offs(offs, groups, a.device)
-    out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
-    if rows == 0:
+        signature, _plan_mm(op, check(), config, a, b, a_scale, b_scale, offs))
+    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    if plan.kernel is None:  # no rows
         return out
-    b_view = _aligned(k_major(b)).permute(1, 2, 0)  # (N, K, E), K-major
-    plan.kernel(_aligned(_row_major(a)), b_view, out, offs, plan.clusters, a_scale.contiguous(),
-                b_scale.contiguous(), no_route(a.device))
+    if plan.offs_copy:
+        offs = offs.to(torch.int32).contiguous()
+    if plan.a_copy:
+        a = a.contiguous()
+    if plan.b_copy:
+        b = b.contiguous()
+    if plan.scales_copy:
+        a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
+    # data addresses are per call: a copy where one does not start on 16 bytes (TMA)
+    a = a if a.data_ptr() % 16 == 0 else a.clone()
+    b = b if b.data_ptr() % 16 == 0 else b.clone()
+    plan.kernel(a, b.permute(1, 2, 0), out, offs, plan.clusters, a_scale, b_scale, plan.route)
     return out
 
 
-def _plan_mm(op: str, check: tuple[bool, str], config, a: Tensor, b: Tensor) -> LaunchPlan:
-    """The checked `LaunchPlan` of an FP8 varlen-M launch (the kernel is None without rows:
+def _plan_mm(op: str, check: tuple[bool, str], config, a: Tensor, b: Tensor, a_scale: Tensor,
+             b_scale: Tensor, offs: Tensor) -> MmPlan:
+    """The checked `MmPlan` of an FP8 varlen-M launch (the kernel is None without rows:
     nothing launches)."""
     ok, why = check
     if not ok:
@@ -177,12 +204,16 @@ def _plan_mm(op: str, check: tuple[bool, str], config, a: Tensor, b: Tensor) -> 
     from .compile import compile_gemm
 
     (rows, _), (groups, n, _) = a.shape, b.shape
+    checked = _check_offs(offs, groups, a.device)
     if rows == 0:
-        return LaunchPlan(None, 0)
+        return MmPlan(None, 0)
     cfg = config(n)
     sms = _num_sms(a.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, cfg.tile_n, cfg.cluster_mn, sms)
-    return LaunchPlan(compile_gemm(cfg).fn, clusters)
+    return MmPlan(compile_gemm(cfg).fn, clusters, a_copy=_row_major(a) is not a,
+                  b_copy=k_major(b) is not b,
+                  scales_copy=not (a_scale.is_contiguous() and b_scale.is_contiguous()),
+                  offs_copy=checked is not offs, route=no_route(a.device))
 
 
 def _aligned(t: Tensor) -> Tensor:
@@ -264,24 +295,34 @@ def scaled_grouped_wgrad(
     scales). -> [E, N, K]: a new bf16 tensor, or written into (``accumulate=True``: added to)
     ``out``, contiguous bf16 or fp32. fp32 accumulation, sync-free, CUDA-graph capturable.
     """
-    signature = (*map(tensor_signature, (a, b, a_scale, b_scale)), offs.dtype, offs.shape,
-                 offs.device, None if out is None else (out.dtype, out.shape, out.is_contiguous()),
+    signature = (a.dtype, a.shape, a.stride(), a.device, b.dtype, b.shape, b.stride(), b.device,
+                 a_scale.dtype, a_scale.shape, a_scale.stride(), a_scale.device, b_scale.dtype,
+                 b_scale.shape, b_scale.stride(), b_scale.device, offs.dtype, offs.shape,
+                 offs.stride(), offs.device,
+                 None if out is None else (out.dtype, out.shape, out.is_contiguous()),
                  accumulate, tiling)
     plan = _WGRAD_PLANS.get(signature) or _WGRAD_PLANS.put(
         signature, _plan_wgrad(a, b, a_scale, b_scale, offs, out, accumulate, tiling))
-    groups, n, k = offs.shape[0], a.shape[0], b.shape[0]
-    offs = _check_offs(offs, groups, a.device)
     if out is None:
-        out = torch.empty(groups, n, k, dtype=torch.bfloat16, device=a.device)
-    plan.kernel(_aligned(_row_major(a)), _aligned(_row_major(b)), out.permute(1, 2, 0), offs,
-                plan.clusters, a_scale.contiguous(), b_scale.contiguous(), no_route(a.device))
+        out = torch.empty(offs.shape[0], a.shape[0], b.shape[0], dtype=torch.bfloat16,
+                          device=a.device)
+    if plan.offs_copy:
+        offs = offs.to(torch.int32).contiguous()
+    if plan.a_copy:
+        a, b = _row_major(a), _row_major(b)
+    if plan.scales_copy:
+        a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
+    # data addresses are per call: a copy where one does not start on 16 bytes (TMA)
+    a = a if a.data_ptr() % 16 == 0 else a.clone()
+    b = b if b.data_ptr() % 16 == 0 else b.clone()
+    plan.kernel(a, b, out.permute(1, 2, 0), offs, plan.clusters, a_scale, b_scale, plan.route)
     return out
 
 
 def _plan_wgrad(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
-                out: Tensor | None, accumulate: bool, tiling: Tiling | None) -> LaunchPlan:
-    """The checked `LaunchPlan` of a ``scaled_grouped_wgrad`` launch (ValueError where the
-    operands or ``out`` do not fit)."""
+                out: Tensor | None, accumulate: bool, tiling: Tiling | None) -> MmPlan:
+    """The checked `MmPlan` of a ``scaled_grouped_wgrad`` launch (ValueError where the
+    operands, offs or ``out`` do not fit)."""
     ok, why = supports_scaled_wgrad(a, b, a_scale, b_scale, offs)
     if not ok:
         raise ValueError(f"{_WGRAD_OP}: a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} "
@@ -295,9 +336,13 @@ def _plan_wgrad(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Te
                             or not out.is_contiguous()):
         raise ValueError(f"{_WGRAD_OP}: out must be a contiguous [{groups}, {n}, {k}] float32 or "
                          f"bfloat16 tensor, got {tuple(out.shape)} {out.dtype}")
+    checked = _check_offs(offs, groups, a.device)
     t = tiling or default_tiling(k, WGRAD_TILING)
     cfg = GemmConfig("k", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn,
                      accumulate and out is not None, scaled=True, a_dtype=_a_dtype(a))
     sms = _num_sms(a.device.index or 0)
     clusters = varlen_k_clusters(groups, n, k, t.tile_n, t.cluster_mn, sms)
-    return LaunchPlan(compile_gemm(cfg).fn, clusters)
+    return MmPlan(compile_gemm(cfg).fn, clusters,
+                  a_copy=_row_major(a) is not a or _row_major(b) is not b,
+                  scales_copy=not (a_scale.is_contiguous() and b_scale.is_contiguous()),
+                  offs_copy=checked is not offs, route=no_route(a.device))

@@ -18,13 +18,15 @@ once compiled).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from .fp8 import FP8_DTYPE, _aligned, _device_problem, k_major
+from .fp8 import FP8_DTYPE, _device_problem, k_major
 from .glu import _ACTS, _check_probs, _launch, layout_problem, run_dgrad
 from .launch import _row_major, available
-from .launch_plan import LaunchPlan, PlanCache, tensor_signature
+from .launch_plan import PlanCache
 
 _ALIGN = 16  # H in elements: 16-byte TMA rows of 1-byte data
 
@@ -44,19 +46,45 @@ def _operand_problem(x: Tensor, w: Tensor, x_scale: Tensor, w_scale: Tensor) -> 
     return ""
 
 
-_CHECKED = PlanCache()  # call signatures whose checks passed (LaunchPlan(None, 0) each)
+class _Checked(NamedTuple):
+    """A call signature whose checks passed, and which operands its launch copies first: w
+    not K-major with 16-byte strides (`k_major`), x not row-major, a scale not contiguous."""
+
+    w_copy: bool
+    x_copy: bool
+    scales_copy: bool
+
+
+_CHECKED = PlanCache()  # call signatures whose checks passed -> `_Checked`
 
 
 def _supports(x, w, x_scale, w_scale, act, interleave, fc1: bool) -> tuple[bool, str]:
     """Shared checks; ``w`` is w1 [E, 2F, H] (fc1) or w2t [E, F, H] (dgrad). A signature that
     passed once (dtypes, shapes, strides, devices, options) is not checked again."""
-    signature = (*map(tensor_signature, (x, w, x_scale, w_scale)), act, interleave, fc1)
-    if _CHECKED.get(signature) is not None:
-        return True, ""
+    found, why = _checked(x, w, x_scale, w_scale, act, interleave, fc1)
+    return found is not None, why
+
+
+def _signature(x, w, x_scale, w_scale, act, interleave, fc1: bool) -> tuple:
+    return (x.dtype, x.shape, x.stride(), x.device, w.dtype, w.shape, w.stride(), w.device,
+            x_scale.dtype, x_scale.shape, x_scale.stride(), x_scale.device, w_scale.dtype,
+            w_scale.shape, w_scale.stride(), w_scale.device, act, interleave, fc1)
+
+
+def _checked(x, w, x_scale, w_scale, act, interleave, fc1: bool
+             ) -> tuple[_Checked | None, str]:
+    """(the signature's `_Checked`, made by its first call whose checks pass, ""), or (None,
+    why) where the checks fail (they run again on every such call)."""
+    signature = _signature(x, w, x_scale, w_scale, act, interleave, fc1)
+    found = _CHECKED.get(signature)
+    if found is not None:
+        return found, ""
     ok, why = _check(x, w, x_scale, w_scale, act, interleave, fc1)
-    if ok:
-        _CHECKED.put(signature, LaunchPlan(None, 0))
-    return ok, why
+    if not ok:
+        return None, why
+    return _CHECKED.put(signature, _Checked(
+        k_major(w) is not w, _row_major(x) is not x,
+        not (x_scale.is_contiguous() and w_scale.is_contiguous()))), ""
 
 
 def _check(x, w, x_scale, w_scale, act, interleave, fc1: bool) -> tuple[bool, str]:
@@ -73,10 +101,20 @@ def _check(x, w, x_scale, w_scale, act, interleave, fc1: bool) -> tuple[bool, st
     return (False, why) if why else available()
 
 
-def _kernel_operands(x: Tensor, w: Tensor, x_scale: Tensor, w_scale: Tensor) -> tuple:
-    """(x, w as [E, H, N] with H contiguous, (x_scale, w_scale)): 16-byte aligned data."""
-    w = _aligned(k_major(w)).transpose(1, 2)
-    return _aligned(_row_major(x)), w, (x_scale.contiguous(), w_scale.contiguous())
+def _kernel_operands(x: Tensor, w: Tensor, x_scale: Tensor, w_scale: Tensor,
+                     checked: _Checked) -> tuple:
+    """(x, w as [E, H, N] with H contiguous, (x_scale, w_scale)): 16-byte aligned data, copied
+    where `checked` (the call signature's) says the layout needs it."""
+    if checked.w_copy:
+        w = w.contiguous()
+    if checked.x_copy:
+        x = x.contiguous()
+    if checked.scales_copy:
+        x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()
+    # data addresses are per call: a copy where one does not start on 16 bytes (TMA)
+    w = w if w.data_ptr() % 16 == 0 else w.clone()
+    x = x if x.data_ptr() % 16 == 0 else x.clone()
+    return x, w.transpose(1, 2), (x_scale, w_scale)
 
 
 class _ScaledFc1Forward:
@@ -116,8 +154,8 @@ class _ScaledFc1Forward:
         rows in h's column layout), offs int32 [E] cumulative row ends, probs [M] or None,
         ``params`` the activation's float parameters (() for its defaults). Rows past
         ``offs[-1]`` are zeros in h and a. Raises ValueError when ``supports`` is False."""
-        ok, why = self.supports(x, w1, x_scale, w1_scale, act, interleave)
-        if not ok:
+        checked, why = _checked(x, w1, x_scale, w1_scale, act, interleave, True)
+        if checked is None:
             raise ValueError(
                 f"cute scaled_glu_fc1_forward: x {tuple(x.shape)} {x.dtype}, "
                 f"w1 {tuple(w1.shape)} {w1.dtype}: {why}"
@@ -127,7 +165,7 @@ class _ScaledFc1Forward:
         h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=x.device)
         a = torch.empty(rows, f, dtype=torch.bfloat16, device=x.device)
         if rows:
-            x, w1t, scales = _kernel_operands(x, w1, x_scale, w1_scale)
+            x, w1t, scales = _kernel_operands(x, w1, x_scale, w1_scale, checked)
             _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params,
                     scales=scales)
         return h, a
@@ -167,13 +205,13 @@ class _ScaledFc2Dgrad:
         ...)`` and dprobs [M] (fp32 sums, in probs.dtype; None without probs). h [M, 2F] bf16.
         Rows past ``offs[-1]`` get dA = 0 (dh and dprobs zero there). Raises ValueError when
         ``supports`` is False or h has the wrong shape or dtype."""
-        ok, why = self.supports(dy, w2t, dy_scale, w2t_scale, act, interleave)
-        if not ok:
+        checked, why = _checked(dy, w2t, dy_scale, w2t_scale, act, interleave, False)
+        if checked is None:
             raise ValueError(
                 f"cute scaled_glu_fc2_dgrad: dy {tuple(dy.shape)} {dy.dtype}, "
                 f"w2t {tuple(w2t.shape)} {w2t.dtype}: {why}"
             )
-        dy, w2, scales = _kernel_operands(dy, w2t, dy_scale, w2t_scale)
+        dy, w2, scales = _kernel_operands(dy, w2t, dy_scale, w2t_scale, checked)
         return run_dgrad("scaled_glu_fc2_dgrad", dy, w2, offs, h, act, interleave, probs,
                          params, torch.bfloat16, scales)
 

@@ -15,6 +15,8 @@ capturable. Imports no cutlass until a kernel is first compiled.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -67,13 +69,15 @@ def quantize_rows(t: Tensor, power_of_two: bool = False,
                   fp8_dtype: torch.dtype = FP8_DTYPE) -> tuple[Tensor, Tensor]:
     """t [R, C] quantized to `fp8_dtype` (E4M3 or E5M2) with one scale per row: (data [R, C],
     scale_inv fp32 [R, 1]), `fp8_reference.quantize(t, QuantBlock(1, None), ScaleRule(fmt, 0,
-    power_of_two))`."""
-    t = _aligned(_row_major(t))
+    power_of_two))`. The kernel and t's copy are decided once per call signature."""
     data = torch.empty(t.shape, dtype=fp8_dtype, device=t.device)
     scale_inv = torch.empty(t.shape[0], dtype=torch.float32, device=t.device)
     if t.numel():
-        _kernel("rows", t, power_of_two, False, fp8_dtype, _row_lane_vecs(t.shape[1]))(
-            t, data, scale_inv)
+        signature = ("rows", t.dtype, t.shape, t.stride(), t.device, power_of_two, fp8_dtype)
+        plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
+            (_kernel("rows", t, power_of_two, False, fp8_dtype, _row_lane_vecs(t.shape[1])),),
+            _row_major(t) is not t))
+        plan.kernels[0](_ready(t, plan.t_copy), data, scale_inv)
     return data, scale_inv[:, None]
 
 
@@ -157,14 +161,35 @@ def span_table(offs: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
     return table, padded_offs
 
 
+class _QuantPlan(NamedTuple):
+    """A quantization call signature's compiled kernels (in launch order), whether t must be
+    copied into a row-major layout first, and the launch's integer option (0 where none)."""
+
+    kernels: tuple
+    t_copy: bool
+    option: int = 0
+
+
+# quantization call signatures (kind, t's dtype, shape, strides, device; options) -> plan
+_QUANT_PLANS = PlanCache()
+
+
+def _ready(t: Tensor, copy: bool) -> Tensor:
+    """t as the kernels read it: row-major (copied where its plan says so) and 16-byte aligned
+    (the data address is per call: a copy where it is not)."""
+    if copy:
+        t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool,
            fp8_dtype: torch.dtype) -> tuple:
     """The span kernels' buffers and launches: (data, scale_inv), and with ``rows`` (row_data,
     row_scale_inv [T, 1]) after them. No output needs a fill: the cast kernel writes
     every column of data and every group's scale_inv (1 for groups without tokens); with
     ``rows`` the row maxima (atomic max) are the one zeroed buffer. Without ``rows`` the
-    kernels' row-wise arguments are constant dummies (`_span_dummies`): no allocation."""
-    t = _aligned(_row_major(t))
+    kernels' row-wise arguments are constant dummies (`_span_dummies`): no allocation. The
+    kernels and t's copy are decided once per call signature (`_QuantPlan`)."""
     (count, cols), blocks = t.shape, table.shape[0]
     device, width = t.device, blocks * SPAN_BLOCK
     data = torch.empty(cols, width, dtype=fp8_dtype, device=device)
@@ -185,10 +210,15 @@ def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool
     block_amax = torch.empty(blocks, cols, dtype=torch.float32, device=device)
     extents = torch.empty(max(groups, 1), 2, dtype=torch.int32, device=device)
     table = table.contiguous()
-    _kernel("span_amax", t, power_of_two, rows, fp8_dtype)(t, table, block_amax, extents,
-                                                          row_amax)
-    _kernel("span_cast", t, power_of_two, rows, fp8_dtype)(
-        t, table, block_amax, extents, data, scale_inv, row_amax, row_data, row_scale_inv)
+    signature = ("spans", t.dtype, t.shape, t.stride(), t.device, power_of_two, rows,
+                 fp8_dtype)
+    plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
+        (_kernel("span_amax", t, power_of_two, rows, fp8_dtype),
+         _kernel("span_cast", t, power_of_two, rows, fp8_dtype)), _row_major(t) is not t))
+    t = _ready(t, plan.t_copy)
+    amax, cast = plan.kernels
+    amax(t, table, block_amax, extents, row_amax)
+    cast(t, table, block_amax, extents, data, scale_inv, row_amax, row_data, row_scale_inv)
     if not rows:
         return data, scale_inv
     return data, scale_inv, row_data, row_scale_inv[:, None]
@@ -244,18 +274,23 @@ def quantize_rows_and_group_amax(t: Tensor, table: Tensor, groups: int,
     `quantize_rows_and_spans`. group_amax[g, c] = max |t[r, c]| over group g's rows (nan as
     inf; 0 for a group without rows): what `quantize_spans_from_group_amax` needs to cast the
     token-major form later. `table`: `quantize_spans`' block table. C <= 16384
-    (`group_amax_problem`)."""
-    t = _aligned(_row_major(t))
-    count, cols = t.shape
-    if cols > GROUP_AMAX_MAX_COLS:
+    (`group_amax_problem`). The kernel, its CTA slices and t's copy are decided once per call
+    signature."""
+    if t.shape[1] > GROUP_AMAX_MAX_COLS:
         raise ValueError(f"{_ROWS_GROUP_AMAX_OP}: needs C <= {GROUP_AMAX_MAX_COLS}, got "
                          f"t {tuple(t.shape)}")
+    count, cols = t.shape
     row_data = torch.empty(t.shape, dtype=fp8_dtype, device=t.device)
     row_scale_inv = torch.empty(count, dtype=torch.float32, device=t.device)
     group_amax = torch.zeros(groups, cols, dtype=torch.float32, device=t.device)  # atomic max
     if count and cols and groups and table.shape[0]:
-        _kernel("rows_group_amax", t, power_of_two, False, fp8_dtype)(
-            t, table.contiguous(), row_data, row_scale_inv, group_amax, _row_slices(cols))
+        signature = ("rows_group_amax", t.dtype, t.shape, t.stride(), t.device, power_of_two,
+                     fp8_dtype)
+        plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
+            (_kernel("rows_group_amax", t, power_of_two, False, fp8_dtype),),
+            _row_major(t) is not t, _row_slices(cols)))
+        plan.kernels[0](_ready(t, plan.t_copy), table.contiguous(), row_data, row_scale_inv,
+                        group_amax, plan.option)
     return row_data, row_scale_inv[:, None], group_amax
 
 
@@ -273,8 +308,8 @@ def quantize_spans_from_group_amax(t: Tensor, table: Tensor, group_amax: Tensor,
     """`quantize_spans(t, table, G, ...)` (data [C, P], scale_inv fp32 [G, C], bit for bit)
     in one read of t, from the group maxima `quantize_rows_and_group_amax` made (fp32
     [G, C]). The span cast kernel reads a group's maxima as those of its blocks first..end-1;
-    with group_amax as the block maxima and extents[g] = (g, g + 1) that is group_amax[g]."""
-    t = _aligned(_row_major(t))
+    with group_amax as the block maxima and extents[g] = (g, g + 1) that is group_amax[g].
+    The kernel and t's copy are decided once per call signature."""
     groups, cols = group_amax.shape if group_amax.dim() == 2 else (-1, -1)
     if cols != t.shape[1] or group_amax.dtype != torch.float32:
         raise ValueError(f"{_SPANS_FROM_AMAX_OP}: group_amax must be fp32 [G, {t.shape[1]}], "
@@ -285,8 +320,13 @@ def quantize_spans_from_group_amax(t: Tensor, table: Tensor, group_amax: Tensor,
         return data, torch.ones(groups, cols, dtype=torch.float32, device=device)
     scale_inv = torch.empty(groups, cols, dtype=torch.float32, device=device)
     maxima = group_amax.contiguous() if groups else group_amax.new_zeros(1, cols)
-    _kernel("span_cast", t, power_of_two, False, fp8_dtype)(  # no row-wise form: dummies
-        t, table.contiguous(), maxima, _unit_extents(max(groups, 1), device), data, scale_inv,
+    signature = ("spans_from_amax", t.dtype, t.shape, t.stride(), t.device, power_of_two,
+                 fp8_dtype)
+    plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
+        (_kernel("span_cast", t, power_of_two, False, fp8_dtype),), _row_major(t) is not t))
+    plan.kernels[0](  # no row-wise form: dummies
+        _ready(t, plan.t_copy), table.contiguous(), maxima,
+        _unit_extents(max(groups, 1), device), data, scale_inv,
         *_span_dummies(cols, fp8_dtype, device))
     return data, scale_inv
 
