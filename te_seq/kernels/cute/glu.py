@@ -30,6 +30,7 @@ from .launch import (
     bias_problem,
     gathered_rows,
     no_route,
+    pingpong_by_default,
     tile_n_for,
     varlen_m_clusters,
     with_route,
@@ -39,6 +40,13 @@ from .launch_plan import LaunchPlan, PlanCache, plans_generation, tensor_signatu
 _PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACTS = epilogue_activations()  # the table entries with glu_epilogue=True
 _FC1_TILE_N, _CLUSTER = 256, (1, 2)
+# The fused FC1 in ping-pong (128 x 128 tiles of 64 gate + 64 up columns, 1x2 cluster) against
+# cooperative 128 x 256 (bench_grouped_gemm.py --glu, ScaledSwiGLU with probs, TFLOP/s; one
+# H200, 2026-11-25, measured/h200_2026-11-25f_glu.txt; one H100 the same day,
+# measured/h100_2026-11-25f_glu_2x2_cluster.txt): Q (K = H = 2048) 510 vs 462 on the H200,
+# 449 vs 428 on the H100; B (K = 4096) 571 vs 589 and 475 vs 583: a short mainloop leaves the
+# epilogue exposed, which ping-pong hides; a long one does not.
+PINGPONG_FC1_TILE_N, FC1_PINGPONG_MAX_K = 128, 2048
 _DUMMY: dict = {}
 _MAT_DUMMY: dict = {}  # (device type, index, dtype) -> the [8, 8] placeholder in that dtype
 _PLANS = PlanCache()  # GLU launches (16-bit and FP8) by call signature
@@ -128,16 +136,22 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
     return (probs if probs.dtype in _PROBS_DTYPES else probs.float()).contiguous()
 
 
-def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None) -> Tiling:
-    """The tiling of a GLU launch of N = ``n`` columns: ``tiling`` if given, else cooperative:
-    FC1's 128 gate + 128 up columns per tile, dgrad's width fitted to N = F (``tile_n_for``);
-    gathered rows are never multicast (``GATHER_CLUSTER``).
+def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int = 0,
+                plain_fc1: bool = False) -> Tiling:
+    """The tiling of a GLU launch of N = ``n`` columns and K = ``k``: ``tiling`` if given;
+    else an FC1 with a short mainloop (K <= ``FC1_PINGPONG_MAX_K``) that is ``plain_fc1``
+    (16-bit, no bias, interleave None, 32 or 64) on rows not gathered runs in ping-pong, 64
+    gate + 64 up columns per tile, while ``pingpong_by_default()``; the rest is cooperative:
+    FC1's 128 gate + 128 up columns per tile, the dgrad's width fitted to N = F
+    (``tile_n_for``); gathered rows are never multicast (``GATHER_CLUSTER``).
 
-    Ping-pong stays opt-in here: on one H100 (2026-11-25, kernel README "Ping-pong
-    consumers") it sped the GLU FC1 of Q up in a 2x1 cluster and slowed Zipf-skewed Z down,
-    and the GLU dgrad lost on Q, Z and B."""
+    The GLU dgrad stays cooperative: on one H100 and one H200 (2026-11-25) it lost in
+    ping-pong on Q (kernel README "Ping-pong consumers")."""
     if tiling is not None:
         return tiling
+    short = k <= FC1_PINGPONG_MAX_K
+    if mode == "fc1" and plain_fc1 and not gather and short and pingpong_by_default():
+        return Tiling(PINGPONG_FC1_TILE_N, _CLUSTER, pingpong=True)
     cluster = GATHER_CLUSTER if gather else _CLUSTER
     return Tiling(_FC1_TILE_N if mode == "fc1" else tile_n_for(n, cluster[1]), cluster)
 
@@ -170,6 +184,7 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
         mode, x.dtype, x.device, b.dtype, b.shape, b.stride(), b.device, rows,
         None if probs is None else probs.dtype, act, interleave, tuple(params),
         None if bias is None else bias.dtype, gather is None, bool(scales), tiling, h_prefetch,
+        tiling is None and pingpong_by_default(),  # the default tiling reads the environment
     )
     plan = _PLANS.get(signature) or _PLANS.put(
         signature, _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather,
@@ -189,7 +204,9 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
 
     b_major, b_copy = b_layout(b)
     groups, n = b.shape[0], b.shape[2]
-    t = _glu_tiling(mode, n, gather is not None, tiling)
+    plain_fc1 = bias is None and not scaled and x.dtype in (torch.bfloat16, torch.float16) \
+        and interleave in (None, 32, 64)
+    t = _glu_tiling(mode, n, gather is not None, tiling, x.shape[1], plain_fc1)
     if h_prefetch is None:
         h_prefetch = _dgrad_h_prefetch(t, scaled) if mode == "dgrad" else 1
     cfg = GluConfig(
@@ -287,7 +304,7 @@ def _fc1_signature(x: Tensor, w1t: Tensor, probs: Tensor | None, act: str,
     return (
         x.dtype, x.shape, x.device, w1t.dtype, w1t.shape, w1t.stride(), w1t.device,
         None if probs is None else (probs.dtype, probs.shape), act, interleave, params,
-        tensor_signature(bias), tiling,
+        tensor_signature(bias), tiling, tiling is None and pingpong_by_default(),
     )
 
 

@@ -1,0 +1,48 @@
+"""The fused GLU steps' default tilings (`glu._glu_tiling`): which FC1 runs in ping-pong.
+
+Host-only: no kernel is compiled or launched.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from te_seq.kernels.cute import Tiling
+from te_seq.kernels.cute.glu import FC1_PINGPONG_MAX_K, PINGPONG_FC1_TILE_N, _glu_tiling
+
+PINGPONG_FC1 = Tiling(PINGPONG_FC1_TILE_N, (1, 2), pingpong=True)
+
+
+@pytest.fixture(autouse=True)
+def _pingpong_default(monkeypatch):
+    monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)
+
+
+@pytest.mark.parametrize("k", [64, 2048, FC1_PINGPONG_MAX_K])
+def test_short_mainloop_fc1_runs_in_pingpong(k):
+    assert _glu_tiling("fc1", 1536, False, None, k, plain_fc1=True) == PINGPONG_FC1
+
+
+@pytest.mark.parametrize(
+    ("k", "plain", "gather"),
+    [
+        (FC1_PINGPONG_MAX_K + 8, True, False),  # B and A: K = 4096, cooperative measured faster
+        (2048, False, False),  # a bias, FP8 operands or an interleave ping-pong cannot take
+        (2048, True, True),  # gathered rows: never multicast
+    ],
+)
+def test_other_fc1_stays_cooperative(k, plain, gather):
+    t = _glu_tiling("fc1", 1536, gather, None, k, plain_fc1=plain)
+    assert not t.pingpong and t.tile_n == 256
+
+
+def test_pingpong_off_keeps_fc1_cooperative(monkeypatch):
+    monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
+    t = _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True)
+    assert not t.pingpong and t.tile_n == 256
+
+
+def test_dgrad_and_explicit_tilings_are_unchanged():
+    assert _glu_tiling("dgrad", 768, False, None, 2048, plain_fc1=True) == Tiling(192, (1, 2))
+    chosen = Tiling(256, (2, 1))
+    assert _glu_tiling("fc1", 1536, False, chosen, 2048, plain_fc1=True) is chosen
