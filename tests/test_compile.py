@@ -156,6 +156,17 @@ def test_grouped_mlp_fullgraph_compiled_first_no_recompile():
     check_mlp_fullgraph(grouped_mlp(), "torch", compiled_first=True)
 
 
+@needs_tracing
+def test_compiled_first_call_reads_no_memo_an_eager_call_fills(monkeypatch):
+    """A fresh process: the GLU spec memo is empty when the first compiled call traces, then
+    the eager call fills it; the memo must not have become a guard (found on an H200: one
+    recompile per new (activation, layout) pair)."""
+    from te_seq.ops.basic import activation
+
+    monkeypatch.setattr(activation, "_GLU_SPECS", {})
+    check_mlp_fullgraph(grouped_mlp(), "torch", compiled_first=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "backend,act",

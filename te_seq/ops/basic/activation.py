@@ -7,6 +7,7 @@ match these two base classes, so a new activation op is a subclass with a new `a
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from te_seq.core import checks
@@ -91,6 +92,8 @@ class GatedActivation(Activation):
         """The activation and column layout, as the GLU kernels take them (one shared frozen
         record per pair: building and checking one costs ~1 µs of every fused forward)."""
         key = (self.act, self.glu_interleave_size)
+        if torch.compiler.is_compiling():  # a memo read while tracing would become a guard
+            return GluSpec(*key)  # that the next eager call breaks (a recompile)
         spec = _GLU_SPECS.get(key)
         if spec is None:
             spec = _GLU_SPECS[key] = GluSpec(*key)
