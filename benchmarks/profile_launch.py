@@ -21,7 +21,8 @@ split sizes, the cute backend) in bf16 or under an FP8 recipe, every kernel stub
 quantization and offsets kernels too): µs per step, cProfile's primitive calls per step, the
 aten ops one step dispatches (allocating ones and views among them) and its kernel launches
 (`count_step`: what predicts the step's host time on the GPU, each allocation and aten launch
-~5-7 µs there, each CuTe DSL launch 20-60 µs), and the top cumulative entries:
+~3-10 µs there, each CuTe DSL launch ~7.6 µs through TVM-FFI plus its functional's Python:
+benchmarks/launch_cost.py), and the top cumulative entries:
 
   python benchmarks/profile_launch.py --mlp [--fp8 ROWWISE|BLOCK|CURRENT] [--hp-wgrad]
       [--iters 300] [--top 25]
@@ -332,7 +333,8 @@ ALLOCATING = frozenset({
 class StepCounts:
     """What one step dispatches on the host, the predictors of its GPU host time: aten ops
     (views, allocations and the rest, which on the GPU launch a kernel or copy), stubbed
-    kernel launches (CuTe DSL: 20-60 µs of host each on an H100), and aten ops by name."""
+    kernel launches (CuTe DSL: ~7.6 µs each through TVM-FFI on an H100 host, plus the
+    functional's Python), and aten ops by name."""
 
     aten: int
     allocations: int
