@@ -10,25 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from aten_log import counting_calls
 
 from te_seq.core import fp8, fp8_gemm
 from te_seq.kernels import fp8_reference as ref
 from te_seq.recipe import Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
 
 
-def _counting(monkeypatch, module, name: str) -> list:
-    calls, inner = [], getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
-
-
 def test_operand_checks_run_once_per_facts_and_refuse_every_time(monkeypatch):
-    checks = _counting(monkeypatch, fp8, "_check_operands")
+    checks = counting_calls(monkeypatch, fp8, "_check_operands")
     monkeypatch.setattr(fp8, "_PASSED", {})  # none passed yet
     recipe, op = Float8BlockScaling(), torch.nn.Identity()
     x, w = torch.randn(4, 256), torch.randn(2, 128, 256)
@@ -54,7 +44,7 @@ def _ctx(recipe, backend: str = "torch"):
 
 def test_grouped_route_is_decided_once_per_facts(monkeypatch):
     fp8_gemm.clear_decisions()
-    forward = _counting(monkeypatch, fp8_gemm, "forward_reason")
+    forward = counting_calls(monkeypatch, fp8_gemm, "forward_reason")
     x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(2, 32, 64, dtype=torch.bfloat16)
     rowwise = Float8RowwiseScaling()
     routes = [fp8_gemm.grouped_route(_ctx(rowwise), x, w) for _ in range(3)]

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install "
                     "'te_seq[cute]')")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from aten_log import counting_calls
 from profile_launch import stubbed_kernels, stubbed_step  # noqa: E402
 
 from te_seq.core import fp8_gemm  # noqa: E402
@@ -37,16 +38,6 @@ def _facts(args: tuple) -> list:
             for a in args]
 
 
-def _counting(monkeypatch, module, name: str) -> list:
-    """Replace ``module.name`` by a wrapper that counts its calls (the list's length)."""
-    calls, inner = [], getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 def _mm_operands(rows: int = M, k: int = K, a_dtype=FP8):
@@ -56,7 +47,7 @@ def _mm_operands(rows: int = M, k: int = K, a_dtype=FP8):
 
 
 def test_scaled_mm_plan_is_taken_on_identical_calls_only(monkeypatch):
-    checks = _counting(monkeypatch, fp8, "supports_scaled")
+    checks = counting_calls(monkeypatch, fp8, "supports_scaled")
     with stubbed_kernels() as stubs:
         a, b, sa, sb = _mm_operands()
         for _ in range(3):
@@ -93,7 +84,7 @@ def _wgrad_operands(n: int = N):
 
 
 def test_scaled_wgrad_plan_is_taken_on_identical_calls_only(monkeypatch):
-    checks = _counting(monkeypatch, fp8, "supports_scaled_wgrad")
+    checks = counting_calls(monkeypatch, fp8, "supports_scaled_wgrad")
     with stubbed_kernels() as stubs:
         ops = _wgrad_operands()
         for _ in range(3):
@@ -110,7 +101,7 @@ def test_scaled_wgrad_plan_is_taken_on_identical_calls_only(monkeypatch):
 
 
 def test_fp8_glu_checks_are_cached_per_signature(monkeypatch):
-    checks = _counting(monkeypatch, fp8_glu, "_check")
+    checks = counting_calls(monkeypatch, fp8_glu, "_check")
     x, w1 = torch.randn(M, K).to(FP8), torch.randn(E, N, K).to(FP8)
     xs, ws = torch.rand(M), torch.rand(E, N)
     with stubbed_kernels():
@@ -127,7 +118,7 @@ def test_fp8_glu_checks_are_cached_per_signature(monkeypatch):
 
 
 def test_quantization_choice_is_decided_once_per_facts(monkeypatch):
-    problems = _counting(monkeypatch, cute, "quant_problem")
+    problems = counting_calls(monkeypatch, cute, "quant_problem")
     rule = ref.ScaleRule("E4M3", 0, False)
     t = torch.randn(8, 64).to(torch.bfloat16)
     first = fp8_quantize.reason(t, ref.ROWWISE, rule, "cute")
@@ -220,7 +211,7 @@ def test_fp8_glu_copies_an_n_major_weight_as_before(monkeypatch):
     """The FP8 GLU FC1's checked signature keeps whether w must be copied K-major: an N-major
     w1 launches as a contiguous one does (first and planned calls alike), and the checks run
     once per signature."""
-    checks = _counting(monkeypatch, fp8_glu, "_check")
+    checks = counting_calls(monkeypatch, fp8_glu, "_check")
     x, w1 = torch.randn(M, K).to(FP8), torch.randn(E, N, K).to(FP8)
     xs, ws = torch.rand(M), torch.rand(E, N)
     n_major = w1.transpose(1, 2).contiguous().transpose(1, 2)

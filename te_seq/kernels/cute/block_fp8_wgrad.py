@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fp8 import FP8_DTYPE, WGRAD_SPAN, _aligned, _device_problem, token_major_problem
-from .launch import _check_offs, _num_sms, _row_major, no_route, varlen_k_clusters
+from .fp8 import FP8_DTYPE, WGRAD_SPAN, _device_problem, token_major_problem
+from .launch import _check_offs, _num_sms, _row_major, aligned_16, no_route, varlen_k_clusters
 
 TILE_N = 128  # the kernel's tile width: accumulators, the k-tile's product and scales fit
 _OP = "cute block_scaled_grouped_wgrad"
@@ -109,6 +109,7 @@ def block_scaled_grouped_wgrad(
                      block_wgrad=True)
     kernel = compile_gemm(cfg).fn
     clusters = varlen_k_clusters(groups, n, k, TILE_N, cluster_mn, _num_sms(a.device.index or 0))
-    kernel(_aligned(_row_major(a)), _aligned(_row_major(b)), out.permute(1, 2, 0), offs, clusters,
-           a_scale.contiguous(), b_scale.contiguous(), no_route(a.device))
+    a, b = aligned_16(_row_major(a)), aligned_16(_row_major(b))
+    kernel(a, b, out.permute(1, 2, 0), offs, clusters, a_scale.contiguous(), b_scale.contiguous(),
+           no_route(a.device))
     return out

@@ -27,6 +27,7 @@ from .launch import (
     _check_offs,
     _num_sms,
     _row_major,
+    aligned_16,
     default_tiling,
     no_route,
     varlen_k_clusters,
@@ -180,15 +181,9 @@ def run_scaled_mm(op: str, check, config, a: Tensor, b: Tensor, a_scale: Tensor,
         return out
     if plan.offs_copy:
         offs = offs.to(torch.int32).contiguous()
-    if plan.a_copy:
-        a = a.contiguous()
-    if plan.b_copy:
-        b = b.contiguous()
+    a, b = aligned_16(a, plan.a_copy), aligned_16(b, plan.b_copy)
     if plan.scales_copy:
         a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
-    # data addresses are per call: a copy where one does not start on 16 bytes (TMA)
-    a = a if a.data_ptr() % 16 == 0 else a.clone()
-    b = b if b.data_ptr() % 16 == 0 else b.clone()
     plan.kernel(a, b.permute(1, 2, 0), out, offs, plan.clusters, a_scale, b_scale, plan.route)
     return out
 
@@ -214,11 +209,6 @@ def _plan_mm(op: str, check: tuple[bool, str], config, a: Tensor, b: Tensor, a_s
                   b_copy=k_major(b) is not b,
                   scales_copy=not (a_scale.is_contiguous() and b_scale.is_contiguous()),
                   offs_copy=checked is not offs, route=no_route(a.device))
-
-
-def _aligned(t: Tensor) -> Tensor:
-    """``t`` (contiguous) or a copy of it whose data starts on a 16-byte boundary (TMA)."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def k_major(b: Tensor) -> Tensor:
@@ -312,9 +302,7 @@ def scaled_grouped_wgrad(
         a, b = _row_major(a), _row_major(b)
     if plan.scales_copy:
         a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
-    # data addresses are per call: a copy where one does not start on 16 bytes (TMA)
-    a = a if a.data_ptr() % 16 == 0 else a.clone()
-    b = b if b.data_ptr() % 16 == 0 else b.clone()
+    a, b = aligned_16(a), aligned_16(b)
     plan.kernel(a, b, out.permute(1, 2, 0), offs, plan.clusters, a_scale, b_scale, plan.route)
     return out
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .fp8 import FP8_DTYPE, _device_problem, k_major
 from .glu import _ACTS, _check_probs, _launch, layout_problem, run_dgrad
-from .launch import _row_major, available
+from .launch import _row_major, aligned_16, available
 from .launch_plan import PlanCache
 
 _ALIGN = 16  # H in elements: 16-byte TMA rows of 1-byte data
@@ -105,15 +105,9 @@ def _kernel_operands(x: Tensor, w: Tensor, x_scale: Tensor, w_scale: Tensor,
                      checked: _Checked) -> tuple:
     """(x, w as [E, H, N] with H contiguous, (x_scale, w_scale)): 16-byte aligned data, copied
     where `checked` (the call signature's) says the layout needs it."""
-    if checked.w_copy:
-        w = w.contiguous()
-    if checked.x_copy:
-        x = x.contiguous()
+    w, x = aligned_16(w, checked.w_copy), aligned_16(x, checked.x_copy)
     if checked.scales_copy:
         x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()
-    # data addresses are per call: a copy where one does not start on 16 bytes (TMA)
-    w = w if w.data_ptr() % 16 == 0 else w.clone()
-    x = x if x.data_ptr() % 16 == 0 else x.clone()
     return x, w.transpose(1, 2), (x_scale, w_scale)
 
 

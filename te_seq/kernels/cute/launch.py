@@ -137,6 +137,15 @@ def _num_sms(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def aligned_16(t: Tensor, copy: bool = False) -> Tensor:
+    """``t`` as a TMA kernel reads it: contiguous where ``copy`` (its launch plan says the
+    layout needs it), then copied where its data does not start on a 16-byte boundary (the
+    address is per call, so it is checked on every call)."""
+    if copy:
+        t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _row_major(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 and t.stride(0) == t.shape[1] else t.contiguous()
 

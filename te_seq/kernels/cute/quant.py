@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .fp8 import A_DTYPES, FP8_DTYPE, _aligned, _device_problem
-from .launch import _row_major, available
+from .fp8 import A_DTYPES, FP8_DTYPE, _device_problem
+from .launch import _row_major, aligned_16, available
 from .launch_plan import LaunchPlan, PlanCache
 
 SPAN_BLOCK = 128  # tokens per padded block (fp8_wgrad.WGRAD_PAD)
@@ -77,7 +77,7 @@ def quantize_rows(t: Tensor, power_of_two: bool = False,
         plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
             (_kernel("rows", t, power_of_two, False, fp8_dtype, _row_lane_vecs(t.shape[1])),),
             _row_major(t) is not t))
-        plan.kernels[0](_ready(t, plan.t_copy), data, scale_inv)
+        plan.kernels[0](aligned_16(t, plan.t_copy), data, scale_inv)
     return data, scale_inv[:, None]
 
 
@@ -99,7 +99,7 @@ def quantize_row_blocks(t: Tensor, block_cols: int, power_of_two: bool = False,
     scale_inv fp32 [R, C / block_cols]), `quantize_rows` of t seen as [R·C / block_cols,
     block_cols] (bit for bit), its outputs made in their final shapes (the kernel reads views
     of them: one view op a call fewer than reshaping `quantize_rows`' results)."""
-    t = _aligned(_row_major(t))
+    t = aligned_16(_row_major(t))
     rows, cols = t.shape
     data = torch.empty(rows, cols, dtype=fp8_dtype, device=t.device)
     scale_inv = torch.empty(rows, cols // block_cols, dtype=torch.float32, device=t.device)
@@ -139,7 +139,7 @@ def quantize_span_blocks(t: Tensor, table: Tensor, power_of_two: bool = False,
     maximum); blocks past the last span get zero data and scale_inv 1. No output is filled
     first: the kernel writes every element. t may be bf16, fp16 or fp32 (`quant_problem`
     with `fp32=True`)."""
-    t = _aligned(_row_major(t))
+    t = aligned_16(_row_major(t))
     cols, blocks = t.shape[1], table.shape[0]
     data = torch.empty(cols, blocks * SPAN_BLOCK, dtype=fp8_dtype, device=t.device)
     scale_inv = torch.empty(blocks, cols, dtype=torch.float32, device=t.device)
@@ -172,14 +172,6 @@ class _QuantPlan(NamedTuple):
 
 # quantization call signatures (kind, t's dtype, shape, strides, device; options) -> plan
 _QUANT_PLANS = PlanCache()
-
-
-def _ready(t: Tensor, copy: bool) -> Tensor:
-    """t as the kernels read it: row-major (copied where its plan says so) and 16-byte aligned
-    (the data address is per call: a copy where it is not)."""
-    if copy:
-        t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool,
@@ -215,7 +207,7 @@ def _spans(t: Tensor, table: Tensor, groups: int, power_of_two: bool, rows: bool
     plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
         (_kernel("span_amax", t, power_of_two, rows, fp8_dtype),
          _kernel("span_cast", t, power_of_two, rows, fp8_dtype)), _row_major(t) is not t))
-    t = _ready(t, plan.t_copy)
+    t = aligned_16(t, plan.t_copy)
     amax, cast = plan.kernels
     amax(t, table, block_amax, extents, row_amax)
     cast(t, table, block_amax, extents, data, scale_inv, row_amax, row_data, row_scale_inv)
@@ -289,7 +281,7 @@ def quantize_rows_and_group_amax(t: Tensor, table: Tensor, groups: int,
         plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
             (_kernel("rows_group_amax", t, power_of_two, False, fp8_dtype),),
             _row_major(t) is not t, _row_slices(cols)))
-        plan.kernels[0](_ready(t, plan.t_copy), table.contiguous(), row_data, row_scale_inv,
+        plan.kernels[0](aligned_16(t, plan.t_copy), table.contiguous(), row_data, row_scale_inv,
                         group_amax, plan.option)
     return row_data, row_scale_inv[:, None], group_amax
 
@@ -325,7 +317,7 @@ def quantize_spans_from_group_amax(t: Tensor, table: Tensor, group_amax: Tensor,
     plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
         (_kernel("span_cast", t, power_of_two, False, fp8_dtype),), _row_major(t) is not t))
     plan.kernels[0](  # no row-wise form: dummies
-        _ready(t, plan.t_copy), table.contiguous(), maxima,
+        aligned_16(t, plan.t_copy), table.contiguous(), maxima,
         _unit_extents(max(groups, 1), device), data, scale_inv,
         *_span_dummies(cols, fp8_dtype, device))
     return data, scale_inv
