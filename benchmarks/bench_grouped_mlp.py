@@ -20,6 +20,9 @@ Variants, all in this process on the same random data, each checked against an f
   te_seq:<backend>:fp8-block[:hp-wgrad]   under Float8BlockScaling (`--fp8-block`)
   te_seq:cute:coop     the cute MLP with TE_SEQ_PINGPONG=0 (`--pingpong`): every default tiling
                        cooperative, interleaved with the default (ping-pong where allowed)
+  te_seq:cute:NAME     the cute MLP with environment variables set while it runs
+                       (`--env-variant NAME:VAR=VALUE,...`), e.g. the tiling settings of
+                       te_seq/kernels/cute/launch.py: two tilings compared in one process
   te_seq:<backend>[:fp8]:graphed   the same Sequential captured by te_seq.make_graphed_callables
                        (`--graphed`; fresh grads): what a step costs with no Python per op
   kernels:<backend>    the backend's raw functionals (grouped_mm, grouped_wgrad, glu_*), unfused
@@ -175,39 +178,58 @@ class TeSeqVariant(AutogradVariant):
         return " ".join(f"{st.name}@{st.backend}" for st in steps)
 
 
-class TeSeqPingPongVariant(TeSeqVariant):
-    """TeSeqVariant with the other ping-pong setting while it runs (`--pingpong`): with
-    TE_SEQ_PINGPONG=0 (te_seq:cute:coop, every default tiling cooperative) where ping-pong is
-    the default (te_seq/kernels/cute/launch.py), else with TE_SEQ_PINGPONG=1 (te_seq:cute:pp);
-    compared in the same process, interleaved with the default."""
+class TeSeqEnvVariant(TeSeqVariant):
+    """The te_seq:cute variant's own module, weights and inputs run with environment variables
+    set while it runs (`--env-variant`, `--pingpong`): the default tilings read TE_SEQ_PINGPONG,
+    TE_SEQ_PINGPONG_MAX_K and TE_SEQ_WGRAD_CLUSTER on every call
+    (te_seq/kernels/cute/launch.py), so two tilings compare in the same process, interleaved,
+    on the same memory. (Separately built copies of one configuration measured up to 9 % apart
+    on Q in one process, 2026-11-25: benchmarks/README.md.)"""
 
-    def __init__(self, case: Case, backend: str, grad_mode: str) -> None:
-        from te_seq.kernels.cute.launch import pingpong_by_default
-
-        super().__init__(case, backend, grad_mode)
-        self.setting = "0" if pingpong_by_default() else "1"
-        self.name = f"te_seq:{backend}:{'coop' if self.setting == '0' else 'pp'}"
+    def __init__(self, base: TeSeqVariant, name: str, env: dict[str, str]) -> None:
+        vars(self).update(vars(base))  # shared: the module, its weights, x, probs and dy
+        self.name, self.env = f"{base.name}:{name}", env
+        self.note = " ".join(f"{k}={v}" for k, v in env.items())
 
     def run(self, x: Tensor, probs: Tensor | None) -> Tensor:
-        with _pingpong(self.setting):
+        with _environment(self.env):
             return super().run(x, probs)
 
     def forward_backward(self) -> None:
-        with _pingpong(self.setting):
+        with _environment(self.env):
             super().forward_backward()
 
 
+def pingpong_flip() -> tuple[str, dict[str, str]]:
+    """`--pingpong`: the other ping-pong setting, te_seq:cute:coop (TE_SEQ_PINGPONG=0, every
+    default tiling cooperative) where ping-pong is the default, else te_seq:cute:pp."""
+    from te_seq.kernels.cute.launch import pingpong_by_default
+
+    return ("coop", {"TE_SEQ_PINGPONG": "0"}) if pingpong_by_default() else (
+        "pp", {"TE_SEQ_PINGPONG": "1"})
+
+
+def parse_env_variant(text: str) -> tuple[str, dict[str, str]]:
+    """"NAME:VAR=VALUE[,VAR=VALUE...]" -> (NAME, {VAR: VALUE})."""
+    name, sep, body = text.partition(":")
+    pairs = [item.partition("=") for item in body.split(",") if item]
+    if not sep or not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
+        raise ValueError(f"--env-variant wants NAME:VAR=VALUE[,VAR=VALUE...], got {text!r}")
+    return name, {k: v for k, _, v in pairs}
+
+
 @contextlib.contextmanager
-def _pingpong(setting: str):
-    before = os.environ.get("TE_SEQ_PINGPONG")
-    os.environ["TE_SEQ_PINGPONG"] = setting
+def _environment(env: dict[str, str]):
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["TE_SEQ_PINGPONG"]
-        else:
-            os.environ["TE_SEQ_PINGPONG"] = before
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 class TeSeqFP8Variant(TeSeqVariant):
@@ -349,7 +371,7 @@ class _Builder:
         self.case, self.grad_mode = case, grad_mode
         self.fp8 = False  # also te_seq:<backend>:fp8 (--fp8)
         self.fp8_block = False  # also te_seq:<backend>:fp8-block (--fp8-block)
-        self.pingpong = False  # also te_seq:cute:pp (--pingpong)
+        self.env_variants: list[tuple[str, dict]] = []  # --pingpong, --env-variant
         self.variants: list[Variant] = []
         self.skipped: list[Result] = []
 
@@ -368,7 +390,9 @@ def build_variants(
 ) -> tuple[list[Variant], list[Result]]:
     """The variants that can run here, and a skipped Result (with the reason) for the others."""
     b = _Builder(case, grad_mode)
-    b.fp8, b.fp8_block, b.pingpong = args.fp8, args.fp8_block, args.pingpong
+    b.fp8, b.fp8_block = args.fp8, args.fp8_block
+    b.env_variants = ([pingpong_flip()] if args.pingpong else []) + [
+        parse_env_variant(text) for text in args.env_variant]
     _build_te_seq(b, args.backends)
     _build_graphed_te_seq(b, args)
     _build_compiled_te_seq(b, args)
@@ -394,9 +418,10 @@ def _build_te_seq(b: _Builder, backends: list[str]) -> None:
             if backend == "cute":
                 name = "te_seq:cute:per-group"
                 b.attempt(name, lambda: TeSeqVariant(case, "cute", b.grad_mode, per_group=True))
-            if backend == "cute" and b.pingpong:
-                b.attempt("te_seq:cute:coop",  # or :pp where TE_SEQ_PINGPONG=0 is set
-                          lambda: TeSeqPingPongVariant(case, "cute", b.grad_mode))
+            base = next((v for v in b.variants if v.name == "te_seq:cute"), None)
+            for name, env in b.env_variants if base is not None else ():
+                b.attempt(f"te_seq:cute:{name}", lambda n=name, e=env: TeSeqEnvVariant(
+                    base, n, e))
             if b.fp8:
                 b.attempt(f"te_seq:{backend}:fp8",
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode))
@@ -562,6 +587,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--pingpong", action="store_true",
                    help="also te_seq:cute:coop, the MLP with TE_SEQ_PINGPONG=0 (same process)")
+    p.add_argument("--env-variant", action="append", default=[],
+                   help="also te_seq:cute:NAME with these variables set while it runs, "
+                   "NAME:VAR=VALUE[,VAR=VALUE...] (repeatable; same process)")
     p.add_argument("--graphed", action="store_true",
                    help="also te_seq:<backend>[:fp8]:graphed, captured by "
                    "te_seq.make_graphed_callables (host time out of the picture)")

@@ -6,7 +6,10 @@ calls with torch.profiler (CPU and CUDA) and prints, per kernel name: calls per 
 ms per step and share; then the step's wall time, summed kernel time and launches per step.
 `--fp8 ROWWISE|CURRENT|BLOCK` runs it under te_seq.autocast with that recipe (`--hp-wgrad`: its
 `fp8_wgrad=False`, the wgrads in bf16); `--cpu` also prints
-the host-side ops by self CPU time (where a host-bound step spends its time).
+the host-side ops by self CPU time (where a host-bound step spends its time). `--order` also
+prints one step's launches in launch order with each one's mean device time (tells apart the
+six GEMMs that share a kernel name); `--peer quack` profiles QuACK's MLP (peer_quack.py, the
+benchmark's peer, fresh grads) instead of te_seq's, so the two tables compare GEMM by GEMM.
 
   python benchmarks/profile_kernels.py --shape Q --backend cute --fp8 ROWWISE [--top 25]
 """
@@ -21,6 +24,7 @@ from collections import defaultdict
 
 import torch
 from mlp_case import make_case
+from peer_quack import QuackPeer
 from profile_host import build
 
 import te_seq
@@ -70,13 +74,25 @@ def kernel_table(step, iters: int):
             step()
         torch.cuda.synchronize()
     kernel_table.cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_table.order = launch_order(kernels, iters)
     table = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            row = table[e.name]
-            row[0] += 1
-            row[1] += e.device_time
+    for e in kernels:
+        row = table[e.name]
+        row[0] += 1
+        row[1] += e.device_time
     return table, wall
+
+
+def launch_order(kernels, iters: int) -> list[tuple[str, float]]:
+    """[(name, mean device µs)] per launch position within one step, in launch order; empty
+    when the steps did not launch the same number of kernels."""
+    kernels = sorted(kernels, key=lambda e: e.time_range.start)
+    per_step, rest = divmod(len(kernels), iters)
+    if rest or not per_step:
+        return []
+    return [(kernels[i].name, sum(e.device_time for e in kernels[i::per_step]) / iters)
+            for i in range(per_step)]
 
 
 def python_profile(step, iters: int, top: int) -> None:
@@ -119,16 +135,24 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--cpu", action="store_true", help="also the host ops by self CPU time")
+    p.add_argument("--order", action="store_true", help="also one step's launches in order")
+    p.add_argument("--peer", default="", choices=["", "quack"],
+                   help="profile this benchmark peer's MLP instead of te_seq's")
     args = p.parse_args()
     case = make_case(args.shape, torch.device("cuda"), torch.bfloat16)
-    mlp, forward = build(case, args.backend)
     recipe = RECIPES[args.fp8](fp8_wgrad=not args.hp_wgrad) if args.fp8 else None
-    step = step_fn(mlp, forward, recipe)
+    if args.peer:
+        step = QuackPeer(case, "fresh").forward_backward
+        args.backend = args.peer
+    else:
+        mlp, forward = build(case, args.backend)
+        step = step_fn(mlp, forward, recipe)
     for _ in range(3):
         step()
-    with te_seq.backend(args.backend), te_seq.autocast(enabled=recipe is not None,
-                                                       recipe=recipe):
-        print(mlp.fusion_plan())
+    if not args.peer:
+        with te_seq.backend(args.backend), te_seq.autocast(enabled=recipe is not None,
+                                                           recipe=recipe):
+            print(mlp.fusion_plan())
     table, wall = kernel_table(step, args.iters)
     total = sum(us for _, us in table.values())
     launches = sum(n for n, _ in table.values())
@@ -143,6 +167,10 @@ def main() -> None:
     for name, (n, us) in rows:
         print(f"{n / args.iters:7.1f}x {us / args.iters / 1e3:8.3f} ms {us / total:6.1%}  "
               f"{name[:110]}")
+    if args.order:
+        print("launch order (one step, mean device ms):")
+        for i, (name, us) in enumerate(kernel_table.order):
+            print(f"{i:4d} {us / 1e3:8.3f} ms  {name[:110]}")
 
 
 if __name__ == "__main__":

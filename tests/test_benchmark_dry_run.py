@@ -6,6 +6,7 @@ the best-peer ratio and the quack compile-cache keyer wrap. A broken benchmark i
 rather than on the GPU host."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -120,6 +121,20 @@ def test_each_timed_run_is_one_burst_of_calls():
         {"f": lambda: calls.append(1)}, iters=3, warmup=2, device=torch.device("cpu"), burst=4
     )
     assert len(runs["f"]) == 3 and len(calls) == 2 + 3 * 4
+
+
+def test_interleaved_order_changes_so_no_variant_always_follows_the_same_one():
+    """The power state of the GPU carries over between bursts: a fixed cyclic order would give
+    every variant the same predecessor in every round (benchmarks/README.md, Protocol)."""
+    seq = []
+    names = "abcde"
+    runs = time_interleaved({n: (lambda n=n: seq.append(n)) for n in names}, iters=40, warmup=0,
+                            device=torch.device("cpu"))
+    assert all(len(runs[n]) == 40 for n in names)
+    rounds = [seq[i:i + 5] for i in range(0, len(seq), 5)]
+    assert all(sorted(r) == list(names) for r in rounds)  # each runs once per round
+    before = {n: {r[r.index(n) - 1] for r in rounds if r.index(n)} for n in names}
+    assert all(len(before[n]) >= 3 for n in names), before
 
 
 # ------------------------------------------------------------------ grad modes
@@ -411,3 +426,25 @@ def test_bench_grouped_mlp_fp8_variants_dry_run(tmp_path):
             assert ("U", mode, variant) in timed, (mode, variant, results)
     fp8 = [r for r in results if r["variant"].startswith("te_seq:torch:fp8")]
     assert all(r["max_rel_err"] <= r["check_tol"] for r in fp8 if r["status"] == "ok")
+
+
+def test_env_variant_sets_its_variables_only_while_it_runs(monkeypatch):
+    import bench_grouped_mlp as bench
+
+    assert bench.parse_env_variant("wg21:TE_SEQ_WGRAD_CLUSTER=2x1,TE_SEQ_PINGPONG_MAX_K=4096") == (
+        "wg21", {"TE_SEQ_WGRAD_CLUSTER": "2x1", "TE_SEQ_PINGPONG_MAX_K": "4096"})
+    for bad in ("noenv", "name:", ":A=1", "name:A"):
+        with pytest.raises(ValueError, match="--env-variant wants NAME:VAR=VALUE"):
+            bench.parse_env_variant(bad)
+    monkeypatch.setenv("TE_SEQ_PROBE_B", "before")
+    monkeypatch.delenv("TE_SEQ_PROBE_A", raising=False)
+    seen = []
+    monkeypatch.setattr(bench.TeSeqVariant, "run", lambda self, x, probs: seen.append(
+        (os.environ.get("TE_SEQ_PROBE_A"), os.environ.get("TE_SEQ_PROBE_B"))) or x)
+    case = mlp_case.make_case("T", torch.device("cpu"), torch.float32)
+    base = bench.TeSeqVariant(case, "torch", "fresh")
+    v = bench.TeSeqEnvVariant(base, "probe", {"TE_SEQ_PROBE_A": "1", "TE_SEQ_PROBE_B": "2"})
+    v.forward()
+    assert v.name == "te_seq:torch:probe" and seen == [("1", "2")]
+    assert v.mlp is base.mlp and v.x is base.x  # the same module and inputs: only env differs
+    assert "TE_SEQ_PROBE_A" not in os.environ and os.environ["TE_SEQ_PROBE_B"] == "before"

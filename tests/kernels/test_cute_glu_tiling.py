@@ -8,17 +8,19 @@ from __future__ import annotations
 import pytest
 
 from te_seq.kernels.cute import Tiling
-from te_seq.kernels.cute.glu import FC1_PINGPONG_MAX_K, PINGPONG_FC1_TILE_N, _glu_tiling
+from te_seq.kernels.cute.glu import PINGPONG_FC1_TILE_N, _glu_tiling
+from te_seq.kernels.cute.launch import PINGPONG_MAX_K
 
 PINGPONG_FC1 = Tiling(PINGPONG_FC1_TILE_N, (1, 2), pingpong=True)
 
 
 @pytest.fixture(autouse=True)
 def _pingpong_default(monkeypatch):
-    monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)
+    for name in ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K"):
+        monkeypatch.delenv(name, raising=False)
 
 
-@pytest.mark.parametrize("k", [64, 2048, FC1_PINGPONG_MAX_K])
+@pytest.mark.parametrize("k", [64, 2048, PINGPONG_MAX_K])
 def test_short_mainloop_fc1_runs_in_pingpong(k):
     assert _glu_tiling("fc1", 1536, False, None, k, plain_fc1=True) == PINGPONG_FC1
 
@@ -26,7 +28,7 @@ def test_short_mainloop_fc1_runs_in_pingpong(k):
 @pytest.mark.parametrize(
     ("k", "plain", "gather"),
     [
-        (FC1_PINGPONG_MAX_K + 8, True, False),  # B and A: K = 4096, cooperative measured faster
+        (PINGPONG_MAX_K + 8, True, False),  # B and A: K = 4096, cooperative measured faster
         (2048, False, False),  # a bias, FP8 operands or an interleave ping-pong cannot take
         (2048, True, True),  # gathered rows: never multicast
     ],
@@ -46,3 +48,10 @@ def test_dgrad_and_explicit_tilings_are_unchanged():
     assert _glu_tiling("dgrad", 768, False, None, 2048, plain_fc1=True) == Tiling(192, (1, 2))
     chosen = Tiling(256, (2, 1))
     assert _glu_tiling("fc1", 1536, False, chosen, 2048, plain_fc1=True) is chosen
+
+
+def test_max_k_from_the_environment_moves_the_bound(monkeypatch):
+    monkeypatch.setenv("TE_SEQ_PINGPONG_MAX_K", "4096")
+    assert _glu_tiling("fc1", 1536, False, None, 4096, plain_fc1=True) == PINGPONG_FC1
+    monkeypatch.setenv("TE_SEQ_PINGPONG_MAX_K", "1536")
+    assert not _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True).pingpong

@@ -160,6 +160,38 @@ def test_default_tiling_follows_the_environment(monkeypatch):
     assert on.pingpong and not off.pingpong
 
 
+def test_wgrad_cluster_and_max_k_follow_the_environment(monkeypatch):
+    """TE_SEQ_WGRAD_CLUSTER picks the ping-pong wgrads' cluster and TE_SEQ_PINGPONG_MAX_K the
+    longest K in ping-pong, also after a plan of the same call (the plans' signatures)."""
+    a, w2, dy = torch.randn(M, F).to(BF16), torch.randn(E, H, F).to(BF16), torch.randn(M, H)
+    mm = lambda: cute.grouped_mm(a, w2.transpose(1, 2), _offs())  # noqa: E731, K = F = 256
+    wgrad = lambda: cute.grouped_wgrad(dy.to(BF16), a, _offs())  # noqa: E731
+    for name in ("TE_SEQ_PINGPONG", "TE_SEQ_WGRAD_CLUSTER", "TE_SEQ_PINGPONG_MAX_K"):
+        monkeypatch.delenv(name, raising=False)
+    with stubbed_kernels() as stubs:
+        default = _launch_of(stubs, wgrad)[0]
+        monkeypatch.setenv("TE_SEQ_WGRAD_CLUSTER", "2x1")
+        wide = _launch_of(stubs, wgrad)[0]
+        assert _launch_of(stubs, mm)[0].pingpong
+        monkeypatch.setenv("TE_SEQ_PINGPONG_MAX_K", str(F - 8))
+        assert not _launch_of(stubs, mm)[0].pingpong
+    assert default.pingpong and wide.pingpong
+    assert (default.cluster_mn, wide.cluster_mn) == ((1, 2), (2, 1))
+
+
+@pytest.mark.parametrize(("name", "value", "match"), [
+    ("TE_SEQ_WGRAD_CLUSTER", "2x2", r"TE_SEQ_WGRAD_CLUSTER must be one of \['1x2', '2x1'\]"),
+    ("TE_SEQ_PINGPONG_MAX_K", "big", "TE_SEQ_PINGPONG_MAX_K must be an integer, got 'big'"),
+])
+def test_bad_tiling_settings_are_refused_by_name(monkeypatch, name, value, match):
+    a, dy = torch.randn(M, F).to(BF16), torch.randn(M, H).to(BF16)
+    w2 = torch.randn(E, H, F).to(BF16)
+    monkeypatch.setenv(name, value)
+    with stubbed_kernels(), pytest.raises(ValueError, match=match):
+        cute.grouped_wgrad(dy, a, _offs())
+        cute.grouped_mm(a, w2.transpose(1, 2), _offs())
+
+
 def test_errors_stay_after_a_plan():
     """A planned signature does not bypass the checks of a call that differs from it."""
     a, w2 = torch.randn(M, F).to(BF16), torch.randn(E, H, F).to(BF16)
@@ -240,6 +272,21 @@ def test_fc1_launch_launches_what_the_functional_launches():
     assert cfg1 == cfg2 == cfg3
     assert _inputs_of(launched) == _inputs_of(direct) == _inputs_of(again)
     assert launched[1].data_ptr() == direct[1].data_ptr() == w1.data_ptr()
+
+
+def test_fc1_launch_follows_a_change_of_the_tiling_settings(monkeypatch):
+    """A prepared FC1 launch (the grouped MLP's steady path) takes a new TE_SEQ_PINGPONG at
+    its next call, as the functional does."""
+    x, probs = torch.randn(M, H).to(BF16), torch.rand(M)
+    w1 = torch.randn(E, 2 * F, H).to(BF16)
+    monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)
+    monkeypatch.delenv("TE_SEQ_PINGPONG_MAX_K", raising=False)
+    with stubbed_kernels() as stubs:
+        launch = cute.glu_fc1_forward.launch_for(x, w1, "silu", None, probs)
+        on = _launch_of(stubs, lambda: launch(x, w1, _offs(), probs))[0]
+        monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
+        off = _launch_of(stubs, lambda: launch(x, w1, _offs(), probs))[0]
+    assert on.pingpong and not off.pingpong
 
 
 def test_fc1_launch_refuses_what_the_functional_refuses():

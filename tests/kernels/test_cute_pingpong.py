@@ -296,14 +296,16 @@ def test_glu_dgrad_pingpong_equals_cooperative(case, config, epi_rows):
 def test_plain_gemm_default_tiling_is_pingpong_for_short_k_unless_turned_off(monkeypatch):
     from te_seq.kernels.cute import plain_mm_tiling
 
+    monkeypatch.delenv("TE_SEQ_PINGPONG_MAX_K", raising=False)
     monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
     assert plain_mm_tiling(2048, 768) == Tiling(256, (1, 2))  # turned off: cooperative
     monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)  # the default
     assert plain_mm_tiling(2048, 768) == Tiling(128, (1, 2), True)  # 192 would pad to 2304
     assert plain_mm_tiling(4096, 1024) == Tiling(192, (1, 2), True)  # 4224 columns: < 5 % more
     assert plain_mm_tiling(2048, 1536) == Tiling(128, (1, 2), True)  # Q's FC1 dgrad
-    assert plain_mm_tiling(1536, 2048) == Tiling(256, (1, 2))  # long mainloop: cooperative
-    assert plain_mm_tiling(768, 1537) == Tiling(192, (1, 2))
+    assert plain_mm_tiling(4096, 2048) == Tiling(192, (1, 2), True)  # B's FC1 dgrad
+    assert plain_mm_tiling(1536, 4096) == Tiling(256, (1, 2))  # long mainloop: cooperative
+    assert plain_mm_tiling(768, 2049) == Tiling(192, (1, 2))
 
 
 def test_glu_default_tilings_stay_cooperative(monkeypatch):

@@ -26,11 +26,11 @@ from .launch import (
     bias_problem,
     default_tiling,
     no_route,
-    pingpong_by_default,
     plain_mm_tiling,
     route_rows,
     row_scales,
     tile_n_for,
+    tiling_settings,
     varlen_k_clusters,
     varlen_m_clusters,
     wgrad_tiling,
@@ -155,7 +155,7 @@ def grouped_mm(
     signature = (
         a.dtype, a.device, a.shape[1], b.dtype, b.shape, b.stride(), b.device, rows, what,
         tiling, None if bias is None else bias.dtype, bias_scales is not None,
-        tiling is None and pingpong_by_default(),  # the default tiling reads the environment
+        tiling is None and tiling_settings(),  # the default tiling reads the environment
     )
     plan = _MM_PLANS.get(signature) or _MM_PLANS.put(
         signature, _mm_plan(a, b, rows, tiling, bias, bias_scales is not None, what)
@@ -241,7 +241,7 @@ def grouped_wgrad(
         return out if accumulate else out.zero_()
     grad_out, x = _row_major(grad_out), _row_major(x)
     signature = (x.dtype, x.device, rows, n, k, groups, out.dtype, accumulate, tiling,
-                 tiling is None and pingpong_by_default())  # the default reads the environment
+                 tiling is None and tiling_settings())  # the default reads the environment
     plan = _WGRAD_PLANS.get(signature) or _WGRAD_PLANS.put(
         signature, _wgrad_plan(x, n, k, groups, out.dtype, accumulate, tiling)
     )

@@ -31,7 +31,9 @@ from .launch import (
     gathered_rows,
     no_route,
     pingpong_by_default,
+    pingpong_max_k,
     tile_n_for,
+    tiling_settings,
     varlen_m_clusters,
     with_route,
 )
@@ -46,7 +48,7 @@ _FC1_TILE_N, _CLUSTER = 256, (1, 2)
 # measured/h100_2026-11-25f_glu_2x2_cluster.txt): Q (K = H = 2048) 510 vs 462 on the H200,
 # 449 vs 428 on the H100; B (K = 4096) 571 vs 589 and 475 vs 583: a short mainloop leaves the
 # epilogue exposed, which ping-pong hides; a long one does not.
-PINGPONG_FC1_TILE_N, FC1_PINGPONG_MAX_K = 128, 2048
+PINGPONG_FC1_TILE_N = 128
 _DUMMY: dict = {}
 _MAT_DUMMY: dict = {}  # (device type, index, dtype) -> the [8, 8] placeholder in that dtype
 _PLANS = PlanCache()  # GLU launches (16-bit and FP8) by call signature
@@ -139,7 +141,7 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
 def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int = 0,
                 plain_fc1: bool = False) -> Tiling:
     """The tiling of a GLU launch of N = ``n`` columns and K = ``k``: ``tiling`` if given;
-    else an FC1 with a short mainloop (K <= ``FC1_PINGPONG_MAX_K``) that is ``plain_fc1``
+    else an FC1 with a short mainloop (K <= ``pingpong_max_k()``) that is ``plain_fc1``
     (16-bit, no bias, interleave None, 32 or 64) on rows not gathered runs in ping-pong, 64
     gate + 64 up columns per tile, while ``pingpong_by_default()``; the rest is cooperative:
     FC1's 128 gate + 128 up columns per tile, the dgrad's width fitted to N = F
@@ -149,7 +151,7 @@ def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int =
     ping-pong on Q (kernel README "Ping-pong consumers")."""
     if tiling is not None:
         return tiling
-    short = k <= FC1_PINGPONG_MAX_K
+    short = k <= pingpong_max_k()
     if mode == "fc1" and plain_fc1 and not gather and short and pingpong_by_default():
         return Tiling(PINGPONG_FC1_TILE_N, _CLUSTER, pingpong=True)
     cluster = GATHER_CLUSTER if gather else _CLUSTER
@@ -304,7 +306,7 @@ def _fc1_signature(x: Tensor, w1t: Tensor, probs: Tensor | None, act: str,
     return (
         x.dtype, x.shape, x.device, w1t.dtype, w1t.shape, w1t.stride(), w1t.device,
         None if probs is None else (probs.dtype, probs.shape), act, interleave, params,
-        tensor_signature(bias), tiling, tiling is None and pingpong_by_default(),
+        tensor_signature(bias), tiling, tiling is None and tiling_settings(),
     )
 
 
@@ -370,25 +372,25 @@ class Fc1Launch:
     the checks and the plan are found once, at its making, so a call runs only its per-call
     work, and the kernel's view of B is read straight off W1 (one view, not a transpose and
     then a permute). A caller that cannot vouch for those facts calls ``glu_fc1_forward``.
-    After ``clear_plans`` (compile entries swapped) it checks and plans anew."""
+    After ``clear_plans`` (compile entries swapped) or a change of the tiling settings
+    (``launch.tiling_settings``, read from the environment) it checks and plans anew."""
 
     def __init__(self, x: Tensor, w1: Tensor, act: str, interleave: int | None,
                  probs: Tensor | None, params: tuple) -> None:
-        w1t = w1.transpose(1, 2)  # [E, H, 2F]
         self._args = (act, interleave, params)
-        self._signature = _fc1_signature(x, w1t, probs, act, interleave, params, None, None)
         self._groups, self._f = w1.shape[0], w1.shape[1] // 2
-        self._checked = self._plan(x, w1t, probs)
+        self._checked = self._plan(x, w1.transpose(1, 2), probs)  # w1t [E, H, 2F]
 
     def _plan(self, x: Tensor, w1t: Tensor, probs: Tensor | None) -> _CheckedFc1:
-        self._generation = plans_generation()
-        return _FC1_CHECKED.get(self._signature) or _checked_fc1(
-            self._signature, x, w1t, probs, *self._args, None, None)
+        self._generation, self._settings = plans_generation(), tiling_settings()
+        signature = _fc1_signature(x, w1t, probs, *self._args, None, None)
+        return _FC1_CHECKED.get(signature) or _checked_fc1(
+            signature, x, w1t, probs, *self._args, None, None)
 
     def __call__(self, x: Tensor, w1: Tensor, offs: Tensor,
                  probs: Tensor | None) -> tuple[Tensor, Tensor]:
         checked = self._checked
-        if self._generation != plans_generation():
+        if self._generation != plans_generation() or self._settings != tiling_settings():
             checked = self._checked = self._plan(x, w1.transpose(1, 2), probs)
         probs, h, a = _fc1_outputs(x, self._f, probs)
         if x.shape[0]:

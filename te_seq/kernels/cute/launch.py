@@ -64,13 +64,15 @@ def default_tiling(n: int, base: Tiling) -> Tiling:
 # measured/h100_2026-11-25_gemm_pingpong_burst.json): alone, ping-pong 128 x 128 (1x2 cluster)
 # beat cooperative 128 x 256 where the mainloop is short: FC2's forward (K = F = 768) on Q 417
 # vs 388 TFLOP/s, on Zipf-skewed Z 381 vs 354; FC1's dgrad (K = 2F = 1536) on Q 452 vs 429, Z
-# 416 vs 407; B's FC2 (K = 1024, 192-wide) 516 vs 494; with K >= 2048 cooperative stayed ahead
-# or level. Whole-MLP runs in separate processes disagreed (±3-4 % apart run to run); in one
-# process, interleaved (bench_grouped_mlp.py --pingpong, same H100, 20 bursts of 10,
-# measured/h100_2026-11-25e_mlp_{Q,Z,B}_pp_inprocess.txt), fwd+bwd with ping-pong against
-# without: Q 2.090 vs 2.173 ms, Z 2.463 vs 2.493, B 8.611 vs 8.972; forward Q 0.714 vs 0.718,
-# Z 0.794 vs 0.815, B 2.808 vs 2.917. So it is the default; TE_SEQ_PINGPONG=0 turns it off.
-PINGPONG_MAX_K = 1536
+# 416 vs 407; B's FC2 (K = 1024, 192-wide) 516 vs 494. Whole-MLP runs in separate processes
+# disagreed (±3-4 % apart run to run); in one process, interleaved (bench_grouped_mlp.py
+# --pingpong, same H100, 20 bursts of 10, measured/h100_2026-11-25e_mlp_{Q,Z,B}_pp_inprocess.txt),
+# fwd+bwd with ping-pong against without: Q 2.090 vs 2.173 ms, Z 2.463 vs 2.493, B 8.611 vs
+# 8.972. So it is the default; TE_SEQ_PINGPONG=0 turns it off. The bound on K: one H200
+# (2026-11-25, measured/h200_2026-11-25g_gemm_tilings.txt) ran B's FC1 dgrad (K = 2F = 2048) at
+# 584 TFLOP/s in ping-pong 192 x 1x2 against 561 cooperative, and its FC1 (K = 4096) at 529
+# against 582; the GLU FC1 of Q and Z (K = 2048) gained in the MLP (glu.py `_glu_tiling`).
+PINGPONG_MAX_K = 2048
 
 
 def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
@@ -82,17 +84,59 @@ def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
     return 192 if cols(192) <= 1.05 * cols(128) else 128
 
 
+# What the default tilings read from the environment, on every call (the launch plans keep
+# these values in their signatures, so a change takes effect at the next call):
+#   TE_SEQ_PINGPONG=0          every ping-pong default off (all cooperative)
+#   TE_SEQ_PINGPONG_MAX_K=K    the longest mainloop (K) of a varlen-M GEMM, plain or GLU FC1,
+#                              that runs ping-pong by default (default PINGPONG_MAX_K)
+#   TE_SEQ_WGRAD_CLUSTER=MxN   the cluster of the ping-pong wgrads, 1x2 or 2x1
+#                              (default WGRAD_PINGPONG_CLUSTER)
+# They exist to compare tilings inside one process (bench_grouped_mlp.py --env-variant).
+TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER")
+WGRAD_PINGPONG_CLUSTER = WGRAD_TILING.cluster_mn
+_WGRAD_CLUSTERS = {"1x2": (1, 2), "2x1": (2, 1)}
+
+
+def tiling_settings() -> tuple[str | None, ...]:
+    """The raw values of ``TILING_ENV`` (None where unset): everything the default tilings
+    depend on besides the call's shapes, for the plan signatures of default-tiled calls."""
+    return tuple(os.environ.get(name) for name in TILING_ENV)
+
+
 def pingpong_by_default() -> bool:
     """Whether the defaults below may choose ping-pong tilings: yes (the measurement above),
     unless ``TE_SEQ_PINGPONG=0``."""
     return os.environ.get("TE_SEQ_PINGPONG", "1").strip() != "0"
 
 
+def pingpong_max_k() -> int:
+    """The longest K that runs ping-pong by default: ``TE_SEQ_PINGPONG_MAX_K`` or
+    ``PINGPONG_MAX_K``."""
+    raw = os.environ.get("TE_SEQ_PINGPONG_MAX_K")
+    if raw is None:
+        return PINGPONG_MAX_K
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"TE_SEQ_PINGPONG_MAX_K must be an integer, got {raw!r}") from None
+
+
+def wgrad_pingpong_cluster() -> tuple[int, int]:
+    """The ping-pong wgrads' cluster: ``TE_SEQ_WGRAD_CLUSTER`` or ``WGRAD_PINGPONG_CLUSTER``."""
+    raw = os.environ.get("TE_SEQ_WGRAD_CLUSTER")
+    if raw is None:
+        return WGRAD_PINGPONG_CLUSTER
+    if raw.strip() not in _WGRAD_CLUSTERS:
+        raise ValueError(f"TE_SEQ_WGRAD_CLUSTER must be one of {sorted(_WGRAD_CLUSTERS)}, "
+                         f"got {raw!r}")
+    return _WGRAD_CLUSTERS[raw.strip()]
+
+
 def plain_mm_tiling(n: int, k: int) -> Tiling:
     """The default tiling of the plain varlen-M grouped GEMM (no bias, no routed rows) of N =
     ``n`` columns and K = ``k``: with ``pingpong_by_default()``, ping-pong for short mainloops
-    (K <= ``PINGPONG_MAX_K``); else cooperative ``MM_TILING`` fitted to ``n``."""
-    if k > PINGPONG_MAX_K or not pingpong_by_default():
+    (K <= ``pingpong_max_k()``); else cooperative ``MM_TILING`` fitted to ``n``."""
+    if not pingpong_by_default() or k > pingpong_max_k():
         return default_tiling(n, MM_TILING)
     return Tiling(pingpong_tile_n(n, MM_TILING.cluster_mn[1]), MM_TILING.cluster_mn, True)
 
@@ -104,11 +148,12 @@ def plain_mm_tiling(n: int, k: int) -> Tiling:
 # the same default.
 def wgrad_tiling(n: int, accumulate: bool) -> Tiling:
     """The default tiling of the varlen-K grouped GEMM writing ``n`` output columns: with
-    ``pingpong_by_default()`` and nothing to accumulate into, ping-pong; else cooperative
-    ``WGRAD_TILING`` fitted to ``n``."""
+    ``pingpong_by_default()`` and nothing to accumulate into, ping-pong in the
+    ``wgrad_pingpong_cluster()``; else cooperative ``WGRAD_TILING`` fitted to ``n``."""
     if accumulate or not pingpong_by_default():
         return default_tiling(n, WGRAD_TILING)
-    return Tiling(pingpong_tile_n(n, WGRAD_TILING.cluster_mn[1]), WGRAD_TILING.cluster_mn, True)
+    cluster = wgrad_pingpong_cluster()
+    return Tiling(pingpong_tile_n(n, cluster[1]), cluster, True)
 
 
 @functools.lru_cache(maxsize=None)
