@@ -20,7 +20,7 @@ def _pingpong_default(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.mark.parametrize("k", [64, 2048, PINGPONG_MAX_K])
+@pytest.mark.parametrize("k", [64, 2048, 4096, PINGPONG_MAX_K])  # Q/Z and A/B: K = H
 def test_short_mainloop_fc1_runs_in_pingpong(k):
     assert _glu_tiling("fc1", 1536, False, None, k, plain_fc1=True) == PINGPONG_FC1
 
@@ -28,7 +28,7 @@ def test_short_mainloop_fc1_runs_in_pingpong(k):
 @pytest.mark.parametrize(
     ("k", "plain", "gather"),
     [
-        (PINGPONG_MAX_K + 8, True, False),  # B and A: K = 4096, cooperative measured faster
+        (PINGPONG_MAX_K + 8, True, False),  # a longer mainloop: cooperative
         (2048, False, False),  # a bias, FP8 operands or an interleave ping-pong cannot take
         (2048, True, True),  # gathered rows: never multicast
     ],
@@ -51,7 +51,7 @@ def test_dgrad_and_explicit_tilings_are_unchanged():
 
 
 def test_max_k_from_the_environment_moves_the_bound(monkeypatch):
-    monkeypatch.setenv("TE_SEQ_PINGPONG_MAX_K", "4096")
-    assert _glu_tiling("fc1", 1536, False, None, 4096, plain_fc1=True) == PINGPONG_FC1
+    monkeypatch.setenv("TE_SEQ_PINGPONG_MAX_K", "8192")
+    assert _glu_tiling("fc1", 1536, False, None, 8192, plain_fc1=True) == PINGPONG_FC1
     monkeypatch.setenv("TE_SEQ_PINGPONG_MAX_K", "1536")
     assert not _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True).pingpong

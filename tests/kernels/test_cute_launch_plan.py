@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from profile_launch import stubbed_kernels  # noqa: E402
 
 from te_seq.kernels import cute  # noqa: E402
-from te_seq.kernels.cute import Tiling  # noqa: E402
+from te_seq.kernels.cute import Tiling, launch  # noqa: E402
 from te_seq.kernels.cute.launch_plan import clear_plans  # noqa: E402
 
 E, H, F, M = 4, 128, 256, 96
@@ -162,26 +162,30 @@ def test_default_tiling_follows_the_environment(monkeypatch):
 
 def test_wgrad_cluster_and_max_k_follow_the_environment(monkeypatch):
     """TE_SEQ_WGRAD_CLUSTER picks the ping-pong wgrads' cluster and TE_SEQ_PINGPONG_MAX_K the
-    longest K in ping-pong, also after a plan of the same call (the plans' signatures)."""
+    longest K in ping-pong and TE_SEQ_PINGPONG_TILE_N the width, also after a plan of the same
+    call (the plans' signatures)."""
     a, w2, dy = torch.randn(M, F).to(BF16), torch.randn(E, H, F).to(BF16), torch.randn(M, H)
     mm = lambda: cute.grouped_mm(a, w2.transpose(1, 2), _offs())  # noqa: E731, K = F = 256
     wgrad = lambda: cute.grouped_wgrad(dy.to(BF16), a, _offs())  # noqa: E731
-    for name in ("TE_SEQ_PINGPONG", "TE_SEQ_WGRAD_CLUSTER", "TE_SEQ_PINGPONG_MAX_K"):
+    for name in launch.TILING_ENV:
         monkeypatch.delenv(name, raising=False)
     with stubbed_kernels() as stubs:
         default = _launch_of(stubs, wgrad)[0]
-        monkeypatch.setenv("TE_SEQ_WGRAD_CLUSTER", "2x1")
+        monkeypatch.setenv("TE_SEQ_WGRAD_CLUSTER", "1x2")
         wide = _launch_of(stubs, wgrad)[0]
         assert _launch_of(stubs, mm)[0].pingpong
+        monkeypatch.setenv("TE_SEQ_PINGPONG_TILE_N", "192")
+        assert _launch_of(stubs, mm)[0].tile_n == 192
         monkeypatch.setenv("TE_SEQ_PINGPONG_MAX_K", str(F - 8))
         assert not _launch_of(stubs, mm)[0].pingpong
     assert default.pingpong and wide.pingpong
-    assert (default.cluster_mn, wide.cluster_mn) == ((1, 2), (2, 1))
+    assert (default.cluster_mn, wide.cluster_mn) == ((2, 1), (1, 2))
 
 
 @pytest.mark.parametrize(("name", "value", "match"), [
     ("TE_SEQ_WGRAD_CLUSTER", "2x2", r"TE_SEQ_WGRAD_CLUSTER must be one of \['1x2', '2x1'\]"),
     ("TE_SEQ_PINGPONG_MAX_K", "big", "TE_SEQ_PINGPONG_MAX_K must be an integer, got 'big'"),
+    ("TE_SEQ_PINGPONG_TILE_N", "256", "TE_SEQ_PINGPONG_TILE_N must be 128 or 192, got '256'"),
 ])
 def test_bad_tiling_settings_are_refused_by_name(monkeypatch, name, value, match):
     a, dy = torch.randn(M, F).to(BF16), torch.randn(M, H).to(BF16)

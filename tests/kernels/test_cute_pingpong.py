@@ -304,8 +304,9 @@ def test_plain_gemm_default_tiling_is_pingpong_for_short_k_unless_turned_off(mon
     assert plain_mm_tiling(4096, 1024) == Tiling(192, (1, 2), True)  # 4224 columns: < 5 % more
     assert plain_mm_tiling(2048, 1536) == Tiling(128, (1, 2), True)  # Q's FC1 dgrad
     assert plain_mm_tiling(4096, 2048) == Tiling(192, (1, 2), True)  # B's FC1 dgrad
-    assert plain_mm_tiling(1536, 4096) == Tiling(256, (1, 2))  # long mainloop: cooperative
-    assert plain_mm_tiling(768, 2049) == Tiling(192, (1, 2))
+    assert plain_mm_tiling(1536, 4096) == Tiling(192, (1, 2), True)  # a plain FC1 of B
+    assert plain_mm_tiling(4096, 14336) == Tiling(256, (1, 2))  # A's FC2: cooperative
+    assert plain_mm_tiling(768, 4097) == Tiling(192, (1, 2))
 
 
 def test_glu_default_tilings_stay_cooperative(monkeypatch):

@@ -54,11 +54,16 @@ def test_grouped_wgrad_refuses_pingpong_accumulate():
 def test_wgrad_default_tiling_is_pingpong_unless_turned_off_or_accumulating(monkeypatch):
     from te_seq.kernels.cute import wgrad_tiling
 
+    for name in ("TE_SEQ_WGRAD_CLUSTER", "TE_SEQ_PINGPONG_TILE_N"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
     assert wgrad_tiling(2048, False) == Tiling(256, (1, 2))  # turned off: cooperative
     monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)  # the default
+    assert wgrad_tiling(2048, False) == Tiling(192, (2, 1), True)  # 2112 columns: < 5 % more
+    assert wgrad_tiling(4096, False) == Tiling(192, (2, 1), True)
+    monkeypatch.setenv("TE_SEQ_WGRAD_CLUSTER", "1x2")
     assert wgrad_tiling(2048, False) == Tiling(128, (1, 2), True)  # 192 would pad to 2304
-    assert wgrad_tiling(4096, False) == Tiling(192, (1, 2), True)
+    monkeypatch.delenv("TE_SEQ_WGRAD_CLUSTER")
     assert wgrad_tiling(2048, True) == Tiling(256, (1, 2))  # accumulate: cooperative
     assert wgrad_tiling(768, True) == Tiling(192, (1, 2))
 

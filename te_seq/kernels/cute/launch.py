@@ -68,16 +68,27 @@ def default_tiling(n: int, base: Tiling) -> Tiling:
 # disagreed (±3-4 % apart run to run); in one process, interleaved (bench_grouped_mlp.py
 # --pingpong, same H100, 20 bursts of 10, measured/h100_2026-11-25e_mlp_{Q,Z,B}_pp_inprocess.txt),
 # fwd+bwd with ping-pong against without: Q 2.090 vs 2.173 ms, Z 2.463 vs 2.493, B 8.611 vs
-# 8.972. So it is the default; TE_SEQ_PINGPONG=0 turns it off. The bound on K: one H200
-# (2026-11-25, measured/h200_2026-11-25g_gemm_tilings.txt) ran B's FC1 dgrad (K = 2F = 2048) at
-# 584 TFLOP/s in ping-pong 192 x 1x2 against 561 cooperative, and its FC1 (K = 4096) at 529
-# against 582; the GLU FC1 of Q and Z (K = 2048) gained in the MLP (glu.py `_glu_tiling`).
-PINGPONG_MAX_K = 2048
+# 8.972 (a rotating order, which favoured some variants: benchmarks/README.md, Protocol). So it
+# is the default; TE_SEQ_PINGPONG=0 turns it off. The bound on K: in the MLP on one H200, the
+# same module under each setting, shuffled order (bench_grouped_mlp.py --env-variant,
+# measured/h200_2026-11-25g_mlp_{b,a}_shuffled.txt), K <= 4096 (B's and A's GLU FC1 in
+# ping-pong too) against K <= 2048 and K <= 1536: B forward 2.681 / 2.803 / 2.800 ms, fwd+bwd
+# 8.399 / 8.436 / 8.539; A forward 17.968 vs 18.149, fwd+bwd 54.312 vs 54.432. (Alone, on
+# random data, B's plain FC1 at K = 4096 ran 529 TFLOP/s in ping-pong against 582: GEMMs
+# alone do not predict the MLP.)
+PINGPONG_MAX_K = 4096
 
 
 def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
-    """192 (measured 4 % faster than 128 on B's FC2) unless its cluster units compute over 5 %
-    more columns than 128's: N = 2048 takes 128 (192 would compute 2304 columns)."""
+    """``TE_SEQ_PINGPONG_TILE_N`` where set; else 192 (measured 4 % faster than 128 on B's
+    FC2) unless its cluster units compute over 5 % more columns than 128's: N = 2048 takes 128
+    (192 would compute 2304 columns)."""
+    raw = os.environ.get("TE_SEQ_PINGPONG_TILE_N")
+    if raw is not None:
+        if raw.strip() not in ("128", "192"):
+            raise ValueError(f"TE_SEQ_PINGPONG_TILE_N must be 128 or 192, got {raw!r}")
+        return int(raw)
+
     def cols(t: int) -> int:
         return -(-n // (t * cluster_n)) * t * cluster_n
 
@@ -91,9 +102,17 @@ def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
 #                              that runs ping-pong by default (default PINGPONG_MAX_K)
 #   TE_SEQ_WGRAD_CLUSTER=MxN   the cluster of the ping-pong wgrads, 1x2 or 2x1
 #                              (default WGRAD_PINGPONG_CLUSTER)
+#   TE_SEQ_PINGPONG_TILE_N=W   the width of the plain ping-pong tiles, 128 or 192 (default:
+#                              `pingpong_tile_n`'s rule)
 # They exist to compare tilings inside one process (bench_grouped_mlp.py --env-variant).
-TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER")
-WGRAD_PINGPONG_CLUSTER = WGRAD_TILING.cluster_mn
+TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER",
+              "TE_SEQ_PINGPONG_TILE_N")
+# In the MLP on one H200 (the same module under each setting, shuffled order,
+# measured/h200_2026-11-25g_mlp_qz_tiles.txt and ..._mlp_qz_shuffled.txt), the ping-pong wgrads
+# in 2x1 clusters against 1x2, fwd+bwd: Q 1.813 vs 1.845 ms and 1.894 vs 1.915; Z 2.144 vs
+# 2.191 and 2.165 vs 2.199. (Alone, on random data: Q 496 vs 468 TFLOP/s, Z 465 vs 389, B 608
+# vs 632, measured/h200_2026-11-25g_gemm_tilings.txt.)
+WGRAD_PINGPONG_CLUSTER = (2, 1)
 _WGRAD_CLUSTERS = {"1x2": (1, 2), "2x1": (2, 1)}
 
 
