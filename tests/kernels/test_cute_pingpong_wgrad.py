@@ -59,10 +59,13 @@ def test_wgrad_default_tiling_is_pingpong_unless_turned_off_or_accumulating(monk
     monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
     assert wgrad_tiling(2048, False) == Tiling(256, (1, 2))  # turned off: cooperative
     monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)  # the default
-    assert wgrad_tiling(2048, False) == Tiling(192, (2, 1), True)  # 2112 columns: < 5 % more
-    assert wgrad_tiling(4096, False) == Tiling(192, (2, 1), True)
+    # Q's 256 rows per expert: 2x1, 192 wide (2112 columns, < 5 % more); A's 4096: 1x2
+    assert wgrad_tiling(2048, False, 256) == Tiling(192, (2, 1), True)
+    assert wgrad_tiling(4096, False, 512) == Tiling(192, (2, 1), True)
+    assert wgrad_tiling(4096, False, 4096) == Tiling(192, (1, 2), True)
+    assert wgrad_tiling(2048, False, 513) == Tiling(128, (1, 2), True)  # 192 would pad to 2304
     monkeypatch.setenv("TE_SEQ_WGRAD_CLUSTER", "1x2")
-    assert wgrad_tiling(2048, False) == Tiling(128, (1, 2), True)  # 192 would pad to 2304
+    assert wgrad_tiling(2048, False, 256) == Tiling(128, (1, 2), True)
     monkeypatch.delenv("TE_SEQ_WGRAD_CLUSTER")
     assert wgrad_tiling(2048, True) == Tiling(256, (1, 2))  # accumulate: cooperative
     assert wgrad_tiling(768, True) == Tiling(192, (1, 2))

@@ -255,7 +255,7 @@ def _wgrad_plan(x: Tensor, n: int, k: int, groups: int, out_dtype: torch.dtype,
     """The `LaunchPlan` of a ``grouped_wgrad`` launch: its config compiled, the grid."""
     from .compile import GemmConfig, compile_gemm
 
-    t = tiling or wgrad_tiling(k, accumulate)
+    t = tiling or wgrad_tiling(k, accumulate, x.shape[0] / max(groups, 1))
     _check_pingpong(t, None, "accumulate" if accumulate else None)
     cfg = GemmConfig("k", x.dtype, out_dtype, "n", t.tile_n, t.cluster_mn, accumulate,
                      pingpong=t.pingpong)

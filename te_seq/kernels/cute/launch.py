@@ -101,18 +101,20 @@ def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
 #   TE_SEQ_PINGPONG_MAX_K=K    the longest mainloop (K) of a varlen-M GEMM, plain or GLU FC1,
 #                              that runs ping-pong by default (default PINGPONG_MAX_K)
 #   TE_SEQ_WGRAD_CLUSTER=MxN   the cluster of the ping-pong wgrads, 1x2 or 2x1
-#                              (default WGRAD_PINGPONG_CLUSTER)
+#                              (default: `wgrad_pingpong_cluster`'s rule)
 #   TE_SEQ_PINGPONG_TILE_N=W   the width of the plain ping-pong tiles, 128 or 192 (default:
 #                              `pingpong_tile_n`'s rule)
 # They exist to compare tilings inside one process (bench_grouped_mlp.py --env-variant).
 TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER",
               "TE_SEQ_PINGPONG_TILE_N")
-# In the MLP on one H200 (the same module under each setting, shuffled order,
-# measured/h200_2026-11-25g_mlp_qz_tiles.txt and ..._mlp_qz_shuffled.txt), the ping-pong wgrads
-# in 2x1 clusters against 1x2, fwd+bwd: Q 1.813 vs 1.845 ms and 1.894 vs 1.915; Z 2.144 vs
-# 2.191 and 2.165 vs 2.199. (Alone, on random data: Q 496 vs 468 TFLOP/s, Z 465 vs 389, B 608
-# vs 632, measured/h200_2026-11-25g_gemm_tilings.txt.)
-WGRAD_PINGPONG_CLUSTER = (2, 1)
+# The ping-pong wgrads' cluster by the mean rows per group (the host knows M and E, not the
+# split): 2x1 up to WGRAD_2X1_MAX_ROWS_PER_GROUP, else 1x2. In the MLP on one H200 (the same
+# module under each setting, shuffled order, measured/h200_2026-11-25g_mlp_*_final.txt and
+# ..._mlp_qz_tiles.txt), fwd+bwd with 2x1 against 1x2: Q (256 rows per expert) 1.782 vs 1.802
+# ms and 1.813 vs 1.845; Z (Zipf, 256 on average) 2.127 vs 2.179 and 2.144 vs 2.191; B (512)
+# 8.528 vs 8.521; A (4096) 57.025 vs 55.464. (Alone, on random data: Q 496 vs 468 TFLOP/s, Z
+# 465 vs 389, B 608 vs 632, measured/h200_2026-11-25g_gemm_tilings.txt.)
+WGRAD_2X1_MAX_ROWS_PER_GROUP = 512
 _WGRAD_CLUSTERS = {"1x2": (1, 2), "2x1": (2, 1)}
 
 
@@ -140,11 +142,12 @@ def pingpong_max_k() -> int:
         raise ValueError(f"TE_SEQ_PINGPONG_MAX_K must be an integer, got {raw!r}") from None
 
 
-def wgrad_pingpong_cluster() -> tuple[int, int]:
-    """The ping-pong wgrads' cluster: ``TE_SEQ_WGRAD_CLUSTER`` or ``WGRAD_PINGPONG_CLUSTER``."""
+def wgrad_pingpong_cluster(rows_per_group: float) -> tuple[int, int]:
+    """The ping-pong wgrads' cluster: ``TE_SEQ_WGRAD_CLUSTER``, else 2x1 for groups of up to
+    ``WGRAD_2X1_MAX_ROWS_PER_GROUP`` rows on average, 1x2 for longer ones."""
     raw = os.environ.get("TE_SEQ_WGRAD_CLUSTER")
     if raw is None:
-        return WGRAD_PINGPONG_CLUSTER
+        return (2, 1) if rows_per_group <= WGRAD_2X1_MAX_ROWS_PER_GROUP else (1, 2)
     if raw.strip() not in _WGRAD_CLUSTERS:
         raise ValueError(f"TE_SEQ_WGRAD_CLUSTER must be one of {sorted(_WGRAD_CLUSTERS)}, "
                          f"got {raw!r}")
@@ -165,13 +168,14 @@ def plain_mm_tiling(n: int, k: int) -> Tiling:
 # ping-pong against cooperative 256 wide, TFLOP/s: Q 457 vs 415 (128 wide), B 553 vs 532 (192),
 # but Zipf-skewed Z 338 vs 373 alone; the whole MLP gained on all three (above), so it follows
 # the same default.
-def wgrad_tiling(n: int, accumulate: bool) -> Tiling:
-    """The default tiling of the varlen-K grouped GEMM writing ``n`` output columns: with
-    ``pingpong_by_default()`` and nothing to accumulate into, ping-pong in the
-    ``wgrad_pingpong_cluster()``; else cooperative ``WGRAD_TILING`` fitted to ``n``."""
+def wgrad_tiling(n: int, accumulate: bool, rows_per_group: float = 0) -> Tiling:
+    """The default tiling of the varlen-K grouped GEMM writing ``n`` output columns, its groups
+    ``rows_per_group`` long on average: with ``pingpong_by_default()`` and nothing to
+    accumulate into, ping-pong in ``wgrad_pingpong_cluster``; else cooperative
+    ``WGRAD_TILING`` fitted to ``n``."""
     if accumulate or not pingpong_by_default():
         return default_tiling(n, WGRAD_TILING)
-    cluster = wgrad_pingpong_cluster()
+    cluster = wgrad_pingpong_cluster(rows_per_group)
     return Tiling(pingpong_tile_n(n, cluster[1]), cluster, True)
 
 
