@@ -220,8 +220,10 @@ def parse_env_variant(text: str) -> tuple[str, dict[str, str]]:
 
 @contextlib.contextmanager
 def _environment(env: dict[str, str]):
+    """``env`` set while it runs; the cute tilings re-read at entry and exit."""
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    _refresh_tilings()
     try:
         yield
     finally:
@@ -230,6 +232,16 @@ def _environment(env: dict[str, str]):
                 del os.environ[k]
             else:
                 os.environ[k] = v
+        _refresh_tilings()
+
+
+def _refresh_tilings() -> None:
+    """``te_seq.kernels.cute.refresh_tiling_settings()`` where the cute package imports."""
+    try:
+        from te_seq.kernels.cute import refresh_tiling_settings
+    except ImportError:
+        return
+    refresh_tiling_settings()
 
 
 class TeSeqFP8Variant(TeSeqVariant):

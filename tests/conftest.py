@@ -33,6 +33,28 @@ def _fresh_fp8_decisions() -> None:
     fp8_gemm.clear_decisions()
 
 
+@pytest.fixture
+def tiling_env(monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """``tiling_env(name, value)`` sets (None: unsets) one of the cute kernels' tiling
+    variables and re-reads them (``launch.refresh_tiling_settings``); all are unset to start
+    with, and re-read from the real environment afterwards."""
+    from te_seq.kernels.cute import launch
+
+    def put(name: str, value: str | None) -> None:
+        assert name in launch.TILING_ENV, name
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        launch.refresh_tiling_settings()
+
+    for name in launch.TILING_ENV:
+        put(name, None)
+    yield put
+    monkeypatch.undo()
+    launch.refresh_tiling_settings()
+
+
 @pytest.fixture(autouse=True)
 def _restore_te_seq_state() -> Iterator[None]:
     """Undo what a test did to the registry (user fusions, enabled flags) and the backend."""

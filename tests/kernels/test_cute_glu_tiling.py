@@ -15,9 +15,8 @@ PINGPONG_FC1 = Tiling(PINGPONG_FC1_TILE_N, (1, 2), pingpong=True)
 
 
 @pytest.fixture(autouse=True)
-def _pingpong_default(monkeypatch):
-    for name in ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K"):
-        monkeypatch.delenv(name, raising=False)
+def _pingpong_default(tiling_env):
+    """Every tiling variable unset (the `tiling_env` fixture)."""
 
 
 @pytest.mark.parametrize("k", [64, 2048, 4096, PINGPONG_MAX_K])  # Q/Z and A/B: K = H
@@ -38,8 +37,8 @@ def test_other_fc1_stays_cooperative(k, plain, gather):
     assert not t.pingpong and t.tile_n == 256
 
 
-def test_pingpong_off_keeps_fc1_cooperative(monkeypatch):
-    monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
+def test_pingpong_off_keeps_fc1_cooperative(tiling_env):
+    tiling_env("TE_SEQ_PINGPONG", "0")
     t = _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True)
     assert not t.pingpong and t.tile_n == 256
 
@@ -50,8 +49,8 @@ def test_dgrad_and_explicit_tilings_are_unchanged():
     assert _glu_tiling("fc1", 1536, False, chosen, 2048, plain_fc1=True) is chosen
 
 
-def test_max_k_from_the_environment_moves_the_bound(monkeypatch):
-    monkeypatch.setenv("TE_SEQ_PINGPONG_MAX_K", "8192")
+def test_max_k_from_the_environment_moves_the_bound(tiling_env):
+    tiling_env("TE_SEQ_PINGPONG_MAX_K", "8192")
     assert _glu_tiling("fc1", 1536, False, None, 8192, plain_fc1=True) == PINGPONG_FC1
-    monkeypatch.setenv("TE_SEQ_PINGPONG_MAX_K", "1536")
+    tiling_env("TE_SEQ_PINGPONG_MAX_K", "1536")
     assert not _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True).pingpong

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from profile_launch import stubbed_kernels  # noqa: E402
 
 from te_seq.kernels import cute  # noqa: E402
-from te_seq.kernels.cute import Tiling, launch  # noqa: E402
+from te_seq.kernels.cute import Tiling  # noqa: E402
 from te_seq.kernels.cute.launch_plan import clear_plans  # noqa: E402
 
 E, H, F, M = 4, 128, 256, 96
@@ -148,35 +148,33 @@ def test_unaligned_b_is_copied_on_every_call():
     assert not torch.equal(first[1], again[1])
 
 
-def test_default_tiling_follows_the_environment(monkeypatch):
+def test_default_tiling_follows_the_environment(tiling_env):
     """TE_SEQ_PINGPONG=0 turns the plain GEMM's ping-pong default off, also after a plan."""
     a, w2 = torch.randn(M, F).to(BF16), torch.randn(E, H, F).to(BF16)
     call = lambda: cute.grouped_mm(a, w2.transpose(1, 2), _offs())  # noqa: E731
     with stubbed_kernels() as stubs:
-        monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)
+        tiling_env("TE_SEQ_PINGPONG", None)
         on = _launch_of(stubs, call)[0]
-        monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
+        tiling_env("TE_SEQ_PINGPONG", "0")
         off = _launch_of(stubs, call)[0]
     assert on.pingpong and not off.pingpong
 
 
-def test_wgrad_cluster_and_max_k_follow_the_environment(monkeypatch):
+def test_wgrad_cluster_and_max_k_follow_the_environment(tiling_env):
     """TE_SEQ_WGRAD_CLUSTER picks the ping-pong wgrads' cluster and TE_SEQ_PINGPONG_MAX_K the
     longest K in ping-pong and TE_SEQ_PINGPONG_TILE_N the width, also after a plan of the same
     call (the plans' signatures)."""
     a, w2, dy = torch.randn(M, F).to(BF16), torch.randn(E, H, F).to(BF16), torch.randn(M, H)
     mm = lambda: cute.grouped_mm(a, w2.transpose(1, 2), _offs())  # noqa: E731, K = F = 256
     wgrad = lambda: cute.grouped_wgrad(dy.to(BF16), a, _offs())  # noqa: E731
-    for name in launch.TILING_ENV:
-        monkeypatch.delenv(name, raising=False)
     with stubbed_kernels() as stubs:
         default = _launch_of(stubs, wgrad)[0]
-        monkeypatch.setenv("TE_SEQ_WGRAD_CLUSTER", "1x2")
+        tiling_env("TE_SEQ_WGRAD_CLUSTER", "1x2")
         wide = _launch_of(stubs, wgrad)[0]
         assert _launch_of(stubs, mm)[0].pingpong
-        monkeypatch.setenv("TE_SEQ_PINGPONG_TILE_N", "192")
+        tiling_env("TE_SEQ_PINGPONG_TILE_N", "192")
         assert _launch_of(stubs, mm)[0].tile_n == 192
-        monkeypatch.setenv("TE_SEQ_PINGPONG_MAX_K", str(F - 8))
+        tiling_env("TE_SEQ_PINGPONG_MAX_K", str(F - 8))
         assert not _launch_of(stubs, mm)[0].pingpong
     assert default.pingpong and wide.pingpong
     assert (default.cluster_mn, wide.cluster_mn) == ((2, 1), (1, 2))
@@ -187,10 +185,10 @@ def test_wgrad_cluster_and_max_k_follow_the_environment(monkeypatch):
     ("TE_SEQ_PINGPONG_MAX_K", "big", "TE_SEQ_PINGPONG_MAX_K must be an integer, got 'big'"),
     ("TE_SEQ_PINGPONG_TILE_N", "256", "TE_SEQ_PINGPONG_TILE_N must be 128 or 192, got '256'"),
 ])
-def test_bad_tiling_settings_are_refused_by_name(monkeypatch, name, value, match):
+def test_bad_tiling_settings_are_refused_by_name(tiling_env, name, value, match):
     a, dy = torch.randn(M, F).to(BF16), torch.randn(M, H).to(BF16)
     w2 = torch.randn(E, H, F).to(BF16)
-    monkeypatch.setenv(name, value)
+    tiling_env(name, value)
     with stubbed_kernels(), pytest.raises(ValueError, match=match):
         cute.grouped_wgrad(dy, a, _offs())
         cute.grouped_mm(a, w2.transpose(1, 2), _offs())
@@ -278,17 +276,17 @@ def test_fc1_launch_launches_what_the_functional_launches():
     assert launched[1].data_ptr() == direct[1].data_ptr() == w1.data_ptr()
 
 
-def test_fc1_launch_follows_a_change_of_the_tiling_settings(monkeypatch):
+def test_fc1_launch_follows_a_change_of_the_tiling_settings(tiling_env):
     """A prepared FC1 launch (the grouped MLP's steady path) takes a new TE_SEQ_PINGPONG at
     its next call, as the functional does."""
     x, probs = torch.randn(M, H).to(BF16), torch.rand(M)
     w1 = torch.randn(E, 2 * F, H).to(BF16)
-    monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)
-    monkeypatch.delenv("TE_SEQ_PINGPONG_MAX_K", raising=False)
+    tiling_env("TE_SEQ_PINGPONG", None)
+    tiling_env("TE_SEQ_PINGPONG_MAX_K", None)
     with stubbed_kernels() as stubs:
         launch = cute.glu_fc1_forward.launch_for(x, w1, "silu", None, probs)
         on = _launch_of(stubs, lambda: launch(x, w1, _offs(), probs))[0]
-        monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
+        tiling_env("TE_SEQ_PINGPONG", "0")
         off = _launch_of(stubs, lambda: launch(x, w1, _offs(), probs))[0]
     assert on.pingpong and not off.pingpong
 

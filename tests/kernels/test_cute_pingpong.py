@@ -293,13 +293,13 @@ def test_glu_dgrad_pingpong_equals_cooperative(case, config, epi_rows):
         torch.testing.assert_close(dprobs.float(), same[2].float(), rtol=2e-2, atol=1e-3)
 
 
-def test_plain_gemm_default_tiling_is_pingpong_for_short_k_unless_turned_off(monkeypatch):
+def test_plain_gemm_default_tiling_is_pingpong_for_short_k_unless_turned_off(tiling_env):
     from te_seq.kernels.cute import plain_mm_tiling
 
-    monkeypatch.delenv("TE_SEQ_PINGPONG_MAX_K", raising=False)
-    monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
+    tiling_env("TE_SEQ_PINGPONG_MAX_K", None)
+    tiling_env("TE_SEQ_PINGPONG", "0")
     assert plain_mm_tiling(2048, 768) == Tiling(256, (1, 2))  # turned off: cooperative
-    monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)  # the default
+    tiling_env("TE_SEQ_PINGPONG", None)  # the default
     assert plain_mm_tiling(2048, 768) == Tiling(128, (1, 2), True)  # 192 would pad to 2304
     assert plain_mm_tiling(4096, 1024) == Tiling(192, (1, 2), True)  # 4224 columns: < 5 % more
     assert plain_mm_tiling(2048, 1536) == Tiling(128, (1, 2), True)  # Q's FC1 dgrad
@@ -309,7 +309,7 @@ def test_plain_gemm_default_tiling_is_pingpong_for_short_k_unless_turned_off(mon
     assert plain_mm_tiling(768, 4097) == Tiling(192, (1, 2))
 
 
-def test_glu_default_tilings_stay_cooperative(monkeypatch):
+def test_glu_default_tilings_stay_cooperative(tiling_env):
     from te_seq.kernels.cute import glu, launch
 
     tiling = glu._glu_tiling
@@ -318,7 +318,7 @@ def test_glu_default_tilings_stay_cooperative(monkeypatch):
     assert tiling("dgrad", 768, False, None) == Tiling(192, (1, 2))
     given = Tiling(128, (1, 2), True)
     assert tiling("fc1", 1536, False, given) is given
-    monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)  # the plain GEMM's default: not GLU's
+    tiling_env("TE_SEQ_PINGPONG", None)  # the plain GEMM's default: not GLU's
     assert tiling("fc1", 1536, False, None) == Tiling(256, (1, 2))
     assert launch.plain_mm_tiling(2048, 768).pingpong
 

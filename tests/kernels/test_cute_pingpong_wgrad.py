@@ -51,22 +51,20 @@ def test_grouped_wgrad_refuses_pingpong_accumulate():
     gemm._check_pingpong(Tiling(256, (1, 2)), None, "accumulate")  # cooperative: fine
 
 
-def test_wgrad_default_tiling_is_pingpong_unless_turned_off_or_accumulating(monkeypatch):
+def test_wgrad_default_tiling_is_pingpong_unless_turned_off_or_accumulating(tiling_env):
     from te_seq.kernels.cute import wgrad_tiling
 
-    for name in ("TE_SEQ_WGRAD_CLUSTER", "TE_SEQ_PINGPONG_TILE_N"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TE_SEQ_PINGPONG", "0")
+    tiling_env("TE_SEQ_PINGPONG", "0")
     assert wgrad_tiling(2048, False) == Tiling(256, (1, 2))  # turned off: cooperative
-    monkeypatch.delenv("TE_SEQ_PINGPONG", raising=False)  # the default
+    tiling_env("TE_SEQ_PINGPONG", None)  # the default
     # Q's 256 rows per expert: 2x1, 192 wide (2112 columns, < 5 % more); A's 4096: 1x2
     assert wgrad_tiling(2048, False, 256) == Tiling(192, (2, 1), True)
     assert wgrad_tiling(4096, False, 512) == Tiling(192, (2, 1), True)
     assert wgrad_tiling(4096, False, 4096) == Tiling(192, (1, 2), True)
     assert wgrad_tiling(2048, False, 513) == Tiling(128, (1, 2), True)  # 192 would pad to 2304
-    monkeypatch.setenv("TE_SEQ_WGRAD_CLUSTER", "1x2")
+    tiling_env("TE_SEQ_WGRAD_CLUSTER", "1x2")
     assert wgrad_tiling(2048, False, 256) == Tiling(128, (1, 2), True)
-    monkeypatch.delenv("TE_SEQ_WGRAD_CLUSTER")
+    tiling_env("TE_SEQ_WGRAD_CLUSTER", None)
     assert wgrad_tiling(2048, True) == Tiling(256, (1, 2))  # accumulate: cooperative
     assert wgrad_tiling(768, True) == Tiling(192, (1, 2))
 

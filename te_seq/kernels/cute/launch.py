@@ -79,11 +79,50 @@ def default_tiling(n: int, base: Tiling) -> Tiling:
 PINGPONG_MAX_K = 4096
 
 
+# What the default tilings read from the environment (at import, and again at each
+# `refresh_tiling_settings()`; the launch plans keep the values in their signatures, so a
+# refresh takes effect at the next call):
+#   TE_SEQ_PINGPONG=0          every ping-pong default off (all cooperative)
+#   TE_SEQ_PINGPONG_MAX_K=K    the longest mainloop (K) of a varlen-M GEMM, plain or GLU FC1,
+#                              that runs ping-pong by default (default PINGPONG_MAX_K)
+#   TE_SEQ_WGRAD_CLUSTER=MxN   the cluster of the ping-pong wgrads, 1x2 or 2x1
+#                              (default: `wgrad_pingpong_cluster`'s rule)
+#   TE_SEQ_PINGPONG_TILE_N=W   the width of the plain ping-pong tiles, 128 or 192 (default:
+#                              `pingpong_tile_n`'s rule)
+# They exist to compare tilings inside one process (bench_grouped_mlp.py --env-variant). Read
+# once, not per call: four environment lookups cost ~3 µs of host time per launch.
+TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER",
+              "TE_SEQ_PINGPONG_TILE_N")
+_SETTINGS: list = [(), {}]  # [the values in TILING_ENV order, {name: value}]
+
+
+def refresh_tiling_settings() -> tuple[str | None, ...]:
+    """Read ``TILING_ENV`` from the environment again; the default tilings of later calls
+    follow the values read. Returns them (None where unset)."""
+    values = tuple(os.environ.get(name) for name in TILING_ENV)
+    _SETTINGS[:] = [values, dict(zip(TILING_ENV, values))]
+    return values
+
+
+def tiling_settings() -> tuple[str | None, ...]:
+    """The values of ``TILING_ENV`` read last (None where unset): everything the default
+    tilings depend on besides the call's shapes, for the plan signatures of default-tiled
+    calls."""
+    return _SETTINGS[0]
+
+
+def _setting(name: str) -> str | None:
+    return _SETTINGS[1][name]
+
+
+refresh_tiling_settings()
+
+
 def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
     """``TE_SEQ_PINGPONG_TILE_N`` where set; else 192 (measured 4 % faster than 128 on B's
     FC2) unless its cluster units compute over 5 % more columns than 128's: N = 2048 takes 128
     (192 would compute 2304 columns)."""
-    raw = os.environ.get("TE_SEQ_PINGPONG_TILE_N")
+    raw = _setting("TE_SEQ_PINGPONG_TILE_N")
     if raw is not None:
         if raw.strip() not in ("128", "192"):
             raise ValueError(f"TE_SEQ_PINGPONG_TILE_N must be 128 or 192, got {raw!r}")
@@ -95,18 +134,6 @@ def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
     return 192 if cols(192) <= 1.05 * cols(128) else 128
 
 
-# What the default tilings read from the environment, on every call (the launch plans keep
-# these values in their signatures, so a change takes effect at the next call):
-#   TE_SEQ_PINGPONG=0          every ping-pong default off (all cooperative)
-#   TE_SEQ_PINGPONG_MAX_K=K    the longest mainloop (K) of a varlen-M GEMM, plain or GLU FC1,
-#                              that runs ping-pong by default (default PINGPONG_MAX_K)
-#   TE_SEQ_WGRAD_CLUSTER=MxN   the cluster of the ping-pong wgrads, 1x2 or 2x1
-#                              (default: `wgrad_pingpong_cluster`'s rule)
-#   TE_SEQ_PINGPONG_TILE_N=W   the width of the plain ping-pong tiles, 128 or 192 (default:
-#                              `pingpong_tile_n`'s rule)
-# They exist to compare tilings inside one process (bench_grouped_mlp.py --env-variant).
-TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER",
-              "TE_SEQ_PINGPONG_TILE_N")
 # The ping-pong wgrads' cluster by the mean rows per group (the host knows M and E, not the
 # split): 2x1 up to WGRAD_2X1_MAX_ROWS_PER_GROUP, else 1x2. In the MLP on one H200 (the same
 # module under each setting, shuffled order, measured/h200_2026-11-25g_mlp_*_final.txt and
@@ -118,22 +145,16 @@ WGRAD_2X1_MAX_ROWS_PER_GROUP = 512
 _WGRAD_CLUSTERS = {"1x2": (1, 2), "2x1": (2, 1)}
 
 
-def tiling_settings() -> tuple[str | None, ...]:
-    """The raw values of ``TILING_ENV`` (None where unset): everything the default tilings
-    depend on besides the call's shapes, for the plan signatures of default-tiled calls."""
-    return tuple(os.environ.get(name) for name in TILING_ENV)
-
-
 def pingpong_by_default() -> bool:
     """Whether the defaults below may choose ping-pong tilings: yes (the measurement above),
     unless ``TE_SEQ_PINGPONG=0``."""
-    return os.environ.get("TE_SEQ_PINGPONG", "1").strip() != "0"
+    return (_setting("TE_SEQ_PINGPONG") or "1").strip() != "0"
 
 
 def pingpong_max_k() -> int:
     """The longest K that runs ping-pong by default: ``TE_SEQ_PINGPONG_MAX_K`` or
     ``PINGPONG_MAX_K``."""
-    raw = os.environ.get("TE_SEQ_PINGPONG_MAX_K")
+    raw = _setting("TE_SEQ_PINGPONG_MAX_K")
     if raw is None:
         return PINGPONG_MAX_K
     try:
@@ -145,7 +166,7 @@ def pingpong_max_k() -> int:
 def wgrad_pingpong_cluster(rows_per_group: float) -> tuple[int, int]:
     """The ping-pong wgrads' cluster: ``TE_SEQ_WGRAD_CLUSTER``, else 2x1 for groups of up to
     ``WGRAD_2X1_MAX_ROWS_PER_GROUP`` rows on average, 1x2 for longer ones."""
-    raw = os.environ.get("TE_SEQ_WGRAD_CLUSTER")
+    raw = _setting("TE_SEQ_WGRAD_CLUSTER")
     if raw is None:
         return (2, 1) if rows_per_group <= WGRAD_2X1_MAX_ROWS_PER_GROUP else (1, 2)
     if raw.strip() not in _WGRAD_CLUSTERS:
