@@ -74,6 +74,10 @@ def _configs() -> dict[str, object]:
         # ... with (64 x 32) epilogue subtiles: half the registers per subtile
         "glu_fc1_silu_probs_pp64": GluConfig("fc1", bf16, "k", "silu", None, fp32, tile_n=128,
                                              pingpong=True, epi_rows=64),
+        "glu_fc1_silu_probs_pp192": GluConfig("fc1", bf16, "k", "silu", None, fp32, tile_n=192,
+                                              pingpong=True),
+        "glu_fc1_silu_probs_pp192_64": GluConfig("fc1", bf16, "k", "silu", None, fp32,
+                                                 tile_n=192, pingpong=True, epi_rows=64),
         "glu_fc1_relu_il32_pp64": GluConfig("fc1", bf16, "k", "relu", 32, None, tile_n=128,
                                             pingpong=True, epi_rows=64),
         "glu_dgrad_silu128_pp64": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=128,

@@ -54,3 +54,14 @@ def test_max_k_from_the_environment_moves_the_bound(tiling_env):
     assert _glu_tiling("fc1", 1536, False, None, 8192, plain_fc1=True) == PINGPONG_FC1
     tiling_env("TE_SEQ_PINGPONG_MAX_K", "1536")
     assert not _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True).pingpong
+
+
+def test_glu_fc1_width_from_the_environment(tiling_env):
+    tiling_env("TE_SEQ_GLU_FC1_TILE_N", "192")
+    assert _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True) == Tiling(
+        192, (1, 2), pingpong=True)
+    narrow = _glu_tiling("fc1", 2048, False, None, 4096, plain_fc1=True)  # F = 1024: not 96s
+    assert narrow == Tiling(128, (1, 2), pingpong=True)
+    tiling_env("TE_SEQ_GLU_FC1_TILE_N", "256")
+    with pytest.raises(ValueError, match="TE_SEQ_GLU_FC1_TILE_N must be 128 or 192"):
+        _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True)

@@ -291,6 +291,14 @@ def test_fc1_launch_follows_a_change_of_the_tiling_settings(tiling_env):
     assert on.pingpong and not off.pingpong
 
 
+def test_fc1_192_wide_tiles_need_f_a_multiple_of_96():
+    x, probs = torch.randn(M, H).to(BF16), torch.rand(M)
+    w1t = torch.randn(E, 2 * F, H).to(BF16).transpose(1, 2)  # F = 256
+    with stubbed_kernels(), pytest.raises(ValueError, match="F=256 is not a multiple of 96"):
+        cute.glu_fc1_forward(x, w1t, _offs(), "silu", None, probs,
+                             tiling=Tiling(192, (1, 2), True))
+
+
 def test_fc1_launch_refuses_what_the_functional_refuses():
     x, w1 = torch.randn(M, H).to(BF16), torch.randn(E, 2 * F, H).to(BF16)
     with stubbed_kernels(), pytest.raises(ValueError, match="no fused epilogue"):

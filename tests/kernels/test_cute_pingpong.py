@@ -41,6 +41,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         GluConfig("fc1", bf16, "k", "relu", 32, None, (2, 1), tile_n=128, pingpong=True),
         GluConfig("dgrad", bf16, "n", "silu", None, fp32, (1, 2), tile_n=192, pingpong=True),
         GluConfig("dgrad", bf16, "n", "gelu", 64, bf16, (1, 2), tile_n=128, pingpong=True),
+        GluConfig("fc1", bf16, "k", "silu", None, fp32, (1, 2), tile_n=192, pingpong=True),
         # (64 x 32) epilogue subtiles
         GluConfig("fc1", bf16, "k", "silu", None, fp32, (1, 2), tile_n=128, pingpong=True,
                   epi_rows=64),
@@ -85,8 +86,11 @@ def test_glu_kernel_pingpong_tiles():
     from te_seq.kernels.cute.glu_epilogue import GluGemmKernel
 
     assert GluGemmKernel("fc1", "silu", None, True, tile_n=128, pingpong=True).pingpong
-    with pytest.raises(ValueError, match=r"fc1: 128; pingpong True"):
+    assert GluGemmKernel("fc1", "silu", None, True, tile_n=192, pingpong=True).pingpong
+    with pytest.raises(ValueError, match=r"fc1: \(128, 192\); pingpong True"):
         GluGemmKernel("fc1", "silu", None, True, tile_n=256, pingpong=True)
+    with pytest.raises(ValueError, match="interleave 64"):  # 96 gate columns: not whole blocks
+        GluGemmKernel("fc1", "silu", 64, True, tile_n=192, pingpong=True)
     with pytest.raises(ValueError, match="bias"):
         GluGemmKernel("fc1", "silu", None, True, tile_n=128, has_bias=True, pingpong=True)
     with pytest.raises(ValueError, match="interleave 128"):
@@ -243,6 +247,34 @@ def _glu_data(case, probs_dtype):
     w2 = torch.randn(len(sizes), h, f, device="cuda", dtype=torch.bfloat16) / h**0.5
     probs = None if probs_dtype is None else torch.rand(m, device="cuda").to(probs_dtype)
     return x, w1, w2, probs, _offs(sizes)
+
+
+# 192-wide FC1 tiles (96 gate + 96 up columns): F a multiple of 96 with halves; interleave
+# 32 (three gate/up block pairs per tile); interleave 64 is refused by the kernel
+_GLU_192 = [(c, k) for c in _GLU_CASES for k in _GLU_CONFIGS
+            if k[1] == 32 or (k[1] is None and c[4] % 96 == 0)]
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("epi_rows", [128, 64])
+@pytest.mark.parametrize(("case", "config"), _GLU_192,
+                         ids=[f"{c[0]}-{k[0]}-{k[1]}-{k[3]}" for c, k in _GLU_192])
+def test_glu_fc1_pingpong_192_equals_cooperative(case, config, epi_rows):
+    """Not yet run on a GPU when written (2026-11-25): the 192-wide ping-pong FC1."""
+    from te_seq.kernels import cute
+
+    act, il, p_dtype, cluster, _ = config
+    x, w1, _, probs, offs = _glu_data(case, p_dtype)
+    w1t = w1.transpose(1, 2)
+    tiling = Tiling(192, cluster, pingpong=True, epi_rows=epi_rows)
+    h, a = cute.glu_fc1_forward(x, w1t, offs, act, il, probs, tiling=tiling)
+    h_coop, a_coop = cute.glu_fc1_forward(x, w1t, offs, act, il, probs,
+                                          tiling=Tiling(256, (1, 2)))
+    torch.testing.assert_close(h, h_coop, rtol=0, atol=0)
+    torch.testing.assert_close(a, a_coop, rtol=0, atol=0)
+    end = int(offs[-1])
+    assert (h[end:] == 0).all() and (a[end:] == 0).all()
 
 
 @gpu

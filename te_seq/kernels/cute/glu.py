@@ -29,6 +29,7 @@ from .launch import (
     b_view,
     bias_problem,
     gathered_rows,
+    glu_fc1_pingpong_tile_n,
     no_route,
     pingpong_by_default,
     pingpong_max_k,
@@ -153,7 +154,10 @@ def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int =
         return tiling
     short = k <= pingpong_max_k()
     if mode == "fc1" and plain_fc1 and not gather and short and pingpong_by_default():
-        return Tiling(PINGPONG_FC1_TILE_N, _CLUSTER, pingpong=True)
+        width = glu_fc1_pingpong_tile_n(PINGPONG_FC1_TILE_N)
+        if (n // 2) % (width // 2):  # F not whole tiles of width / 2 gate columns
+            width = PINGPONG_FC1_TILE_N
+        return Tiling(width, _CLUSTER, pingpong=True)
     cluster = GATHER_CLUSTER if gather else _CLUSTER
     return Tiling(_FC1_TILE_N if mode == "fc1" else tile_n_for(n, cluster[1]), cluster)
 
@@ -209,6 +213,7 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
     plain_fc1 = bias is None and not scaled and x.dtype in (torch.bfloat16, torch.float16) \
         and interleave in (None, 32, 64)
     t = _glu_tiling(mode, n, gather is not None, tiling, x.shape[1], plain_fc1)
+    _check_fc1_halves(mode, interleave, n, t)
     if h_prefetch is None:
         h_prefetch = _dgrad_h_prefetch(t, scaled) if mode == "dgrad" else 1
     cfg = GluConfig(
@@ -221,6 +226,15 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)
     return LaunchPlan(compile_glu(cfg).fn, clusters, b_copy)
+
+
+def _check_fc1_halves(mode: str, interleave: int | None, n: int, t: Tiling) -> None:
+    """An FC1 tile of [gate | up] halves holds tile_n / 2 gate columns and as many up ones:
+    F = ``n`` / 2 must be a multiple of that (ValueError naming both)."""
+    half = t.tile_n // 2
+    if mode == "fc1" and interleave is None and (n // 2) % half:
+        raise ValueError(f"cute glu_fc1_forward: F={n // 2} is not a multiple of {half}, the gate "
+                         f"(and up) columns of a {t.tile_n}-wide tile ({t})")
 
 
 class _Fc1Forward:

@@ -92,12 +92,12 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
         if act not in ACTS:
             raise ValueError(f"GluGemmKernel: act must be one of {ACTS}, got {act!r}")
-        fc1_tile_n = 128 if pingpong else 256
+        fc1_tile_n = (128, 192) if pingpong else (256,)
         if interleave is not None and (
-            interleave % 32 or (mode == "fc1" and (fc1_tile_n // 2) % interleave)
+            interleave % 32 or (mode == "fc1" and (tile_n // 2) % interleave)
         ):
             raise ValueError(f"GluGemmKernel: unsupported interleave {interleave} for {mode}")
-        if (mode == "fc1" and tile_n != fc1_tile_n) or tile_n not in (128, 192, 256):
+        if (mode == "fc1" and tile_n not in fc1_tile_n) or tile_n not in (128, 192, 256):
             raise ValueError(
                 f"GluGemmKernel: tile_n {tile_n} unsupported for {mode} (fc1: {fc1_tile_n}; "
                 f"pingpong {pingpong})"

@@ -89,10 +89,12 @@ PINGPONG_MAX_K = 4096
 #                              (default: `wgrad_pingpong_cluster`'s rule)
 #   TE_SEQ_PINGPONG_TILE_N=W   the width of the plain ping-pong tiles, 128 or 192 (default:
 #                              `pingpong_tile_n`'s rule)
+#   TE_SEQ_GLU_FC1_TILE_N=W    the width of the GLU FC1's ping-pong tiles, 128 or 192 (W / 2
+#                              gate and W / 2 up columns; default 128: glu.py)
 # They exist to compare tilings inside one process (bench_grouped_mlp.py --env-variant). Read
 # once, not per call: four environment lookups cost ~3 µs of host time per launch.
 TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER",
-              "TE_SEQ_PINGPONG_TILE_N")
+              "TE_SEQ_PINGPONG_TILE_N", "TE_SEQ_GLU_FC1_TILE_N")
 _SETTINGS: list = [(), {}]  # [the values in TILING_ENV order, {name: value}]
 
 
@@ -143,6 +145,16 @@ def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
 # 465 vs 389, B 608 vs 632, measured/h200_2026-11-25g_gemm_tilings.txt.)
 WGRAD_2X1_MAX_ROWS_PER_GROUP = 512
 _WGRAD_CLUSTERS = {"1x2": (1, 2), "2x1": (2, 1)}
+
+
+def glu_fc1_pingpong_tile_n(default: int) -> int:
+    """The GLU FC1's ping-pong tile width: ``TE_SEQ_GLU_FC1_TILE_N`` or ``default``."""
+    raw = _setting("TE_SEQ_GLU_FC1_TILE_N")
+    if raw is None:
+        return default
+    if raw.strip() not in ("128", "192"):
+        raise ValueError(f"TE_SEQ_GLU_FC1_TILE_N must be 128 or 192, got {raw!r}")
+    return int(raw)
 
 
 def pingpong_by_default() -> bool:
