@@ -9,7 +9,8 @@ shape Z it runs on zero-padded groups, whose padding is not counted.
 
     python benchmarks/bench_grouped_gemm.py [--shapes A,B,Q,Z] [--iters 20] [--json out.json]
         [--tilings 256:2x1,256:1x2]   # CuTe variants: tile_n:cluster_mxcluster_n (first = default)
-        [--tilings 256:1x2,192:1x2p]  # a "p" suffix: ping-pong warpgroups (not for the wgrad)
+        [--tilings 256:1x2,192:1x2p]  # a "p" suffix: ping-pong warpgroups
+        [--quack]                     # also QuACK's varlen GEMMs on the same operands
     python benchmarks/bench_grouped_gemm.py --glu [--shapes Q,B,A] [--iters 20] [--json out.json]
 
 ``--glu`` times the fused grouped-MLP GLU steps instead (SwiGLU with router probs): FC1 forward
@@ -43,6 +44,7 @@ import json
 import time
 
 import torch
+from torch import Tensor
 
 SHAPES = {  # E experts, H hidden, F ffn, M routed rows
     "A": (8, 4096, 14336, 32768),
@@ -108,8 +110,27 @@ def padded(t: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tenso
     return torch.cat(chunks), torch.tensor(ends, dtype=torch.int32, device=t.device)
 
 
-def gemm_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
-    """(label, flops, cute fn, torch fn) for FC1 fwd, FC2 fwd, FC1 dgrad and FC1 wgrad."""
+def quack_gemms(qk, x: Tensor, w1: Tensor, w2: Tensor, act: Tensor, dh: Tensor,
+                offs: Tensor) -> dict:
+    """QuACK's varlen GEMMs (``qk``: quack.gemm_interface, default sm90 config) for the four
+    GEMMs of ``gemm_cases``, by label: what its MLP runs (peer_quack.py), on the same operands.
+    Each returns a new output (QuACK allocates it)."""
+    cu = torch.cat([offs.new_zeros(1), offs])
+
+    def mm(a: Tensor, b: Tensor):
+        return lambda: qk.gemm(a, b, cu_seqlens_m=cu, tuned=False)
+
+    return {
+        "fc1_fwd": mm(x, w1.transpose(1, 2)),  # [M, 2F] = x W1_eᵀ
+        "fc2_fwd": mm(act, w2.transpose(1, 2)),  # [M, H] = a W2_eᵀ
+        "fc1_dgrad": mm(dh, w1),  # [M, H] = dH W1_e
+        "fc1_wgrad": lambda: qk.gemm(dh.t(), x, cu_seqlens_k=cu, tuned=False),  # [E, 2F, H]
+    }
+
+
+def gemm_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator, qk=None):
+    """(label, flops, cute fn, torch fn, cute's output, quack fn or None) for FC1 fwd, FC2
+    fwd, FC1 dgrad and FC1 wgrad (``qk``: QuACK's gemm_interface, or None)."""
     from te_seq.kernels import cute
 
     sizes = split_sizes(name, e, m, gen)
@@ -125,6 +146,7 @@ def gemm_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
     dx = torch.empty(m, h, **bf)
     dw = torch.empty(e, 2 * f, h, **bf)
     tg = torch._grouped_mm
+    theirs = {} if qk is None else quack_gemms(qk, x, w1, w2, act, dh, offs)
     if all(s % 8 == 0 for s in sizes):
         dh_p, x_p, offs_p = dh, x, offs
     else:
@@ -136,6 +158,7 @@ def gemm_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
         lambda t: cute.grouped_mm(x, w1.transpose(1, 2), offs, out=y1, tiling=t),
         lambda: tg(x, w1.transpose(1, 2), offs=offs),
         y1,
+        theirs.get("fc1_fwd"),
     )
     yield (
         "fc2_fwd",
@@ -143,6 +166,7 @@ def gemm_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
         lambda t: cute.grouped_mm(act, w2.transpose(1, 2), offs, out=y2, tiling=t),
         lambda: tg(act, w2.transpose(1, 2), offs=offs),
         y2,
+        theirs.get("fc2_fwd"),
     )
     yield (
         "fc1_dgrad",
@@ -150,6 +174,7 @@ def gemm_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
         lambda t: cute.grouped_mm(dh, w1, offs, out=dx, tiling=t),
         lambda: tg(dh, w1, offs=offs),
         dx,
+        theirs.get("fc1_dgrad"),
     )
     yield (
         "fc1_wgrad",
@@ -157,7 +182,20 @@ def gemm_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator):
         lambda t: cute.grouped_wgrad(dh, x, offs, out=dw, tiling=t),
         lambda: tg(dh_p.t(), x_p, offs=offs_p),
         dw,
+        theirs.get("fc1_wgrad"),
     )
+
+
+def _quack_or_none():
+    """quack.gemm_interface (compile-cache keyer wrapped: peer_quack.py), or None with the
+    reason printed."""
+    from peer_quack import _quack
+
+    try:
+        return _quack()
+    except Exception as exc:  # noqa: BLE001 - any import failure: run without it
+        print(f"no quack column: {type(exc).__name__}: {exc}"[:240])
+        return None
 
 
 def parse_tilings(spec: str) -> dict:
@@ -172,13 +210,15 @@ def parse_tilings(spec: str) -> dict:
     return out
 
 
-def run_shape(name: str, iters: int, tilings: dict) -> list[dict]:
+def run_shape(name: str, iters: int, tilings: dict, qk=None) -> list[dict]:
     e, h, f, m = SHAPES[name]
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for label, flops, ours, theirs, out in gemm_cases(name, e, h, f, m, gen):
+    for label, flops, ours, theirs, out, quack in gemm_cases(name, e, h, f, m, gen, qk):
         ref = theirs()
         fns, errs, first = {"torch": theirs}, {}, {}
+        if quack is not None:
+            errs["quack"], fns["quack"] = rel_err(quack(), ref), quack
         here = dict(tilings)
         for key, tiling in here.items():
             out.fill_(float("nan"))
@@ -437,6 +477,8 @@ def main() -> None:
     p.add_argument("--burst", type=int, default=BURST, help="back-to-back calls per timed run")
     p.add_argument("--json", default=None)
     p.add_argument("--tilings", default="256:1x2,256:2x1")
+    p.add_argument("--quack", action="store_true",
+                   help="also QuACK's varlen GEMMs (default config) on the same operands")
     p.add_argument("--glu", action="store_true", help="time the fused GLU steps instead")
     p.add_argument("--glu-pp", action="store_true",
                    help="--glu plus ping-pong with 64-row epilogue subtiles (both dgrad widths)")
@@ -460,16 +502,17 @@ def main() -> None:
         main_glu(args)
         return
     tilings = parse_tilings(args.tilings)
+    qk = _quack_or_none() if args.quack else None
     launch = launch_overhead_us()
     print("host us per call (tiny problem):", {k: round(v, 1) for k, v in launch.items()})
     rows = []
     for name in args.shapes.split(","):
-        rows += run_shape(name, args.iters, tilings)
+        rows += run_shape(name, args.iters, tilings, qk)
         torch.cuda.empty_cache()
     print(
         f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}"
     )
-    keys = list(tilings)
+    keys = list(tilings) + (["quack"] if qk is not None else [])
     print(
         f"{'shape':5} {'gemm':10} {'max err':>8} {'torch':>6} "
         + " ".join(f"{k:>9}" for k in keys)

@@ -448,3 +448,28 @@ def test_env_variant_sets_its_variables_only_while_it_runs(monkeypatch):
     assert v.name == "te_seq:torch:probe" and seen == [("1", "2")]
     assert v.mlp is base.mlp and v.x is base.x  # the same module and inputs: only env differs
     assert "TE_SEQ_PROBE_A" not in os.environ and os.environ["TE_SEQ_PROBE_B"] == "before"
+
+
+def test_quack_gemms_compute_the_four_gemms_of_the_gemm_benchmark():
+    """bench_grouped_gemm.py --quack: QuACK's varlen GEMMs (CPU stand-in with its documented
+    semantics) on the benchmark's operands give the reference's results, GEMM for GEMM."""
+    import bench_grouped_gemm
+
+    from te_seq.kernels import reference
+
+    e, h, f, sizes = 3, 16, 8, [5, 0, 7]
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    m = sum(sizes)
+    x, act, dh = torch.randn(m, h), torch.randn(m, f), torch.randn(m, 2 * f)
+    w1, w2 = torch.randn(e, 2 * f, h), torch.randn(e, h, f)
+    got = {k: fn() for k, fn in bench_grouped_gemm.quack_gemms(
+        FakeQuack, x, w1, w2, act, dh, offs).items()}
+    want = {
+        "fc1_fwd": reference.grouped_mm(x, w1.transpose(1, 2), offs),
+        "fc2_fwd": reference.grouped_mm(act, w2.transpose(1, 2), offs),
+        "fc1_dgrad": reference.grouped_mm(dh, w1, offs),
+        "fc1_wgrad": reference.grouped_wgrad(dh, x, offs),
+    }
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
