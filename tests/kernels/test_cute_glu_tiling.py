@@ -63,5 +63,5 @@ def test_glu_fc1_width_from_the_environment(tiling_env):
     narrow = _glu_tiling("fc1", 2048, False, None, 4096, plain_fc1=True)  # F = 1024: not 96s
     assert narrow == Tiling(128, (1, 2), pingpong=True)
     tiling_env("TE_SEQ_GLU_FC1_TILE_N", "256")
-    with pytest.raises(ValueError, match="TE_SEQ_GLU_FC1_TILE_N must be 128 or 192"):
+    with pytest.raises(ValueError, match=r"TE_SEQ_GLU_FC1_TILE_N must be one of \['128', '192'\]"):
         _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True)

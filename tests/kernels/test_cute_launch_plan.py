@@ -183,7 +183,8 @@ def test_wgrad_cluster_and_max_k_follow_the_environment(tiling_env):
 @pytest.mark.parametrize(("name", "value", "match"), [
     ("TE_SEQ_WGRAD_CLUSTER", "2x2", r"TE_SEQ_WGRAD_CLUSTER must be one of \['1x2', '2x1'\]"),
     ("TE_SEQ_PINGPONG_MAX_K", "big", "TE_SEQ_PINGPONG_MAX_K must be an integer, got 'big'"),
-    ("TE_SEQ_PINGPONG_TILE_N", "256", "TE_SEQ_PINGPONG_TILE_N must be 128 or 192, got '256'"),
+    ("TE_SEQ_PINGPONG_TILE_N", "256",
+     r"TE_SEQ_PINGPONG_TILE_N must be one of \['128', '192'\], got '256'"),
 ])
 def test_bad_tiling_settings_are_refused_by_name(tiling_env, name, value, match):
     a, dy = torch.randn(M, F).to(BF16), torch.randn(M, H).to(BF16)

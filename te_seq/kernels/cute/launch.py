@@ -117,6 +117,20 @@ def _setting(name: str) -> str | None:
     return _SETTINGS[1][name]
 
 
+def _chosen(name: str, choices: dict):
+    """What the setting ``name`` selects from ``choices`` (by its text); None where unset; a
+    ValueError naming the variable, its allowed values and the value it holds otherwise."""
+    raw = _setting(name)
+    if raw is None:
+        return None
+    if raw.strip() not in choices:
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {raw!r}")
+    return choices[raw.strip()]
+
+
+_WIDTHS = {"128": 128, "192": 192}
+
+
 refresh_tiling_settings()
 
 
@@ -124,11 +138,9 @@ def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
     """``TE_SEQ_PINGPONG_TILE_N`` where set; else 192 (measured 4 % faster than 128 on B's
     FC2) unless its cluster units compute over 5 % more columns than 128's: N = 2048 takes 128
     (192 would compute 2304 columns)."""
-    raw = _setting("TE_SEQ_PINGPONG_TILE_N")
-    if raw is not None:
-        if raw.strip() not in ("128", "192"):
-            raise ValueError(f"TE_SEQ_PINGPONG_TILE_N must be 128 or 192, got {raw!r}")
-        return int(raw)
+    chosen = _chosen("TE_SEQ_PINGPONG_TILE_N", _WIDTHS)
+    if chosen is not None:
+        return chosen
 
     def cols(t: int) -> int:
         return -(-n // (t * cluster_n)) * t * cluster_n
@@ -149,12 +161,7 @@ _WGRAD_CLUSTERS = {"1x2": (1, 2), "2x1": (2, 1)}
 
 def glu_fc1_pingpong_tile_n(default: int) -> int:
     """The GLU FC1's ping-pong tile width: ``TE_SEQ_GLU_FC1_TILE_N`` or ``default``."""
-    raw = _setting("TE_SEQ_GLU_FC1_TILE_N")
-    if raw is None:
-        return default
-    if raw.strip() not in ("128", "192"):
-        raise ValueError(f"TE_SEQ_GLU_FC1_TILE_N must be 128 or 192, got {raw!r}")
-    return int(raw)
+    return _chosen("TE_SEQ_GLU_FC1_TILE_N", _WIDTHS) or default
 
 
 def pingpong_by_default() -> bool:
@@ -178,13 +185,10 @@ def pingpong_max_k() -> int:
 def wgrad_pingpong_cluster(rows_per_group: float) -> tuple[int, int]:
     """The ping-pong wgrads' cluster: ``TE_SEQ_WGRAD_CLUSTER``, else 2x1 for groups of up to
     ``WGRAD_2X1_MAX_ROWS_PER_GROUP`` rows on average, 1x2 for longer ones."""
-    raw = _setting("TE_SEQ_WGRAD_CLUSTER")
-    if raw is None:
-        return (2, 1) if rows_per_group <= WGRAD_2X1_MAX_ROWS_PER_GROUP else (1, 2)
-    if raw.strip() not in _WGRAD_CLUSTERS:
-        raise ValueError(f"TE_SEQ_WGRAD_CLUSTER must be one of {sorted(_WGRAD_CLUSTERS)}, "
-                         f"got {raw!r}")
-    return _WGRAD_CLUSTERS[raw.strip()]
+    chosen = _chosen("TE_SEQ_WGRAD_CLUSTER", _WGRAD_CLUSTERS)
+    if chosen is not None:
+        return chosen
+    return (2, 1) if rows_per_group <= WGRAD_2X1_MAX_ROWS_PER_GROUP else (1, 2)
 
 
 def plain_mm_tiling(n: int, k: int) -> Tiling:
