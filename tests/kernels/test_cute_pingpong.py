@@ -249,6 +249,25 @@ def _glu_data(case, probs_dtype):
     return x, w1, w2, probs, _offs(sizes)
 
 
+def _fc1_matches_cooperative(case, config, tiling):
+    """The FC1 at ``tiling`` gives h and a bit for bit as the cooperative 256-wide kernel (an
+    explicit tiling: the default is ping-pong for these K), h near the float64 reference, and
+    zeros past offs[-1]."""
+    from te_seq.kernels import cute
+
+    act, il, p_dtype, _, _ = config
+    x, w1, _, probs, offs = _glu_data(case, p_dtype)
+    w1t = w1.transpose(1, 2)
+    h, a = cute.glu_fc1_forward(x, w1t, offs, act, il, probs, tiling=tiling)
+    h_coop, a_coop = cute.glu_fc1_forward(x, w1t, offs, act, il, probs,
+                                          tiling=Tiling(256, (1, 2)))
+    torch.testing.assert_close(h, h_coop, rtol=0, atol=0)
+    torch.testing.assert_close(a, a_coop, rtol=0, atol=0)
+    assert _rel_err(h, reference.grouped_mm(x.double(), w1t.double(), offs)) < 1e-2
+    end = int(offs[-1])
+    assert (h[end:] == 0).all() and (a[end:] == 0).all()
+
+
 # 192-wide FC1 tiles (96 gate + 96 up columns): F a multiple of 96 with halves; interleave
 # 32 (three gate/up block pairs per tile); interleave 64 is refused by the kernel
 _GLU_192 = [(c, k) for c in _GLU_CASES for k in _GLU_CONFIGS
@@ -262,19 +281,8 @@ _GLU_192 = [(c, k) for c in _GLU_CASES for k in _GLU_CONFIGS
                          ids=[f"{c[0]}-{k[0]}-{k[1]}-{k[3]}" for c, k in _GLU_192])
 def test_glu_fc1_pingpong_192_equals_cooperative(case, config, epi_rows):
     """Not yet run on a GPU when written (2026-11-25): the 192-wide ping-pong FC1."""
-    from te_seq.kernels import cute
-
-    act, il, p_dtype, cluster, _ = config
-    x, w1, _, probs, offs = _glu_data(case, p_dtype)
-    w1t = w1.transpose(1, 2)
-    tiling = Tiling(192, cluster, pingpong=True, epi_rows=epi_rows)
-    h, a = cute.glu_fc1_forward(x, w1t, offs, act, il, probs, tiling=tiling)
-    h_coop, a_coop = cute.glu_fc1_forward(x, w1t, offs, act, il, probs,
-                                          tiling=Tiling(256, (1, 2)))
-    torch.testing.assert_close(h, h_coop, rtol=0, atol=0)
-    torch.testing.assert_close(a, a_coop, rtol=0, atol=0)
-    end = int(offs[-1])
-    assert (h[end:] == 0).all() and (a[end:] == 0).all()
+    _fc1_matches_cooperative(case, config, Tiling(192, config[3], pingpong=True,
+                                                  epi_rows=epi_rows))
 
 
 @gpu
@@ -283,19 +291,8 @@ def test_glu_fc1_pingpong_192_equals_cooperative(case, config, epi_rows):
 @pytest.mark.parametrize("config", _GLU_CONFIGS, ids=str)
 @pytest.mark.parametrize("case", _GLU_CASES, ids=[c[0] for c in _GLU_CASES])
 def test_glu_fc1_pingpong_equals_cooperative(case, config, epi_rows):
-    from te_seq.kernels import cute
-
-    act, il, p_dtype, cluster, _ = config
-    x, w1, _, probs, offs = _glu_data(case, p_dtype)
-    w1t = w1.transpose(1, 2)
-    tiling = Tiling(128, cluster, pingpong=True, epi_rows=epi_rows)
-    h, a = cute.glu_fc1_forward(x, w1t, offs, act, il, probs, tiling=tiling)
-    h_coop, a_coop = cute.glu_fc1_forward(x, w1t, offs, act, il, probs)
-    torch.testing.assert_close(h, h_coop, rtol=0, atol=0)
-    torch.testing.assert_close(a, a_coop, rtol=0, atol=0)
-    assert _rel_err(h, reference.grouped_mm(x.double(), w1t.double(), offs)) < 1e-2
-    end = int(offs[-1])
-    assert (h[end:] == 0).all() and (a[end:] == 0).all()
+    _fc1_matches_cooperative(case, config, Tiling(128, config[3], pingpong=True,
+                                                  epi_rows=epi_rows))
 
 
 @gpu
