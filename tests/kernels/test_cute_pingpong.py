@@ -268,30 +268,21 @@ def _fc1_matches_cooperative(case, config, tiling):
     assert (h[end:] == 0).all() and (a[end:] == 0).all()
 
 
-# 192-wide FC1 tiles (96 gate + 96 up columns): F a multiple of 96 with halves; interleave
-# 32 (three gate/up block pairs per tile); interleave 64 is refused by the kernel
-_GLU_192 = [(c, k) for c in _GLU_CASES for k in _GLU_CONFIGS
-            if k[1] == 32 or (k[1] is None and c[4] % 96 == 0)]
+# (case, config, FC1 tile width): every case and config at 128 (64 gate + 64 up columns); at
+# 192 (96 + 96; not yet run on a GPU when written, 2026-11-25) where F is a multiple of 96
+# with halves, or interleave 32 (three gate/up block pairs per tile; 64 is refused)
+_FC1_PP = [(c, k, 128) for c in _GLU_CASES for k in _GLU_CONFIGS] + [
+    (c, k, 192) for c in _GLU_CASES for k in _GLU_CONFIGS
+    if k[1] == 32 or (k[1] is None and c[4] % 96 == 0)]
 
 
 @gpu
 @needs_cute
 @pytest.mark.parametrize("epi_rows", [128, 64])
-@pytest.mark.parametrize(("case", "config"), _GLU_192,
-                         ids=[f"{c[0]}-{k[0]}-{k[1]}-{k[3]}" for c, k in _GLU_192])
-def test_glu_fc1_pingpong_192_equals_cooperative(case, config, epi_rows):
-    """Not yet run on a GPU when written (2026-11-25): the 192-wide ping-pong FC1."""
-    _fc1_matches_cooperative(case, config, Tiling(192, config[3], pingpong=True,
-                                                  epi_rows=epi_rows))
-
-
-@gpu
-@needs_cute
-@pytest.mark.parametrize("epi_rows", [128, 64])
-@pytest.mark.parametrize("config", _GLU_CONFIGS, ids=str)
-@pytest.mark.parametrize("case", _GLU_CASES, ids=[c[0] for c in _GLU_CASES])
-def test_glu_fc1_pingpong_equals_cooperative(case, config, epi_rows):
-    _fc1_matches_cooperative(case, config, Tiling(128, config[3], pingpong=True,
+@pytest.mark.parametrize(("case", "config", "width"), _FC1_PP,
+                         ids=[f"{c[0]}-{k[0]}-{k[1]}-{k[3]}-w{w}" for c, k, w in _FC1_PP])
+def test_glu_fc1_pingpong_equals_cooperative(case, config, width, epi_rows):
+    _fc1_matches_cooperative(case, config, Tiling(width, config[3], pingpong=True,
                                                   epi_rows=epi_rows))
 
 
