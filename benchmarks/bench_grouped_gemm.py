@@ -8,7 +8,8 @@ FLOPs count real rows only. torch's wgrad (2D x 2D) needs group sizes that are m
 shape Z it runs on zero-padded groups, whose padding is not counted.
 
     python benchmarks/bench_grouped_gemm.py [--shapes A,B,Q,Z] [--iters 20] [--json out.json]
-        [--tilings 256:2x1,256:1x2]   # CuTe variants: tile_n:cluster_mxcluster_n (first = default)
+        [--tilings default,256:2x1]   # CuTe variants: tile_n:cluster_mxcluster_n, the first
+                                      # is the ratio column's; "default": te_seq's own choice
         [--tilings 256:1x2,192:1x2p]  # a "p" suffix: ping-pong warpgroups
         [--quack]                     # also QuACK's varlen GEMMs on the same operands
     python benchmarks/bench_grouped_gemm.py --glu [--shapes Q,B,A] [--iters 20] [--json out.json]
@@ -199,10 +200,14 @@ def _quack_or_none():
 
 
 def parse_tilings(spec: str) -> dict:
+    """``"default,256:1x2,128:2x1p"`` -> {label: Tiling, or None for te_seq's default}."""
     from te_seq.kernels.cute import Tiling
 
     out = {}
     for item in spec.split(","):
+        if item == "default":  # what a user gets: the kernel picks (launch.py's rules)
+            out[item] = None
+            continue
         tn, cl = item.split(":")
         pingpong = cl.endswith("p")
         cm, cn = cl.removesuffix("p").split("x")
@@ -476,7 +481,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--burst", type=int, default=BURST, help="back-to-back calls per timed run")
     p.add_argument("--json", default=None)
-    p.add_argument("--tilings", default="256:1x2,256:2x1")
+    p.add_argument("--tilings", default="default,256:1x2,256:2x1")
     p.add_argument("--quack", action="store_true",
                    help="also QuACK's varlen GEMMs (default config) on the same operands")
     p.add_argument("--glu", action="store_true", help="time the fused GLU steps instead")

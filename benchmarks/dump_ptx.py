@@ -58,6 +58,7 @@ def _configs() -> dict[str, object]:
         "wgrad_fp32_acc192": GemmConfig("k", bf16, fp32, "n", 192, (1, 2), accumulate=True),
         "wgrad_pp128": GemmConfig("k", bf16, bf16, "n", 128, (1, 2), pingpong=True),
         "wgrad_fp32_pp192": GemmConfig("k", bf16, fp32, "n", 192, (2, 1), pingpong=True),
+        "wgrad_pp192": GemmConfig("k", bf16, bf16, "n", 192, (2, 1), pingpong=True),
         "glu_fc1_silu_probs": GluConfig("fc1", bf16, "k", "silu", None, fp32),
         "glu_fc1_relu_il32": GluConfig("fc1", bf16, "k", "relu", 32, None),
         "glu_dgrad_gelu_il64": GluConfig("dgrad", bf16, "n", "gelu", 64, bf16),

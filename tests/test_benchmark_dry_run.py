@@ -473,3 +473,15 @@ def test_quack_gemms_compute_the_four_gemms_of_the_gemm_benchmark():
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_gemm_benchmark_tilings_include_the_default_choice():
+    """bench_grouped_gemm.py --tilings: "default" leaves the choice to te_seq (tiling=None), so
+    the table shows what a user gets next to the explicit tilings."""
+    import bench_grouped_gemm
+
+    from te_seq.kernels.cute import Tiling
+
+    got = bench_grouped_gemm.parse_tilings("default,256:1x2,128:2x1p")
+    assert got == {"default": None, "256:1x2": Tiling(256, (1, 2), False),
+                   "128:2x1p": Tiling(128, (2, 1), True)}

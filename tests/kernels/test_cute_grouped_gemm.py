@@ -73,6 +73,33 @@ def test_dump_ptx_writes_and_compares_ptx(tmp_path):
     assert ".target sm_90a" in ptx and "GroupedGemmKernel" in ptx
 
 
+@needs_dsl
+@pytest.mark.parametrize(
+    ("tile_n", "c_bits", "accumulate", "trade", "want"),
+    [
+        (192, 16, False, True, (3, 5)),  # the trade: one store slot for a fifth A/B stage
+        (192, 16, False, False, (4, 4)),  # subclasses keep their 4-slot ring
+        (128, 16, False, True, (4, 6)),  # a slot buys no stage: the ring stays
+        (256, 16, False, True, (4, 4)),
+        (192, 16, True, True, (4, 4)),  # the old-C blocks leave no room for another stage
+        (192, 32, False, True, (2, 4)),  # fp32 outputs: a 2-slot ring, never traded
+    ],
+)
+def test_store_ring_gives_a_slot_only_for_an_ab_stage(tile_n, c_bits, accumulate, trade, want):
+    """``GroupedGemmKernel._setup``'s smem budget: (store-ring slots, A/B stages)."""
+    pytest.importorskip("cutlass")
+    import cutlass
+
+    from te_seq.kernels.cute.grouped_gemm import GroupedGemmKernel
+
+    kernel = GroupedGemmKernel("k", (128, tile_n), (2, 1), accumulate=accumulate,
+                               trade_store_slot=trade)
+    kernel.a_dtype = kernel.b_dtype = cutlass.BFloat16
+    kernel.c_dtype = cutlass.BFloat16 if c_bits == 16 else cutlass.Float32
+    ring = kernel._store_ring()
+    assert (ring, kernel._ab_stages(ring)) == want
+
+
 def test_import_does_not_import_cutlass():
     code = "import sys, te_seq.kernels.cute as c; c.supports; print('cutlass' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -202,7 +202,7 @@ def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
         return _compile("gemm", cfg, kernel, _fake_args(cfg))
     kernel = GroupedGemmKernel(
         cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, accumulate=cfg.accumulate, route=cfg.route,
-        pingpong=cfg.pingpong,
+        pingpong=cfg.pingpong, trade_store_slot=True,
     )
     return _compile("gemm", cfg, kernel, _fake_args(cfg))
 

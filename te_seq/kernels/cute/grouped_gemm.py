@@ -73,6 +73,9 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     epi_batch: int | None = 1
     epi_extra_buffers = 0
     extra_barriers = 0
+    # Give up one slot of a 4-slot store ring where that fits one more A/B stage (the plain
+    # kernel: ``compile_gemm``); subclasses keep their rings.
+    trade_store_slot = False
     # rows of an epilogue subtile (None: the tile's 128); the GLU kernel's ping-pong option 64
     epi_rows: int | None = None
     # Varlen K: clip each group's loads by ragged TMA views (True), or take every group's span as
@@ -94,6 +97,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         store_stages: int | None = None,
         route: str | None = None,
         pingpong: bool = False,
+        trade_store_slot: bool = False,
     ):
         if varlen not in ("m", "k"):
             raise ValueError(f"GroupedGemmKernel: varlen must be 'm' or 'k', got {varlen!r}")
@@ -119,6 +123,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             self._check_pingpong(tile_mn)
         if store_stages is not None:
             self.epi_store_stages = store_stages
+        self.trade_store_slot = trade_store_slot
         if self.accumulate:  # 2 smem blocks that TMA fills with old C subtiles, 1 mbarrier each
             self.epi_extra_buffers, self.extra_barriers = 2, 2
         self.cluster_m, self.cluster_n = cluster_mn
@@ -172,14 +177,8 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             tiler_mn=(64, tn),
         )
         self.epi_tile = (self.epi_rows or tm, 32)
-        self.epi_stage = self.epi_store_stages or (4 if self.c_dtype.width == 16 else 2)
-        epi_buffers = self.epi_stage + self.epi_extra_buffers
-        ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8
-        epi_bytes = tm * 32 * self.c_dtype.width // 8 * epi_buffers
-        smem = memory.get_smem_capacity_in_bytes("sm_90")
-        # barriers and the padding to sA's 1024-byte alignment take < 1 KB; the scratch after
-        reserve = max(2048, 1024 + 4 * self.epi_scratch_words)
-        self.ab_stage = (smem - reserve - epi_bytes) // ab_bytes
+        self.epi_stage = self._store_ring()
+        self.ab_stage = self._ab_stages(self.epi_stage)
         self.a_smem = sm90_utils.make_smem_layout_a(
             self.a_layout, self.tile_mnk, self.a_dtype, self.ab_stage
         )
@@ -187,8 +186,28 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             self.b_layout, self.tile_mnk, self.b_dtype, self.ab_stage
         )
         self.c_smem = sm90_utils.make_smem_layout_epi(
-            self.c_dtype, self.c_layout, self.epi_tile, epi_buffers
+            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage + self.epi_extra_buffers
         )
+
+    def _store_ring(self) -> int:
+        """Slots of the epilogue's smem store ring: ``epi_store_stages``, else 4 for 16-bit
+        outputs and 2 for wider ones; one fewer where that fits one more A/B stage and the
+        kernel trades (``trade_store_slot``)."""
+        ring = self.epi_store_stages or (4 if self.c_dtype.width == 16 else 2)
+        gains = self._ab_stages(ring - 1) > self._ab_stages(ring)
+        return ring - 1 if self.trade_store_slot and ring >= 4 and gains else ring
+
+    def _ab_stages(self, store_ring: int) -> int:
+        """A/B pipeline stages that fit in smem beside a store ring of ``store_ring`` (tm x 32)
+        subtiles and the class's extra epilogue buffers and scratch. A 128 x 192 bf16 tile
+        fits 4 beside a 4-slot ring and 5 beside a 3-slot one (``trade_store_slot``)."""
+        tm, tn, tk = self.tile_mnk
+        ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8
+        epi_bytes = tm * 32 * self.c_dtype.width // 8 * (store_ring + self.epi_extra_buffers)
+        smem = memory.get_smem_capacity_in_bytes("sm_90")
+        # barriers and the padding to sA's 1024-byte alignment take < 1 KB; the scratch after
+        reserve = max(2048, 1024 + 4 * self.epi_scratch_words)
+        return (smem - reserve - epi_bytes) // ab_bytes
 
     def _tma_load(self, t: cute.Tensor, smem_staged, tile: tuple[int, int], mcast: int):
         op = (
