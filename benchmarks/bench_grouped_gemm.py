@@ -11,6 +11,7 @@ shape Z it runs on zero-padded groups, whose padding is not counted.
         [--tilings default,256:2x1]   # CuTe variants: tile_n:cluster_mxcluster_n, the first
                                       # is the ratio column's; "default": te_seq's own choice
         [--tilings 256:1x2,192:1x2p]  # a "p" suffix: ping-pong warpgroups
+        [--tilings 192:2x1p,192:2x1pd]  # "d": dynamic work units (the wgrads only)
         [--quack]                     # also QuACK's varlen GEMMs on the same operands
     python benchmarks/bench_grouped_gemm.py --glu [--shapes Q,B,A] [--iters 20] [--json out.json]
 
@@ -131,7 +132,7 @@ def quack_gemms(qk, x: Tensor, w1: Tensor, w2: Tensor, act: Tensor, dh: Tensor,
 
 def gemm_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator, qk=None):
     """(label, flops, cute fn, torch fn, cute's output, quack fn or None) for FC1 fwd, FC2
-    fwd, FC1 dgrad and FC1 wgrad (``qk``: QuACK's gemm_interface, or None)."""
+    fwd, FC1 dgrad, FC1 wgrad and FC2 wgrad (``qk``: QuACK's gemm_interface, or None)."""
     from te_seq.kernels import cute
 
     sizes = split_sizes(name, e, m, gen)
@@ -185,6 +186,17 @@ def gemm_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator, 
         dw,
         theirs.get("fc1_wgrad"),
     )
+    dy = torch.randn(m, h, **bf)
+    dw2 = torch.empty(e, h, f, **bf)
+    dy_p, act_p = (dy, act) if dh_p is dh else (padded(dy, sizes)[0], padded(act, sizes)[0])
+    yield (  # split sizes of one expert holding most rows leave a static schedule unbalanced
+        "fc2_wgrad",
+        2 * m * h * f,
+        lambda t: cute.grouped_wgrad(dy, act, offs, out=dw2, tiling=t),
+        lambda: tg(dy_p.t(), act_p, offs=offs_p),
+        dw2,
+        theirs.get("fc2_wgrad"),
+    )
 
 
 def _quack_or_none():
@@ -209,9 +221,11 @@ def parse_tilings(spec: str) -> dict:
             out[item] = None
             continue
         tn, cl = item.split(":")
+        dynamic = cl.endswith("d")
+        cl = cl.removesuffix("d")
         pingpong = cl.endswith("p")
         cm, cn = cl.removesuffix("p").split("x")
-        out[item] = Tiling(int(tn), (int(cm), int(cn)), pingpong)
+        out[item] = Tiling(int(tn), (int(cm), int(cn)), pingpong, dynamic=dynamic)
     return out
 
 
@@ -224,7 +238,9 @@ def run_shape(name: str, iters: int, tilings: dict, qk=None) -> list[dict]:
         fns, errs, first = {"torch": theirs}, {}, {}
         if quack is not None:
             errs["quack"], fns["quack"] = rel_err(quack(), ref), quack
-        here = dict(tilings)
+        # dynamic units are for the wgrads (varlen K) only
+        here = {k: t for k, t in tilings.items()
+                if t is None or not t.dynamic or label.endswith("wgrad")}
         for key, tiling in here.items():
             out.fill_(float("nan"))
             t0 = time.perf_counter()

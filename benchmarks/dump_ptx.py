@@ -59,6 +59,13 @@ def _configs() -> dict[str, object]:
         "wgrad_pp128": GemmConfig("k", bf16, bf16, "n", 128, (1, 2), pingpong=True),
         "wgrad_fp32_pp192": GemmConfig("k", bf16, fp32, "n", 192, (2, 1), pingpong=True),
         "wgrad_pp192": GemmConfig("k", bf16, bf16, "n", 192, (2, 1), pingpong=True),
+        # dynamic work units (tile_scheduler.py): every cluster shape, both consumer modes
+        "wgrad_pp192_dyn": GemmConfig("k", bf16, bf16, "n", 192, (2, 1), pingpong=True,
+                                      dynamic=True),
+        "wgrad_pp128_1x1_dyn": GemmConfig("k", bf16, bf16, "n", 128, (1, 1), pingpong=True,
+                                          dynamic=True),
+        "wgrad_fp32_acc_dyn": GemmConfig("k", bf16, fp32, "n", 256, (1, 2), accumulate=True,
+                                         dynamic=True),
         "glu_fc1_silu_probs": GluConfig("fc1", bf16, "k", "silu", None, fp32),
         "glu_fc1_relu_il32": GluConfig("fc1", bf16, "k", "relu", 32, None),
         "glu_dgrad_gelu_il64": GluConfig("dgrad", bf16, "n", "gelu", 64, bf16),

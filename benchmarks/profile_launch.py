@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from te_seq.kernels import cute
-from te_seq.kernels.cute import act, compile, fp8, fp8_glu, gemm, glu, launch
+from te_seq.kernels.cute import act, compile, fp8, fp8_glu, gemm, glu, launch, unit_order_kernel
 
 try:
     from te_seq.kernels.cute.launch_plan import clear_plans
@@ -62,6 +62,7 @@ except ImportError:  # a te_seq from before launch plans (to measure the "before
         pass
 
 _SMS = 132  # an H100 SXM's SM count (the grid is capped by it)
+UNIT_ORDER = "unit_order"  # the stub config of ``unit_order_kernel.compile_unit_order``
 
 
 @dataclass
@@ -101,6 +102,9 @@ def stubbed_kernels(record: bool = True) -> Iterator[dict[object, StubKernel]]:
 
     patches = {(compile, name): functools.lru_cache(maxsize=None)(make)
                for name in ("compile_gemm", "compile_glu", "compile_act")}
+    # the dynamic wgrads' order-and-counter kernel (one launch before each such wgrad)
+    patches[(unit_order_kernel, "compile_unit_order")] = functools.lru_cache(maxsize=None)(
+        lambda: make(UNIT_ORDER))
     patches.update({(m, "_num_sms"): functools.lru_cache(maxsize=None)(lambda d: _SMS)
                     for m in _SMS_USERS})
     patches.update({(m, "available"): lambda: (True, "") for m in _AVAILABLE_USERS})

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install "
                     "'te_seq[cute]')")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from profile_launch import stubbed_kernels  # noqa: E402
+from profile_launch import UNIT_ORDER, stubbed_kernels  # noqa: E402
 
 from te_seq.kernels import cute  # noqa: E402
 from te_seq.kernels.cute import Tiling  # noqa: E402
@@ -49,11 +49,12 @@ def _inputs_of(args: tuple) -> list:
 
 
 def _launch_of(stubs: dict, call) -> tuple:
-    """(the config, the arguments) of the one launch ``call()`` makes."""
+    """(the config, the arguments) of the one GEMM launch ``call()`` makes (besides a dynamic
+    wgrad's unit-order launch: `test_dynamic_wgrad_launches_its_unit_order_first`)."""
     before = {cfg: len(stub.calls) for cfg, stub in stubs.items()}
     call()
     new = [(cfg, stub.calls[-1]) for cfg, stub in stubs.items()
-           if len(stub.calls) > before.get(cfg, 0)]
+           if len(stub.calls) > before.get(cfg, 0) and cfg != UNIT_ORDER]
     assert len(new) == 1, f"expected one launch, got {len(new)}"
     return new[0]
 
@@ -84,12 +85,45 @@ def test_planned_call_launches_what_a_fresh_plan_launches(name):
         cfg2, again = _launch_of(stubs, call)  # from the plan
         clear_plans()
         cfg3, fresh = _launch_of(stubs, call)  # planned anew
-    assert cfg1 == cfg2 == cfg3 and len(stubs) == 1
+    assert cfg1 == cfg2 == cfg3 and len(set(stubs) - {UNIT_ORDER}) == 1
     assert _inputs_of(again) == _inputs_of(first) == _inputs_of(fresh)
     # inputs and placeholders are the very same tensors; outputs are new buffers per call
     same = [a.data_ptr() == b.data_ptr() for a, b in zip(first, again)
             if isinstance(a, torch.Tensor)]
     assert any(same) and not all(same)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_dynamic_wgrad_takes_a_row_of_one_unit_order_launch_per_offs(dynamic):
+    """A dynamic wgrad passes its GEMM a row of ``unit_order``'s launch (order and counter, E
+    + 1 int32), a different row each call on the same offs, one launch per SLOTS calls and a
+    new one for changed offs; a static one launches only the GEMM, with the placeholder."""
+    from te_seq.kernels.cute.unit_order import SLOTS
+
+    dy, a, offs = torch.randn(M, H).to(BF16), torch.randn(M, F).to(BF16), _offs()
+    tiling = Tiling(128, (2, 1), True, dynamic=dynamic)
+    calls = SLOTS + 2
+    with stubbed_kernels() as stubs:
+        for i in range(calls):
+            if i == SLOTS + 1:
+                offs.add_(0)  # changed in place (a new version): its rows are made afresh
+            cute.grouped_wgrad(dy, a, offs, tiling=tiling)
+        (cfg,) = set(stubs) - {UNIT_ORDER}
+        assert cfg.dynamic is dynamic
+        gemm_calls = stubs[cfg].calls
+        order_calls = stubs[UNIT_ORDER].calls if UNIT_ORDER in stubs else []
+    assert len(gemm_calls) == calls
+    if not dynamic:
+        assert order_calls == [] and gemm_calls[0][-1].shape == (1,)  # the unused placeholder
+        return
+    assert len(order_calls) == 3  # the first SLOTS calls, one more, then the new version
+    rows = [launch[1] for launch in order_calls]
+    assert all(r.shape == (SLOTS, E + 1) and r.dtype == torch.int32 for r in rows)
+    assert all(launch[0] is offs for launch in order_calls)
+    given = [call[-1] for call in gemm_calls]
+    expect = [(rows[0], i) for i in range(SLOTS)] + [(rows[1], 0), (rows[2], 0)]
+    for got, (buf, i) in zip(given, expect):
+        assert got.shape == (E + 1,) and got.data_ptr() == buf[i].data_ptr()
 
 
 def _glu_cfgs(stubs: dict, calls) -> list:

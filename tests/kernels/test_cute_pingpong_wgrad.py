@@ -54,6 +54,7 @@ def test_grouped_wgrad_refuses_pingpong_accumulate():
 def test_wgrad_default_tiling_is_pingpong_unless_turned_off_or_accumulating(tiling_env):
     from te_seq.kernels.cute import wgrad_tiling
 
+    tiling_env("TE_SEQ_WGRAD_SCHEDULE", "static")  # the units: test_cute_dynamic_wgrad.py
     tiling_env("TE_SEQ_PINGPONG", "0")
     assert wgrad_tiling(2048, False) == Tiling(256, (1, 2))  # turned off: cooperative
     tiling_env("TE_SEQ_PINGPONG", None)  # the default

@@ -65,6 +65,7 @@ class GemmConfig:
     scaled: bool = False
     a_dtype: torch.dtype | None = None  # A's dtype where it is not ab_dtype (E5M2 gradients)
     pingpong: bool = False  # ping-pong MMA warpgroups (the plain kernel, no accumulate)
+    dynamic: bool = False  # units handed out longest group first (the plain varlen-K kernel)
     # the FP8 block-scaled kernel (``block_scaled``); out of the repr, so the other configs'
     # disk-cache keys stay as they were (its own kernels are cached under another name)
     block_scaled: bool = field(default=False, repr=False)
@@ -187,6 +188,8 @@ def _compile(name: str, cfg: object, kernel: object, fake_args: tuple) -> Compil
 @functools.lru_cache(maxsize=None)
 def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     """The grouped GEMM for ``cfg``: compiled once per config, cached in memory and on disk."""
+    if cfg.dynamic and (cfg.varlen != "k" or cfg.scaled or cfg.block_wgrad):
+        raise ValueError(f"dynamic units are for the plain 16-bit varlen-K GEMM, got {cfg}")
     if cfg.block_wgrad:  # first: it refuses block_scaled as well
         return _compile_block_wgrad(cfg)
     if cfg.block_scaled:
@@ -202,7 +205,7 @@ def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
         return _compile("gemm", cfg, kernel, _fake_args(cfg))
     kernel = GroupedGemmKernel(
         cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, accumulate=cfg.accumulate, route=cfg.route,
-        pingpong=cfg.pingpong, trade_store_slot=True,
+        pingpong=cfg.pingpong, trade_store_slot=True, dynamic_units=cfg.dynamic,
     )
     return _compile("gemm", cfg, kernel, _fake_args(cfg))
 

@@ -30,6 +30,7 @@ from .launch import (
     aligned_16,
     default_tiling,
     no_route,
+    static_only,
     varlen_k_clusters,
     varlen_m_clusters,
 )
@@ -138,7 +139,7 @@ def scaled_grouped_mm(
     def config(n: int):
         from .compile import GemmConfig
 
-        t = tiling or default_tiling(n, MM_TILING)
+        t = static_only(tiling, _OP) or default_tiling(n, MM_TILING)
         return GemmConfig("m", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, scaled=True,
                           a_dtype=_a_dtype(a))
 
@@ -325,7 +326,7 @@ def _plan_wgrad(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Te
         raise ValueError(f"{_WGRAD_OP}: out must be a contiguous [{groups}, {n}, {k}] float32 or "
                          f"bfloat16 tensor, got {tuple(out.shape)} {out.dtype}")
     checked = _check_offs(offs, groups, a.device)
-    t = tiling or default_tiling(k, WGRAD_TILING)
+    t = static_only(tiling, _WGRAD_OP) or default_tiling(k, WGRAD_TILING)
     cfg = GemmConfig("k", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn,
                      accumulate and out is not None, scaled=True, a_dtype=_a_dtype(a))
     sms = _num_sms(a.device.index or 0)

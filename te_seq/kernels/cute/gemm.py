@@ -29,6 +29,7 @@ from .launch import (
     plain_mm_tiling,
     route_rows,
     row_scales,
+    static_only,
     tile_n_for,
     tiling_settings,
     varlen_k_clusters,
@@ -37,6 +38,7 @@ from .launch import (
     with_route,
 )
 from .launch_plan import LaunchPlan, PlanCache
+from .unit_order import unit_order
 
 _MM_PLANS = PlanCache()  # grouped_mm launches by call signature
 _WGRAD_PLANS = PlanCache()  # grouped_wgrad launches by call signature
@@ -128,6 +130,7 @@ def grouped_mm(
     ``scatter_rows`` (a permutation of the M rows) writes GEMM row r to
     ``out[scatter_rows[r]]``.
     """
+    static_only(tiling, "cute grouped_mm")
     ok, why = supports(a, b, bias)
     if bias_scales is not None and bias is None:
         ok, why = False, "bias_scales given without a bias"
@@ -245,8 +248,9 @@ def grouped_wgrad(
     plan = _WGRAD_PLANS.get(signature) or _WGRAD_PLANS.put(
         signature, _wgrad_plan(x, n, k, groups, out.dtype, accumulate, tiling)
     )
-    plan.kernel(grad_out.t(), x.t(), out.permute(1, 2, 0), offs, plan.clusters,
-                no_route(x.device))
+    # the dynamic schedule's order and counter (one small launch), else the unused placeholder
+    sched = unit_order(offs) if plan.dynamic else no_route(x.device)
+    plan.kernel(grad_out.t(), x.t(), out.permute(1, 2, 0), offs, plan.clusters, sched)
     return out
 
 
@@ -258,7 +262,7 @@ def _wgrad_plan(x: Tensor, n: int, k: int, groups: int, out_dtype: torch.dtype,
     t = tiling or wgrad_tiling(k, accumulate, x.shape[0] / max(groups, 1))
     _check_pingpong(t, None, "accumulate" if accumulate else None)
     cfg = GemmConfig("k", x.dtype, out_dtype, "n", t.tile_n, t.cluster_mn, accumulate,
-                     pingpong=t.pingpong)
+                     pingpong=t.pingpong, dynamic=t.dynamic)
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_k_clusters(groups, n, k, t.tile_n, t.cluster_mn, sms)
-    return LaunchPlan(compile_gemm(cfg).fn, clusters)
+    return LaunchPlan(compile_gemm(cfg).fn, clusters, dynamic=t.dynamic)

@@ -33,6 +33,7 @@ from .launch import (
     no_route,
     pingpong_by_default,
     pingpong_max_k,
+    static_only,
     tile_n_for,
     tiling_settings,
     varlen_m_clusters,
@@ -151,7 +152,7 @@ def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int =
     The GLU dgrad stays cooperative: on one H100 and one H200 (2026-11-25) it lost in
     ping-pong on Q (kernel README "Ping-pong consumers")."""
     if tiling is not None:
-        return tiling
+        return static_only(tiling, f"cute GLU {mode}")
     short = k <= pingpong_max_k()
     if mode == "fc1" and plain_fc1 and not gather and short and pingpong_by_default():
         width = glu_fc1_pingpong_tile_n(PINGPONG_FC1_TILE_N)

@@ -54,7 +54,14 @@ from .mainloop import MainloopMixin
 from .ragged import _ragged_view
 from .routed import RoutedMixin
 from .store_epilogue import StoreEpilogueMixin
-from .tile_scheduler import TileSchedulerMixin, _Schedule
+from .tile_scheduler import (
+    RECORD_READERS,
+    RECORD_STAGES,
+    RECORD_WORDS,
+    TileSchedulerMixin,
+    _Dynamic,
+    _Schedule,
+)
 
 
 class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, RoutedMixin):
@@ -98,6 +105,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         route: str | None = None,
         pingpong: bool = False,
         trade_store_slot: bool = False,
+        dynamic_units: bool = False,
     ):
         if varlen not in ("m", "k"):
             raise ValueError(f"GroupedGemmKernel: varlen must be 'm' or 'k', got {varlen!r}")
@@ -108,6 +116,13 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
                 f"GroupedGemmKernel: gathered A is not multicast: cluster {cluster_mn}"
             )
         self.route = route
+        if dynamic_units and varlen != "k":
+            raise ValueError(
+                f"GroupedGemmKernel: dynamic units are for varlen 'k' (the wgrads), got {varlen!r}"
+            )
+        # units handed out longest group first as clusters free up (tile_scheduler.py); the
+        # launch's int32 side input (``route``) is then the order-and-counter tensor [E + 1]
+        self.dynamic_units = dynamic_units
         if route == "gather":  # the cp.async producer keeps 8 row addresses per thread
             self.load_registers, self.mma_registers = 56, 224
         if tile_mn[0] != 128 or tile_mn[1] not in (64, 128, 192, 256):
@@ -226,7 +241,9 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         c: cute.Tensor,
         offs: cute.Tensor,
         num_clusters: Int32,
-        route: cute.Tensor,  # int32 [M]: gathered A rows or scattered C rows (unused without)
+        # int32: gathered A rows or scattered C rows [M]; the dynamic schedule's order and
+        # counter [E + 1] (``dynamic_units``); unused otherwise
+        route: cute.Tensor,
         stream,
     ):
         self._launch(a, b, c, offs, num_clusters, stream, b, (), route)
@@ -235,7 +252,8 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     def _launch(self, a, b, c, offs, num_clusters, stream, b_tma_view, epi_inputs, route):
         """Set up, build the TMA atoms (B through ``b_tma_view``, a view of ``b``) and launch.
         ``route`` (int32 [M]) gives A's rows (``route="gather"``: a is the [T, K] token matrix)
-        or C's rows (``"scatter"``); other kernels ignore it."""
+        or C's rows (``"scatter"``); with ``dynamic_units`` it is the groups' longest-first
+        order and the unit counter [E + 1]; other kernels ignore it."""
         self._setup(a, b, c)
         tm, tn, tk = self.tile_mnk
         a_tma_src, b_tma_src, c_tma_src = a, b_tma_view, c
@@ -254,6 +272,8 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             tma_a, mA = self._tma_load(a_tma_src, self.a_smem, (tm, tk), self.cluster_n)
         if const_expr(self.route == "scatter"):
             routes = (route, c)
+        if const_expr(self.dynamic_units):
+            routes = (route,)  # the order-and-counter tensor
         tma_b, mB = self._tma_load(b_tma_src, self.b_smem, (tn, tk), self.cluster_m)
         tma_c, mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
@@ -263,11 +283,16 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         )
         epi = self._make_epi(c, epi_inputs)
 
+        # the dynamic schedule's full and empty mbarriers, then its records (tile_scheduler.py)
+        sched_barriers = 2 * RECORD_STAGES if self.dynamic_units else 0
+        record_words = RECORD_WORDS * RECORD_STAGES if self.dynamic_units else 4
+
         @cute.struct
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[
-                cutlass.Int64, self.ab_stage * 2 + self.extra_barriers
+                cutlass.Int64, self.ab_stage * 2 + self.extra_barriers + sched_barriers
             ]
+            records: cute.struct.Align[cute.struct.MemRange[Int32, record_words], 16]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem)], 1024
             ]
@@ -308,6 +333,54 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         if self.epi_scratch_words == 0:
             return None
         return allocator.allocate_tensor(Float32, cute.make_layout(self.epi_scratch_words), 16)
+
+    @cute.jit
+    def _init_extra_barriers(self, storage, warp, routes):
+        """The subclass's extra mbarriers (one arrival each) and the dynamic schedule's,
+        initialised by warp 0 before the cluster's barrier-init sync: (a pointer to the first
+        extra one, the `_Dynamic` or None)."""
+        extra_bar = storage.ab_barriers.data_ptr() + self.ab_stage * 2
+        if const_expr(self.extra_barriers > 0):
+            if warp == 0:
+                with cute.arch.elect_one():
+                    for i in cutlass.range_constexpr(self.extra_barriers):
+                        cute.arch.mbarrier_init(extra_bar + i, 1)
+                cute.arch.mbarrier_init_fence()
+        dynamic = self._init_dynamic(storage, extra_bar + self.extra_barriers, warp, routes)
+        return extra_bar, dynamic
+
+    @cute.jit
+    def _load_warpgroup(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched, routes, tidx):
+        """The first warpgroup's roles: the producer (warp ``load_warp``, or every thread with
+        gathered rows) and, with dynamic units, the scheduler (the next warp, in the cluster's
+        first CTA)."""
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if const_expr(self.route == "gather"):
+            self._producer_gather(mA, routes[0], tma_b, mB, sA, sB, ab_pipe, sched, tidx)
+        elif warp == self.load_warp:
+            self._producer(tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched)
+        if const_expr(self.dynamic_units):
+            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            if (warp == self.load_warp + 1) & (cta_rank == 0):
+                self._schedule_units(sched)
+
+    @cute.jit
+    def _init_dynamic(self, storage, barriers, warp, routes):
+        """The dynamic schedule's smem (``_Dynamic``; None for the static one): its full
+        mbarriers (one arrival and the record's bytes) and empty ones (every reader warp of
+        the cluster), initialised by warp 0 before the cluster's barrier-init sync."""
+        if const_expr(not self.dynamic_units):
+            return None
+        if warp == 0:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(RECORD_STAGES):
+                    cute.arch.mbarrier_init(barriers + i, 1)
+                    cute.arch.mbarrier_init(
+                        barriers + RECORD_STAGES + i, RECORD_READERS * self.cluster_size
+                    )
+            cute.arch.mbarrier_init_fence()
+        records = storage.records.get_tensor(cute.make_layout((RECORD_WORDS, RECORD_STAGES)))
+        return _Dynamic(routes[0], records, barriers, barriers + RECORD_STAGES)
 
     # ---------------------------------------------------------------- device kernel
 
@@ -365,13 +438,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
             defer_sync=True,
         )
-        extra_bar = storage.ab_barriers.data_ptr() + self.ab_stage * 2
-        if const_expr(self.extra_barriers > 0):
-            if warp == 0:
-                with cute.arch.elect_one():
-                    for i in cutlass.range_constexpr(self.extra_barriers):
-                        cute.arch.mbarrier_init(extra_bar + i, 1)
-                cute.arch.mbarrier_init_fence()
+        extra_bar, dynamic = self._init_extra_barriers(storage, warp, routes)
         pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -385,15 +452,12 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             m_units_k = (mA.shape[0] + tm * self.cluster_m - 1) // (tm * self.cluster_m)
         n_tiles = (n_dim + tn * self.cluster_n - 1) // (tn * self.cluster_n)  # cluster n-units
 
-        sched = _Schedule(offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord)
+        sched = _Schedule(offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord, dynamic)
         pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
         wg = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.load_registers)
-            if const_expr(self.route == "gather"):
-                self._producer_gather(mA, routes[0], tma_b, mB, sA, sB, ab_pipe, sched, tidx)
-            elif warp == self.load_warp:
-                self._producer(tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched)
+            self._load_warpgroup(tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched, routes, tidx)
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
             self._consumer(

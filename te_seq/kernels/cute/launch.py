@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -29,12 +29,26 @@ class Tiling:
     otherwise both work on each tile (64 rows each).
     epi_rows: rows of an epilogue subtile, 128 or (the GLU kernels in ping-pong only) 64: half
     the registers per subtile for a warpgroup that holds the whole tile.
+    dynamic: the work units are handed out as clusters free up, the longest groups' first
+    (``grouped_wgrad`` only: even under skewed split sizes every cluster stays busy to the
+    end); otherwise each cluster takes a fixed stride of them.
     """
 
     tile_n: int = 256
     cluster_mn: tuple[int, int] = (1, 2)
     pingpong: bool = False
     epi_rows: int = 128
+    dynamic: bool = False
+
+
+def static_only(tiling: Tiling | None, op: str) -> Tiling | None:
+    """``tiling``, refused with a ValueError naming ``op`` where it asks for dynamic units,
+    which only the plain varlen-K GEMM (``grouped_wgrad``) has so far."""
+    if tiling is not None and tiling.dynamic:
+        raise ValueError(
+            f"{op}: dynamic work units run in grouped_wgrad only so far, got {tiling}"
+        )
+    return tiling
 
 
 # Measured on one H200 (2026-11-22, benchmarks/bench_grouped_gemm.py, shapes A/B/Q/Z):
@@ -91,10 +105,13 @@ PINGPONG_MAX_K = 4096
 #                              `pingpong_tile_n`'s rule)
 #   TE_SEQ_GLU_FC1_TILE_N=W    the width of the GLU FC1's ping-pong tiles, 128 or 192 (W / 2
 #                              gate and W / 2 up columns; default 128: glu.py)
+#   TE_SEQ_WGRAD_SCHEDULE=S    how the 16-bit wgrads hand out their work units: "dynamic"
+#                              (longest group first, as clusters free up) or "static" (a
+#                              fixed stride); default WGRAD_SCHEDULE
 # They exist to compare tilings inside one process (bench_grouped_mlp.py --env-variant). Read
 # once, not per call: four environment lookups cost ~3 µs of host time per launch.
 TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER",
-              "TE_SEQ_PINGPONG_TILE_N", "TE_SEQ_GLU_FC1_TILE_N")
+              "TE_SEQ_PINGPONG_TILE_N", "TE_SEQ_GLU_FC1_TILE_N", "TE_SEQ_WGRAD_SCHEDULE")
 _SETTINGS: list = [(), {}]  # [the values in TILING_ENV order, {name: value}]
 
 
@@ -209,11 +226,24 @@ def wgrad_tiling(n: int, accumulate: bool, rows_per_group: float = 0) -> Tiling:
     """The default tiling of the varlen-K grouped GEMM writing ``n`` output columns, its groups
     ``rows_per_group`` long on average: with ``pingpong_by_default()`` and nothing to
     accumulate into, ping-pong in ``wgrad_pingpong_cluster``; else cooperative
-    ``WGRAD_TILING`` fitted to ``n``."""
+    ``WGRAD_TILING`` fitted to ``n``. Its units are dynamic where ``wgrad_dynamic()``."""
+    dynamic = wgrad_dynamic()
     if accumulate or not pingpong_by_default():
-        return default_tiling(n, WGRAD_TILING)
+        return replace(default_tiling(n, WGRAD_TILING), dynamic=dynamic)
     cluster = wgrad_pingpong_cluster(rows_per_group)
-    return Tiling(pingpong_tile_n(n, cluster[1]), cluster, True)
+    return Tiling(pingpong_tile_n(n, cluster[1]), cluster, True, dynamic=dynamic)
+
+
+# The 16-bit wgrads' work units: "dynamic" (tile_scheduler.py) or "static".
+WGRAD_SCHEDULE = "dynamic"
+_SCHEDULES = {"dynamic": True, "static": False}
+
+
+def wgrad_dynamic() -> bool:
+    """Whether the default wgrad tilings hand out units dynamically: ``TE_SEQ_WGRAD_SCHEDULE``
+    or ``WGRAD_SCHEDULE``."""
+    chosen = _chosen("TE_SEQ_WGRAD_SCHEDULE", _SCHEDULES)
+    return _SCHEDULES[WGRAD_SCHEDULE] if chosen is None else chosen
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,12 +26,14 @@ _MAX_PLANS = 256  # distinct signatures per functional; a full cache starts over
 
 class LaunchPlan(NamedTuple):
     """A call signature's decisions: the compiled kernel, the cluster count of its persistent
-    grid, and whether B must be copied into a contiguous layout before its permuted view
-    (``launch._b_view``)."""
+    grid, whether B must be copied into a contiguous layout before its permuted view
+    (``launch._b_view``), and whether the kernel takes dynamic units (it then needs
+    ``unit_order``'s tensor)."""
 
     kernel: object
     clusters: int
     b_copy: bool = False
+    dynamic: bool = False
 
 
 class PlanCache:

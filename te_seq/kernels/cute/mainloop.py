@@ -67,7 +67,7 @@ class MainloopMixin:
 
     @cute.jit
     def _producer(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched):
-        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
+        offs, _, k_dim, _, _, cluster_coord, _ = sched
         a_mask, b_mask = None, None
         cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
         if const_expr(self.cluster_n > 1):  # CTAs of one m-tile share A
@@ -75,13 +75,9 @@ class MainloopMixin:
         if const_expr(self.cluster_m > 1):  # CTAs of one n-tile share B
             b_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-        cluster_id = cute.arch.block_idx()[2]
-        stride = cute.arch.grid_dim()[2]
-        st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
-        unit = cluster_id
-        valid, group, m_unit, n_unit, row0, rows, st = self._work(
-            offs, num_rows, n_tiles, m_units_k, unit, st
-        )
+        cursor = self._first_cursor(sched)
+        work, cursor = self._next_work(sched, cursor)
+        valid, group, m_unit, n_unit, row0, rows = work
         while valid:
             m_tile = m_unit * self.cluster_m + cluster_coord[0]
             n_tile = n_unit * self.cluster_n + cluster_coord[1]
@@ -114,10 +110,8 @@ class MainloopMixin:
                 )
                 ab_pipe.producer_commit(state)
                 state.advance()
-            unit = unit + stride
-            valid, group, m_unit, n_unit, row0, rows, st = self._work(
-                offs, num_rows, n_tiles, m_units_k, unit, st
-            )
+            work, cursor = self._next_work(sched, cursor)
+            valid, group, m_unit, n_unit, row0, rows = work
         ab_pipe.producer_tail(state)
 
     @cute.jit
@@ -216,18 +210,15 @@ class MainloopMixin:
 
     @cute.jit
     def _cooperative_tiles(self, ep, acc, tCrA, tCrB, ab_pipe, sched):
-        """Both MMA warpgroups on every unit of this cluster: unit = cluster id + i · grid."""
-        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
+        """Both MMA warpgroups on every unit of this cluster, in the cursor's order."""
+        offs, _, k_dim, _, _, cluster_coord, _ = sched
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        stride = cute.arch.grid_dim()[2]
-        unit = cute.arch.block_idx()[2]
-        st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
         epi_count = Int32(0)
         tiled_mma = ep.tiled_mma
-        valid, group, m_unit, n_unit, row0, rows, st = self._work(
-            offs, num_rows, n_tiles, m_units_k, unit, st
-        )
+        cursor = self._first_cursor(sched)
+        work, cursor = self._next_work(sched, cursor)
+        valid, group, m_unit, n_unit, row0, rows = work
         while valid:
             m_tile = m_unit * self.cluster_m + cluster_coord[0]
             n_tile = n_unit * self.cluster_n + cluster_coord[1]
@@ -238,20 +229,18 @@ class MainloopMixin:
             )
             num_epi = self._store_tile(ep, acc, group, m_tile, n_tile, row0, rows, epi_count)
             epi_count = epi_count + num_epi
-            unit = unit + stride
-            valid, group, m_unit, n_unit, row0, rows, st = self._work(
-                offs, num_rows, n_tiles, m_units_k, unit, st
-            )
+            work, cursor = self._next_work(sched, cursor)
+            valid, group, m_unit, n_unit, row0, rows = work
 
     @cute.jit
     def _pingpong_tiles(self, ep, acc, tCrA, tCrB, ab_pipe, sched, wg):
-        """Ping-pong: MMA warpgroup ``wg`` takes every other unit of this cluster (cluster id +
-        (wg + 2i) · grid) and skips its peer's stages in the A/B ring. Named barriers order
-        them: the tensor cores run the tiles in unit order (a warpgroup starts its mainloop once
-        the peer has issued its last WGMMAs) and the epilogues one at a time, each after the
-        peer's (which drained its TMA stores' smem reads: the store ring is shared), so one
-        warpgroup's epilogue overlaps the other's mainloop."""
-        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
+        """Ping-pong: MMA warpgroup ``wg`` takes every other unit of this cluster's sequence
+        (units wg, wg + 2, ...) and skips its peer's stages in the A/B ring. Named barriers
+        order them: the tensor cores run the tiles in unit order (a warpgroup starts its
+        mainloop once the peer has issued its last WGMMAs) and the epilogues one at a time,
+        each after the peer's (which drained its TMA stores' smem reads: the store ring is
+        shared), so one warpgroup's epilogue overlaps the other's mainloop."""
+        offs, _, k_dim, _, _, cluster_coord, _ = sched
         mma_turn, mma_peer = self._turn_barriers(2, wg)
         epi_turn, epi_peer = self._turn_barriers(4, wg)
         if wg == 0:  # the first turns are warpgroup 0's
@@ -259,16 +248,12 @@ class MainloopMixin:
             epi_turn.arrive()
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        stride = cute.arch.grid_dim()[2]
-        unit = cute.arch.block_idx()[2]
-        st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
+        cursor = self._first_cursor(sched)
         if wg == 1:
-            read, release, st = self._skip_unit(sched, unit, st, read, release)
-            unit = unit + stride
+            read, release, cursor = self._skip_unit(sched, cursor, read, release)
         epi_count = Int32(0)
-        valid, group, m_unit, n_unit, row0, rows, st = self._work(
-            offs, num_rows, n_tiles, m_units_k, unit, st
-        )
+        work, cursor = self._next_work(sched, cursor)
+        valid, group, m_unit, n_unit, row0, rows = work
         while valid:
             m_tile = m_unit * self.cluster_m + cluster_coord[0]
             n_tile = n_unit * self.cluster_n + cluster_coord[1]
@@ -283,11 +268,9 @@ class MainloopMixin:
             if ep.warp == self.epi_store_warp:  # the peer's epilogue reuses the store ring
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             epi_peer.arrive()
-            read, release, st = self._skip_unit(sched, unit + stride, st, read, release)
-            unit = unit + 2 * stride
-            valid, group, m_unit, n_unit, row0, rows, st = self._work(
-                offs, num_rows, n_tiles, m_units_k, unit, st
-            )
+            read, release, cursor = self._skip_unit(sched, cursor, read, release)
+            work, cursor = self._next_work(sched, cursor)
+            valid, group, m_unit, n_unit, row0, rows = work
 
     def _turn_barriers(self, first_id: int, wg):
         """(own, peer) 256-thread named barriers of a ping-pong turn, ids ``first_id`` + wg:
@@ -298,13 +281,14 @@ class MainloopMixin:
         return own, peer
 
     @cute.jit
-    def _skip_unit(self, sched, unit, st, read, release):
-        """Advance the A/B read and release states past the stages of the peer's ``unit``."""
-        offs, num_rows, k_dim, n_tiles, m_units_k, _ = sched
-        valid, group, _, _, _, rows, st = self._work(offs, num_rows, n_tiles, m_units_k, unit, st)
+    def _skip_unit(self, sched, cursor, read, release):
+        """Advance the A/B read and release states past the stages of the cursor's next unit
+        (the peer's); returns them and the cursor after it."""
+        work, cursor = self._next_work(sched, cursor)
+        valid, group, _, _, _, rows = work
         skip = Int32(0)
         if valid:
-            skip = self._k_tiles(group, rows, offs, k_dim)
+            skip = self._k_tiles(group, rows, sched.offs, sched.k_dim)
         read.advance(skip)
         release.advance(skip)
-        return read, release, st
+        return read, release, cursor

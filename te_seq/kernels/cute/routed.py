@@ -86,7 +86,7 @@ class RoutedMixin:
     def _producer_gather(self, mA, route, tma_b, mB, sA, sB, ab_pipe, sched, tidx):
         """The producer warpgroup with gathered A: every thread cp.asyncs its A chunks, warp
         ``load_warp`` also TMA-loads B and expects its bytes on the stage's full barrier."""
-        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord = sched
+        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord, _ = sched
         tm, tn, tk = self.tile_mnk
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         b_mask = None
