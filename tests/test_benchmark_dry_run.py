@@ -482,6 +482,9 @@ def test_gemm_benchmark_tilings_include_the_default_choice():
 
     from te_seq.kernels.cute import Tiling
 
-    got = bench_grouped_gemm.parse_tilings("default,256:1x2,128:2x1p")
+    got = bench_grouped_gemm.parse_tilings("default,256:1x2,128:2x1p,192:2x1pd,256:1x2d")
     assert got == {"default": None, "256:1x2": Tiling(256, (1, 2), False),
-                   "128:2x1p": Tiling(128, (2, 1), True)}
+                   "128:2x1p": Tiling(128, (2, 1), True),
+                   # "d": dynamic work units (the wgrads only; run_shape skips it elsewhere)
+                   "192:2x1pd": Tiling(192, (2, 1), True, dynamic=True),
+                   "256:1x2d": Tiling(256, (1, 2), False, dynamic=True)}

@@ -12,13 +12,14 @@ Two problems share one kernel class, chosen by ``varlen``:
   x [M, K_in]), C seen as (N_out, K_in, E).
 
 Work is cut into cluster units (``cluster_m`` m-tiles × ``cluster_n`` n-tiles of one group) that
-persistent clusters walk with a fixed stride, m fastest within a group. For ``"m"`` a unit's group
-is found from the device prefix sums by a warp-cooperative scan that only moves forward (each warp
-caches the group it is in), so the grid depends on M and E alone and the host never reads split
-sizes. The CTAs of a 1×2 cluster take neighbouring n-tiles of one m-tile and share A by TMA
-multicast (2×1: neighbouring m-tiles share B). 1×2 keeps 128-row granularity on small groups:
-on one H200 (2026-11-22) it beat 2×1 by 5–20% on the varlen-M shapes
-# A/B/Q/Z of benchmarks/README.md.
+persistent clusters walk with a fixed stride, m fastest within a group, or (``dynamic_units``,
+varlen ``"k"``) take as they free up, the longest groups' first (``tile_scheduler.py``). For
+``"m"`` a unit's group is found from the device prefix sums by a warp-cooperative scan that only
+moves forward (each warp caches the group it is in), so the grid depends on M and E alone and the
+host never reads split sizes. The CTAs of a 1×2 cluster take neighbouring n-tiles of one m-tile
+and share A by TMA multicast (2×1: neighbouring m-tiles share B). 1×2 keeps 128-row granularity
+on small groups: on one H200 (2026-11-22) it beat 2×1 by 5–20% on the varlen-M shapes A/B/Q/Z
+of benchmarks/README.md.
 
 Bounds are enforced by TMA itself through "ragged" views (``ragged._ragged_view``): the store of
 a varlen-M tile drops rows past its group, and the loads of a varlen-K tile zero-fill rows past
