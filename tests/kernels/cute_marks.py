@@ -79,3 +79,46 @@ def poison(*shapes_dtypes) -> None:
     """Fill the caching allocator's next blocks of these sizes with NaN (outputs: torch.empty)."""
     held = [torch.full(s, float("nan"), dtype=d, device="cuda") for s, d in shapes_dtypes]
     del held
+
+
+def check_wgrad(out, same_sums, grad_out, x, offs, sizes, start=None) -> None:
+    """A varlen-K result ``out`` [E, N, K]: bit for bit ``same_sums`` (another schedule or
+    consumer mode of the same tiles: the same sums in the same order), empty experts' blocks
+    zero (without ``start``), and the float64 reference (plus ``start``, an accumulate's old
+    values) within bf16 / fp32 rounding."""
+    from te_seq.kernels import reference
+
+    torch.testing.assert_close(out, same_sums, rtol=0, atol=0)
+    ref = reference.grouped_wgrad(grad_out.double(), x.double(), offs)
+    if start is None:
+        empty = [g for g, s in enumerate(sizes) if s == 0]
+        assert (out[empty] == 0).all(), "an empty expert's gradient must be written as zeros"
+    else:
+        ref = ref + start.double()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-2 if out.dtype == torch.bfloat16 else 2e-3)
+
+
+def check_wgrad_graph_replays(tiling, extra_splits: tuple = ()) -> None:
+    """``cute.grouped_wgrad`` at ``tiling`` captured in a CUDA graph (after one eager call
+    with the same offs) and replayed with new split sizes written into offs: every replay
+    right, empty and single-expert splits included."""
+    from te_seq.kernels import cute, reference
+
+    m, n, k = 3000, 256, 384
+    grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    offs = offsets([750, 750, 750, 750])
+    out = torch.empty(4, n, k, device="cuda", dtype=torch.bfloat16)
+    cute.grouped_wgrad(grad_out, x, offs, out=out, tiling=tiling)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cute.grouped_wgrad(grad_out, x, offs, out=out, tiling=tiling)
+    for sizes in ([2900, 0, 100, 0], [0, 0, 0, 3000], [3, 1500, 1000, 497], *extra_splits):
+        offs.copy_(offsets(sizes))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.grouped_wgrad(grad_out.double(), x.double(), offs)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
