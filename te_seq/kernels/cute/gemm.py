@@ -248,7 +248,8 @@ def grouped_wgrad(
     plan = _WGRAD_PLANS.get(signature) or _WGRAD_PLANS.put(
         signature, _wgrad_plan(x, n, k, groups, out.dtype, accumulate, tiling)
     )
-    # the dynamic schedule's order and counter (one small launch), else the unused placeholder
+    # the dynamic schedule's order and counter (a row of one launch per offs: unit_order.py),
+    # else the unused placeholder
     sched = unit_order(offs) if plan.dynamic else no_route(x.device)
     plan.kernel(grad_out.t(), x.t(), out.permute(1, 2, 0), offs, plan.clusters, sched)
     return out
