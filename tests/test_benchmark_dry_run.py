@@ -488,3 +488,19 @@ def test_gemm_benchmark_tilings_include_the_default_choice():
                    # "d": dynamic work units (the wgrads only; run_shape skips it elsewhere)
                    "192:2x1pd": Tiling(192, (2, 1), True, dynamic=True),
                    "256:1x2d": Tiling(256, (1, 2), False, dynamic=True)}
+
+
+def test_schedule_model_shows_static_units_unbalanced_only_under_skew():
+    """benchmarks/schedule_model.py (the kernel README's case for dynamic wgrad units): on Z's
+    Zipf split the FC2 wgrad's 32 units per expert leave a static stride ~1.3x its balanced
+    time and longest-first dynamic units balanced; 66 units per expert (one per cluster) and
+    uniform Q are balanced either way."""
+    import schedule_model
+    from mlp_case import SHAPES, _uniform_counts, zipf_counts
+
+    z, q = SHAPES["Z"], SHAPES["Q"]
+    skewed = schedule_model.spans(zipf_counts(z.E, z.M, 0), 32, 66)
+    assert skewed["static"] > 1.2 and skewed["dynamic, longest first"] < 1.01
+    assert schedule_model.spans(zipf_counts(z.E, z.M, 0), 66, 66)["static"] < 1.01
+    uniform = schedule_model.spans(_uniform_counts(q.E, q.M), 66, 66)
+    assert all(v < 1.01 for v in uniform.values())
