@@ -45,6 +45,7 @@ _LOCAL = {
     "bench_fp8_gemm",  # tests/test_bench_fp8_gemm.py
     "bench_grouped_mlp",  # its env variant: tests/test_benchmark_dry_run.py
     "bench_grouped_gemm",  # its QuACK GEMMs: tests/test_benchmark_dry_run.py
+    "schedule_model",  # the wgrad unit schedules: tests/test_benchmark_dry_run.py
     "profile_launch",  # its stub kernels serve tests/kernels/test_cute_launch_plan.py
 }
 
