@@ -549,8 +549,8 @@ def run_shape(name: str, args: argparse.Namespace, peak: float) -> tuple[list[Re
     s = case.shape
     info = {**s.__dict__, "sizes": case.sizes, "empty_experts": case.sizes.count(0)}
     print(
-        f"[{name}] E={s.E} H={s.H} F={s.F} M={s.M} skewed={s.skewed} act={case.act} "
-        f"empty={info['empty_experts']} max={max(case.sizes)}",
+        f"[{name}] E={s.E} H={s.H} F={s.F} M={s.M} skewed={s.skewed} jittered={s.jittered} "
+        f"act={case.act} empty={info['empty_experts']} max={max(case.sizes)}",
         flush=True,
     )
     ref = tuple(t.to(case.x.dtype) for t in reference_outputs(case))

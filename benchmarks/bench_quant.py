@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for te_seq
 
 from _common import time_interleaved  # noqa: E402
-from mlp_case import SHAPES, Shape, zipf_counts  # noqa: E402
+from mlp_case import SHAPES, Shape, split_counts  # noqa: E402
 
 BURST = 10
 FP8 = torch.float8_e4m3fn
@@ -103,10 +103,7 @@ def measure(name: str, s: Shape, args, device: torch.device) -> list[dict]:
     was skipped)."""
     from te_seq.kernels import cute, fp8_wgrad
 
-    sizes = [s.M // s.E] * s.E
-    sizes[-1] += s.M - sum(sizes)
-    if s.skewed:
-        sizes = zipf_counts(s.E, s.M)
+    sizes = split_counts(s)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
     width = fp8_wgrad.padded_width(s.M, s.E)
     records = []

@@ -24,6 +24,7 @@ class Shape:
     F: int
     M: int
     skewed: bool = False  # Zipf-like counts, some empty experts, sizes not multiples of 8
+    jittered: bool = False  # near-uniform counts, each 0.9-1.1x the mean (`jittered_counts`)
 
 
 SHAPES = {
@@ -31,6 +32,7 @@ SHAPES = {
     "B": Shape(E=128, H=4096, F=1024, M=65536),
     "Q": Shape(E=128, H=2048, F=768, M=32768),
     "Z": Shape(E=128, H=2048, F=768, M=32768, skewed=True),
+    "J": Shape(E=128, H=2048, F=768, M=32768, jittered=True),  # Q as a router balances it
     # tiny shapes for --dry-run and GPU smoke runs
     "T": Shape(E=6, H=64, F=40, M=203, skewed=True),
     "U": Shape(E=4, H=32, F=24, M=128),
@@ -54,6 +56,28 @@ def zipf_counts(num_experts: int, num_rows: int, seed: int = 0, s: float = 1.1) 
         counts[big] -= 1
         counts[other] += 1
     return counts
+
+
+def jittered_counts(num_experts: int, num_rows: int, seed: int = 0) -> list[int]:
+    """Near-uniform split sizes summing to M, each 0.9-1.1x the mean (a balanced router's
+    counts are never all equal): the rounding remainder goes one row each to the experts
+    whose shares lost the most to rounding down."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.rand(num_experts, generator=gen, dtype=torch.float64) * 0.2 + 0.9
+    share = weight / weight.sum() * num_rows
+    counts = share.floor().long()
+    left = num_rows - int(counts.sum())
+    counts[torch.argsort(share - counts, descending=True)[:left]] += 1
+    return counts.tolist()
+
+
+def split_counts(shape: Shape, seed: int = 0) -> list[int]:
+    """The shape's split sizes: Zipf-like, jittered or exactly uniform."""
+    if shape.skewed:
+        return zipf_counts(shape.E, shape.M, seed)
+    if shape.jittered:
+        return jittered_counts(shape.E, shape.M, seed)
+    return _uniform_counts(shape.E, shape.M)
 
 
 def _uniform_counts(num_experts: int, num_rows: int) -> list[int]:
@@ -86,7 +110,7 @@ def make_case(
     name: str, device: torch.device, dtype: torch.dtype, act: str = "scaled_swiglu", seed: int = 0
 ) -> Case:
     s = SHAPES[name]
-    sizes = zipf_counts(s.E, s.M, seed) if s.skewed else _uniform_counts(s.E, s.M)
+    sizes = split_counts(s, seed)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape: int, scale: float = 1.0) -> Tensor:

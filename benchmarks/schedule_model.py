@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import heapq
 
-from mlp_case import SHAPES, _uniform_counts, zipf_counts
+from mlp_case import SHAPES, split_counts
 
 K_TILE = 64  # a 16-bit k-tile of the wgrads: 64 token rows
 
@@ -67,7 +67,7 @@ def main() -> None:
     args = p.parse_args()
     s = SHAPES[args.shape]
     for seed in range(args.seeds):
-        sizes = zipf_counts(s.E, s.M, seed) if s.skewed else _uniform_counts(s.E, s.M)
+        sizes = split_counts(s, seed)
         for per_expert in (int(u) for u in args.units_per_expert.split(",")):
             got = spans(sizes, per_expert, args.clusters)
             cols = "  ".join(f"{k} {v:.2f}" for k, v in got.items())

@@ -504,3 +504,18 @@ def test_schedule_model_shows_static_units_unbalanced_only_under_skew():
     assert schedule_model.spans(zipf_counts(z.E, z.M, 0), 66, 66)["static"] < 1.01
     uniform = schedule_model.spans(_uniform_counts(q.E, q.M), 66, 66)
     assert all(v < 1.01 for v in uniform.values())
+
+
+def test_jittered_shape_splits_near_uniform():
+    """Shape J (Q's widths as a balanced router splits them): every expert 0.9-1.1x the mean
+    (±1 row of rounding), not all equal, summing to M; deterministic per seed."""
+    from mlp_case import SHAPES, split_counts
+
+    j = SHAPES["J"]
+    counts = split_counts(j)
+    mean = j.M / j.E
+    assert sum(counts) == j.M and len(counts) == j.E
+    assert all(0.9 * mean - 1 <= c <= 1.1 * mean + 1 for c in counts)
+    assert len(set(counts)) > j.E // 4
+    assert counts == split_counts(j) != split_counts(j, seed=1)
+    assert split_counts(SHAPES["Q"]) == [j.M // j.E] * j.E

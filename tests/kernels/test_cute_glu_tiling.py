@@ -65,3 +65,14 @@ def test_glu_fc1_width_from_the_environment(tiling_env):
     tiling_env("TE_SEQ_GLU_FC1_TILE_N", "256")
     with pytest.raises(ValueError, match=r"TE_SEQ_GLU_FC1_TILE_N must be one of \['128', '192'\]"):
         _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True)
+
+
+def test_varlen_m_cluster_from_the_environment(tiling_env):
+    """TE_SEQ_MM_CLUSTER moves the ping-pong FC1's cluster (and only ping-pong tilings')."""
+    tiling_env("TE_SEQ_MM_CLUSTER", "2x1")
+    assert _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True) == Tiling(
+        PINGPONG_FC1_TILE_N, (2, 1), pingpong=True)
+    assert _glu_tiling("dgrad", 768, False, None, 2048, plain_fc1=True) == Tiling(192, (1, 2))
+    tiling_env("TE_SEQ_MM_CLUSTER", "2x2")
+    with pytest.raises(ValueError, match=r"TE_SEQ_MM_CLUSTER must be one of \['1x2', '2x1'\]"):
+        _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True)

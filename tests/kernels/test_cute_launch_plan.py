@@ -214,8 +214,22 @@ def test_wgrad_cluster_and_max_k_follow_the_environment(tiling_env):
     assert (default.cluster_mn, wide.cluster_mn) == ((2, 1), (1, 2))
 
 
+def test_varlen_m_cluster_follows_the_environment(tiling_env):
+    """TE_SEQ_MM_CLUSTER picks the ping-pong varlen-M GEMM's cluster, and its tile width is
+    fitted to that cluster's units (N = 2048: 128 wide in 1x2, 192 in 2x1)."""
+    a, w1 = torch.randn(M, H).to(BF16), torch.randn(E, 2048, H).to(BF16)
+    mm = lambda: cute.grouped_mm(a, w1.transpose(1, 2), _offs())  # noqa: E731, K = H
+    with stubbed_kernels() as stubs:
+        default = _launch_of(stubs, mm)[0]
+        tiling_env("TE_SEQ_MM_CLUSTER", "2x1")
+        tall = _launch_of(stubs, mm)[0]
+    assert (default.cluster_mn, default.tile_n) == ((1, 2), 128)
+    assert (tall.cluster_mn, tall.tile_n, tall.pingpong) == ((2, 1), 192, True)
+
+
 @pytest.mark.parametrize(("name", "value", "match"), [
     ("TE_SEQ_WGRAD_CLUSTER", "2x2", r"TE_SEQ_WGRAD_CLUSTER must be one of \['1x2', '2x1'\]"),
+    ("TE_SEQ_MM_CLUSTER", "1x1", r"TE_SEQ_MM_CLUSTER must be one of \['1x2', '2x1'\]"),
     ("TE_SEQ_PINGPONG_MAX_K", "big", "TE_SEQ_PINGPONG_MAX_K must be an integer, got 'big'"),
     ("TE_SEQ_PINGPONG_TILE_N", "256",
      r"TE_SEQ_PINGPONG_TILE_N must be one of \['128', '192'\], got '256'"),

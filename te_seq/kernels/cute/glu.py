@@ -30,6 +30,7 @@ from .launch import (
     bias_problem,
     gathered_rows,
     glu_fc1_pingpong_tile_n,
+    mm_pingpong_cluster,
     no_route,
     pingpong_by_default,
     pingpong_max_k,
@@ -158,7 +159,7 @@ def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int =
         width = glu_fc1_pingpong_tile_n(PINGPONG_FC1_TILE_N)
         if (n // 2) % (width // 2):  # F not whole tiles of width / 2 gate columns
             width = PINGPONG_FC1_TILE_N
-        return Tiling(width, _CLUSTER, pingpong=True)
+        return Tiling(width, mm_pingpong_cluster(), pingpong=True)
     cluster = GATHER_CLUSTER if gather else _CLUSTER
     return Tiling(_FC1_TILE_N if mode == "fc1" else tile_n_for(n, cluster[1]), cluster)
 

@@ -108,10 +108,13 @@ PINGPONG_MAX_K = 4096
 #   TE_SEQ_WGRAD_SCHEDULE=S    how the 16-bit wgrads hand out their work units: "dynamic"
 #                              (longest group first, as clusters free up) or "static" (a
 #                              fixed stride); default WGRAD_SCHEDULE
+#   TE_SEQ_MM_CLUSTER=MxN      the cluster of the ping-pong varlen-M GEMMs, plain and GLU FC1,
+#                              1x2 or 2x1 (default: MM_TILING's 1x2)
 # They exist to compare tilings inside one process (bench_grouped_mlp.py --env-variant). Read
 # once, not per call: four environment lookups cost ~3 µs of host time per launch.
 TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER",
-              "TE_SEQ_PINGPONG_TILE_N", "TE_SEQ_GLU_FC1_TILE_N", "TE_SEQ_WGRAD_SCHEDULE")
+              "TE_SEQ_PINGPONG_TILE_N", "TE_SEQ_GLU_FC1_TILE_N", "TE_SEQ_WGRAD_SCHEDULE",
+              "TE_SEQ_MM_CLUSTER")
 _SETTINGS: list = [(), {}]  # [the values in TILING_ENV order, {name: value}]
 
 
@@ -173,7 +176,7 @@ def pingpong_tile_n(n: int, cluster_n: int = 2) -> int:
 # 8.528 vs 8.521; A (4096) 57.025 vs 55.464. (Alone, on random data: Q 496 vs 468 TFLOP/s, Z
 # 465 vs 389, B 608 vs 632, measured/h200_2026-11-25g_gemm_tilings.txt.)
 WGRAD_2X1_MAX_ROWS_PER_GROUP = 512
-_WGRAD_CLUSTERS = {"1x2": (1, 2), "2x1": (2, 1)}
+_CLUSTERS = {"1x2": (1, 2), "2x1": (2, 1)}
 
 
 def glu_fc1_pingpong_tile_n(default: int) -> int:
@@ -202,19 +205,28 @@ def pingpong_max_k() -> int:
 def wgrad_pingpong_cluster(rows_per_group: float) -> tuple[int, int]:
     """The ping-pong wgrads' cluster: ``TE_SEQ_WGRAD_CLUSTER``, else 2x1 for groups of up to
     ``WGRAD_2X1_MAX_ROWS_PER_GROUP`` rows on average, 1x2 for longer ones."""
-    chosen = _chosen("TE_SEQ_WGRAD_CLUSTER", _WGRAD_CLUSTERS)
+    chosen = _chosen("TE_SEQ_WGRAD_CLUSTER", _CLUSTERS)
     if chosen is not None:
         return chosen
     return (2, 1) if rows_per_group <= WGRAD_2X1_MAX_ROWS_PER_GROUP else (1, 2)
 
 
+def mm_pingpong_cluster() -> tuple[int, int]:
+    """The ping-pong varlen-M GEMMs' cluster (plain and GLU FC1): ``TE_SEQ_MM_CLUSTER``, else
+    ``MM_TILING``'s 1x2. A 2x1 cluster multicasts B to two m-tiles of one group, which only
+    pays where the groups are whole multiples of 256 rows (kernel README, section 11)."""
+    return _chosen("TE_SEQ_MM_CLUSTER", _CLUSTERS) or MM_TILING.cluster_mn
+
+
 def plain_mm_tiling(n: int, k: int) -> Tiling:
     """The default tiling of the plain varlen-M grouped GEMM (no bias, no routed rows) of N =
     ``n`` columns and K = ``k``: with ``pingpong_by_default()``, ping-pong for short mainloops
-    (K <= ``pingpong_max_k()``); else cooperative ``MM_TILING`` fitted to ``n``."""
+    (K <= ``pingpong_max_k()``) in ``mm_pingpong_cluster()``; else cooperative ``MM_TILING``
+    fitted to ``n``."""
     if not pingpong_by_default() or k > pingpong_max_k():
         return default_tiling(n, MM_TILING)
-    return Tiling(pingpong_tile_n(n, MM_TILING.cluster_mn[1]), MM_TILING.cluster_mn, True)
+    cluster = mm_pingpong_cluster()
+    return Tiling(pingpong_tile_n(n, cluster[1]), cluster, True)
 
 
 # Measured on one H100 (2026-11-25, bench_grouped_gemm.py, bursts of 10 calls,
