@@ -53,6 +53,11 @@ def _configs() -> dict[str, object]:
         "mm128_nmajor": GemmConfig("m", bf16, bf16, "n", 128, (1, 2)),
         "mm256_fp16_2x1": GemmConfig("m", fp16, fp16, "k", 256, (2, 1)),
         "mm192_pingpong": GemmConfig("m", bf16, bf16, "k", 192, (1, 2), pingpong=True),
+        # an expert's last tile with <= 64 rows runs one 64-row atom (mainloop.py)
+        "mm128_pp_half": GemmConfig("m", bf16, bf16, "k", 128, (1, 2), pingpong=True,
+                                    half_tiles=True),
+        "mm192_pp_half": GemmConfig("m", bf16, bf16, "n", 192, (1, 2), pingpong=True,
+                                    half_tiles=True),
         "wgrad_bf16": GemmConfig("k", bf16, bf16, "n", 256, (1, 2)),
         "wgrad_fp32_acc": GemmConfig("k", bf16, fp32, "n", 256, (1, 2), accumulate=True),
         "wgrad_fp32_acc192": GemmConfig("k", bf16, fp32, "n", 192, (1, 2), accumulate=True),
@@ -80,6 +85,8 @@ def _configs() -> dict[str, object]:
         "glu_dgrad_silu192_pp": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=192,
                                           pingpong=True),
         # ... with (64 x 32) epilogue subtiles: half the registers per subtile
+        "glu_fc1_silu_probs_pp_half": GluConfig("fc1", bf16, "k", "silu", None, fp32,
+                                                tile_n=128, pingpong=True, half_tiles=True),
         "glu_fc1_silu_probs_pp64": GluConfig("fc1", bf16, "k", "silu", None, fp32, tile_n=128,
                                              pingpong=True, epi_rows=64),
         "glu_fc1_silu_probs_pp192": GluConfig("fc1", bf16, "k", "silu", None, fp32, tile_n=192,

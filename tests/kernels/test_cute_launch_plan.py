@@ -227,9 +227,30 @@ def test_varlen_m_cluster_follows_the_environment(tiling_env):
     assert (tall.cluster_mn, tall.tile_n, tall.pingpong) == ((2, 1), 192, True)
 
 
+def test_half_tiles_follow_the_environment(tiling_env):
+    """TE_SEQ_HALF_TILES=1 compiles the ping-pong varlen-M GEMM with half tiles (an expert's
+    last tile with <= 64 rows runs one 64-row atom); the default and cooperative tilings keep
+    full tiles, as do the wgrads."""
+    a, w1 = torch.randn(M, H).to(BF16), torch.randn(E, 2048, H).to(BF16)
+    dy = torch.randn(M, H).to(BF16)
+    mm = lambda t=None: cute.grouped_mm(a, w1.transpose(1, 2), _offs(), tiling=t)  # noqa: E731
+    wgrad = lambda: cute.grouped_wgrad(dy, a, _offs())  # noqa: E731
+    with stubbed_kernels() as stubs:
+        default = _launch_of(stubs, mm)[0]
+        tiling_env("TE_SEQ_HALF_TILES", "1")
+        half = _launch_of(stubs, mm)[0]
+        coop = _launch_of(stubs, lambda: mm(Tiling(256, (1, 2))))[0]
+        wg = _launch_of(stubs, wgrad)[0]
+    assert default.pingpong and not default.half_tiles
+    assert half.pingpong and half.half_tiles
+    assert not coop.pingpong and not coop.half_tiles
+    assert wg.pingpong and not wg.half_tiles
+
+
 @pytest.mark.parametrize(("name", "value", "match"), [
     ("TE_SEQ_WGRAD_CLUSTER", "2x2", r"TE_SEQ_WGRAD_CLUSTER must be one of \['1x2', '2x1'\]"),
     ("TE_SEQ_MM_CLUSTER", "1x1", r"TE_SEQ_MM_CLUSTER must be one of \['1x2', '2x1'\]"),
+    ("TE_SEQ_HALF_TILES", "yes", r"TE_SEQ_HALF_TILES must be one of \['0', '1'\]"),
     ("TE_SEQ_PINGPONG_MAX_K", "big", "TE_SEQ_PINGPONG_MAX_K must be an integer, got 'big'"),
     ("TE_SEQ_PINGPONG_TILE_N", "256",
      r"TE_SEQ_PINGPONG_TILE_N must be one of \['128', '192'\], got '256'"),

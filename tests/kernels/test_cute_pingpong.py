@@ -32,6 +32,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
         GemmConfig("m", bf16, bf16, "k", 192, (1, 2), pingpong=True),
         GemmConfig("m", bf16, bf16, "n", 128, (2, 1), pingpong=True),
         GemmConfig("m", fp16, fp16, "k", 192, (1, 1), pingpong=True),
+        # half tiles: a tile with <= 64 rows of its group runs one 64-row atom
+        GemmConfig("m", bf16, bf16, "k", 128, (1, 2), pingpong=True, half_tiles=True),
+        GemmConfig("m", bf16, bf16, "n", 192, (2, 1), pingpong=True, half_tiles=True),
     ]
     for cfg in configs:
         print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
@@ -51,6 +54,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
                   epi_rows=64),
         GluConfig("dgrad", bf16, "n", "gelu", 64, bf16, (2, 1), tile_n=128, pingpong=True,
                   epi_rows=64),
+        GluConfig("fc1", bf16, "k", "silu", None, fp32, (1, 2), tile_n=128, pingpong=True,
+                  half_tiles=True),
     ]
     for cfg in glu:
         print(cfg, f"{compile_glu(cfg).compile_s:.1f}s", flush=True)
@@ -79,6 +84,15 @@ def test_kernel_rejects_pingpong_it_cannot_run(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         GroupedGemmKernel(pingpong=True, **kwargs)
+
+
+@needs_dsl
+@pytest.mark.parametrize("kwargs", [{"varlen": "k", "pingpong": True}, {"varlen": "m"}])
+def test_kernel_rejects_half_tiles_outside_pingpong_varlen_m(kwargs):
+    from te_seq.kernels.cute.grouped_gemm import GroupedGemmKernel
+
+    with pytest.raises(ValueError, match="half tiles are for varlen 'm' in ping-pong"):
+        GroupedGemmKernel(tile_mn=(128, 128), half_tiles=True, **kwargs)
 
 
 @needs_dsl
@@ -184,6 +198,25 @@ def test_pingpong_equals_cooperative_and_reference(case, tiling):
 
 @gpu
 @needs_cute
+@pytest.mark.parametrize("tiling", [(128, (1, 2)), (192, (2, 1))], ids=str)
+def test_half_tiles_equal_full_tiles(tiling_env, tiling):
+    """With TE_SEQ_HALF_TILES=1 every expert's last tile of <= 64 rows (1, 3, 7, 5, 64 rows
+    here; 129 and 257 leave one) runs one 64-row atom: the outputs equal the cooperative
+    kernel's bit for bit, rows past offs[-1] stay zero."""
+    sizes, k, n = [1, 3, 129, 0, 257, 7, 64, 65, 5, 300], 512, 256
+    torch.manual_seed(11)
+    a = torch.randn(sum(sizes) + 9, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), n, k, device="cuda", dtype=torch.bfloat16)
+    offs = _offs(sizes)
+    full = _run(a, w.transpose(1, 2), offs, tiling, pingpong=False)
+    tiling_env("TE_SEQ_HALF_TILES", "1")
+    half = _run(a, w.transpose(1, 2), offs, tiling, pingpong=True)
+    torch.testing.assert_close(half, full, rtol=0, atol=0)
+    assert (half[sum(sizes):] == 0).all()
+
+
+@gpu
+@needs_cute
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_pingpong_n_major_b_and_fp16(dtype):
     sizes, k, n = [0, 513, 129, 0, 1000, 1], 256, 392
@@ -284,6 +317,17 @@ _FC1_PP = [(c, k, 128) for c in _GLU_CASES for k in _GLU_CONFIGS] + [
 def test_glu_fc1_pingpong_equals_cooperative(case, config, width, epi_rows):
     _fc1_matches_cooperative(case, config, Tiling(width, config[3], pingpong=True,
                                                   epi_rows=epi_rows))
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("config", _GLU_CONFIGS[:2], ids=str)
+@pytest.mark.parametrize("case", _GLU_CASES[1:], ids=[c[0] for c in _GLU_CASES[1:]])
+def test_glu_fc1_half_tiles_equal_cooperative(tiling_env, case, config):
+    """TE_SEQ_HALF_TILES=1: the ping-pong FC1's last tiles of <= 64 rows run one 64-row atom,
+    bit for bit the cooperative kernel (h, a; zeros past offs[-1])."""
+    tiling_env("TE_SEQ_HALF_TILES", "1")
+    _fc1_matches_cooperative(case, config, Tiling(128, config[3], pingpong=True))
 
 
 @gpu

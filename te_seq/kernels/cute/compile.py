@@ -66,6 +66,8 @@ class GemmConfig:
     a_dtype: torch.dtype | None = None  # A's dtype where it is not ab_dtype (E5M2 gradients)
     pingpong: bool = False  # ping-pong MMA warpgroups (the plain kernel, no accumulate)
     dynamic: bool = False  # units handed out longest group first (the plain varlen-K kernel)
+    # varlen M in ping-pong: a tile with <= 64 rows of its group runs one 64-row WGMMA atom
+    half_tiles: bool = False
     # the FP8 block-scaled kernel (``block_scaled``); out of the repr, so the other configs'
     # disk-cache keys stay as they were (its own kernels are cached under another name)
     block_scaled: bool = field(default=False, repr=False)
@@ -206,6 +208,7 @@ def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     kernel = GroupedGemmKernel(
         cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, accumulate=cfg.accumulate, route=cfg.route,
         pingpong=cfg.pingpong, trade_store_slot=True, dynamic_units=cfg.dynamic,
+        half_tiles=cfg.half_tiles,
     )
     return _compile("gemm", cfg, kernel, _fake_args(cfg))
 
@@ -280,6 +283,7 @@ class GluConfig:
     pingpong: bool = False  # one MMA warpgroup per tile (fc1: tile_n 128; dgrad: 128 or 192)
     h_prefetch: int = 1  # dgrad: h subtiles loaded ahead (2: two buffer pairs; cooperative)
     epi_rows: int = 128  # rows of an epilogue subtile (64: ping-pong only)
+    half_tiles: bool = False  # ping-pong: a tile with <= 64 rows runs one 64-row WGMMA atom
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", param_values(self.act, self.params))
@@ -336,6 +340,7 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.pingpong,
         cfg.h_prefetch,
         cfg.epi_rows,
+        cfg.half_tiles,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 

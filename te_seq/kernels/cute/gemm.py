@@ -25,6 +25,7 @@ from .launch import (
     b_view,
     bias_problem,
     default_tiling,
+    half_tiles,
     no_route,
     plain_mm_tiling,
     route_rows,
@@ -191,7 +192,7 @@ def _mm_plan(a: Tensor, b: Tensor, rows: int, tiling: Tiling | None, bias: Tenso
     cfg = GemmConfig(
         "m", a.dtype, a.dtype, b_major, t.tile_n, t.cluster_mn,
         bias_dtype=None if bias is None else bias.dtype, bias_scales=bias_scales,
-        route=what, pingpong=t.pingpong,
+        route=what, pingpong=t.pingpong, half_tiles=half_tiles(t),
     )
     sms = _num_sms(a.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)

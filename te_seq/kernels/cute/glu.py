@@ -30,6 +30,7 @@ from .launch import (
     bias_problem,
     gathered_rows,
     glu_fc1_pingpong_tile_n,
+    half_tiles,
     mm_pingpong_cluster,
     no_route,
     pingpong_by_default,
@@ -223,7 +224,7 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
         t.cluster_mn, tile_n=t.tile_n, params=params,
         bias_dtype=None if bias is None else bias.dtype,
         route=None if gather is None else "gather", scaled=scaled, pingpong=t.pingpong,
-        h_prefetch=h_prefetch, epi_rows=t.epi_rows,
+        h_prefetch=h_prefetch, epi_rows=t.epi_rows, half_tiles=half_tiles(t),
     )
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)

@@ -87,6 +87,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
         pingpong: bool = False,
         h_prefetch: int = 1,
         epi_rows: int = 128,
+        half_tiles: bool = False,
     ):
         if mode not in ("fc1", "dgrad"):
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
@@ -115,7 +116,9 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
                 f"pingpong {pingpong}"
             )
         self.h_prefetch, self.epi_rows = h_prefetch, epi_rows
-        super().__init__("m", (128, tile_n), cluster_mn, route=route, pingpong=pingpong)
+        super().__init__(
+            "m", (128, tile_n), cluster_mn, route=route, pingpong=pingpong, half_tiles=half_tiles
+        )
         self.mode, self.act, self.interleave, self.has_probs = mode, act, interleave, has_probs
         self.params = param_values(act, params)  # compile-time constants of the maths
         if has_bias and mode != "fc1":

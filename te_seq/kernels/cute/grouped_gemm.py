@@ -95,6 +95,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     # whether this kernel's epilogue runs with one warpgroup per tile (``pingpong``); epilogue
     # classes built for two warpgroups on one tile set it False
     pingpong_ready = True
+    half_tiles = False  # set per kernel by __init__ (subclasses that skip it keep full tiles)
 
     def __init__(
         self,
@@ -107,6 +108,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         pingpong: bool = False,
         trade_store_slot: bool = False,
         dynamic_units: bool = False,
+        half_tiles: bool = False,
     ):
         if varlen not in ("m", "k"):
             raise ValueError(f"GroupedGemmKernel: varlen must be 'm' or 'k', got {varlen!r}")
@@ -137,6 +139,13 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         self.pingpong = pingpong
         if pingpong:
             self._check_pingpong(tile_mn)
+        if half_tiles and not (pingpong and varlen == "m"):
+            raise ValueError(
+                f"GroupedGemmKernel: half tiles are for varlen 'm' in ping-pong, got varlen "
+                f"{varlen!r}, pingpong {pingpong}"
+            )
+        # an expert's last tile with <= 64 rows runs one 64-row WGMMA atom (_pingpong_mainloop)
+        self.half_tiles = half_tiles
         if store_stages is not None:
             self.epi_store_stages = store_stages
         self.trade_store_slot = trade_store_slot

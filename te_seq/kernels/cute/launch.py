@@ -110,11 +110,13 @@ PINGPONG_MAX_K = 4096
 #                              fixed stride); default WGRAD_SCHEDULE
 #   TE_SEQ_MM_CLUSTER=MxN      the cluster of the ping-pong varlen-M GEMMs, plain and GLU FC1,
 #                              1x2 or 2x1 (default: MM_TILING's 1x2)
+#   TE_SEQ_HALF_TILES=0|1      whether a ping-pong varlen-M tile with <= 64 rows of its group
+#                              runs one 64-row WGMMA atom (default HALF_TILES)
 # They exist to compare tilings inside one process (bench_grouped_mlp.py --env-variant). Read
 # once, not per call: four environment lookups cost ~3 µs of host time per launch.
 TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER",
               "TE_SEQ_PINGPONG_TILE_N", "TE_SEQ_GLU_FC1_TILE_N", "TE_SEQ_WGRAD_SCHEDULE",
-              "TE_SEQ_MM_CLUSTER")
+              "TE_SEQ_MM_CLUSTER", "TE_SEQ_HALF_TILES")
 _SETTINGS: list = [(), {}]  # [the values in TILING_ENV order, {name: value}]
 
 
@@ -216,6 +218,24 @@ def mm_pingpong_cluster() -> tuple[int, int]:
     ``MM_TILING``'s 1x2. A 2x1 cluster multicasts B to two m-tiles of one group, which only
     pays where the groups are whole multiples of 256 rows (kernel README, section 11)."""
     return _chosen("TE_SEQ_MM_CLUSTER", _CLUSTERS) or MM_TILING.cluster_mn
+
+
+# Half tiles: an expert's last tile with at most 64 of its rows runs its first 64-row WGMMA
+# atom only (ping-pong varlen M: the plain GEMM and the GLU FC1; mainloop._pingpong_mainloop).
+# Off by default: in the MLP on one H200 (2026-11-28, bench_grouped_mlp.py --env-variant,
+# measured/h200_2026-11-28f_mlp_half_tiles.txt) it ran Zipf-skewed Z's forward 4 % faster
+# (0.648 vs 0.677 ms) but near-uniform J's 5 % slower (0.703 vs 0.669 ms; each of J's
+# ~60 experts over 256 rows ends in a tile of 1-26 rows), fwd+bwd level on both; why J
+# loses is not established (kernel README, section 11).
+HALF_TILES = False
+_SWITCH = {"0": False, "1": True}
+
+
+def half_tiles(tiling: Tiling) -> bool:
+    """Whether a varlen-M launch at ``tiling`` runs half tiles: ping-pong tilings only, unless
+    ``TE_SEQ_HALF_TILES=0`` (default ``HALF_TILES``)."""
+    chosen = _chosen("TE_SEQ_HALF_TILES", _SWITCH)
+    return tiling.pingpong and (HALF_TILES if chosen is None else chosen)
 
 
 def plain_mm_tiling(n: int, k: int) -> Tiling:

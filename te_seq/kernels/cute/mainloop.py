@@ -116,19 +116,27 @@ class MainloopMixin:
 
     @cute.jit
     def _mainloop(
-        self, tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles, issued=None
+        self, tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles, issued=None,
+        first_atom=False,
     ):
         """acc = Σ_k A_k B_kᵀ over ``k_tiles`` stages; one WGMMA batch kept in flight
         (``tiled_mma`` accumulates: acc is zeroed first). ``issued`` (ping-pong): the named
-        barrier to arrive on once the last WGMMAs are issued, before waiting for them."""
+        barrier to arrive on once the last WGMMAs are issued, before waiting for them.
+        ``first_atom`` (ping-pong, trace-time): only the tile's first 64-row WGMMA atom runs;
+        the other accumulators stay zero (``_pingpong_mainloop``)."""
         acc.fill(0.0)
+        acc_top = _first_m(acc) if const_expr(first_atom) else None
         num_k_blocks = cute.size(tCrA, mode=[2])
         for k in range(k_tiles):
             ab_pipe.consumer_wait(read)
             cute.nvgpu.warpgroup.fence()
             for kb in cutlass.range_constexpr(num_k_blocks):
-                coord = (None, None, kb, read.index)
-                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                if const_expr(first_atom):
+                    a_top = _first_m(tCrA[None, None, kb, read.index])
+                    cute.gemm(tiled_mma, acc_top, a_top, tCrB[None, None, kb, read.index], acc_top)
+                else:
+                    coord = (None, None, kb, read.index)
+                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
             cute.nvgpu.warpgroup.commit_group()
             read.advance()
             if k > 0:
@@ -259,8 +267,9 @@ class MainloopMixin:
             n_tile = n_unit * self.cluster_n + cluster_coord[1]
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
             mma_turn.arrive_and_wait()
-            read, release = self._mainloop(
-                ep.tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles, mma_peer
+            read, release = self._pingpong_mainloop(
+                ep, acc, (tCrA, tCrB), ab_pipe, (read, release), k_tiles, mma_peer,
+                rows - m_tile * self.tile_mnk[0],
             )
             epi_turn.arrive_and_wait()
             num_epi = self._store_tile(ep, acc, group, m_tile, n_tile, row0, rows, epi_count)
@@ -271,6 +280,30 @@ class MainloopMixin:
             read, release, cursor = self._skip_unit(sched, cursor, read, release)
             work, cursor = self._next_work(sched, cursor)
             valid, group, m_unit, n_unit, row0, rows = work
+
+    @cute.jit
+    def _pingpong_mainloop(self, ep, acc, frags, ab_pipe, states, k_tiles, issued, tile_rows):
+        """One ping-pong tile's mainloop. With ``half_tiles`` (varlen M) a tile whose group
+        rows end within its first 64 (``tile_rows`` <= 64: an expert's last, partial tile)
+        runs only its first 64-row WGMMA atom, half the MMA work; the other 64 rows keep zero
+        accumulators, rows past the group that the ragged stores drop."""
+        tCrA, tCrB = frags
+        read, release = states
+        if const_expr(self.half_tiles):
+            if tile_rows <= self.tile_mnk[0] // 2:
+                read, release = self._mainloop(
+                    ep.tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles, issued,
+                    first_atom=True,
+                )
+            else:
+                read, release = self._mainloop(
+                    ep.tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles, issued
+                )
+        else:
+            read, release = self._mainloop(
+                ep.tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles, issued
+            )
+        return read, release
 
     def _turn_barriers(self, first_id: int, wg):
         """(own, peer) 256-thread named barriers of a ping-pong turn, ids ``first_id`` + wg:
@@ -292,3 +325,10 @@ class MainloopMixin:
         read.advance(skip)
         release.advance(skip)
         return read, release, cursor
+
+
+def _first_m(t):
+    """The first m-index of an MMA partition (V, MMA_M, ...) as a (V, 1, ...) view: the first
+    64-row WGMMA atom's operand or accumulators (a layout composition, no copy)."""
+    rest = [1] * (cute.rank(t) - 1)
+    return cute.composition(t, cute.make_layout((cute.shape(t, mode=[0]), *rest)))
