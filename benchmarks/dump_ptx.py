@@ -122,6 +122,12 @@ def _configs() -> dict[str, object]:
         # FP8 block scales promoted in the main loop (block_scaled.py, block_wgrad.py)
         "fp8_block": GemmConfig("m", torch.float8_e4m3fn, bf16, "k", 128, (1, 2),
                                 block_scaled=True),
+        "fp8_block_glu_fc1_silu_probs": GluConfig("fc1", torch.float8_e4m3fn, "k", "silu", None,
+                                                  fp32, tile_n=128, block_scaled=True),
+        "fp8_block_glu_fc1_gelu_il32": GluConfig("fc1", torch.float8_e4m3fn, "k", "gelu", 32,
+                                                 None, tile_n=128, block_scaled=True),
+        "fp8_block_glu_dgrad_silu_probs": GluConfig("dgrad", torch.float8_e4m3fn, "k", "silu",
+                                                    None, fp32, tile_n=128, block_scaled=True),
         "fp8_block_wgrad_fp32_acc": GemmConfig("k", torch.float8_e4m3fn, fp32, "k", 128,
                                                (1, 2), accumulate=True, block_wgrad=True),
         # FP8 quantization kernels (quant_kernels.py, span_kernels.py, block_span_kernels.py)

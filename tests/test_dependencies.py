@@ -40,6 +40,7 @@ _LOCAL = {
     "test_fp8_memory",  # its saved-bytes measure serves tests/test_fp8_hp_wgrad.py
     "aten_log",  # the aten-op recorder of the host-path tests
     "test_cute_quant",  # its span cast emulation serves tests/kernels/test_cute_row_amax.py
+    "test_cute_block_fp8",  # its block operands and emulation serve test_cute_block_glu.py
     # benchmarks/ (tests/test_benchmark_dry_run.py puts it on the path)
     "_common", "grad_modes", "mlp_case", "mlp_measure", "mlp_report", "peers", "peer_quack",
     "bench_fp8_gemm",  # tests/test_bench_fp8_gemm.py

@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_fp8 import bounds_of, emu_grouped
 from test_fp8_cute import fake_cute_gpu, recording_scaled_grouped_mm  # noqa: F401 (fixture)
-from test_fp8_glu_epilogue import fused_glu  # noqa: F401 (fixture)
+from test_fp8_glu_epilogue import FakeGlu, fused_glu  # noqa: F401 (fixture)
 from test_fp8_torch import rel_err
 
 import te_seq
@@ -85,12 +85,20 @@ def recording_block_scaled_grouped_wgrad(a, b, a_scale, b_scale, offs, out=None,
                                                          accumulate)
 
 
+# the block-scaled GLU steps: their GEMM by the block recorder, the GLU maths by the reference
+BLOCK_GLU = FakeGlu("fc1", recording_block_scaled_grouped_mm)
+BLOCK_GLU_DGRAD = FakeGlu("dgrad", recording_block_scaled_grouped_mm)
+
+
 @pytest.fixture
 def fake_block_gpu(fake_cute_gpu, monkeypatch):  # noqa: F811 (the imported fixture)
     recording_block_scaled_grouped_mm.calls = []
     recording_block_scaled_grouped_wgrad.calls = []
     monkeypatch.setattr(cute, "block_scaled_grouped_mm", recording_block_scaled_grouped_mm)
     monkeypatch.setattr(cute, "block_scaled_grouped_wgrad", recording_block_scaled_grouped_wgrad)
+    BLOCK_GLU.calls, BLOCK_GLU_DGRAD.calls = [], []
+    monkeypatch.setattr(cute, "block_scaled_glu_fc1_forward", BLOCK_GLU)
+    monkeypatch.setattr(cute, "block_scaled_glu_fc2_dgrad", BLOCK_GLU_DGRAD)
     return recording_block_scaled_grouped_mm.calls
 
 
@@ -155,12 +163,25 @@ def test_e5m2_gradients_decline_the_block_dgrad(monkeypatch):
     assert "E4M3" in note
 
 
-def test_glu_epilogues_decline_block_scaling(fake_block_gpu):
-    model = _run_mlp("cute")[0]  # gated, no FC1 bias: row-wise recipes fuse the activation
+def test_block_scaling_fuses_the_activation_into_both_epilogues(fake_block_gpu):
+    model = _run_mlp("cute")[0]  # gated, no FC1 bias
     step = model.fusion_plan().forward[0]
     assert step.name == "GroupedMLP" and step.backend == "cute"
-    assert "activation after the GEMMs (the FP8 GLU epilogue kernels take row-wise or " \
-           "per-tensor scales" in step.backend_reason, step.backend_reason
+    assert "activation fused into the FP8 FC1 and FC2-dgrad epilogues" in step.backend_reason, \
+        step.backend_reason
+    assert len(BLOCK_GLU.calls) == 1 and len(BLOCK_GLU_DGRAD.calls) == 1
+    dy, w2t, dy_scale, w2t_scale, _ = BLOCK_GLU_DGRAD.calls[0]  # dy [M, H], W2ᵀ [E, F, H]
+    assert dy.shape == (127, 128) and w2t.shape == (3, 256, 128)
+    assert dy_scale.shape == (127, 1) and w2t_scale.shape == (3, 2, 1)
+
+
+def test_block_glu_declines_with_the_reason(monkeypatch):
+    """F not a multiple of 128 (the gate and up halves' weight blocks) keeps the activation
+    after the GEMMs, and the reason names the kernel's check."""
+    monkeypatch.setattr(fp8_torch, "cuda_capability", lambda device: (9, 0))
+    spec = ops.ScaledSwiGLU().glu_spec
+    why = fp8_cute.block_glu_reason(spec, 256, 192, torch.device("cpu"))
+    assert why == "FC1: F=192 must be a multiple of 128 (whole weight blocks per half)"
 
 
 # --- the scale layouts against fp8_reference (float64) ------------------------------------------
@@ -322,8 +343,11 @@ def test_fused_mlp_runs_its_gemms_on_the_block_kernel(fake_block_gpu, fused_glu)
     assert step.name == "GroupedMLP" and step.backend == "cute"
     assert f"forward and dgrad GEMMs via {KERNEL}" in step.backend_reason
     assert f"wgrad via {WGRAD_KERNEL}" in step.backend_reason
-    assert "activation after the GEMMs" in step.backend_reason
-    assert fused_glu[0].calls == [] and fused_glu[1].calls == []  # no GLU epilogues
+    assert "activation fused into the FP8 FC1 and FC2-dgrad epilogues" in step.backend_reason
+    assert fused_glu[0].calls == [] and fused_glu[1].calls == []  # no row-wise GLU epilogues
+    a, b, a_scale, b_scale, _ = BLOCK_GLU.calls[0]  # FC1 through the block GLU
+    assert a.shape == (127, 128) and b.shape == (3, 512, 128)
+    assert a_scale.shape == (127, 1) and b_scale.shape == (3, 4, 1)
     assert recording_scaled_grouped_mm.calls == []
     # FC1 forward, FC2 forward, FC2 dgrad, FC1 dgrad
     shapes = [(tuple(c[0].shape), tuple(c[1].shape)) for c in fake_block_gpu]

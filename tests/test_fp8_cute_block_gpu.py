@@ -100,7 +100,7 @@ def test_fused_grouped_mlp_block_fp8_on_gpu():
     res = on_backends(*_mlp_case(), BACKENDS)
     assert res["cute_plan"].forward[0].name == "GroupedMLP"
     _assert_plans(res)
-    assert "activation after the GEMMs (the FP8 GLU epilogue kernels take row-wise" in \
+    assert "activation fused into the FP8 FC1 and FC2-dgrad epilogues" in \
         res["cute_plan"].forward[0].backend_reason
     for name in ("torch", "reference"):
         for got, want in zip(res["cute"], res[name]):

@@ -25,12 +25,13 @@ TOL = 2e-2
 ROWWISE = recipe.Float8RowwiseScaling()
 
 
-class _FakeGlu:
-    """A fused FP8 GLU functional: its GEMM by `recording_scaled_grouped_mm` (which checks the
-    operands), its epilogue by the reference GLU maths on the bf16 result; calls recorded."""
+class FakeGlu:
+    """A fused FP8 GLU functional: its GEMM by `gemm` (a recorder that checks the operands:
+    `recording_scaled_grouped_mm` by default), its epilogue by the reference GLU maths on the
+    bf16 result; calls recorded."""
 
-    def __init__(self, mode: str):
-        self.mode, self.calls = mode, []
+    def __init__(self, mode: str, gemm=None):
+        self.mode, self.calls, self.gemm = mode, [], gemm or recording_scaled_grouped_mm
 
     @staticmethod
     def supports(*args, **kwargs):
@@ -38,7 +39,7 @@ class _FakeGlu:
 
     def __call__(self, a, b, a_scale, b_scale, offs, *rest):
         self.calls.append((a, b, a_scale, b_scale, offs))
-        acc = recording_scaled_grouped_mm(a, b, a_scale, b_scale, offs)  # bf16, as h / dA
+        acc = self.gemm(a, b, a_scale, b_scale, offs)  # bf16, as h / dA
         if self.mode == "fc1":
             act, interleave, probs, params = rest
             return acc, ref_kernels.glu_forward(acc, act, interleave, probs, params)
@@ -49,7 +50,7 @@ class _FakeGlu:
 
 @pytest.fixture
 def fused_glu(fake_cute_gpu, monkeypatch):  # noqa: F811 (the imported fixture)
-    fakes = _FakeGlu("fc1"), _FakeGlu("dgrad")
+    fakes = FakeGlu("fc1"), FakeGlu("dgrad")
     monkeypatch.setattr(cute, "scaled_glu_fc1_forward", fakes[0], raising=False)
     monkeypatch.setattr(cute, "scaled_glu_fc2_dgrad", fakes[1], raising=False)
     return fakes

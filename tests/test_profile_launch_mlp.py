@@ -102,7 +102,10 @@ def test_rowwise_step_makes_no_shape_only_stand_ins():
     # high-precision wgrads; 2026-11-28: +1 allocation, +2 views, +1 launch, +3 aten ops for
     # the bf16 wgrads' dynamic units (one unit_order launch per step, a row view per wgrad)
     ("Float8RowwiseScaling", False, (49, 20, 28, 12)),
-    ("Float8BlockScaling", True, (88, 26, 34, 16)),  # 28 allocations and 40 views before
+    # 28 allocations and 40 views before, then (88, 26, 34, 16); 2026-11-28: the activation
+    # and its backward in the block-scaled GLU kernels: 28 fewer aten ops, +3 allocations (a,
+    # dh and d(probs) there, which the compiled regions after the GEMMs allocated unseen)
+    ("Float8BlockScaling", True, (60, 29, 30, 16)),
 ])
 def test_fp8_step_dispatches_no_more_than_measured(recipe_name, fp8_wgrad, ceiling):
     """The FP8 step's aten ops, allocations and views (each ~3-10 µs of host on an H100) and

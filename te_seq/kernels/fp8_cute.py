@@ -165,23 +165,57 @@ def glu_reason(glu: GluSpec, hidden: int, ffn: int, device: torch.device) -> str
 FP8 = torch.float8_e4m3fn
 
 
+def block_glu_reason(glu: GluSpec, hidden: int, ffn: int, device: torch.device) -> str:
+    """Why the fused GroupedMLP's FC1 and FC2 dgrad under `Float8BlockScaling` cannot run its
+    gated activation in their epilogues (`cute.block_scaled_glu_fc1_forward` /
+    `block_scaled_glu_fc2_dgrad`) for H=`hidden`, F=`ffn` ("" when they can); checked on
+    empty operands of those widths."""
+    def empty(*sizes: int, dtype=FP8) -> Tensor:
+        return torch.empty(*sizes, dtype=dtype, device=device)
+
+    hb, il = -(-hidden // 128), glu.glu_interleave_size
+    checks = (
+        ("FC1", cute.block_scaled_glu_fc1_forward.supports(
+            empty(0, hidden), empty(1, 2 * ffn, hidden), empty(0, hb, dtype=torch.float32),
+            empty(1, -(-2 * ffn // 128), hb, dtype=torch.float32), glu.act, il)),
+        ("FC2 dgrad", cute.block_scaled_glu_fc2_dgrad.supports(
+            empty(0, hidden), empty(1, ffn, hidden), empty(0, hb, dtype=torch.float32),
+            empty(1, -(-ffn // 128), hb, dtype=torch.float32), glu.act, il)),
+    )
+    for label, (ok, why) in checks:
+        if not ok:
+            return f"{label}: {why}"
+    return ""
+
+
 def glu_fc1(x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
             out_dtype: torch.dtype, *, glu: GluSpec, probs: Tensor | None
             ) -> tuple[Tensor, Tensor]:
     """(h [M, 2F], a [M, F]): FC1's FP8 GEMM (`scaled_grouped_mm`'s operands: x [M, H], W1
-    [G, 2F, H]) with the gated activation (· probs) in its epilogue, bf16 (`out_dtype`)."""
+    [G, 2F, H]) with the gated activation (· probs) in its epilogue, bf16 (`out_dtype`):
+    `block_scaled_glu_fc1_forward` for 1x128 / 128x128 blocks, else
+    `scaled_glu_fc1_forward` (row-wise or per-tensor scales)."""
+    args = (glu.act, glu.glu_interleave_size, probs, glu.params)
+    if (x.block.rows, x.block.cols) == _TILES:  # 1x128 (tuples: no dataclass comparison)
+        scale_a, scale_b = block_scales(x, w_scale_inv, w_data.shape[1])
+        return cute.block_scaled_glu_fc1_forward(
+            x.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32), *args)
     scale_a, scale_b = row_scales(x, w_scale_inv, w_data.shape[1])
     return cute.scaled_glu_fc1_forward(
-        x.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32),
-        glu.act, glu.glu_interleave_size, probs, glu.params)
+        x.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32), *args)
 
 
 def glu_dgrad(dy: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
               out_dtype: torch.dtype, *, h: Tensor, glu: GluSpec, probs: Tensor | None
               ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dh [M, 2F], a [M, F], dprobs [M] or None): FC2's FP8 dgrad (dy [M, H], W2ᵀ [G, F, H]
-    quantized along H) with the gated activation's backward from h [M, 2F] in its epilogue."""
+    quantized along H) with the gated activation's backward from h [M, 2F] in its epilogue:
+    `block_scaled_glu_fc2_dgrad` for 1x128 / 128x128 blocks, else `scaled_glu_fc2_dgrad`."""
+    args = (h, glu.act, glu.glu_interleave_size, probs, glu.params)
+    if (dy.block.rows, dy.block.cols) == _TILES:  # 1x128 (tuples: no dataclass comparison)
+        scale_a, scale_b = block_scales(dy, w_scale_inv, w_data.shape[1])
+        return cute.block_scaled_glu_fc2_dgrad(
+            dy.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32), *args)
     scale_a, scale_b = row_scales(dy, w_scale_inv, w_data.shape[1])
     return cute.scaled_glu_fc2_dgrad(
-        dy.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32),
-        h, glu.act, glu.glu_interleave_size, probs, glu.params)
+        dy.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32), *args)

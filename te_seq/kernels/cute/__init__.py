@@ -15,8 +15,9 @@ steps, each with a ``.supports(x, w, act, interleave)``), ``act`` (the fused non
 activation steps ``act_fc1_forward`` / ``act_fc2_dgrad``, each with a ``.supports(x, w, act)``),
 ``fp8`` (the FP8 grouped GEMMs ``scaled_grouped_mm`` and ``scaled_grouped_wgrad`` with row-wise
 scales, ``supports_scaled`` / ``supports_scaled_wgrad``), ``fp8_glu`` (the fused FP8 GLU
-steps ``scaled_glu_fc1_forward`` / ``scaled_glu_fc2_dgrad``, each with a ``.supports``),
-``block_fp8`` (the FP8 block-scaled grouped GEMM ``block_scaled_grouped_mm``,
+steps ``scaled_glu_fc1_forward`` / ``scaled_glu_fc2_dgrad`` and, under block scales,
+``block_scaled_glu_fc1_forward`` / ``block_scaled_glu_fc2_dgrad``, each with a
+``.supports``), ``block_fp8`` (the FP8 block-scaled grouped GEMM ``block_scaled_grouped_mm``,
 ``supports_block_scaled``), ``block_fp8_wgrad`` (its varlen-K weight gradient
 ``block_scaled_grouped_wgrad``, ``supports_block_scaled_wgrad``),
 ``offsets`` (``group_offsets``: the checked group offsets in one launch, ``offsets_problem``),
@@ -32,7 +33,12 @@ from .act import act_fc1_forward, act_fc2_dgrad
 from .block_fp8 import block_scaled_grouped_mm, supports_block_scaled
 from .block_fp8_wgrad import block_scaled_grouped_wgrad, supports_block_scaled_wgrad
 from .fp8 import scaled_grouped_mm, scaled_grouped_wgrad, supports_scaled, supports_scaled_wgrad
-from .fp8_glu import scaled_glu_fc1_forward, scaled_glu_fc2_dgrad
+from .fp8_glu import (
+    block_scaled_glu_fc1_forward,
+    block_scaled_glu_fc2_dgrad,
+    scaled_glu_fc1_forward,
+    scaled_glu_fc2_dgrad,
+)
 from .gemm import grouped_mm, grouped_wgrad, supports, supports_wgrad
 from .glu import glu_fc1_forward, glu_fc2_dgrad
 from .launch import (
@@ -88,6 +94,8 @@ __all__ = [
     "supports_scaled_wgrad",
     "scaled_glu_fc1_forward",
     "scaled_glu_fc2_dgrad",
+    "block_scaled_glu_fc1_forward",
+    "block_scaled_glu_fc2_dgrad",
     "group_offsets",
     "offsets_problem",
     "quant_problem",

@@ -50,7 +50,7 @@ class BlockTile(NamedTuple):
     b_scale: object  # fp32 [E, NB, KB]
     group: object  # expert of the tile (E: the virtual group past offs[-1])
     first_row: object  # the tile's first row in A
-    n_block: object  # the weight block row of the tile's columns (the n-tile: tile_n = 128)
+    n_blocks: tuple  # weight block rows of the tile's columns (one, or one per column half)
     coords: object  # (row, col) in the tile of this thread's accumulator values
 
 
@@ -69,7 +69,67 @@ def row_slots(acc_shape) -> tuple[list[int], list[int]]:
     return firsts, slot
 
 
-class BlockScaledGemmKernel(PromotedMainloopMixin, GroupedGemmKernel):
+class BlockScalesMixin(PromotedMainloopMixin):
+    """The promotion hooks of a varlen-M kernel with 1×128 (A) and 128×128 (B) block scales
+    (module docstring): a_scale [M, KB] and b_scale [E, NB, KB] are the epilogue state's
+    entries ``block_scale_index`` and the next. A tile's columns lie in one weight block row
+    (``_tile_blocks``), or, for a kernel whose tile holds two column halves from different
+    weight rows (the GLU FC1: gate and up), in one per half (``_value_blocks``)."""
+
+    block_scale_index = 0
+
+    def _tile_blocks(self, ep, n_tile) -> tuple:
+        """The weight block rows of n-tile ``n_tile``'s columns: one (tile_n = 128)."""
+        return (n_tile * self.tile_mnk[1] // SCALE_BLOCK,)
+
+    def _value_blocks(self, bt: BlockTile, count: int) -> list[int]:
+        """Which of ``bt.n_blocks`` each of the thread's ``count`` values reads (trace time)."""
+        return [0] * count
+
+    # Plain Python (inlined while the kernel is traced): records the tile for ``_mainloop``,
+    # which the consumer calls next in the same loop iteration (its arguments carry no tile).
+    def _before_mainloop(self, ep, group, m_tile, n_tile, row0, epi_count):
+        tm, tn, _ = self.tile_mnk
+        tile = cute.make_identity_tensor((tm, tn))
+        coords = ep.tiled_mma.get_slice(ep.mma_tidx).partition_C(tile)
+        i = self.block_scale_index
+        self._block_tile = BlockTile(
+            ep.epi[i], ep.epi[i + 1], group, row0 + m_tile * tm, self._tile_blocks(ep, n_tile),
+            coords,
+        )
+
+    def _scale_rows(self, bt: BlockTile, firsts: list[int]) -> list:
+        """This thread's rows of A (one per row slot), clamped to M - 1."""
+        last = cute.size(bt.a_scale, mode=[0]) - 1
+        return [cutlass.min(bt.first_row + bt.coords[i][0], last) for i in firsts]
+
+    def _promotion(self, acc) -> tuple:
+        """(row slot of each value, this thread's rows, the tile's expert, its weight block
+        rows, which block row each value reads): what the k-tiles' scale loads and
+        promotions share."""
+        bt = self._block_tile
+        firsts, slot = row_slots(cute.shape(acc))
+        rows = self._scale_rows(bt, firsts)
+        group = cutlass.min(bt.group, cute.size(bt.b_scale, mode=[0]) - 1)
+        last = cute.size(bt.b_scale, mode=[1]) - 1
+        blocks = [cutlass.min(nb, last) for nb in bt.n_blocks]
+        return slot, rows, group, blocks, self._value_blocks(bt, cute.size(acc))
+
+    def _k_scales(self, ctx, k) -> tuple:
+        """(b_scale[expert, block row, k] per block row, a_scale[row, k] per row slot)."""
+        _, rows, group, blocks, _ = ctx
+        bt = self._block_tile
+        return [bt.b_scale[group, nb, k] for nb in blocks], [bt.a_scale[r, k] for r in rows]
+
+    def _promote(self, acc, part, ctx, scales) -> None:
+        b_s, a_s = scales
+        slot, which = ctx[0], ctx[4]
+        row_scales = [[s * b for s in a_s] for b in b_s]
+        for i in range(cute.size(acc)):  # trace time: unrolled
+            acc[i] = acc[i] + part[i] * row_scales[which[i]][slot[i]]
+
+
+class BlockScaledGemmKernel(BlockScalesMixin, GroupedGemmKernel):
     """Varlen-M grouped GEMM of E4M3 operands with 1×128 (A) and 128×128 (B) block scales
     promoted into the fp32 accumulators every 128-element k-tile (module docstring)."""
 
@@ -101,44 +161,6 @@ class BlockScaledGemmKernel(PromotedMainloopMixin, GroupedGemmKernel):
     def _make_epi(self, c: cute.Tensor, epi_inputs: tuple) -> tuple:
         """(a_scale, b_scale): the main loop reads them through the epilogue state."""
         return epi_inputs
-
-    # Plain Python (inlined while the kernel is traced): records the tile for ``_mainloop``,
-    # which the consumer calls next in the same loop iteration (its arguments carry no tile).
-    def _before_mainloop(self, ep, group, m_tile, n_tile, row0, epi_count):
-        tm, tn, _ = self.tile_mnk
-        tile = cute.make_identity_tensor((tm, tn))
-        coords = ep.tiled_mma.get_slice(ep.mma_tidx).partition_C(tile)
-        self._block_tile = BlockTile(
-            ep.epi[0], ep.epi[1], group, row0 + m_tile * tm, n_tile * tn // SCALE_BLOCK, coords
-        )
-
-    def _scale_rows(self, bt: BlockTile, firsts: list[int]) -> list:
-        """This thread's rows of A (one per row slot), clamped to M - 1."""
-        last = cute.size(bt.a_scale, mode=[0]) - 1
-        return [cutlass.min(bt.first_row + bt.coords[i][0], last) for i in firsts]
-
-    def _promotion(self, acc) -> tuple:
-        """(row slot of each value, this thread's rows, the tile's expert, its weight block
-        row): what the k-tiles' scale loads and promotions share."""
-        bt = self._block_tile
-        firsts, slot = row_slots(cute.shape(acc))
-        rows = self._scale_rows(bt, firsts)
-        group = cutlass.min(bt.group, cute.size(bt.b_scale, mode=[0]) - 1)
-        n_block = cutlass.min(bt.n_block, cute.size(bt.b_scale, mode=[1]) - 1)
-        return slot, rows, group, n_block
-
-    def _k_scales(self, ctx, k) -> tuple:
-        """(b_scale[expert, n block, k], a_scale[row, k] per row slot)."""
-        _, rows, group, n_block = ctx
-        bt = self._block_tile
-        return bt.b_scale[group, n_block, k], [bt.a_scale[r, k] for r in rows]
-
-    def _promote(self, acc, part, ctx, scales) -> None:
-        b_s, a_s = scales
-        slot = ctx[0]
-        row_scales = [s * b_s for s in a_s]
-        for i in range(cute.size(acc)):  # trace time: unrolled
-            acc[i] = acc[i] + part[i] * row_scales[slot[i]]
 
 
 def config_problem(cfg) -> str:

@@ -284,6 +284,9 @@ class GluConfig:
     h_prefetch: int = 1  # dgrad: h subtiles loaded ahead (2: two buffer pairs; cooperative)
     epi_rows: int = 128  # rows of an epilogue subtile (64: ping-pong only)
     half_tiles: bool = False  # ping-pong: a tile with <= 64 rows runs one 64-row WGMMA atom
+    # the FP8 block-scaled GLU steps (``block_glu``): E4M3 operands, scales [M, HB] and
+    # [E, NB, HB] promoted in the main loop; out of the repr (cached as "block_glu")
+    block_scaled: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", param_values(self.act, self.params))
@@ -315,6 +318,8 @@ def _fake_glu_args(cfg: GluConfig) -> tuple:
     route = _fake_route()
     # the FP8 kernel's scales: own symbolic sizes (the kernel clamps its reads to them)
     scales = (_fake_scales(1), _fake_scales(2)) if getattr(cfg, "scaled", False) else ()
+    if getattr(cfg, "block_scaled", False):  # 1x128 blocks of x, 128x128 blocks of W1
+        scales = (_fake_scales(2), _fake_scales(3))
     return (a, b, c, offs, cutlass.Int32(1), act_out, probs, dprobs, h_in, bias, *scales, route,
             stream)
 
@@ -322,6 +327,8 @@ def _fake_glu_args(cfg: GluConfig) -> tuple:
 @functools.lru_cache(maxsize=None)
 def compile_glu(cfg: GluConfig) -> CompiledGemm:
     """A fused GLU GEMM for ``cfg``: compiled once per config, cached in memory and on disk."""
+    if cfg.block_scaled:
+        return _compile_block_scaled_glu(cfg)
     if cfg.scaled:
         return _compile_scaled_glu(cfg)
     from .glu_epilogue import GluGemmKernel
@@ -343,6 +350,24 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.half_tiles,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
+
+
+def _compile_block_scaled_glu(cfg: GluConfig) -> CompiledGemm:
+    """The FP8 block-scaled GLU step (``block_glu``), cached on disk as "block_glu" (the
+    config's repr leaves ``block_scaled`` out)."""
+    from .block_glu import TILE_N, BlockScaledGluGemmKernel
+
+    plain = (cfg.ab_dtype, cfg.b_major, cfg.tile_n, cfg.epi_rows, cfg.h_prefetch)
+    extras = (cfg.scaled, cfg.bias_dtype, cfg.route, cfg.pingpong, cfg.half_tiles)
+    if plain != (torch.float8_e4m3fn, "k", TILE_N, 128, 1) or any(extras):
+        raise ValueError(f"the block-scaled GLU kernel is a cooperative E4M3 fc1 or dgrad with "
+                         f"K-major B, tile_n {TILE_N}, one h buffer pair, no bias, route or "
+                         f"row-wise scales: {cfg}")
+    kernel = BlockScaledGluGemmKernel(
+        cfg.mode, cfg.act, cfg.interleave, cfg.probs_dtype is not None, cfg.cluster_mn,
+        cfg.params,
+    )
+    return _compile("block_glu", cfg, kernel, _fake_glu_args(cfg))
 
 
 def _compile_scaled_glu(cfg: GluConfig) -> CompiledGemm:

@@ -53,6 +53,7 @@ SOURCE_FILES = (
     "bias_epilogue.py",
     "scale_epilogue.py",
     "scaled_glu.py",
+    "block_glu.py",
     "quant_kernels.py",
     "span_kernels.py",
     "block_span_kernels.py",

@@ -11,7 +11,10 @@ layout; g(m) the expert of row m. The scales are *dequantization* scales (te_seq
     scaled_glu_fc1_forward:  h[m, n] = x_scale[m] · w1_scale[g, n] · Σ_k x[m, k] · w1[g, n, k]
     scaled_glu_fc2_dgrad:    dA[m, j] = dy_scale[m] · w2t_scale[g, j] · Σ_k dy[m, k] · w2t[g, j, k]
 
-(fp32 accumulation, then the 16-bit kernel's GLU epilogue; outputs bf16). Imports no cutlass
+(fp32 accumulation, then the 16-bit kernel's GLU epilogue; outputs bf16).
+``block_scaled_glu_fc1_forward`` is FC1 + activation under ``Float8BlockScaling`` (x in 1×128
+blocks, W1 in 128×128 blocks, the partial sums promoted per 128-element k-tile; kernel
+``block_glu.BlockScaledGluGemmKernel``). Imports no cutlass
 until a kernel is first compiled; no host reads of ``offs`` (sync-free, CUDA-graph capturable
 once compiled).
 """
@@ -23,12 +26,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .fp8 import FP8_DTYPE, _device_problem, k_major
+from .block_fp8 import BLOCK, _scale_problem
+from .fp8 import FP8_DTYPE, _device_problem, geometry_problem, k_major
 from .glu import _ACTS, _check_probs, _launch, layout_problem, run_dgrad
-from .launch import _row_major, aligned_16, available
+from .launch import Tiling, _row_major, aligned_16, available
 from .launch_plan import PlanCache
 
 _ALIGN = 16  # H in elements: 16-byte TMA rows of 1-byte data
+# the block-scaled FC1's tile: 64 gate + 64 up columns, cooperative (block_glu.py)
+BLOCK_GLU_TILING = Tiling(128, (1, 2))
 
 
 def _operand_problem(x: Tensor, w: Tensor, x_scale: Tensor, w_scale: Tensor) -> str:
@@ -212,3 +218,135 @@ class _ScaledFc2Dgrad:
 
 scaled_glu_fc1_forward = _ScaledFc1Forward()
 scaled_glu_fc2_dgrad = _ScaledFc2Dgrad()
+
+
+def _block_problem(x: Tensor, w: Tensor, x_scale: Tensor, w_scale: Tensor, act: str,
+                   interleave: int | None, fc1: bool) -> str:
+    """Why the block-scaled GLU kernel cannot take E4M3 x [M, H] and w [E, N, H] (N: 2F for
+    fc1, F for the dgrad) with their block scales [M, ⌈H/128⌉] and [E, ⌈N/128⌉, ⌈H/128⌉]
+    ("" when it can)."""
+    if act not in _ACTS:
+        return f"act {act!r} has no fused epilogue (only {_ACTS})"
+    if x.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE:
+        return f"needs float8_e4m3fn operands, got {x.dtype} and {w.dtype}"
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2] or (fc1 and w.shape[1] % 2):
+        return (f"needs x [M, H] and w [E, N, H] (N = 2F for fc1), got {tuple(x.shape)} and "
+                f"{tuple(w.shape)}")
+    f = w.shape[1] // 2 if fc1 else w.shape[1]
+    if f % BLOCK:
+        return f"F={f} must be a multiple of {BLOCK} (whole weight blocks per half)"
+    if fc1 and interleave not in (None, 32, 64):
+        return f"glu_interleave_size={interleave} unsupported (None, 32 or 64)"
+    return (
+        geometry_problem(x, w) or _scale_problem(x, w, x_scale, w_scale)
+        or layout_problem(x.shape[1], f, interleave, fc1, h_align=_ALIGN)
+        or _device_problem((x, w, x_scale, w_scale))
+    )
+
+
+class _BlockScaledFc1Forward:
+    """``block_scaled_glu_fc1_forward(x, w1, x_scale, w1_scale, offs, act, interleave, probs,
+    params) -> (h, a)``: FC1 under ``Float8BlockScaling`` with the activation in its epilogue
+    (kernel ``block_glu.BlockScaledGluGemmKernel``)."""
+
+    @staticmethod
+    def supports(
+        x: Tensor, w1: Tensor, x_scale: Tensor, w1_scale: Tensor, act: str,
+        interleave: int | None,
+    ) -> tuple[bool, str]:
+        """(True, "") when the kernel handles these operands, else (False, why): E4M3 x [M, H]
+        and w1 [E, 2F, H], fp32 x_scale [M, ⌈H/128⌉] and w1_scale [E, 2F/128, ⌈H/128⌉], H a
+        multiple of 16, F of 128, ``interleave`` None, 32 or 64, CUDA tensors on an sm_90 GPU."""
+        why = _block_problem(x, w1, x_scale, w1_scale, act, interleave, fc1=True)
+        return (False, why) if why else available()
+
+    def __call__(
+        self,
+        x: Tensor,
+        w1: Tensor,
+        x_scale: Tensor,
+        w1_scale: Tensor,
+        offs: Tensor,
+        act: str,
+        interleave: int | None,
+        probs: Tensor | None = None,
+        params: tuple[float, ...] = (),
+    ) -> tuple[Tensor, Tensor]:
+        """h [M, 2F] bf16 with h[m, n] = Σ_kb x_scale[m, kb] · w1_scale[g, n // 128, kb] ·
+        Σ_{k in block kb} x[m, k] · w1[g, n, k] (fp32, one rounding; g the expert of row m) and
+        a [M, F] bf16 = act(gate)·up(·probs) from the bf16 h, as ``reference.glu_forward(h,
+        ...)``. x [M, H] and w1 [E, 2F, H] float8_e4m3fn (W1's rows in h's column layout),
+        x_scale fp32 [M, ⌈H/128⌉] and w1_scale fp32 [E, 2F/128, ⌈H/128⌉] dequantization
+        scales (``Float8BlockScaling``'s 1×128 and 128×128 blocks), offs int32 [E] cumulative
+        row ends, probs [M] or None. Rows past ``offs[-1]`` are zeros in h and a. Sync-free.
+        Raises ValueError when ``supports`` is False."""
+        ok, why = self.supports(x, w1, x_scale, w1_scale, act, interleave)
+        if not ok:
+            raise ValueError(
+                f"cute block_scaled_glu_fc1_forward: x {tuple(x.shape)} {x.dtype}, "
+                f"w1 {tuple(w1.shape)} {w1.dtype}: {why}"
+            )
+        rows, f = x.shape[0], w1.shape[1] // 2
+        probs = _check_probs(probs, rows, "block_scaled_glu_fc1_forward")
+        h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=x.device)
+        a = torch.empty(rows, f, dtype=torch.bfloat16, device=x.device)
+        if rows:
+            scales = (x_scale.contiguous(), w1_scale.contiguous())
+            _launch("fc1", aligned_16(x, _row_major(x) is not x), k_major(w1).transpose(1, 2),
+                    h, offs, a, probs, None, None, act, interleave, params, scales=scales,
+                    tiling=BLOCK_GLU_TILING, block_scaled=True)
+        return h, a
+
+
+block_scaled_glu_fc1_forward = _BlockScaledFc1Forward()
+
+
+class _BlockScaledFc2Dgrad:
+    """``block_scaled_glu_fc2_dgrad(dy, w2t, dy_scale, w2t_scale, offs, h, act, interleave,
+    probs, params) -> (dh, a, dprobs)``: FC2's dgrad under ``Float8BlockScaling`` with the
+    activation's backward in its epilogue (kernel ``block_glu.BlockScaledGluGemmKernel``)."""
+
+    @staticmethod
+    def supports(
+        dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor, act: str,
+        interleave: int | None,
+    ) -> tuple[bool, str]:
+        """(True, "") when the kernel handles these operands, else (False, why): E4M3 dy
+        [M, H] and w2t = W2ᵀ [E, F, H], fp32 dy_scale [M, ⌈H/128⌉] and w2t_scale [E, F/128,
+        ⌈H/128⌉], H a multiple of 16, F of 128, ``interleave`` as the 16-bit GLU dgrad takes
+        it, CUDA tensors on an sm_90 GPU."""
+        why = _block_problem(dy, w2t, dy_scale, w2t_scale, act, interleave, fc1=False)
+        return (False, why) if why else available()
+
+    def __call__(
+        self,
+        dy: Tensor,
+        w2t: Tensor,
+        dy_scale: Tensor,
+        w2t_scale: Tensor,
+        offs: Tensor,
+        h: Tensor,
+        act: str,
+        interleave: int | None,
+        probs: Tensor | None = None,
+        params: tuple[float, ...] = (),
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """dA [M, F] with dA[m, j] = Σ_kb dy_scale[m, kb] · w2t_scale[g, j // 128, kb] ·
+        Σ_{k in block kb} dy[m, k] · w2t[g, j, k] stays in fp32 registers; dh [M, 2F] bf16 =
+        ``reference.glu_backward(h, dA, ...)``, a [M, F] bf16 = ``reference.glu_forward(h,
+        ...)`` and dprobs [M] (fp32 sums, in probs.dtype; None without probs). h [M, 2F] bf16.
+        Rows past ``offs[-1]`` get dA = 0. Sync-free. Raises ValueError when ``supports`` is
+        False or h has the wrong shape or dtype."""
+        ok, why = self.supports(dy, w2t, dy_scale, w2t_scale, act, interleave)
+        if not ok:
+            raise ValueError(
+                f"cute block_scaled_glu_fc2_dgrad: dy {tuple(dy.shape)} {dy.dtype}, "
+                f"w2t {tuple(w2t.shape)} {w2t.dtype}: {why}"
+            )
+        scales = (dy_scale.contiguous(), w2t_scale.contiguous())
+        return run_dgrad("block_scaled_glu_fc2_dgrad", aligned_16(dy, _row_major(dy) is not dy),
+                         k_major(w2t).transpose(1, 2), offs, h, act, interleave, probs, params,
+                         torch.bfloat16, scales, BLOCK_GLU_TILING, block_scaled=True)
+
+
+block_scaled_glu_fc2_dgrad = _BlockScaledFc2Dgrad()

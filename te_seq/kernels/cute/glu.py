@@ -181,12 +181,14 @@ def _dgrad_h_prefetch(t: Tiling, scaled: bool) -> int:
 
 
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params,
-            bias=None, gather=None, scales=(), tiling=None, h_prefetch=None):
+            bias=None, gather=None, scales=(), tiling=None, h_prefetch=None,
+            block_scaled=False):
     """Launch the GLU kernel over c's M rows (``gather``: int32 [M], x's row of each GEMM
     row; x is then the [T, H] token matrix; ``scales``: the FP8 kernel's fp32 (scale_a [M],
-    scale_b [E, N]), ``fp8_glu``; ``tiling``: ``_glu_tiling``; ``h_prefetch``: the dgrad's,
-    None for ``_dgrad_h_prefetch``), its kernel and grid planned (and compiled) once per call
-    signature (``launch_plan``)."""
+    scale_b [E, N]), ``fp8_glu``; ``block_scaled``: they are the block scales [M, HB] and
+    [E, 2F/128, HB] of the block-scaled FC1, ``block_glu``; ``tiling``: ``_glu_tiling``;
+    ``h_prefetch``: the dgrad's, None for ``_dgrad_h_prefetch``), its kernel and grid planned
+    (and compiled) once per call signature (``launch_plan``)."""
     rows = c.shape[0]
     offs = _check_offs(offs, b.shape[0], x.device)
     signature = (
@@ -194,10 +196,11 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
         None if probs is None else probs.dtype, act, interleave, tuple(params),
         None if bias is None else bias.dtype, gather is None, bool(scales), tiling, h_prefetch,
         tiling is None and pingpong_by_default(),  # the default tiling reads the environment
+        block_scaled,
     )
     plan = _PLANS.get(signature) or _PLANS.put(
         signature, _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather,
-                         bool(scales), tiling, h_prefetch)
+                         bool(scales), tiling, h_prefetch, block_scaled)
     )
     plan.kernel(
         _row_major(x), b_view(b, plan.b_copy), c, offs, plan.clusters,
@@ -207,7 +210,7 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
 
 
 def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled, tiling,
-          h_prefetch):
+          h_prefetch, block_scaled=False):
     """The `LaunchPlan` of a GLU launch: its config compiled (once per config), the grid."""
     from .compile import GluConfig, compile_glu
 
@@ -223,8 +226,9 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
         mode, x.dtype, b_major, act, interleave, None if probs is None else probs.dtype,
         t.cluster_mn, tile_n=t.tile_n, params=params,
         bias_dtype=None if bias is None else bias.dtype,
-        route=None if gather is None else "gather", scaled=scaled, pingpong=t.pingpong,
-        h_prefetch=h_prefetch, epi_rows=t.epi_rows, half_tiles=half_tiles(t),
+        route=None if gather is None else "gather", scaled=scaled and not block_scaled,
+        pingpong=t.pingpong, h_prefetch=h_prefetch, epi_rows=t.epi_rows,
+        half_tiles=half_tiles(t), block_scaled=block_scaled,
     )
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)
@@ -459,10 +463,12 @@ class _Fc2Dgrad:
 def run_dgrad(op: str, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str,
               interleave: int | None, probs: Tensor | None, params: tuple[float, ...],
               out_dtype: torch.dtype, scales: tuple = (), tiling: Tiling | None = None,
-              h_prefetch: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+              h_prefetch: int | None = None, block_scaled: bool = False,
+              ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The dgrad GLU kernel on checked operands (dy [M, H], w2 [E, H, F] in the kernel's
-    view; ``scales``: the FP8 kernel's): h checked against dy's rows and F, (dh, a, dprobs)
-    allocated in ``out_dtype``, the kernel launched over the rows, dprobs in probs' dtype."""
+    view; ``scales``: the FP8 kernel's, block scales where ``block_scaled``): h checked
+    against dy's rows and F, (dh, a, dprobs) allocated in ``out_dtype``, the kernel launched
+    over the rows, dprobs in probs' dtype."""
     rows, f = dy.shape[0], w2.shape[2]
     if h.shape != (rows, 2 * f) or h.dtype != out_dtype:
         raise ValueError(
@@ -475,7 +481,8 @@ def run_dgrad(op: str, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str
     dprobs = None if probs is None else torch.zeros(rows, dtype=torch.float32, device=dy.device)
     if rows:
         _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h.contiguous(), act, interleave,
-                params, scales=scales, tiling=tiling, h_prefetch=h_prefetch)
+                params, scales=scales, tiling=tiling, h_prefetch=h_prefetch,
+                block_scaled=block_scaled)
     if dprobs is not None and probs_dtype != torch.float32:
         dprobs = dprobs.to(probs_dtype)
     return dh, a, dprobs

@@ -71,6 +71,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
     dgrad: 128 or 192 columns), no bias."""
 
     pingpong_ready = True  # without a bias (checked in __init__)
+    cooperative_fc1_widths = (256,)  # 128 gate + 128 up columns (FP8 block scales: 128)
 
     def __init__(
         self,
@@ -93,7 +94,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
         if act not in ACTS:
             raise ValueError(f"GluGemmKernel: act must be one of {ACTS}, got {act!r}")
-        fc1_tile_n = (128, 192) if pingpong else (256,)
+        fc1_tile_n = (128, 192) if pingpong else self.cooperative_fc1_widths
         if interleave is not None and (
             interleave % 32 or (mode == "fc1" and (tile_n // 2) % interleave)
         ):

@@ -66,10 +66,10 @@ def _epilogue_reasons(mlp, backend_name: str, recipe, dtype: torch.dtype,
     hidden, ffn = mlp.fc1.in_features, mlp.fc2.in_features
     dims = [(hidden, 2 * ffn), (ffn, hidden)]
     why = fp8_gemm.forward_reason(backend_name, recipe, dtype, device, dims, True)
-    if not why and recipe.block("input") not in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR):
-        why = (f"the FP8 GLU epilogue kernels take row-wise or per-tensor scales, not "
-               f"{recipe}'s 1x128/128x128 blocks")
-    why = why or fp8_cute.glu_reason(op.glu_spec, hidden, ffn, device)
+    if not why:
+        blocks = recipe.block("input") not in (fp8_torch.ROWWISE, fp8_torch.PER_TENSOR)
+        glu_reason = fp8_cute.block_glu_reason if blocks else fp8_cute.glu_reason
+        why = glu_reason(op.glu_spec, hidden, ffn, device)
     if why:
         return why, why
     if recipe.rule("grad").dtype != torch.float8_e4m3fn:
