@@ -119,6 +119,18 @@ def _configs() -> dict[str, object]:
                                             scaled=True),
         "fp8_glu_dgrad_silu_probs": GluConfig("dgrad", torch.float8_e4m3fn, "k", "silu", None,
                                               fp32, scaled=True),
+        # FP8 row-wise in ping-pong: a scale scratch block per warpgroup (scale_epilogue.py)
+        "fp8_rowwise_pp128": GemmConfig("m", torch.float8_e4m3fn, bf16, "k", 128, (1, 2),
+                                        scaled=True, pingpong=True),
+        "fp8_rowwise_pp192": GemmConfig("m", torch.float8_e4m3fn, bf16, "k", 192, (1, 2),
+                                        scaled=True, pingpong=True),
+        "fp8_glu_fc1_silu_probs_pp": GluConfig("fc1", torch.float8_e4m3fn, "k", "silu", None,
+                                               fp32, tile_n=128, scaled=True, pingpong=True),
+        "fp8_wgrad_pp192_2x1": GemmConfig("k", torch.float8_e4m3fn, bf16, "k", 192, (2, 1),
+                                          scaled=True, pingpong=True),
+        "fp8_glu_dgrad_silu_probs_pp": GluConfig("dgrad", torch.float8_e4m3fn, "k", "silu",
+                                                 None, fp32, tile_n=128, scaled=True,
+                                                 pingpong=True),
         # FP8 block scales promoted in the main loop (block_scaled.py, block_wgrad.py)
         "fp8_block": GemmConfig("m", torch.float8_e4m3fn, bf16, "k", 128, (1, 2),
                                 block_scaled=True),

@@ -84,6 +84,19 @@ def test_count_step_counts_aten_ops_allocations_and_launches():
     assert "aten ops/step" in counts.line() and "8 kernel launches/step" in counts.line()
 
 
+@pytest.mark.parametrize("pingpong", ["1", "0"])
+def test_rowwise_step_runs_its_gemms_in_pingpong(tiling_env, pingpong):
+    """Under Float8RowwiseScaling every FP8 GEMM runs ping-pong: the GLU FC1, the plain
+    varlen-M GEMMs (FC2's forward, FC1's dgrad; K <= 4096), the fresh wgrads and the GLU
+    dgrad (whose 16-bit form stays cooperative); TE_SEQ_PINGPONG=0 turns ping-pong off."""
+    tiling_env("TE_SEQ_PINGPONG", pingpong)
+    launches = _launches("Float8RowwiseScaling")
+    gemms = [c for c in launches if isinstance(c, GemmConfig | GluConfig)]
+    ping = {(getattr(c, "mode", None) or c.varlen, c.pingpong) for c in gemms}
+    on = pingpong == "1"
+    assert ping == {("fc1", on), ("m", on), ("dgrad", on), ("k", on)}, ping
+
+
 def test_rowwise_step_makes_no_shape_only_stand_ins():
     """A call whose signature passed the checks before makes no stand-in tensors for them
     (h's shape for the activation's checks, a's for FC2's saved record), as in bf16."""

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from cute_marks import compile_for_sm90a, gpu, needs_cute, needs_dsl, poison
+from cute_marks import ROOT, compile_for_sm90a, gpu, needs_cute, needs_dsl, poison
 from cute_marks import offsets as _offs
 from cute_marks import rel_err as _rel_err
 
@@ -31,8 +31,16 @@ _COMPILE_SCRIPT = textwrap.dedent(
     for tile_n, cluster in [(256, (1, 2)), (192, (1, 2)), (128, (2, 1))]:
         cfg = GemmConfig("m", fp8, bf16, "k", tile_n, cluster, scaled=True)
         print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
+    for tile_n, cluster, half in [(128, (1, 2), False), (192, (1, 2), False),
+                                  (128, (2, 1), True)]:  # ping-pong (and its half tiles)
+        cfg = GemmConfig("m", fp8, bf16, "k", tile_n, cluster, scaled=True, pingpong=True,
+                         half_tiles=half)
+        print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
     for out, acc in [(bf16, False), (torch.float32, True), (torch.float32, False)]:  # wgrad
         cfg = GemmConfig("k", fp8, out, "k", 256, (1, 2), acc, scaled=True)
+        print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
+    for out, cluster in [(bf16, (2, 1)), (torch.float32, (1, 2))]:  # ping-pong wgrads
+        cfg = GemmConfig("k", fp8, out, "k", 128, cluster, scaled=True, pingpong=True)
         print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
     try:
         compile_gemm(GemmConfig("m", fp8, bf16, "n", scaled=True))
@@ -218,3 +226,84 @@ def test_scaled_grouped_mm_takes_an_e5m2_a():
     out = cute.scaled_grouped_mm(a, b, sa, sb, _offs(sizes))
     _check(out, (a, b, sa, sb, _offs(sizes)))
     assert (out[sum(sizes):] == 0).all()
+
+
+# ------------------------------------------------------------------ ping-pong consumers
+
+
+@needs_dsl
+def test_pingpong_gives_each_warpgroup_its_own_scale_scratch():
+    """A ping-pong warpgroup fills its tile's scales while its peer's epilogue reads its own:
+    two scratch blocks of tm + tn words; cooperative kernels keep one of 128 + 256."""
+    from te_seq.kernels.cute.scale_epilogue import ScaledGemmKernel
+
+    for width, words in ((128, 256), (192, 320)):
+        kernel = ScaledGemmKernel("m", (128, width), pingpong=True)
+        assert kernel.epi_scratch_words == words and kernel._scratch_words() == 2 * words
+    cooperative = ScaledGemmKernel("m", (128, 128))
+    assert cooperative.epi_scratch_words == cooperative._scratch_words() == 384
+    with pytest.raises(ValueError, match="ping-pong runs without accumulate"):
+        ScaledGemmKernel("k", (128, 128), accumulate=True, pingpong=True)
+
+
+def test_default_tiling_runs_pingpong_for_short_k_unless_turned_off(tiling_env):
+    """scaled_grouped_mm's default is the plain GEMM's (``plain_mm_tiling``): ping-pong where
+    K <= TE_SEQ_PINGPONG_MAX_K, cooperative with TE_SEQ_PINGPONG=0; the configs it compiles
+    say so (stubbed kernels on the CPU)."""
+    import sys
+
+    sys.path.insert(0, f"{ROOT}/benchmarks")
+    from profile_launch import stubbed_kernels
+
+    a, b, sa, sb = _operands(64, 2, 512, 768)  # N = 512: 256-wide cooperative tiles
+    offs = torch.tensor([40, 64], dtype=torch.int32)
+    with stubbed_kernels() as stubs:
+        cute.scaled_grouped_mm(a, b, sa, sb, offs)
+        tiling_env("TE_SEQ_PINGPONG", "0")
+        cute.scaled_grouped_mm(a, b, sa, sb, offs)
+        tiling_env("TE_SEQ_PINGPONG", None)
+        tiling_env("TE_SEQ_PINGPONG_MAX_K", "512")
+        cute.scaled_grouped_mm(a, b, sa, sb, offs)  # K = 768: past the bound
+    compiled = [(c.pingpong, c.tile_n) for c in stubs]
+    assert compiled == [(True, 128), (False, 256)], compiled  # the third reused the second
+
+
+_PINGPONG_TILINGS = [cute.Tiling(128, (1, 2), True), cute.Tiling(192, (1, 2), True),
+                     cute.Tiling(128, (2, 1), True)]
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("tiling", _PINGPONG_TILINGS, ids=str)
+@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def test_pingpong_equals_cooperative_bit_for_bit(case, tiling):
+    """Each output is the same FP8 WGMMA sum in the same k order, scaled and rounded once:
+    ping-pong and cooperative tiles of one width agree bit for bit (rows past offs[-1] with
+    NaN scales: zeros), and both are within the float64 bound."""
+    _, sizes, extra, k, n = case
+    m = sum(sizes) + extra
+    a, b, sa, sb = _operands(m, len(sizes), n, k, "cuda")
+    offs = _offs(sizes)
+    sa[sum(sizes):] = float("nan")
+    poison(((m, n), torch.bfloat16))
+    out = cute.scaled_grouped_mm(a, b, sa, sb, offs, tiling=tiling)
+    cooperative = cute.Tiling(tiling.tile_n, tiling.cluster_mn)
+    torch.testing.assert_close(out, cute.scaled_grouped_mm(a, b, sa, sb, offs, tiling=cooperative),
+                               rtol=0, atol=0)
+    _check(out, (a, b, sa, sb, offs))
+    assert (out[sum(sizes):] == 0).all()
+
+
+@gpu
+@needs_cute
+def test_pingpong_half_tiles_equal_full_tiles(tiling_env):
+    """TE_SEQ_HALF_TILES=1: an expert's last tile with <= 64 rows runs one 64-row atom; the
+    outputs are the full tiles' bit for bit."""
+    sizes, k, n = [1, 64, 65, 0, 191, 300, 7], 384, 256
+    a, b, sa, sb = _operands(sum(sizes), len(sizes), n, k, "cuda")
+    offs = _offs(sizes)
+    full = cute.scaled_grouped_mm(a, b, sa, sb, offs)
+    tiling_env("TE_SEQ_HALF_TILES", "1")
+    half = cute.scaled_grouped_mm(a, b, sa, sb, offs)
+    torch.testing.assert_close(half, full, rtol=0, atol=0)
+    _check(half, (a, b, sa, sb, offs))

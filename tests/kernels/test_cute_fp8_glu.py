@@ -37,15 +37,23 @@ _COMPILE_SCRIPT = textwrap.dedent(
         GluConfig("dgrad", fp8, "k", "silu", None, fp32, scaled=True),
         GluConfig("dgrad", fp8, "k", "clamped_qgelu", 32, bf16, tile_n=192,
                   params=(0.9, 1.3, 0.5), scaled=True),
+        # ping-pong FC1s: 64 gate + 64 up columns per tile, a scale scratch per warpgroup
+        GluConfig("fc1", fp8, "k", "silu", None, fp32, tile_n=128, scaled=True, pingpong=True),
+        GluConfig("fc1", fp8, "k", "gelu", 64, None, (2, 1), tile_n=128, scaled=True,
+                  pingpong=True, half_tiles=True),
+        GluConfig("dgrad", fp8, "k", "silu", None, fp32, tile_n=128, scaled=True,
+                  pingpong=True),
     ]:
         print(cfg, f"{compile_glu(cfg).compile_s:.1f}s", flush=True)
     for bad in [GluConfig("fc1", fp8, "n", "silu", None, None, scaled=True),
                 GluConfig("fc1", bf16, "k", "silu", None, None, scaled=True),
-                GluConfig("fc1", fp8, "k", "silu", None, None, bias_dtype=bf16, scaled=True)]:
+                GluConfig("fc1", fp8, "k", "silu", None, None, bias_dtype=bf16, scaled=True),
+                GluConfig("fc1", fp8, "k", "silu", None, None, tile_n=128, scaled=True,
+                          pingpong=True, epi_rows=64)]:
         try:
             compile_glu(bad)
         except ValueError as exc:
-            assert "E4M3 operands, K-major B, no bias or route" in str(exc), exc
+            assert "E4M3 operands, K-major B, no bias or route, 128-row" in str(exc), exc
         else:
             raise AssertionError(f"{bad} compiled")
     print("ALL COMPILED")
@@ -177,6 +185,19 @@ def _scales_nan_where_unread(x_scale, w_scale, sizes):
             w_scale[g] = float("nan")
 
 
+def _fc1_operands(case, p_dtype):
+    """((x, x_scale, x as float64), (w1, w1_scale, w1 as float64), probs) of a case: row-wise
+    E4M3 x [M, H] and w1 [E, 2F, H] with rows of different magnitudes, NaN scales where the
+    kernel must not read them, probs [M] in ``p_dtype`` (None: none)."""
+    _, sizes, extra, h_dim, f = case
+    m = sum(sizes) + extra
+    x = _quantized_rows(_spread_rows(m, h_dim))
+    w1 = _quantized_rows(_spread_rows(len(sizes), 2 * f, h_dim) / h_dim**0.5)
+    _scales_nan_where_unread(x[1], w1[1], sizes)
+    probs = None if p_dtype is None else torch.rand(m, device="cuda").to(p_dtype)
+    return x, w1, probs
+
+
 @gpu
 @needs_cute
 @pytest.mark.parametrize("config", _CONFIGS, ids=str)
@@ -185,10 +206,7 @@ def test_scaled_fc1_forward_matches_float64(case, config):
     _, sizes, extra, h_dim, f = case
     act, il, p_dtype, params = config
     m, end = sum(sizes) + extra, sum(sizes)
-    x, sx, x64 = _quantized_rows(_spread_rows(m, h_dim))
-    w1, sw1, w1_64 = _quantized_rows(_spread_rows(len(sizes), 2 * f, h_dim) / h_dim**0.5)
-    probs = None if p_dtype is None else torch.rand(m, device="cuda").to(p_dtype)
-    _scales_nan_where_unread(sx, sw1, sizes)
+    (x, sx, x64), (w1, sw1, w1_64), probs = _fc1_operands(case, p_dtype)
     fn = cute.scaled_glu_fc1_forward
     assert fn.supports(x, w1, sx, sw1, act, il) == (True, "")
     _poison(((m, 2 * f), torch.bfloat16), ((m, f), torch.bfloat16))
@@ -255,3 +273,65 @@ def test_fc1_then_dgrad_chain_rows_past_the_end_are_zero():
     for t in (h, a, dh):
         assert (t[end:] == 0).all()
     assert (dprobs[end:] == 0).all() and dprobs[:end].abs().sum() > 0
+
+
+# (act, interleave, probs dtype, cluster): the ping-pong FC1's configs (64-column halves)
+_PINGPONG_CONFIGS = [
+    ("silu", None, torch.float32, (1, 2)),
+    ("silu", None, None, (2, 1)),
+    ("gelu", 64, torch.bfloat16, (1, 2)),
+    ("relu", 32, None, (1, 2)),
+]
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("config", _PINGPONG_CONFIGS, ids=str)
+@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def test_pingpong_fc1_equals_cooperative_bit_for_bit(tiling_env, case, config):
+    """The default FC1 with H <= TE_SEQ_PINGPONG_MAX_K runs ping-pong (64 gate + 64 up columns
+    per tile, each warpgroup its own scale scratch): h and a equal the cooperative kernel's
+    (TE_SEQ_PINGPONG=0: 128 + 128 columns) bit for bit, zeros past offs[-1] with NaN scales."""
+    _, sizes, extra, h_dim, f = case
+    act, il, p_dtype, cluster = config
+    m, end = sum(sizes) + extra, sum(sizes)
+    (x, sx, _), (w1, sw1, _), probs = _fc1_operands(case, p_dtype)
+    offs = _offs(sizes)
+    tiling_env("TE_SEQ_MM_CLUSTER", f"{cluster[0]}x{cluster[1]}")
+    _poison(((m, 2 * f), torch.bfloat16), ((m, f), torch.bfloat16))
+    h, a = cute.scaled_glu_fc1_forward(x, w1, sx, sw1, offs, act, il, probs)
+    tiling_env("TE_SEQ_PINGPONG", "0")
+    h_coop, a_coop = cute.scaled_glu_fc1_forward(x, w1, sx, sw1, offs, act, il, probs)
+    torch.testing.assert_close(h, h_coop, rtol=0, atol=0)
+    torch.testing.assert_close(a, a_coop, rtol=0, atol=0)
+    assert (h[end:] == 0).all() and (a[end:] == 0).all()
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("half", [False, True], ids=["full_tiles", "half_tiles"])
+@pytest.mark.parametrize("config", _PINGPONG_CONFIGS, ids=str)
+@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def test_pingpong_dgrad_equals_cooperative_bit_for_bit(tiling_env, case, config, half):
+    """The default FP8 GLU dgrad (ping-pong, 128 wide) against the cooperative 128-wide tile:
+    dh and a bit for bit (TE_SEQ_HALF_TILES=1 too: an expert's last tile of <= 64 rows runs
+    one 64-row atom), d(probs) within its atomics' summation order; zeros past offs[-1]."""
+    _, sizes, extra, h_dim, f = case
+    act, il, p_dtype, cluster = config
+    m, end = sum(sizes) + extra, sum(sizes)
+    dy, sdy, _ = _quantized_rows(_spread_rows(m, h_dim))
+    w2t, sw2, _ = _quantized_rows(_spread_rows(len(sizes), f, h_dim) / h_dim**0.5)
+    h = torch.randn(m, 2 * f, device="cuda").to(torch.bfloat16)
+    probs = None if p_dtype is None else torch.rand(m, device="cuda").to(p_dtype)
+    _scales_nan_where_unread(sdy, sw2, sizes)
+    offs = _offs(sizes)
+    tiling_env("TE_SEQ_MM_CLUSTER", f"{cluster[0]}x{cluster[1]}")
+    tiling_env("TE_SEQ_HALF_TILES", "1" if half else "0")
+    fn = cute.scaled_glu_fc2_dgrad
+    dh, a, dprobs = fn(dy, w2t, sdy, sw2, offs, h, act, il, probs)
+    same = fn(dy, w2t, sdy, sw2, offs, h, act, il, probs, tiling=cute.Tiling(128, cluster))
+    torch.testing.assert_close(dh, same[0], rtol=0, atol=0)
+    torch.testing.assert_close(a, same[1], rtol=0, atol=0)
+    assert (dh[end:] == 0).all()
+    if probs is not None:
+        torch.testing.assert_close(dprobs.float(), same[2].float(), rtol=2e-2, atol=1e-3)

@@ -154,3 +154,45 @@ def test_scaled_grouped_wgrad_takes_an_e5m2_a():
     ok = [g for g, c in enumerate(counts) if c]
     _check(out[ok], (a, b, sa[ok], sb[ok], _spans(ends)[ok]))
     assert (out[0] == 0).all()
+
+
+# ------------------------------------------------------------------ ping-pong consumers
+
+
+def test_default_tiling_is_the_16_bit_wgrads_with_static_units(tiling_env):
+    """Without accumulation the wgrad runs ping-pong in the 16-bit wgrad's cluster (2x1 for
+    spans of <= 512 tokens on average), static units; accumulating into main_grad (old-C
+    loads) or TE_SEQ_PINGPONG=0 keeps it cooperative."""
+    from te_seq.kernels.cute.fp8 import _wgrad_tiling
+
+    assert _wgrad_tiling(768, False, 256.0) == cute.Tiling(192, (2, 1), True)
+    assert _wgrad_tiling(2048, False, 4096.0) == cute.Tiling(128, (1, 2), True)
+    assert not _wgrad_tiling(768, True, 256.0).pingpong
+    tiling_env("TE_SEQ_PINGPONG", "0")
+    assert not _wgrad_tiling(768, False, 256.0).pingpong
+
+
+_PINGPONG = [cute.Tiling(128, (2, 1), True), cute.Tiling(192, (1, 2), True)]
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("tiling", _PINGPONG, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def test_pingpong_equals_cooperative_bit_for_bit(case, out_dtype, tiling):
+    """Ping-pong and cooperative tiles of one width sum each output over the same k-tiles in
+    the same order: bit for bit equal (empty groups with NaN scales: zeros)."""
+    _, counts, n, k = case
+    a, b, sa, sb, ends = _operands(counts, n, k, "cuda", seed=5)
+    for g, c in enumerate(counts):
+        if c == 0:
+            sa[g], sb[g] = float("nan"), float("inf")
+    out = torch.full((len(counts), n, k), float("nan"), device="cuda", dtype=out_dtype)
+    cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=out, tiling=tiling)
+    same = torch.full_like(out, float("nan"))
+    cooperative = cute.Tiling(tiling.tile_n, tiling.cluster_mn)
+    cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=same, tiling=cooperative)
+    torch.testing.assert_close(out, same, rtol=0, atol=0)
+    ok = [g for g, c in enumerate(counts) if c]
+    _check(out[ok], (a, b, sa[ok], sb[ok], _spans(ends)[ok]))

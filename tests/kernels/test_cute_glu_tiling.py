@@ -28,7 +28,7 @@ def test_short_mainloop_fc1_runs_in_pingpong(k):
     ("k", "plain", "gather"),
     [
         (PINGPONG_MAX_K + 8, True, False),  # a longer mainloop: cooperative
-        (2048, False, False),  # a bias, FP8 operands or an interleave ping-pong cannot take
+        (2048, False, False),  # a bias, block scales or an interleave ping-pong cannot take
         (2048, True, True),  # gathered rows: never multicast
     ],
 )
@@ -76,3 +76,21 @@ def test_varlen_m_cluster_from_the_environment(tiling_env):
     tiling_env("TE_SEQ_MM_CLUSTER", "2x2")
     with pytest.raises(ValueError, match=r"TE_SEQ_MM_CLUSTER must be one of \['1x2', '2x1'\]"):
         _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True)
+
+
+@pytest.mark.parametrize("k", [768, 2048, PINGPONG_MAX_K])
+def test_fp8_dgrad_runs_pingpong_for_short_k(k):
+    """The row-wise FP8 GLU dgrad runs 128-wide ping-pong tiles in the ping-pong cluster; the
+    16-bit dgrad stays cooperative."""
+    assert _glu_tiling("dgrad", 768, False, None, k, fp8_dgrad=True) == Tiling(
+        128, (1, 2), pingpong=True)
+    assert not _glu_tiling("dgrad", 768, False, None, k).pingpong
+
+
+def test_fp8_dgrad_pingpong_off_long_k_and_cluster(tiling_env):
+    assert not _glu_tiling("dgrad", 768, False, None, PINGPONG_MAX_K + 8, fp8_dgrad=True).pingpong
+    tiling_env("TE_SEQ_MM_CLUSTER", "2x1")
+    assert _glu_tiling("dgrad", 768, False, None, 2048, fp8_dgrad=True) == Tiling(
+        128, (2, 1), pingpong=True)
+    tiling_env("TE_SEQ_PINGPONG", "0")
+    assert _glu_tiling("dgrad", 768, False, None, 2048, fp8_dgrad=True) == Tiling(192, (1, 2))

@@ -389,9 +389,12 @@ def test_glu_default_tilings_stay_cooperative(tiling_env):
 
 # ------------------------------------------------------------------ registers (ptxas, CPU)
 
-# ping-pong GLU configs that must assemble without register spills (kernel README, "Why the
-# fused GLU dgrad loses in ping-pong"): the (64 x 32) subtiles with per-row probs
-_NO_SPILL_CONFIGS = ("glu_dgrad_silu128_pp64", "glu_fc1_silu_probs_pp64", "glu_fc1_relu_il32_pp64")
+# ping-pong configs that must assemble without register spills (kernel README, "Why the
+# fused GLU dgrad loses in ping-pong"): the GLU's (64 x 32) subtiles with per-row probs, and
+# the FP8 row-wise kernels
+_NO_SPILL_CONFIGS = ("glu_dgrad_silu128_pp64", "glu_fc1_silu_probs_pp64", "glu_fc1_relu_il32_pp64",
+                     # FP8 row-wise in ping-pong (each warpgroup its scale scratch)
+                     "fp8_rowwise_pp192", "fp8_glu_fc1_silu_probs_pp", "fp8_wgrad_pp192_2x1")
 
 
 @pytest.mark.slow  # DSL compiles and ptxas in a subprocess

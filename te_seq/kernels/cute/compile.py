@@ -220,7 +220,8 @@ def _compile_scaled(cfg: GemmConfig) -> CompiledGemm:
     if (cfg.varlen == "m" and cfg.accumulate) or cfg.bias_dtype or cfg.route or cfg.b_major != "k":
         raise ValueError(f"scaled GEMMs take K-major B, no bias or route (varlen 'm': no "
                          f"accumulate): {cfg}")
-    kernel = ScaledGemmKernel(cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, cfg.accumulate)
+    kernel = ScaledGemmKernel(cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, cfg.accumulate,
+                              pingpong=cfg.pingpong, half_tiles=cfg.half_tiles)
     return _compile("gemm", cfg, kernel, _fake_args(cfg))
 
 
@@ -374,11 +375,14 @@ def _compile_scaled_glu(cfg: GluConfig) -> CompiledGemm:
     """The FP8 GLU GEMM (``scaled_glu``): E4M3 operands, K-major B, no bias, no route."""
     from .scaled_glu import ScaledGluGemmKernel
 
-    if cfg.ab_dtype != torch.float8_e4m3fn or cfg.b_major != "k" or cfg.bias_dtype or cfg.route:
-        raise ValueError(f"scaled GLU GEMMs take E4M3 operands, K-major B, no bias or route: {cfg}")
+    if (cfg.ab_dtype != torch.float8_e4m3fn or cfg.b_major != "k" or cfg.bias_dtype or cfg.route
+            or cfg.epi_rows != 128 or cfg.h_prefetch != 1):
+        raise ValueError(f"scaled GLU GEMMs take E4M3 operands, K-major B, no bias or route, "
+                         f"128-row epilogue subtiles and one h buffer pair: {cfg}")
     kernel = ScaledGluGemmKernel(
         cfg.mode, cfg.act, cfg.interleave, cfg.probs_dtype is not None, cfg.cluster_mn,
-        cfg.store_stages, cfg.tile_n, cfg.params,
+        cfg.store_stages, cfg.tile_n, cfg.params, pingpong=cfg.pingpong,
+        half_tiles=cfg.half_tiles,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 

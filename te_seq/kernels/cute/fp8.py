@@ -15,24 +15,26 @@ Imports no cutlass until a kernel is first compiled; no host reads of ``offs``.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .launch import (
-    MM_TILING,
-    WGRAD_TILING,
     Tiling,
     _check_offs,
     _num_sms,
     _row_major,
     aligned_16,
-    default_tiling,
+    half_tiles,
     no_route,
+    plain_mm_tiling,
     static_only,
+    tiling_settings,
     varlen_k_clusters,
     varlen_m_clusters,
+    wgrad_tiling,
 )
 from .launch_plan import PlanCache
 
@@ -139,9 +141,9 @@ def scaled_grouped_mm(
     def config(n: int):
         from .compile import GemmConfig
 
-        t = static_only(tiling, _OP) or default_tiling(n, MM_TILING)
+        t = static_only(tiling, _OP) or plain_mm_tiling(n, a.shape[1])
         return GemmConfig("m", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, scaled=True,
-                          a_dtype=_a_dtype(a))
+                          a_dtype=_a_dtype(a), pingpong=t.pingpong, half_tiles=half_tiles(t))
 
     return run_scaled_mm(_OP, lambda: supports_scaled(a, b, a_scale, b_scale, out_dtype),
                          config, a, b, a_scale, b_scale, offs, out_dtype, tiling)
@@ -174,7 +176,8 @@ def run_scaled_mm(op: str, check, config, a: Tensor, b: Tensor, a_scale: Tensor,
     signature = (op, a.dtype, a.shape, a.stride(), a.device, b.dtype, b.shape, b.stride(),
                  b.device, a_scale.dtype, a_scale.shape, a_scale.stride(), a_scale.device,
                  b_scale.dtype, b_scale.shape, b_scale.stride(), b_scale.device, offs.dtype,
-                 offs.shape, offs.stride(), offs.device, out_dtype, tiling)
+                 offs.shape, offs.stride(), offs.device, out_dtype, tiling,
+                 tiling is None and tiling_settings())  # the default tiling reads the environment
     plan = _MM_PLANS.get(signature) or _MM_PLANS.put(
         signature, _plan_mm(op, check(), config, a, b, a_scale, b_scale, offs))
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
@@ -291,7 +294,7 @@ def scaled_grouped_wgrad(
                  b_scale.shape, b_scale.stride(), b_scale.device, offs.dtype, offs.shape,
                  offs.stride(), offs.device,
                  None if out is None else (out.dtype, out.shape, out.is_contiguous()),
-                 accumulate, tiling)
+                 accumulate, tiling, tiling is None and tiling_settings())
     plan = _WGRAD_PLANS.get(signature) or _WGRAD_PLANS.put(
         signature, _plan_wgrad(a, b, a_scale, b_scale, offs, out, accumulate, tiling))
     if out is None:
@@ -306,6 +309,13 @@ def scaled_grouped_wgrad(
     a, b = aligned_16(a), aligned_16(b)
     plan.kernel(a, b, out.permute(1, 2, 0), offs, plan.clusters, a_scale, b_scale, plan.route)
     return out
+
+
+def _wgrad_tiling(k: int, accumulate: bool, span_tokens: float) -> Tiling:
+    """The 16-bit wgrad's default tiling (``wgrad_tiling``: ping-pong unless accumulating,
+    its cluster from the groups' average padded span ``span_tokens``) with static units (the
+    scaled kernel has no dynamic schedule)."""
+    return replace(wgrad_tiling(k, accumulate, span_tokens), dynamic=False)
 
 
 def _plan_wgrad(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
@@ -326,9 +336,10 @@ def _plan_wgrad(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Te
         raise ValueError(f"{_WGRAD_OP}: out must be a contiguous [{groups}, {n}, {k}] float32 or "
                          f"bfloat16 tensor, got {tuple(out.shape)} {out.dtype}")
     checked = _check_offs(offs, groups, a.device)
-    t = static_only(tiling, _WGRAD_OP) or default_tiling(k, WGRAD_TILING)
-    cfg = GemmConfig("k", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn,
-                     accumulate and out is not None, scaled=True, a_dtype=_a_dtype(a))
+    accumulate = accumulate and out is not None
+    t = static_only(tiling, _WGRAD_OP) or _wgrad_tiling(k, accumulate, a.shape[1] / groups)
+    cfg = GemmConfig("k", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, accumulate,
+                     scaled=True, a_dtype=_a_dtype(a), pingpong=t.pingpong)
     sms = _num_sms(a.device.index or 0)
     clusters = varlen_k_clusters(groups, n, k, t.tile_n, t.cluster_mn, sms)
     return MmPlan(compile_gemm(cfg).fn, clusters,

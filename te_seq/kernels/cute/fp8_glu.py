@@ -147,13 +147,16 @@ class _ScaledFc1Forward:
         interleave: int | None,
         probs: Tensor | None = None,
         params: tuple[float, ...] = (),
+        *,
+        tiling: Tiling | None = None,
     ) -> tuple[Tensor, Tensor]:
         """h [M, 2F] bf16 = diag(x_scale) (x_e W1_eᵀ) diag(w1_scale[e]) (fp32 accumulation,
         one rounding) and a [M, F] bf16 = act(gate)·up(·probs) from the bf16 h, as
         ``reference.glu_forward(h, ...)``. x [M, H] and w1 [E, 2F, H] float8_e4m3fn (W1's
         rows in h's column layout), offs int32 [E] cumulative row ends, probs [M] or None,
-        ``params`` the activation's float parameters (() for its defaults). Rows past
-        ``offs[-1]`` are zeros in h and a. Raises ValueError when ``supports`` is False."""
+        ``params`` the activation's float parameters (() for its defaults), ``tiling`` as
+        the 16-bit ``glu_fc1_forward``'s (None: the default). Rows past ``offs[-1]`` are
+        zeros in h and a. Raises ValueError when ``supports`` is False."""
         checked, why = _checked(x, w1, x_scale, w1_scale, act, interleave, True)
         if checked is None:
             raise ValueError(
@@ -167,7 +170,7 @@ class _ScaledFc1Forward:
         if rows:
             x, w1t, scales = _kernel_operands(x, w1, x_scale, w1_scale, checked)
             _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params,
-                    scales=scales)
+                    scales=scales, tiling=tiling)
         return h, a
 
 
@@ -198,11 +201,14 @@ class _ScaledFc2Dgrad:
         interleave: int | None,
         probs: Tensor | None = None,
         params: tuple[float, ...] = (),
+        *,
+        tiling: Tiling | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """dA [M, F] = diag(dy_scale) (dY_e W2_e) diag(w2t_scale[e]) (w2t = W2ᵀ [E, F, H]
         float8_e4m3fn, dy [M, H] float8_e4m3fn) stays in fp32 registers; dh [M, 2F] bf16 =
         ``reference.glu_backward(h, dA, ...)``, a [M, F] bf16 = ``reference.glu_forward(h,
-        ...)`` and dprobs [M] (fp32 sums, in probs.dtype; None without probs). h [M, 2F] bf16.
+        ...)`` and dprobs [M] (fp32 sums, in probs.dtype; None without probs). h [M, 2F] bf16;
+        ``tiling`` as the 16-bit ``glu_fc2_dgrad``'s (None: the default, cooperative).
         Rows past ``offs[-1]`` get dA = 0 (dh and dprobs zero there). Raises ValueError when
         ``supports`` is False or h has the wrong shape or dtype."""
         checked, why = _checked(dy, w2t, dy_scale, w2t_scale, act, interleave, False)
@@ -213,7 +219,7 @@ class _ScaledFc2Dgrad:
             )
         dy, w2, scales = _kernel_operands(dy, w2t, dy_scale, w2t_scale, checked)
         return run_dgrad("scaled_glu_fc2_dgrad", dy, w2, offs, h, act, interleave, probs,
-                         params, torch.bfloat16, scales)
+                         params, torch.bfloat16, scales, tiling)
 
 
 scaled_glu_fc1_forward = _ScaledFc1Forward()

@@ -53,6 +53,12 @@ _FC1_TILE_N, _CLUSTER = 256, (1, 2)
 # 449 vs 428 on the H100; B (K = 4096) 571 vs 589 and 475 vs 583: a short mainloop leaves the
 # epilogue exposed, which ping-pong hides; a long one does not.
 PINGPONG_FC1_TILE_N = 128
+# The FP8 (row-wise) GLU dgrad in ping-pong, 128 wide, against its cooperative default (one H200,
+# 2026-11-28, scratch timing of scaled_glu_fc2_dgrad alone, silu with probs, 256 rows per
+# expert, ms; measured/h200_2026-11-28n_fp8_glu_dgrad_tilings.txt): Q 0.172 (1x2) and 0.167
+# (2x1) vs 0.183; B's widths 0.320 and 0.300 vs 0.335; 192 wide 0.398 and 0.638. Its 16-bit
+# form stays cooperative (it lost in ping-pong: kernel README, "Ping-pong consumers").
+PINGPONG_FP8_DGRAD_TILE_N = 128
 _DUMMY: dict = {}
 _MAT_DUMMY: dict = {}  # (device type, index, dtype) -> the [8, 8] placeholder in that dtype
 _PLANS = PlanCache()  # GLU launches (16-bit and FP8) by call signature
@@ -143,19 +149,23 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
 
 
 def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int = 0,
-                plain_fc1: bool = False) -> Tiling:
+                plain_fc1: bool = False, fp8_dgrad: bool = False) -> Tiling:
     """The tiling of a GLU launch of N = ``n`` columns and K = ``k``: ``tiling`` if given;
     else an FC1 with a short mainloop (K <= ``pingpong_max_k()``) that is ``plain_fc1``
-    (16-bit, no bias, interleave None, 32 or 64) on rows not gathered runs in ping-pong, 64
-    gate + 64 up columns per tile, while ``pingpong_by_default()``; the rest is cooperative:
+    (16-bit or row-wise FP8, no bias, interleave None, 32 or 64) on rows not gathered runs in
+    ping-pong, 64 gate + 64 up columns per tile, while ``pingpong_by_default()``; the rest is
+    cooperative:
     FC1's 128 gate + 128 up columns per tile, the dgrad's width fitted to N = F
     (``tile_n_for``); gathered rows are never multicast (``GATHER_CLUSTER``).
 
-    The GLU dgrad stays cooperative: on one H100 and one H200 (2026-11-25) it lost in
-    ping-pong on Q (kernel README "Ping-pong consumers")."""
+    The 16-bit GLU dgrad stays cooperative: on one H100 and one H200 (2026-11-25) it lost in
+    ping-pong on Q (kernel README "Ping-pong consumers"); the row-wise FP8 one (``fp8_dgrad``)
+    with a short mainloop runs ping-pong 128 wide (``PINGPONG_FP8_DGRAD_TILE_N``)."""
     if tiling is not None:
         return static_only(tiling, f"cute GLU {mode}")
     short = k <= pingpong_max_k()
+    if mode == "dgrad" and fp8_dgrad and short and pingpong_by_default():
+        return Tiling(PINGPONG_FP8_DGRAD_TILE_N, mm_pingpong_cluster(), pingpong=True)
     if mode == "fc1" and plain_fc1 and not gather and short and pingpong_by_default():
         width = glu_fc1_pingpong_tile_n(PINGPONG_FC1_TILE_N)
         if (n // 2) % (width // 2):  # F not whole tiles of width / 2 gate columns
@@ -216,9 +226,10 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
 
     b_major, b_copy = b_layout(b)
     groups, n = b.shape[0], b.shape[2]
-    plain_fc1 = bias is None and not scaled and x.dtype in (torch.bfloat16, torch.float16) \
-        and interleave in (None, 32, 64)
-    t = _glu_tiling(mode, n, gather is not None, tiling, x.shape[1], plain_fc1)
+    plain_fc1 = bias is None and not block_scaled and interleave in (None, 32, 64) \
+        and (scaled or x.dtype in (torch.bfloat16, torch.float16))
+    fp8_dgrad = mode == "dgrad" and scaled and not block_scaled
+    t = _glu_tiling(mode, n, gather is not None, tiling, x.shape[1], plain_fc1, fp8_dgrad)
     _check_fc1_halves(mode, interleave, n, t)
     if h_prefetch is None:
         h_prefetch = _dgrad_h_prefetch(t, scaled) if mode == "dgrad" else 1

@@ -231,7 +231,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         epi_bytes = tm * 32 * self.c_dtype.width // 8 * (store_ring + self.epi_extra_buffers)
         smem = memory.get_smem_capacity_in_bytes("sm_90")
         # barriers and the padding to sA's 1024-byte alignment take < 1 KB; the scratch after
-        reserve = max(2048, 1024 + 4 * self.epi_scratch_words)
+        reserve = max(2048, 1024 + 4 * self._scratch_words())
         return (smem - reserve - epi_bytes) // ab_bytes
 
     def _tma_load(self, t: cute.Tensor, smem_staged, tile: tuple[int, int], mcast: int):
@@ -338,11 +338,16 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             stream=stream,
         )
 
+    def _scratch_words(self) -> int:
+        """fp32 words of epilogue scratch in smem: ``epi_scratch_words`` per tile in flight,
+        so one block per MMA warpgroup in ping-pong (``_consumer`` hands each its own)."""
+        return self.epi_scratch_words * (2 if self.pingpong else 1)
+
     def _epi_scratch(self, allocator):
-        """The epilogue's fp32 smem scratch of ``epi_scratch_words`` (None without one)."""
+        """The epilogue's fp32 smem scratch (``_scratch_words``; None without one)."""
         if self.epi_scratch_words == 0:
             return None
-        return allocator.allocate_tensor(Float32, cute.make_layout(self.epi_scratch_words), 16)
+        return allocator.allocate_tensor(Float32, cute.make_layout(self._scratch_words()), 16)
 
     @cute.jit
     def _init_extra_barriers(self, storage, warp, routes):

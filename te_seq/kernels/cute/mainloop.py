@@ -192,6 +192,9 @@ class MainloopMixin:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if const_expr(self.pingpong):  # the second warpgroup's warps 8-11 act as warps 4-7
             warp = warp - 4 * wg
+            if const_expr(scratch is not None):  # each warpgroup's tiles use their own block
+                words = self.epi_scratch_words
+                scratch = cute.make_tensor(scratch.iterator + wg * words, cute.make_layout(words))
 
         ep = _EpilogueState(
             tma_c,
@@ -266,6 +269,7 @@ class MainloopMixin:
             m_tile = m_unit * self.cluster_m + cluster_coord[0]
             n_tile = n_unit * self.cluster_n + cluster_coord[1]
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
+            self._before_mainloop(ep, group, m_tile, n_tile, row0, epi_count)
             mma_turn.arrive_and_wait()
             read, release = self._pingpong_mainloop(
                 ep, acc, (tCrA, tCrB), ab_pipe, (read, release), k_tiles, mma_peer,

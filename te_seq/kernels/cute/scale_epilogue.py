@@ -61,10 +61,15 @@ class ScaleScratchMixin:
     Hooks: ``scale_epi_index`` (where scale_a, scale_b sit in the epilogue state ``ep.epi``)
     and ``_scale_col`` (the scale column of tile column t)."""
 
-    pingpong_ready = False  # one scale scratch for both warpgroups, filled before the mainloop
-
-    epi_scratch_words = 128 + 256  # a tile's row and column scales (tm + the widest tn)
+    pingpong_ready = True  # in ping-pong each warpgroup fills its own scratch block
     scale_epi_index = 0
+
+    @property
+    def epi_scratch_words(self) -> int:
+        """A tile's row and column scales: tm + tn words per ping-pong warpgroup (two blocks,
+        ``GroupedGemmKernel._scratch_words``), else tm + the widest tn (128 + 256)."""
+        tm, tn, _ = self.tile_mnk
+        return tm + tn if self.pingpong else 128 + 256
 
     def _scale_col(self, n_tile, t, scale_b):
         """Column of scale_b [E, N] that tile column ``t`` of n-tile ``n_tile`` is scaled by
@@ -73,8 +78,9 @@ class ScaleScratchMixin:
 
     @cute.jit
     def _before_mainloop(self, ep, group, m_tile, n_tile, row0, epi_count):
-        """Start copying the tile's row and column scales into the smem scratch (cp.async, one
-        4-byte copy per consumer thread and kind); ``_wait_scales`` waits for them."""
+        """Start copying the tile's row and column scales into the smem scratch (cp.async,
+        4-byte copies: a row and a column per tile thread, two columns where a ping-pong
+        warpgroup's 128 threads hold a 192-wide tile); ``_wait_scales`` waits for them."""
         # explicit class: the DSL rewrites a bare super() to super(self.__class__, self)
         super(ScaleScratchMixin, self)._before_mainloop(ep, group, m_tile, n_tile, row0, epi_count)
         tm, tn, _ = self.tile_mnk
@@ -83,10 +89,13 @@ class ScaleScratchMixin:
         g = cutlass.min(group, cute.size(scale_b, mode=[0]) - 1)
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
         dst = cute.zipped_divide(ep.scratch, (1,))
-        if t < tn:
-            col = cutlass.min(self._scale_col(n_tile, t, scale_b), cute.size(scale_b, mode=[1]) - 1)
-            cols = cute.zipped_divide(scale_b[g, None], (1,))
-            cute.copy(atom, cols[(None, col)], dst[(None, tm + t)])
+        for j in cutlass.range_constexpr(-(-tn // self.num_mma_threads)):
+            c = t if j == 0 else t + j * self.num_mma_threads
+            if c < tn:
+                col = cutlass.min(self._scale_col(n_tile, c, scale_b),
+                                  cute.size(scale_b, mode=[1]) - 1)
+                cols = cute.zipped_divide(scale_b[g, None], (1,))
+                cute.copy(atom, cols[(None, col)], dst[(None, tm + c)])
         if t < tm:
             if const_expr(self.varlen == "m"):
                 row = cutlass.min(row0 + m_tile * tm + t, cute.size(scale_a) - 1)
@@ -127,8 +136,11 @@ class ScaledGemmKernel(ScaleScratchMixin, GroupedGemmKernel):
         tile_mn: tuple[int, int] = (128, 256),
         cluster_mn: tuple[int, int] = (1, 2),
         accumulate: bool = False,
+        pingpong: bool = False,
+        half_tiles: bool = False,
     ):
-        super().__init__(varlen, tile_mn, cluster_mn, accumulate)
+        super().__init__(varlen, tile_mn, cluster_mn, accumulate, pingpong=pingpong,
+                         half_tiles=half_tiles)
 
     @cute.jit
     def __call__(

@@ -15,8 +15,9 @@ and a computed from the rounded h (fc1); dh, a and the d(probs) atomics from the
 
 The scales of a tile reach the epilogue as in ``scale_epilogue``: copied into an smem scratch
 by cp.async before the tile's mainloop (``ScaleScratchMixin``), waited for before the epilogue.
-With fc1's [gate | up] halves, tile column 128q + i of n-tile t reads W1 row q·F + 128t + i
-(``GluGemmKernel._b_tma_view``), so the column scale copied for it is scale_b[g, q·F + 128t + i];
+With fc1's [gate | up] halves of w = tile_n / 2 columns (128 cooperative, 64 or 96 in ping-pong),
+tile column wq + i of n-tile t reads W1 row q·F + wt + i (``GluGemmKernel._b_tma_view``), so the
+column scale copied for it is scale_b[g, q·F + wt + i];
 with interleaved blocks the tile's columns are W1's rows in order. Rows past offs[-1] (the
 virtual group E) have zero accumulators and get acc' = 0 whatever their scales hold (no
 NaN · 0), so fc1 writes zeros there and dgrad's dh is zero there, as the 16-bit kernel's.
@@ -47,8 +48,11 @@ class ScaledGluGemmKernel(ScaleScratchMixin, GluGemmKernel):
         store_stages: int | None = None,
         tile_n: int = 256,
         params: tuple[float, ...] = (),
+        pingpong: bool = False,
+        half_tiles: bool = False,
     ):
-        super().__init__(mode, act, interleave, has_probs, cluster_mn, store_stages, tile_n, params)
+        super().__init__(mode, act, interleave, has_probs, cluster_mn, store_stages, tile_n, params,
+                         pingpong=pingpong, half_tiles=half_tiles)
 
     @cute.jit
     def __call__(
@@ -74,11 +78,11 @@ class ScaledGluGemmKernel(ScaleScratchMixin, GluGemmKernel):
     # Plain Python (inlined while the kernel is traced): no dynamic control flow below.
 
     def _scale_col(self, n_tile, t, scale_b):
-        """W1's row of fc1 tile column ``t`` with [gate | up] halves (q·F + 128·n_tile + i for
-        t = 128q + i); the GEMM's own column otherwise."""
+        """W1's row of fc1 tile column ``t`` with [gate | up] halves of w = tile_n / 2 columns
+        (q·F + w·n_tile + i for t = w·q + i); the GEMM's own column otherwise."""
         if self.mode == "fc1" and self.interleave is None:
-            f_dim = cute.size(scale_b, mode=[1]) // 2
-            return (t // 128) * f_dim + n_tile * 128 + t % 128
+            f_dim, half = cute.size(scale_b, mode=[1]) // 2, self.tile_mnk[1] // 2
+            return (t // half) * f_dim + n_tile * half + t % half
         return n_tile * self.tile_mnk[1] + t
 
     def _scale_tile(self, ep, group, coords) -> ScaleTile:
