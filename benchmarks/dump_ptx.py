@@ -131,6 +131,12 @@ def _configs() -> dict[str, object]:
         "fp8_glu_dgrad_silu_probs_pp": GluConfig("dgrad", torch.float8_e4m3fn, "k", "silu",
                                                  None, fp32, tile_n=128, scaled=True,
                                                  pingpong=True),
+        "fp8_glu_dgrad_silu_probs_pp64": GluConfig("dgrad", torch.float8_e4m3fn, "k", "silu",
+                                                   None, fp32, tile_n=128, scaled=True,
+                                                   pingpong=True, epi_rows=64),
+        "fp8_glu_fc1_silu_probs_pp64": GluConfig("fc1", torch.float8_e4m3fn, "k", "silu", None,
+                                                 fp32, tile_n=128, scaled=True, pingpong=True,
+                                                 epi_rows=64),
         # FP8 block scales promoted in the main loop (block_scaled.py, block_wgrad.py)
         "fp8_block": GemmConfig("m", torch.float8_e4m3fn, bf16, "k", 128, (1, 2),
                                 block_scaled=True),

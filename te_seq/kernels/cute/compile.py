@@ -376,13 +376,13 @@ def _compile_scaled_glu(cfg: GluConfig) -> CompiledGemm:
     from .scaled_glu import ScaledGluGemmKernel
 
     if (cfg.ab_dtype != torch.float8_e4m3fn or cfg.b_major != "k" or cfg.bias_dtype or cfg.route
-            or cfg.epi_rows != 128 or cfg.h_prefetch != 1):
-        raise ValueError(f"scaled GLU GEMMs take E4M3 operands, K-major B, no bias or route, "
-                         f"128-row epilogue subtiles and one h buffer pair: {cfg}")
+            or cfg.h_prefetch != 1):
+        raise ValueError(f"scaled GLU GEMMs take E4M3 operands, K-major B, no bias or route "
+                         f"and one h buffer pair: {cfg}")
     kernel = ScaledGluGemmKernel(
         cfg.mode, cfg.act, cfg.interleave, cfg.probs_dtype is not None, cfg.cluster_mn,
         cfg.store_stages, cfg.tile_n, cfg.params, pingpong=cfg.pingpong,
-        half_tiles=cfg.half_tiles,
+        epi_rows=cfg.epi_rows, half_tiles=cfg.half_tiles,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 

@@ -49,10 +49,11 @@ class ScaledGluGemmKernel(ScaleScratchMixin, GluGemmKernel):
         tile_n: int = 256,
         params: tuple[float, ...] = (),
         pingpong: bool = False,
+        epi_rows: int = 128,
         half_tiles: bool = False,
     ):
         super().__init__(mode, act, interleave, has_probs, cluster_mn, store_stages, tile_n, params,
-                         pingpong=pingpong, half_tiles=half_tiles)
+                         pingpong=pingpong, epi_rows=epi_rows, half_tiles=half_tiles)
 
     @cute.jit
     def __call__(
