@@ -56,8 +56,10 @@ PINGPONG_FC1_TILE_N = 128
 # The FP8 (row-wise) GLU dgrad in ping-pong, 128 wide, against its cooperative default (one H200,
 # 2026-11-28, scratch timing of scaled_glu_fc2_dgrad alone, silu with probs, 256 rows per
 # expert, ms; measured/h200_2026-11-28n_fp8_glu_dgrad_tilings.txt): Q 0.172 (1x2) and 0.167
-# (2x1) vs 0.183; B's widths 0.320 and 0.300 vs 0.335; 192 wide 0.398 and 0.638. Its 16-bit
-# form stays cooperative (it lost in ping-pong: kernel README, "Ping-pong consumers").
+# (2x1) vs 0.183; B's widths 0.320 and 0.300 vs 0.335; 192 wide 0.398 and 0.638. With B's 512
+# rows per expert (..._2026-11-28o_fp8_glu_dgrad_tilings.txt): 0.595 (1x2) and 0.684 (2x1) vs
+# 0.711; (64 x 32) epilogue subtiles slower (Q 0.204, B 0.639). Its 16-bit form stays
+# cooperative (it lost in ping-pong: kernel README, "Ping-pong consumers").
 PINGPONG_FP8_DGRAD_TILE_N = 128
 _DUMMY: dict = {}
 _MAT_DUMMY: dict = {}  # (device type, index, dtype) -> the [8, 8] placeholder in that dtype
