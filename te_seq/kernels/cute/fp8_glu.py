@@ -117,6 +117,37 @@ def _kernel_operands(x: Tensor, w: Tensor, x_scale: Tensor, w_scale: Tensor,
     return x, w.transpose(1, 2), (x_scale, w_scale)
 
 
+def _block_operands(x: Tensor, w: Tensor, x_scale: Tensor, w_scale: Tensor) -> tuple:
+    """(x, w as [E, H, N] with H contiguous, (x_scale, w_scale)) for the block-scaled GLU
+    kernel: row-major x and K-major w on 16-byte boundaries, contiguous scales."""
+    scales = (x_scale.contiguous(), w_scale.contiguous())
+    return aligned_16(x, _row_major(x) is not x), k_major(w).transpose(1, 2), scales
+
+
+def _refused(op: str, a: tuple[str, Tensor], b: tuple[str, Tensor], why: str) -> ValueError:
+    """The ValueError of a refused call: the functional, both operands' shapes and dtypes and
+    the reason."""
+    (a_name, a_t), (b_name, b_t) = a, b
+    return ValueError(f"cute {op}: {a_name} {tuple(a_t.shape)} {a_t.dtype}, "
+                      f"{b_name} {tuple(b_t.shape)} {b_t.dtype}: {why}")
+
+
+def _run_fc1(op: str, x: Tensor, w1: Tensor, offs: Tensor, act: str, interleave: int | None,
+             probs: Tensor | None, params: tuple, operands, **launch) -> tuple[Tensor, Tensor]:
+    """An FP8 GLU FC1 on checked operands: h [M, 2F] and a [M, F] allocated in bf16, probs
+    checked, and (where x has rows) the kernel launched on ``operands()`` = (x, w1 as
+    [E, H, 2F], scales) with ``launch``'s options (tiling, block_scaled)."""
+    rows, f = x.shape[0], w1.shape[1] // 2
+    probs = _check_probs(probs, rows, op)
+    h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=x.device)
+    a = torch.empty(rows, f, dtype=torch.bfloat16, device=x.device)
+    if rows:
+        x, w1t, scales = operands()
+        _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params,
+                scales=scales, **launch)
+    return h, a
+
+
 class _ScaledFc1Forward:
     """``scaled_glu_fc1_forward(x, w1, x_scale, w1_scale, offs, act, interleave, probs, params)
     -> (h, a)``."""
@@ -157,21 +188,13 @@ class _ScaledFc1Forward:
         ``params`` the activation's float parameters (() for its defaults), ``tiling`` as
         the 16-bit ``glu_fc1_forward``'s (None: the default). Rows past ``offs[-1]`` are
         zeros in h and a. Raises ValueError when ``supports`` is False."""
+        op = "scaled_glu_fc1_forward"
         checked, why = _checked(x, w1, x_scale, w1_scale, act, interleave, True)
         if checked is None:
-            raise ValueError(
-                f"cute scaled_glu_fc1_forward: x {tuple(x.shape)} {x.dtype}, "
-                f"w1 {tuple(w1.shape)} {w1.dtype}: {why}"
-            )
-        rows, f = x.shape[0], w1.shape[1] // 2
-        probs = _check_probs(probs, rows, "scaled_glu_fc1_forward")
-        h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=x.device)
-        a = torch.empty(rows, f, dtype=torch.bfloat16, device=x.device)
-        if rows:
-            x, w1t, scales = _kernel_operands(x, w1, x_scale, w1_scale, checked)
-            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params,
-                    scales=scales, tiling=tiling)
-        return h, a
+            raise _refused(op, ("x", x), ("w1", w1), why)
+        return _run_fc1(op, x, w1, offs, act, interleave, probs, params,
+                        lambda: _kernel_operands(x, w1, x_scale, w1_scale, checked),
+                        tiling=tiling)
 
 
 class _ScaledFc2Dgrad:
@@ -213,10 +236,7 @@ class _ScaledFc2Dgrad:
         ``supports`` is False or h has the wrong shape or dtype."""
         checked, why = _checked(dy, w2t, dy_scale, w2t_scale, act, interleave, False)
         if checked is None:
-            raise ValueError(
-                f"cute scaled_glu_fc2_dgrad: dy {tuple(dy.shape)} {dy.dtype}, "
-                f"w2t {tuple(w2t.shape)} {w2t.dtype}: {why}"
-            )
+            raise _refused("scaled_glu_fc2_dgrad", ("dy", dy), ("w2t", w2t), why)
         dy, w2, scales = _kernel_operands(dy, w2t, dy_scale, w2t_scale, checked)
         return run_dgrad("scaled_glu_fc2_dgrad", dy, w2, offs, h, act, interleave, probs,
                          params, torch.bfloat16, scales, tiling)
@@ -286,22 +306,13 @@ class _BlockScaledFc1Forward:
         scales (``Float8BlockScaling``'s 1×128 and 128×128 blocks), offs int32 [E] cumulative
         row ends, probs [M] or None. Rows past ``offs[-1]`` are zeros in h and a. Sync-free.
         Raises ValueError when ``supports`` is False."""
+        op = "block_scaled_glu_fc1_forward"
         ok, why = self.supports(x, w1, x_scale, w1_scale, act, interleave)
         if not ok:
-            raise ValueError(
-                f"cute block_scaled_glu_fc1_forward: x {tuple(x.shape)} {x.dtype}, "
-                f"w1 {tuple(w1.shape)} {w1.dtype}: {why}"
-            )
-        rows, f = x.shape[0], w1.shape[1] // 2
-        probs = _check_probs(probs, rows, "block_scaled_glu_fc1_forward")
-        h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=x.device)
-        a = torch.empty(rows, f, dtype=torch.bfloat16, device=x.device)
-        if rows:
-            scales = (x_scale.contiguous(), w1_scale.contiguous())
-            _launch("fc1", aligned_16(x, _row_major(x) is not x), k_major(w1).transpose(1, 2),
-                    h, offs, a, probs, None, None, act, interleave, params, scales=scales,
-                    tiling=BLOCK_GLU_TILING, block_scaled=True)
-        return h, a
+            raise _refused(op, ("x", x), ("w1", w1), why)
+        return _run_fc1(op, x, w1, offs, act, interleave, probs, params,
+                        lambda: _block_operands(x, w1, x_scale, w1_scale),
+                        tiling=BLOCK_GLU_TILING, block_scaled=True)
 
 
 block_scaled_glu_fc1_forward = _BlockScaledFc1Forward()
@@ -343,16 +354,13 @@ class _BlockScaledFc2Dgrad:
         ...)`` and dprobs [M] (fp32 sums, in probs.dtype; None without probs). h [M, 2F] bf16.
         Rows past ``offs[-1]`` get dA = 0. Sync-free. Raises ValueError when ``supports`` is
         False or h has the wrong shape or dtype."""
+        op = "block_scaled_glu_fc2_dgrad"
         ok, why = self.supports(dy, w2t, dy_scale, w2t_scale, act, interleave)
         if not ok:
-            raise ValueError(
-                f"cute block_scaled_glu_fc2_dgrad: dy {tuple(dy.shape)} {dy.dtype}, "
-                f"w2t {tuple(w2t.shape)} {w2t.dtype}: {why}"
-            )
-        scales = (dy_scale.contiguous(), w2t_scale.contiguous())
-        return run_dgrad("block_scaled_glu_fc2_dgrad", aligned_16(dy, _row_major(dy) is not dy),
-                         k_major(w2t).transpose(1, 2), offs, h, act, interleave, probs, params,
-                         torch.bfloat16, scales, BLOCK_GLU_TILING, block_scaled=True)
+            raise _refused(op, ("dy", dy), ("w2t", w2t), why)
+        dy, w2, scales = _block_operands(dy, w2t, dy_scale, w2t_scale)
+        return run_dgrad(op, dy, w2, offs, h, act, interleave, probs, params, torch.bfloat16,
+                         scales, BLOCK_GLU_TILING, block_scaled=True)
 
 
 block_scaled_glu_fc2_dgrad = _BlockScaledFc2Dgrad()
