@@ -22,7 +22,9 @@ Variants, all in this process on the same random data, each checked against an f
                        cooperative, interleaved with the default (ping-pong where allowed)
   te_seq:cute:NAME     the cute MLP with environment variables set while it runs
                        (`--env-variant NAME:VAR=VALUE,...`), e.g. the tiling settings of
-                       te_seq/kernels/cute/launch.py: two tilings compared in one process
+                       te_seq/kernels/cute/launch.py: two tilings compared in one process;
+                       `--env-base BASE` (repeatable) applies them to other te_seq variants
+                       too, e.g. te_seq:cute:fp8:hp-wgrad -> te_seq:cute:fp8:hp-wgrad:NAME
   te_seq:<backend>[:fp8]:graphed   the same Sequential captured by te_seq.make_graphed_callables
                        (`--graphed`; fresh grads): what a step costs with no Python per op
   kernels:<backend>    the backend's raw functionals (grouped_mm, grouped_wgrad, glu_*), unfused
@@ -178,13 +180,13 @@ class TeSeqVariant(AutogradVariant):
         return " ".join(f"{st.name}@{st.backend}" for st in steps)
 
 
-class TeSeqEnvVariant(TeSeqVariant):
-    """The te_seq:cute variant's own module, weights and inputs run with environment variables
-    set while it runs (`--env-variant`, `--pingpong`): the default tilings read TE_SEQ_PINGPONG,
-    TE_SEQ_PINGPONG_MAX_K and TE_SEQ_WGRAD_CLUSTER on every call
-    (te_seq/kernels/cute/launch.py), so two tilings compare in the same process, interleaved,
-    on the same memory. (Separately built copies of one configuration measured up to 9 % apart
-    on Q in one process, 2026-11-25: benchmarks/README.md.)"""
+class _EnvMixin:
+    """A te_seq variant's own module, weights and inputs run with environment variables set
+    while it runs (`--env-variant`, `--pingpong`; the bases: `--env-base`): the default tilings
+    read TE_SEQ_PINGPONG, TE_SEQ_PINGPONG_MAX_K, ... (te_seq/kernels/cute/launch.py), so two
+    tilings compare in the same process, interleaved, on the same memory. (Separately built
+    copies of one configuration measured up to 9 % apart on Q in one process, 2026-11-25:
+    benchmarks/README.md.) Mixed into the base's own class, so an FP8 base keeps its recipe."""
 
     def __init__(self, base: TeSeqVariant, name: str, env: dict[str, str]) -> None:
         vars(self).update(vars(base))  # shared: the module, its weights, x, probs and dy
@@ -198,6 +200,21 @@ class TeSeqEnvVariant(TeSeqVariant):
     def forward_backward(self) -> None:
         with _environment(self.env):
             super().forward_backward()
+
+
+class TeSeqEnvVariant(_EnvMixin, TeSeqVariant):
+    """`_EnvMixin` on the bf16 te_seq variant."""
+
+
+_ENV_CLASSES: dict[type, type] = {TeSeqVariant: TeSeqEnvVariant}
+
+
+def env_variant(base: TeSeqVariant, name: str, env: dict[str, str]) -> TeSeqVariant:
+    """``base`` (any te_seq variant) as `NAME` with ``env`` set while it runs (`_EnvMixin`)."""
+    kind = type(base)
+    if kind not in _ENV_CLASSES:
+        _ENV_CLASSES[kind] = type(f"Env{kind.__name__}", (_EnvMixin, kind), {})
+    return _ENV_CLASSES[kind](base, name, env)
 
 
 def pingpong_flip() -> tuple[str, dict[str, str]]:
@@ -384,6 +401,7 @@ class _Builder:
         self.fp8 = False  # also te_seq:<backend>:fp8 (--fp8)
         self.fp8_block = False  # also te_seq:<backend>:fp8-block (--fp8-block)
         self.env_variants: list[tuple[str, dict]] = []  # --pingpong, --env-variant
+        self.env_bases: list[str] = ["te_seq:cute"]  # the variants they apply to (--env-base)
         self.variants: list[Variant] = []
         self.skipped: list[Result] = []
 
@@ -405,7 +423,9 @@ def build_variants(
     b.fp8, b.fp8_block = args.fp8, args.fp8_block
     b.env_variants = ([pingpong_flip()] if args.pingpong else []) + [
         parse_env_variant(text) for text in args.env_variant]
+    b.env_bases = args.env_base or ["te_seq:cute"]
     _build_te_seq(b, args.backends)
+    _build_env_variants(b)
     _build_graphed_te_seq(b, args)
     _build_compiled_te_seq(b, args)
     _build_peers(b, args)
@@ -430,10 +450,6 @@ def _build_te_seq(b: _Builder, backends: list[str]) -> None:
             if backend == "cute":
                 name = "te_seq:cute:per-group"
                 b.attempt(name, lambda: TeSeqVariant(case, "cute", b.grad_mode, per_group=True))
-            base = next((v for v in b.variants if v.name == "te_seq:cute"), None)
-            for name, env in b.env_variants if base is not None else ():
-                b.attempt(f"te_seq:cute:{name}", lambda n=name, e=env: TeSeqEnvVariant(
-                    base, n, e))
             if b.fp8:
                 b.attempt(f"te_seq:{backend}:fp8",
                           lambda k=backend: TeSeqFP8Variant(case, k, b.grad_mode))
@@ -452,6 +468,22 @@ def _build_te_seq(b: _Builder, backends: list[str]) -> None:
                                                             hp_wgrad=True))
         if b.grad_mode == "fresh":  # raw kernels own no parameters: no grad modes
             b.attempt(f"kernels:{backend}", lambda k=backend: _kernels_variant(case, k))
+
+
+def _build_env_variants(b: _Builder) -> None:
+    """BASE:NAME for every `--env-variant` NAME and `--env-base` BASE built in this run (a
+    BASE not built is reported as skipped, said why)."""
+    if not b.env_variants:
+        return
+    built = {v.name: v for v in b.variants}
+    for base_name in b.env_bases:
+        base = built.get(base_name)
+        for name, env in b.env_variants:
+            if base is None:
+                b.skip(f"{base_name}:{name}", f"--env-base {base_name} is not a variant of "
+                       f"this run (built: {', '.join(built)})")
+            else:
+                b.attempt(f"{base_name}:{name}", lambda n=name, e=env: env_variant(base, n, e))
 
 
 def _build_graphed_te_seq(b: _Builder, args: argparse.Namespace) -> None:
@@ -602,6 +634,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--env-variant", action="append", default=[],
                    help="also te_seq:cute:NAME with these variables set while it runs, "
                    "NAME:VAR=VALUE[,VAR=VALUE...] (repeatable; same process)")
+    p.add_argument("--env-base", action="append", default=[],
+                   help="a te_seq variant the --env-variant and --pingpong variants apply to "
+                   "(repeatable; default te_seq:cute), e.g. te_seq:cute:fp8:hp-wgrad")
     p.add_argument("--graphed", action="store_true",
                    help="also te_seq:<backend>[:fp8]:graphed, captured by "
                    "te_seq.make_graphed_callables (host time out of the picture)")

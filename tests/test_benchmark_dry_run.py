@@ -450,6 +450,33 @@ def test_env_variant_sets_its_variables_only_while_it_runs(monkeypatch):
     assert "TE_SEQ_PROBE_A" not in os.environ and os.environ["TE_SEQ_PROBE_B"] == "before"
 
 
+def test_env_variant_of_an_fp8_base_keeps_its_recipe(monkeypatch):
+    """`--env-base te_seq:torch:fp8:hp-wgrad`: its env variant runs the base's own module under
+    the base's recipe with the variables set; a base not built in the run is skipped, said
+    why."""
+    import bench_grouped_mlp as bench
+
+    from te_seq.core.fp8 import active_recipe
+
+    seen = []
+    monkeypatch.setattr(bench.TeSeqVariant, "run", lambda self, x, probs: seen.append(
+        (os.environ.get("TE_SEQ_PROBE_A"), str(active_recipe()))) or x)
+    case = mlp_case.make_case("T", torch.device("cpu"), torch.float32)
+    b = bench._Builder(case, "fresh")
+    b.fp8, b.env_variants = True, [bench.parse_env_variant("probe:TE_SEQ_PROBE_A=1")]
+    b.env_bases = ["te_seq:torch:fp8:hp-wgrad", "te_seq:none"]
+    bench._build_te_seq(b, ["torch"])
+    bench._build_env_variants(b)
+    built = {v.name: v for v in b.variants}
+    v = built["te_seq:torch:fp8:hp-wgrad:probe"]
+    base = built["te_seq:torch:fp8:hp-wgrad"]
+    assert v.mlp is base.mlp and v.precision == "fp8" and v.recipe is base.recipe
+    v.forward()
+    assert seen == [("1", str(base.recipe))]
+    assert [r.variant for r in b.skipped] == ["te_seq:none:probe"]
+    assert "--env-base te_seq:none is not a variant of this run" in b.skipped[0].note
+
+
 def test_quack_gemms_compute_the_four_gemms_of_the_gemm_benchmark():
     """bench_grouped_gemm.py --quack: QuACK's varlen GEMMs (CPU stand-in with its documented
     semantics) on the benchmark's operands give the reference's results, GEMM for GEMM."""
