@@ -25,8 +25,9 @@ class Tiling:
 
     cluster (2, 1): two m-tiles of one group share B by multicast; (1, 2): two n-tiles share A.
     pingpong: the two MMA warpgroups take alternate tiles, one's epilogue overlapping the
-    other's mainloop (tile_n 128 or 192; the plain varlen-M ``grouped_mm`` only, so far);
-    otherwise both work on each tile (64 rows each).
+    other's mainloop (tile_n 128 or 192; the plain GEMMs, the GLU steps and the row-wise FP8
+    kernels, not the bias, routed-row or block-scaled ones); otherwise both work on each tile
+    (64 rows each).
     epi_rows: rows of an epilogue subtile, 128 or (the GLU kernels in ping-pong only) 64: half
     the registers per subtile for a warpgroup that holds the whole tile.
     dynamic: the work units are handed out as clusters free up, the longest groups' first
