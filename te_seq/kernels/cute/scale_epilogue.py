@@ -17,11 +17,12 @@ The epilogue multiplies each fp32 accumulator by its row's and column's scales b
 rounding. A tile's tm row scales and tn column scales are copied into an smem scratch by
 cp.async before its mainloop (one 4-byte copy per consumer thread and kind; in ping-pong each
 warpgroup has its own scratch block, so the next tile's copies never overwrite what the peer's
-epilogue reads), so their latency hides behind the MMAs; reading them per value from global memory (L1-cached) made each of the
-eight epilogue subtiles wait for a load round trip, and the FP8 GEMMs slower than the bf16 ones
-on fine-grained experts. Loads past M, N or K are clamped to the last element (TMA drops those
-stores anyway). Rows past offs[-1] form the virtual group E: their
-accumulators are zero and they are written as zeros whatever the scales hold (no NaN · 0).
+epilogue reads), so their latency hides behind the MMAs; reading them per value from global
+memory (L1-cached) made each of the eight epilogue subtiles wait for a load round trip, and the
+FP8 GEMMs slower than the bf16 ones on fine-grained experts. Loads past M, N or K are clamped
+to the last element (TMA drops those stores anyway). Rows past offs[-1] form the virtual group
+E: their accumulators are zero and they are written as zeros whatever the scales hold (no
+NaN · 0).
 
 Varlen K (the weight gradient, ``fp8.scaled_grouped_wgrad``): A = dY token-major (N, P) and
 B = X token-major (K, P), both K-major (tokens contiguous), each group's tokens a span of P
