@@ -156,7 +156,10 @@ def _configs() -> dict[str, object]:
         "quant_span_amax_rows": QuantConfig("span_amax", bf16, rows=True),
         "quant_span_cast_rows": QuantConfig("span_cast", bf16, rows=True),
         "quant_span_block_cast": QuantConfig("span_block_cast", bf16),
-        "quant_rows_group_amax": QuantConfig("rows_group_amax", bf16),  # row_amax_kernels.py
+        # row_amax_kernels.py: C > 8192 (8 vectors, 1 row in flight), C <= 8192 (4 x 2)
+        "quant_rows_group_amax": QuantConfig("rows_group_amax", bf16),
+        "quant_rows_group_amax_v4r2": QuantConfig("rows_group_amax", bf16, lane_vecs=4,
+                                                  rows_in_flight=2),
     }
 
 

@@ -8,9 +8,13 @@ blocks g..g+1 of the block-maxima buffer) is bitwise `fp8_wgrad.quantize_token_m
 checks that refuse inputs; the new kernel compiles for sm_90a. GPU: both functions bit for bit
 against the torch definitions on fresh random data."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
-from cute_marks import compile_for_sm90a, gpu, needs_cute, needs_dsl, offsets
+from cute_marks import ROOT, compile_for_sm90a, gpu, needs_cute, needs_dsl, needs_ptxas, offsets
 from test_cute_quant import cast_from_block_maxima, eager_quantize, same_bits
 
 from te_seq.kernels import fp8_quantize, fp8_wgrad
@@ -116,8 +120,17 @@ def test_host_width_limit_is_the_kernels():
     from te_seq.kernels.cute import quant, row_amax_kernels
 
     assert quant.GROUP_AMAX_MAX_COLS == row_amax_kernels.MAX_COLS == 16384
-    assert [quant._row_slices(c) for c in (16, 2048, 2064, 4096, 4112, 16384)] == \
-        [4, 4, 2, 2, 1, 1]
+    # 4 vectors x 2 rows up to 8192 columns, then 8 x 1: a CTA never passes 256 threads
+    for cols in (16, 768, 1024, 2048, 4096, 8192, 8208, 16384):
+        vecs, rows_in_flight = quant._group_amax_registers(cols)
+        vecs = vecs or row_amax_kernels.MAX_VECS
+        assert (vecs, rows_in_flight) == ((4, 2) if cols <= 8192 else (8, 1))
+        assert -(-cols // (256 * vecs)) * 32 <= row_amax_kernels.MAX_THREADS
+    # slices: the fewest that launch 4096 warps, at most 4 / 2 / 1 for CTAs of 1 / 2 / more
+    # warps (the weights' thousands of blocks unsliced, a step's few hundred sliced)
+    cases = {(768, 256): 4, (768, 2048): 2, (1024, 4096): 1, (2048, 256): 2, (2048, 1536): 2,
+             (2048, 4096): 1, (4096, 1): 1, (16, 1): 4, (8208, 1): 1, (16384, 1): 1}
+    assert {key: quant._row_slices(*key) for key in cases} == cases
 
 
 @needs_dsl
@@ -129,10 +142,31 @@ def test_row_group_amax_kernel_compiles_for_sm90a():
         "for dtype in (torch.bfloat16, torch.float16):\n"
         "    for pow2 in (False, True):\n"
         "        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
-        "            compile_quant(QuantConfig('rows_group_amax', dtype, pow2, False, fp8))\n"
+        "            for vecs, rows in ((0, 1), (4, 2)):\n"
+        "                compile_quant(QuantConfig('rows_group_amax', dtype, pow2, False, fp8,\n"
+        "                                          vecs, rows))\n"
         "print('ALL COMPILED')\n"
     )
     compile_for_sm90a(script, timeout=600)
+
+
+@pytest.mark.slow  # DSL compiles and ptxas in a subprocess
+@needs_dsl
+@needs_ptxas
+def test_row_group_amax_layouts_do_not_spill(tmp_path):
+    """Both layouts the host picks assemble for sm_90a without spills, 4 x 2 in at most 128
+    registers a thread (what lets more CTAs share an SM than 8 x 1's ~182)."""
+    configs = ("quant_rows_group_amax", "quant_rows_group_amax_v4r2")
+    cmd = [sys.executable, "benchmarks/dump_ptx.py", "--configs", ",".join(configs),
+           "--out", str(tmp_path), "--ptxas"]
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if "spill stores" in line}
+    assert sorted(lines) == sorted(configs), proc.stdout
+    for line in lines.values():
+        assert "spill stores     0 B loads     0 B" in line, line
+    assert int(lines["quant_rows_group_amax_v4r2"].split("regs")[1].split()[0]) <= 128
 
 
 # ---------------------------------------------------------------- GPU: bit for bit
@@ -201,10 +235,10 @@ def test_rows_and_group_amax_are_bitwise_the_definitions(case, rule, dtype):
 
 @gpu
 @needs_cute
-@pytest.mark.parametrize("cols", [16, 48, 80, 2048, 2064, 4096, 6160, 16384])
+@pytest.mark.parametrize("cols", [16, 48, 80, 1040, 2048, 2064, 4096, 6160, 8192, 8208, 16384])
 def test_rows_and_group_amax_take_any_width(cols):
-    """Widths across the CTA sizes (1 to 8 warps, partial last warps) and row slices (4 for
-    C <= 2048, 2 up to 4096, 1 above)."""
+    """Widths across the CTA sizes (1 to 8 warps, partial last warps), both register layouts
+    (4 x 2 up to 8192 columns, 8 x 1 above) and the row slices the host picks."""
     torch.manual_seed(22)
     sizes, rows = CASES["unaligned"]
     _assert_both_forms(_rows_input(rows, cols, torch.bfloat16), sizes, E4M3)
@@ -254,3 +288,32 @@ def test_rows_and_group_amax_replay_in_a_cuda_graph_with_new_offsets():
     assert torch.equal(group_amax, _group_maxima(t, new_sizes))
     want_tm = fp8_wgrad.quantize_token_major(t, offsets(new_sizes), E4M3)
     assert same_bits(data, want_tm.data) and same_bits(scale_inv, want_tm.scale_inv)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("layout", [(8, 1), (4, 2), (4, 1), (2, 4), (1, 3)])
+@pytest.mark.parametrize("slices", [1, 2, 4])
+def test_every_kernel_layout_and_slicing_is_bitwise_the_definitions(layout, slices):
+    """Any (vectors per thread, rows in flight) and slicing gives the same bits: groups whose
+    slices hold a row count that is no multiple of the rows in flight (the clamped loads), a
+    width that leaves the last warp partial, empty groups."""
+    from te_seq.kernels.cute.compile_quant import QuantConfig, compile_quant
+
+    torch.manual_seed(26)
+    sizes = [37, 0, 1, 200, 131, 0]
+    vecs, rows_in_flight = layout
+    cols = 16 * 33 * vecs  # 33 vectors per row for each lane-group: a partial last warp
+    t = _rows_input(sum(sizes) + 5, cols, torch.bfloat16)
+    table, _ = fp8_quantize.span_table(offsets(sizes), t.shape[0])
+    kernel = compile_quant(QuantConfig("rows_group_amax", torch.bfloat16, False, False,
+                                       torch.float8_e4m3fn, vecs, rows_in_flight)).fn
+    row_data = torch.empty(t.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    row_scale_inv = torch.empty(t.shape[0], device="cuda")
+    group_amax = torch.zeros(len(sizes), cols, device="cuda")
+    kernel(t, table, row_data, row_scale_inv, group_amax, slices)
+    grouped = sum(sizes)
+    want = eager_quantize(t[:grouped], E4M3)
+    assert same_bits(row_data[:grouped], want.data)
+    assert same_bits(row_scale_inv[:grouped, None], want.scale_inv)
+    assert torch.equal(group_amax, _group_maxima(t, sizes))

@@ -31,7 +31,9 @@ class QuantConfig:
     power_of_two: bool = False
     rows: bool = False  # span kernels: the row-wise form too
     fp8: torch.dtype = torch.float8_e4m3fn  # or float8_e5m2 (gradients under "HYBRID")
-    lane_vecs: int = 0  # "rows": 16-byte vectors a lane keeps in registers (0: two passes)
+    lane_vecs: int = 0  # "rows": 16-byte vectors a lane keeps in registers (0: two passes);
+    # "rows_group_amax": 16-byte vectors per thread and row (0: the kernel's most, 8)
+    rows_in_flight: int = 1  # "rows_group_amax": rows a thread loads before using any
 
 
 def _fake_quant_args(cfg: QuantConfig) -> tuple:
@@ -76,7 +78,7 @@ def compile_quant(cfg: QuantConfig) -> CompiledGemm:
     """An FP8 quantization kernel for ``cfg``: compiled once per config, cached in memory and
     on disk."""
     from . import quant_kernels as qk
-    from . import span_kernels
+    from . import row_amax_kernels, span_kernels
     from .block_span_kernels import SpanBlockCastKernel
     from .row_amax_kernels import RowGroupAmaxKernel
 
@@ -88,7 +90,9 @@ def compile_quant(cfg: QuantConfig) -> CompiledGemm:
     elif cfg.kind == "span_table":
         kernel = qk.SpanTableKernel()
     elif cfg.kind == "rows_group_amax":
-        kernel = RowGroupAmaxKernel(fp8_max, cfg.power_of_two, fp8)
+        kernel = RowGroupAmaxKernel(fp8_max, cfg.power_of_two, fp8,
+                                    cfg.lane_vecs or row_amax_kernels.MAX_VECS,
+                                    cfg.rows_in_flight)
     else:
         kernel = kernels[cfg.kind](fp8_max, cfg.power_of_two, cfg.rows, fp8)
     return _compile("quant", cfg, kernel, _fake_quant_args(cfg))

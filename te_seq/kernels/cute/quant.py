@@ -54,9 +54,9 @@ _KERNELS = PlanCache()  # (kind, dtype, options) -> LaunchPlan(the compiled kern
 
 
 def _kernel(kind: str, t: Tensor, power_of_two: bool, rows: bool = False,
-            fp8_dtype: torch.dtype = FP8_DTYPE, lane_vecs: int = 0):
+            fp8_dtype: torch.dtype = FP8_DTYPE, lane_vecs: int = 0, rows_in_flight: int = 1):
     dtype = t.dtype if t.dtype in _BLOCK_IN_DTYPES else torch.bfloat16  # span_table: no data
-    key = (kind, dtype, power_of_two, rows, fp8_dtype, lane_vecs)
+    key = (kind, dtype, power_of_two, rows, fp8_dtype, lane_vecs, rows_in_flight)
     plan = _KERNELS.get(key)
     if plan is None:  # the config built and looked up once per key (the import too)
         from .compile_quant import QuantConfig, compile_quant
@@ -276,22 +276,43 @@ def quantize_rows_and_group_amax(t: Tensor, table: Tensor, groups: int,
     row_scale_inv = torch.empty(count, dtype=torch.float32, device=t.device)
     group_amax = torch.zeros(groups, cols, dtype=torch.float32, device=t.device)  # atomic max
     if count and cols and groups and table.shape[0]:
+        blocks = table.shape[0]
         signature = ("rows_group_amax", t.dtype, t.shape, t.stride(), t.device, power_of_two,
-                     fp8_dtype)
+                     fp8_dtype, blocks)
         plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
-            (_kernel("rows_group_amax", t, power_of_two, False, fp8_dtype),),
-            _row_major(t) is not t, _row_slices(cols)))
+            (_kernel("rows_group_amax", t, power_of_two, False, fp8_dtype,
+                     *_group_amax_registers(cols)),),
+            _row_major(t) is not t, _row_slices(cols, blocks)))
         plan.kernels[0](aligned_16(t, plan.t_copy), table.contiguous(), row_data, row_scale_inv,
                         group_amax, plan.option)
     return row_data, row_scale_inv[:, None], group_amax
 
 
-def _row_slices(cols: int) -> int:
-    """CTAs per 128-token block for `RowGroupAmaxKernel`: a CTA of one warp (C <= 2048) takes
-    32 rows, of two warps 64, wider ones the whole block; more CTAs keep more loads in flight
-    on narrow rows at the cost of one more atomic per column and slice."""
-    warps = -(-cols // 2048)
-    return 4 if warps == 1 else 2 if warps == 2 else 1
+def _group_amax_registers(cols: int) -> tuple[int, int]:
+    """`RowGroupAmaxKernel`'s (16-byte vectors per thread and row, rows a thread loads before
+    using any) for rows of `cols` 16-bit values: 4 and 2 where 256 threads hold the row that
+    way (C <= 8192), else 8 and 1 (C <= 16384). 4 x 2 holds ~128 registers a thread against
+    8 x 1's ~182, so more CTAs fit an SM and a thread has two rows' loads in flight. Measured
+    on one H200 (2026-11-29, scratch sweep of 6 shapes, each with its best slices): the
+    weights' [G N, K] B W1 (K 4096) 1.070 -> 0.861 ms, B W2 (K 1024) 0.790 -> 0.442, Q W1
+    (K 2048) 0.440 -> 0.354, Q W2 (K 768) 0.367 -> 0.184; x [T, H] Q 0.120 -> 0.087,
+    B 0.288 -> 0.230 (rows-only quantization of the same tensors: 0.756, 0.392, 0.299,
+    0.170, 0.079, 0.208)."""
+    return (4, 2) if cols <= 8192 else (0, 1)  # 0: the kernel's most vectors, 8
+
+
+def _row_slices(cols: int, blocks: int) -> int:
+    """CTAs per 128-token block for `RowGroupAmaxKernel` (`_group_amax_registers`' layout):
+    the fewest of 1, 2, 4 that launch at least 4096 warps over the `blocks` blocks, and no
+    more than a CTA's width allows (one warp: 4 slices of 32 rows, two warps: 2 of 64, wider
+    ones the whole block). More CTAs keep more loads in flight on few or narrow rows, at the
+    cost of one more atomic per column and slice: the weights (thousands of blocks) run best
+    unsliced, one step's activations (a few hundred) sliced."""
+    vecs = _group_amax_registers(cols)[0] or 8
+    warps = -(-cols // (256 * vecs))
+    widest = 4 if warps == 1 else 2 if warps == 2 else 1
+    needed = -(-4096 // max(blocks * warps, 1))
+    return next(s for s in (1, 2, 4) if s >= min(needed, widest))
 
 
 def quantize_spans_from_group_amax(t: Tensor, table: Tensor, group_amax: Tensor,
