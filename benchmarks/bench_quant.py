@@ -19,6 +19,8 @@ L2, so 3 TB/s on an H100 is the ceiling of this figure; the block kernel reads i
 
     python benchmarks/bench_quant.py [--shapes Q,A] [--iters 20] [--torch] [--json f]
     python benchmarks/bench_quant.py --weights [--shapes Q,B]   # the weights' two forms
+        (with the cute pair's two launches and a row-wise pass alone over the same w, kinds
+        "w:rows+amax", "w:cast along N", "w:rows alone": which half to speed up)
     python benchmarks/bench_quant.py --dry-run   # CPU: tiny shape, torch definitions only
 """
 
@@ -132,7 +134,8 @@ def weight_records(name: str, s: Shape, args, device: torch.device) -> list[dict
     """`--weights`: the expert weights' two FP8 forms (along K for the forward, along N for the
     dgrad; `fp8_quantize.stacked_weight_rows`, what every optimizer step re-makes) of W1
     [E, 2F, H] and W2 [E, H, F], with the torch definitions and on the cute kernels. Traffic:
-    w read once, both forms written once."""
+    w read once, both forms written once. Where the cute pair runs, also its two halves
+    (`weight_halves`) and a row-wise pass alone over the same w, in the same interleaved run."""
     from te_seq.kernels import fp8_quantize
     from te_seq.kernels import fp8_reference as ref
 
@@ -141,15 +144,60 @@ def weight_records(name: str, s: Shape, args, device: torch.device) -> list[dict
         w = torch.randn(s.E, n, k, device=device).to(torch.bfloat16)
         fns = {backend: (lambda b=backend, t=w: fp8_quantize.stacked_weight_rows(t, rule, b))
                for backend in ("torch", "cute")}
+        halves, why = weight_halves(w, rule)
+        fns.update(halves)
         runs = time_interleaved(fns, args.iters, args.warmup, device, burst=1)
-        nbytes = w.numel() * 4 + 4 * s.E * (n + k)
-        for backend, times in runs.items():
+        base = dict(shape=name, operand=operand, M=s.E * n, C=k, G=s.E)
+        for variant, times in runs.items():
+            backend, kind = (variant, "weights") if variant in ("torch", "cute") else \
+                ("cute", variant)
             ms = statistics.median(times)
-            records.append(dict(shape=name, operand=operand, M=s.E * n, C=k, G=s.E,
-                                backend=backend, kind="weights", status="ok", ms=ms,
+            nbytes = _weight_traffic(kind, s.E, n, k)
+            records.append(dict(base, backend=backend, kind=kind, status="ok", ms=ms,
                                 bytes=nbytes, gb_per_s=nbytes / ms / 1e6, runs=times))
+        if why:
+            records += [dict(base, backend="cute", kind=kind, status="skipped", reason=why)
+                        for kind in WEIGHT_HALVES]
         del w
     return records
+
+
+WEIGHT_HALVES = ("w:rows+amax", "w:cast along N", "w:rows alone")
+
+
+def weight_halves(w: torch.Tensor, rule) -> tuple[dict[str, Callable[[], object]], str]:
+    """({kind: call}, "") for the cute pair's two launches on w [G, N, K] seen as [G·N, K]
+    with each expert a group: the forward form with the experts' column maxima
+    (`rows_keeping_group_amax`), the dgrad form cast from those maxima (`token_major_from_amax`,
+    the maxima made once, untimed), and `RowQuantKernel` over the same rows (the row-wise
+    pass without maxima: what one read and one FP8 write of w cost); ({}, why) where the pair
+    does not run on the cute kernels."""
+    from te_seq.kernels import fp8_quantize
+    from te_seq.kernels import fp8_reference as ref
+
+    why = fp8_quantize.stacked_weight_reason(w, rule, "cute")
+    if why:
+        return {}, why
+    g, n, k = w.shape
+    flat = w.reshape(g * n, k)
+    offs = fp8_quantize._expert_ends(g, n, w.device)
+    amax = fp8_quantize.rows_keeping_group_amax(flat, offs, rule, "cute")[1]
+    return {
+        "w:rows+amax": lambda: fp8_quantize.rows_keeping_group_amax(flat, offs, rule, "cute"),
+        "w:cast along N": lambda: fp8_quantize.token_major_from_amax(flat, offs, amax, rule),
+        "w:rows alone": lambda: fp8_quantize.rows(flat, ref.ROWWISE, rule, "cute"),
+    }, ""
+
+
+def _weight_traffic(kind: str, g: int, n: int, k: int) -> int:
+    """Bytes of one weight quantization: w (bf16) read once and the forms written once (both
+    for "weights", one for a half), with their fp32 scales; the maxima [G, K] fp32 written by
+    "w:rows+amax" and read by "w:cast along N"."""
+    elems, amax = g * n * k, 4 * g * k
+    forward, dgrad = elems + 4 * g * n, elems + 4 * g * k
+    out = {"weights": forward + dgrad, "w:rows+amax": forward + amax,
+           "w:cast along N": dgrad + amax, "w:rows alone": forward}[kind]
+    return 2 * elems + out
 
 
 def print_table(records: list[dict]) -> None:

@@ -410,6 +410,14 @@ def test_bench_quant_weights_dry_run(tmp_path):
     e, h, f = 4, 64, 48  # the dry shape
     w1 = next(r for r in results if r["operand"] == "W1 [E,2F,H]")
     assert w1["bytes"] == e * 2 * f * h * 4 + 4 * e * (2 * f + h)
+    # the cute pair's two launches and a row-wise pass alone: timed where the pair runs,
+    # else skipped with the reason (here N = 96 and 64, no multiples of 128, and a CPU)
+    halves = [r for r in results if r["kind"].startswith("w:")]
+    assert sorted((r["operand"], r["kind"]) for r in halves) == sorted(
+        (w, k) for w in ("W1 [E,2F,H]", "W2 [E,H,F]")
+        for k in ("w:rows+amax", "w:cast along N", "w:rows alone"))
+    for r in halves:
+        assert r["status"] == "ok" or "no multiple of 128" in r["reason"], r
 
 
 @pytest.mark.slow  # a subprocess of ~20 s; CI runs it

@@ -73,6 +73,20 @@ def test_other_shapes_and_backends_take_the_definition(shape, backend):
     _assert_same_as_definition(_weights(*shape), E4M3, backend)
 
 
+def test_the_reason_names_what_keeps_the_kernel_pair_off():
+    """`stacked_weight_reason`: what `stacked_weight_rows` checks before the kernel pair (and
+    what `bench_quant.py --weights` says of the pair's halves it cannot time)."""
+    no_experts = torch.empty(0, 128, 16, dtype=torch.bfloat16)
+    assert fp8_quantize.stacked_weight_reason(no_experts, E4M3, "cute") == "no experts"
+    assert "N=200 is no multiple of 128" in fp8_quantize.stacked_weight_reason(
+        _weights(2, 200, 16), E4M3, "cute")
+    strided = _weights(2, 128, 32)[:, :, ::2]
+    assert fp8_quantize.stacked_weight_reason(strided, E4M3, "cute") == "w is not contiguous"
+    assert "torch" in fp8_quantize.stacked_weight_reason(_weights(2, 128, 16), E4M3, "torch")
+    if not torch.cuda.is_available():  # on the CPU: the device check names the device
+        assert "CUDA" in fp8_quantize.stacked_weight_reason(_weights(2, 128, 16), E4M3, "cute")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not backend_available("cute")[0],
                     reason="needs the cute backend (CUDA sm_90 and the CuTe DSL)")

@@ -220,8 +220,7 @@ def stacked_weight_rows(w: Tensor, rule: ref.ScaleRule, backend_name: str
     Elsewhere the torch definitions (eager: several fp32 passes over w per form)."""
     g, n, k = w.shape
     flat = w.reshape(g * n, k)
-    if g == 0 or n % fp8_wgrad.WGRAD_PAD or not w.is_contiguous() or \
-            group_amax_reason(flat, rule, backend_name):
+    if stacked_weight_reason(w, rule, backend_name):
         return (ref.quantize_stacked(w, ref.ROWWISE, rule),
                 ref.quantize_stacked(w.transpose(1, 2), ref.ROWWISE, rule))
     offs = _expert_ends(g, n, w.device)
@@ -231,6 +230,19 @@ def stacked_weight_rows(w: Tensor, rule: ref.ScaleRule, backend_name: str
     return (ref.QuantizedTensor(along_k.data.reshape(g, n, k),
                                 along_k.scale_inv.reshape(g, n, 1), ref.ROWWISE, rule),
             ref.QuantizedTensor(data, along_n.scale_inv.reshape(g, k, 1), ref.ROWWISE, rule))
+
+
+def stacked_weight_reason(w: Tensor, rule: ref.ScaleRule, backend_name: str) -> str:
+    """Why `stacked_weight_rows` does not make w [G, N, K]'s two forms on the cute kernel pair
+    ("" when it does)."""
+    g, n, k = w.shape
+    if g == 0:
+        return "no experts"
+    if n % fp8_wgrad.WGRAD_PAD:
+        return f"N={n} is no multiple of {fp8_wgrad.WGRAD_PAD}"
+    if not w.is_contiguous():
+        return "w is not contiguous"
+    return group_amax_reason(w.reshape(g * n, k), rule, backend_name)
 
 
 _EXPERT_ENDS: dict[tuple[int, int, torch.device], Tensor] = {}
