@@ -166,6 +166,31 @@ def test_grouped_mlp_other_split_tensor_is_copied_in(grouped_backend: str) -> No
     assert torch.equal(fresh, _splits(REPLAY_SPLITS[1])), "the caller's tensor was written"
 
 
+@pytest.mark.parametrize("delayed", [False, True], ids=["backward", "delayed"])
+def test_fresh_grads_are_lent_without_a_copy(grouped_backend: str, delayed: bool) -> None:
+    """`.grad` set to None before every step: each weight's `.grad` after the step is the
+    graph's own buffer (the same memory every step, no copy into a new tensor) and holds that
+    step's gradient, as eager mode computes it."""
+    torch.manual_seed(4)
+    model, eager = _twins(lambda: _grouped_mlp(delay_wgrad_compute=delayed))
+    splits = _splits(SAMPLE_SPLITS)
+    graphed = te_seq.make_graphed_callables(model, (_input(torch.bfloat16), splits, splits),
+                                            num_warmup_iters=1)
+    first: dict[str, int] = {}
+    for i, sizes in enumerate(REPLAY_SPLITS[:3]):
+        splits.copy_(_splits(sizes))
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+        x, dy = _input(torch.bfloat16), _input(torch.bfloat16)
+        graphed(x, splits, splits).backward(dy)
+        graphed.backward_dw()
+        eager(x, splits, splits).backward(dy)
+        eager.backward_dw()
+        _compare_params(model, eager, f"iteration {i} {sizes}")
+        for name, p in model.named_parameters():
+            assert first.setdefault(name, p.grad.data_ptr()) == p.grad.data_ptr(), name
+
+
 # ------------------------------------------------------------------------------------------------
 # delayed wgrad
 # ------------------------------------------------------------------------------------------------

@@ -407,8 +407,13 @@ class _StandInGraph:
         self.body()
 
 
-def _linear_chunk(delayed: bool, flagged: bool = False) -> tuple[GraphedCallable, dict]:
-    """y = x Wᵀ as one microbatch of 'captured' graphs: forward, backward, maybe wgrad."""
+def _linear_chunk(
+    delayed: bool, flagged: bool = False, lend: bool = True
+) -> tuple[GraphedCallable, dict]:
+    """y = x Wᵀ as one microbatch of 'captured' graphs: forward, backward, maybe wgrad. As in a
+    shared memory pool, the forward graph uses the weight-gradient buffer as its scratch (an
+    earlier-captured graph's scratch may hold a later graph's output), so a lent gradient not
+    reclaimed before the next replay would be overwritten. `lend`: a pool of our own."""
     module = torch.nn.Linear(3, 2, bias=False)
     module.delay_wgrad_compute = delayed
     module.backward_dw = lambda: None  # a wgrad target, as a te_seq op would be
@@ -417,18 +422,31 @@ def _linear_chunk(delayed: bool, flagged: bool = False) -> tuple[GraphedCallable
         w.grad_added_to_main_grad = False
     x = torch.randn(4, 3, requires_grad=True)
     spec = capture._ArgSpec(1, 1, ())
-    chunk = capture._GraphedChunk(1, module, spec, [x], delayed)
+    chunk = capture._GraphedChunk(1, module, spec, [x], delayed,
+                                  lender=grad_state._GradLender(enabled=lend))
     inputs = capture._StaticInputs.clone_of([x])
     sx = inputs.buffers[0]
     out, gy, gx, gw = torch.empty(4, 2), torch.empty(4, 2), torch.empty(4, 3), torch.empty(2, 3)
-    mb = capture._Microbatch(inputs, _StandInGraph(lambda: out.copy_(sx @ w.detach().t())),
-                            (out,), (True,))
-    mb.bwd_graph = _StandInGraph(lambda: (gx.copy_(gy @ w.detach()), gw.copy_(gy.t() @ sx)))
+
+    def forward() -> None:
+        gw.normal_()  # scratch
+        out.copy_(sx @ w.detach().t())
+
+    mb = capture._Microbatch(inputs, _StandInGraph(forward), (out,), (True,))
+    def wgrad() -> None:
+        gw.copy_(gy.t() @ sx)
+
+    def backward() -> None:
+        gx.copy_(gy @ w.detach())
+        if not delayed:
+            wgrad()
+
+    mb.bwd_graph = _StandInGraph(backward)
     mb.grad_outputs = (gy,)
     mb.grad_inputs = (gx, None if delayed else gw)
     mb.bwd_flags = (w,) if flagged else ()
     if delayed:
-        mb.wgrad_graph = _StandInGraph(lambda: None)
+        mb.wgrad_graph = _StandInGraph(wgrad)
         mb.wgrad_grads = ((w, gw),)
     chunk.microbatches.append(mb)
     order = [1, -1, -1.5] if delayed else [1, -1]
@@ -465,6 +483,72 @@ def test_replay_accumulates_grads_like_eager(delayed: bool) -> None:
     torch.testing.assert_close(w.grad, ref_w)
     for x, gx in zip(xs, ref_gx):
         torch.testing.assert_close(x.grad, gx)
+
+
+def _step(graphed: GraphedCallable, x: torch.Tensor, dy: torch.Tensor) -> None:
+    graphed(x).backward(dy)
+    graphed.backward_dw()
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_fresh_grads_are_the_static_buffer_without_a_copy(delayed: bool) -> None:
+    """`.grad` set to None before each step (what an optimizer's zero_grad does): the gradient
+    handed out is the graph's static buffer itself (no copy), with each step's values."""
+    graphed, buffers = _linear_chunk(delayed)
+    w = graphed.module.weight
+    for _ in range(3):
+        w.grad = None
+        x, dy = torch.randn(4, 3), torch.randn(4, 2)
+        _step(graphed, x, dy)
+        assert w.grad.data_ptr() == buffers["gw"].data_ptr()
+        torch.testing.assert_close(w.grad, dy.t() @ x)
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_grads_are_copies_when_the_pool_is_shared(delayed: bool) -> None:
+    """A pool passed in may be written by graphs the lender does not see: `.grad` is then a
+    copy of the static buffer, never the buffer itself."""
+    graphed, buffers = _linear_chunk(delayed, lend=False)
+    w = graphed.module.weight
+    x, dy = torch.randn(4, 3), torch.randn(4, 2)
+    _step(graphed, x, dy)
+    assert w.grad.data_ptr() != buffers["gw"].data_ptr()
+    torch.testing.assert_close(w.grad, dy.t() @ x)
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_kept_grad_object_keeps_its_values_when_the_graph_replays(delayed: bool) -> None:
+    """Accumulating into a lent `.grad`: before the graph writes its buffer again, `.grad` gets
+    memory of its own, in the same tensor object, so a reference to it holds the sum too."""
+    graphed, buffers = _linear_chunk(delayed)
+    w = graphed.module.weight
+    xs, dys = [torch.randn(4, 3) for _ in range(3)], [torch.randn(4, 2) for _ in range(3)]
+    _step(graphed, xs[0], dys[0])
+    kept = w.grad
+    for x, dy in zip(xs[1:], dys[1:]):
+        _step(graphed, x, dy)
+    expected = sum(dy.t() @ x for x, dy in zip(xs, dys))
+    assert w.grad is kept and kept.data_ptr() != buffers["gw"].data_ptr()
+    torch.testing.assert_close(kept, expected)
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_stale_reference_to_a_lent_grad_is_an_error_not_overwritten(delayed: bool) -> None:
+    """A gradient kept past zero_grad (set to None) still aliases the graph's buffer: the next
+    replay would overwrite it in place, so it raises, naming the parameter."""
+    graphed, _ = _linear_chunk(delayed)
+    w = graphed.module.weight
+    _step(graphed, torch.randn(4, 3), torch.randn(4, 2))
+    stale = w.grad.view(-1)
+    w.grad = None
+    before = stale.clone()
+    for _ in range(2):  # refused at the next replay (the forward), and again until dropped
+        with pytest.raises(RuntimeError, match=r"chunk 1: the gradient of weight from an "
+                                               r"earlier replay is still referenced \(2 tensor"):
+            graphed(torch.randn(4, 3))
+    assert torch.equal(stale, before)
+    del stale
+    _step(graphed, torch.randn(4, 3), torch.randn(4, 2))
 
 
 def test_replay_sets_grad_added_to_main_grad_again() -> None:

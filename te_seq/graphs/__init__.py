@@ -16,15 +16,18 @@ callables check every call against the schedule and raise `RuntimeError` on a st
 
 Gradients behave as in eager mode (docs/gradient_contract.md):
 - wgrads returned to autograd (default path, and the dummies of the `grad_added_to_main_grad`
-  path) come out of the backward graph as static tensors and are accumulated into `.grad` by
-  autograd (never stolen: the static tensor stays owned by the graph);
+  path) come out of the backward graph as static tensors and are lent to autograd: a `.grad`
+  that was None becomes the static buffer itself (no copy), one that exists gets it added; a
+  `.grad` still aliasing the buffer when the graph replays again is first given memory of its
+  own (accumulation stays exact), and any other tensor still aliasing it is an error;
 - `main_grad` accumulation is captured in place, so the graphs keep writing the `main_grad`
   tensor that existed at capture time; `overwrite_main_grad` and `zero_out_wgrad` are read at
   capture time;
 - `grad_added_to_main_grad = True` (a Python-side effect a graph cannot replay) is recorded at
   capture and set again after every replay of the graph that set it;
 - delayed wgrads without `main_grad` are captured into a static buffer per parameter and added
-  into `.grad` (set when None) after each wgrad replay, as `backward_dw()` does eagerly.
+  into `.grad` (set, lent as above, when None) after each wgrad replay, as `backward_dw()`
+  does eagerly.
 Warm-up runs real forward/backward/backward_dw iterations; `.grad`, `main_grad` and the flags
 are restored afterwards, so capturing leaves no trace in the gradients.
 
@@ -48,7 +51,7 @@ from te_seq.graphs.capture import (
     _needs_backward_dw,
     module_delays_wgrad,
 )
-from te_seq.graphs.grad_state import _grads_untouched
+from te_seq.graphs.grad_state import _GradLender, _grads_untouched
 from te_seq.graphs.schedule import (
     ScheduleStep,
     StepKind,
@@ -87,6 +90,7 @@ class GraphedCallable:
             return self.module(*args, **kwargs)
         flat = chunk.spec.flatten(args, kwargs)
         users = chunk.microbatches[0].inputs.user_tensors(chunk.chunk, flat)
+        chunk.lender.reclaim()
         step = self._cursor.advance(StepKind.FORWARD, chunk.chunk)
         outputs = _GraphedFunction.apply(chunk, step.microbatch, *users, *chunk.params)
         return tuple(outputs) if chunk.returns_tuple else outputs[0]
@@ -96,6 +100,7 @@ class GraphedCallable:
         (a no-op for a chunk whose ops do not delay wgrad, as in eager mode)."""
         if not self._chunk.delays_wgrad:
             return
+        self._chunk.lender.reclaim()
         step = self._cursor.advance(StepKind.WGRAD, self._chunk.chunk)
         self._chunk.replay_wgrad(step.microbatch)
 
@@ -198,7 +203,9 @@ def make_graphed_callables(
         num_warmup_iters: eager forward/backward/backward_dw iterations run before capture.
         order: the schedule (`k`, `-k`, `-(k + 0.5)`); None: `default_order`.
         sample_kwargs: per callable, an optional dict of keyword tensors.
-        pool: a `torch.cuda.graph_pool_handle()` to capture into; None: a new one.
+        pool: a `torch.cuda.graph_pool_handle()` to capture into; None: a new one. With a
+            pool of its own, a weight's `.grad` set from None is the graph's gradient buffer
+            itself (no copy); with a given pool, which other graphs may write, it is a copy.
 
     Returns:
         One `GraphedCallable` per callable (a single one when `callables` is one module). They
@@ -224,9 +231,12 @@ def make_graphed_callables(
         raise RuntimeError(
             "make_graphed_callables needs CUDA, and torch.cuda.is_available() is False"
         )
+    # Weight gradients are lent to autograd without a copy only where every graph that could
+    # write their memory is one of ours (a pool of our own): grad_state._GradLender.
+    lender = _GradLender(enabled=pool is None)
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     chunks = [
-        _GraphedChunk(i + 1, m, spec, flat, delays[i], pool)
+        _GraphedChunk(i + 1, m, spec, flat, delays[i], pool, lender)
         for i, (m, (spec, flat)) in enumerate(zip(modules, surfaces))
     ]
     _warm_up(chunks, num_warmup_iters)

@@ -6,10 +6,11 @@ and replays them. `_GraphedFunction` is the autograd node of one replayed forwar
 replays the matching backward graph.
 
 Gradients behave as in eager mode:
-- wgrads returned to autograd come out of the backward graph as static tensors and are
-  accumulated into `.grad` by autograd (never stolen: the static tensor stays owned by the graph);
+- wgrads returned to autograd come out of the backward graph as static tensors, lent to autograd
+  (`grad_state._GradLender`): `.grad` set from None is the static buffer itself, no copy; before
+  any later replay a `.grad` still aliasing it (accumulation) gets memory of its own;
 - delayed wgrads without `main_grad` are captured into a static buffer per parameter and added
-  into `.grad` (set when None) after each wgrad replay, as `backward_dw()` does eagerly.
+  into `.grad` (set, lent, when None) after each wgrad replay, as `backward_dw()` does eagerly.
 
 Modules are duck-typed (`delay_wgrad_compute`, `backward_dw`, `need_backward_dw`): this package
 imports nothing of te_seq's core.
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from te_seq.graphs.grad_state import _recording_flags, _set_flags, _unique
+from te_seq.graphs.grad_state import _GradLender, _recording_flags, _set_flags, _unique
 from te_seq.graphs.schedule import StepKind, _ScheduleCursor
 
 
@@ -166,7 +167,9 @@ class _GraphedChunk:
     sample: list[Tensor]
     delays_wgrad: bool
     pool: Any = None
+    lender: _GradLender = field(default_factory=lambda: _GradLender(enabled=False))
     params: tuple[torch.nn.Parameter, ...] = ()
+    param_names: tuple[str, ...] = ()  # per param, its name in the module (for messages)
     wgrad_targets: tuple[torch.nn.Module, ...] = ()
     training: bool = True
     returns_tuple: bool = False
@@ -183,6 +186,12 @@ class _GraphedChunk:
                 "modules has backward_dw()"
             )
         self.training = self.module.training
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        self.param_names = tuple(names.get(id(p), "a parameter") for p in self.params)
+
+    def _lend(self, grads: Sequence[tuple[torch.nn.Parameter, Tensor]]) -> list[Tensor]:
+        names = dict(zip(map(id, self.params), self.param_names))
+        return self.lender.lend(self.chunk, [(names[id(p)], p, g) for p, g in grads])
 
     # --- warm-up ---------------------------------------------------------------------------
     def _backward_targets(self, inputs: Sequence[Tensor]) -> list[Tensor]:
@@ -275,9 +284,14 @@ class _GraphedChunk:
         _set_flags(mb.bwd_flags)
         if self.delays_wgrad:
             self.pending_wgrads += 1
-        # The static tensors themselves (not detached aliases): autograd then sees them as
-        # shared and clones or adds them into `.grad` instead of stealing graph memory.
-        return mb.grad_inputs
+        # Input gradients: the static tensors themselves (autograd copies them where it keeps
+        # them); weight gradients: lent, so a `.grad` set from None is the static buffer.
+        num_inputs = len(mb.inputs.buffers)
+        weight_grads = mb.grad_inputs[num_inputs:]
+        pairs = [(p, g) for p, g in zip(self.params, weight_grads) if g is not None]
+        lent = iter(self._lend(pairs))
+        return (*mb.grad_inputs[:num_inputs],
+                *(g if g is None else next(lent) for g in weight_grads))
 
     def replay_wgrad(self, microbatch: int) -> None:
         mb = self.microbatches[microbatch]
@@ -285,10 +299,12 @@ class _GraphedChunk:
         mb.wgrad_graph.replay()
         with torch.no_grad():
             for p, grad in mb.wgrad_grads:  # as backward_dw() does: add, or set when None
-                if p.grad is None:
-                    p.grad = grad.clone(memory_format=torch.contiguous_format)
-                else:
+                if p.grad is not None:
                     p.grad.add_(grad)
+                    continue
+                (lent,) = self._lend([(p, grad)])
+                # not lent (the pool is shared, or not contiguous): a copy of its own
+                p.grad = grad.clone(memory_format=torch.contiguous_format) if lent is grad else lent
         _set_flags(mb.wgrad_flags)
         self.pending_wgrads -= 1
 
@@ -315,5 +331,6 @@ class _GraphedFunction(torch.autograd.Function):
     ) -> tuple[Tensor | None, ...]:
         chunk: _GraphedChunk = ctx.chunk
         assert chunk.cursor is not None  # set before any replay
+        chunk.lender.reclaim()
         chunk.cursor.advance(StepKind.BACKWARD, chunk.chunk, ctx.microbatch)
         return (None, None, *chunk.replay_backward(ctx.microbatch, grads))

@@ -94,3 +94,71 @@ def _recording_flags(params: Sequence[torch.nn.Parameter]) -> Iterator[list[torc
 def _set_flags(params: Sequence[torch.nn.Parameter]) -> None:
     for p in params:
         p.grad_added_to_main_grad = True
+
+
+def _storage_uses(t: Tensor) -> int:
+    """How many tensors share `t`'s storage, `t` included (the storage object made to ask is
+    not counted)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+
+
+def _storage_key(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _GradLender:
+    """Static weight gradients of a set of graphs, lent to autograd as `.grad` without a copy.
+
+    `lend()` hands out detached aliases of a graph's static gradient buffers, which autograd
+    steals as `.grad` where that is None (a fresh-gradient step copies nothing) and otherwise
+    adds into `.grad`. The graphs share one memory pool, so a later replay of *any* of them may
+    write the memory of a lent buffer (one graph's scratch can be another's output); `reclaim()`
+    runs before every replay: each `.grad` that still aliases a lent buffer (gradients kept and
+    accumulated over steps) gets memory of its own, with its values, in the same tensor object
+    (`set_`), so references to that `.grad` keep their values too. A copy is made only then.
+    Any other tensor still aliasing a lent buffer (a reference or view of an earlier `.grad`
+    kept past `zero_grad()`, a `torch.autograd.grad` result) would be overwritten silently, so
+    `reclaim()` raises instead, and keeps raising until it is dropped. Disabled (`enabled`
+    False: the static tensors are handed out, and autograd copies them) when the pool is shared
+    with graphs this lender does not see. Non-contiguous buffers are never lent."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        # (chunk, parameter name, parameter, buffer, storage uses before it was lent)
+        self._lent: list[tuple[int, str, torch.nn.Parameter, Tensor, int]] = []
+
+    def lend(
+        self, chunk: int, items: Sequence[tuple[str, torch.nn.Parameter, Tensor]]
+    ) -> list[Tensor]:
+        """Per (name, parameter, static buffer): the tensor to hand out as its gradient."""
+        lendable = [self.enabled and s.is_contiguous() for _, _, s in items]
+        uses = [_storage_uses(s) if ok else 0 for (_, _, s), ok in zip(items, lendable)]
+        out = []
+        for (name, p, s), ok, n in zip(items, lendable, uses):
+            if ok:
+                self._lent.append((chunk, name, p, s, n))
+            out.append(s.detach() if ok else s)
+        return out
+
+    def reclaim(self) -> None:
+        """Before a replay: see the class docstring."""
+        if not self._lent:
+            return
+        keys = {_storage_key(s) for _, _, _, s, _ in self._lent}
+        with torch.no_grad():
+            for _, _, p, _, _ in self._lent:
+                g = p.grad
+                if g is not None and _storage_key(g) in keys:
+                    g.set_(g.clone())
+        for chunk, name, _, s, uses in self._lent:
+            extra = _storage_uses(s) - uses
+            if extra > 0:
+                raise RuntimeError(
+                    f"graphed chunk {chunk}: the gradient of {name} from an earlier replay is "
+                    f"still referenced ({extra} tensor(s) besides `.grad` share the graph's "
+                    "memory it lives in), and this replay would overwrite it. A graphed "
+                    "gradient is the graph's memory until the next replay: keep it in `.grad` "
+                    "(accumulating into it works), or keep `.grad.clone()` instead of `.grad` "
+                    "or a view of it."
+                )
+        self._lent.clear()
