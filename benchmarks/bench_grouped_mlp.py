@@ -25,8 +25,10 @@ Variants, all in this process on the same random data, each checked against an f
                        te_seq/kernels/cute/launch.py: two tilings compared in one process;
                        `--env-base BASE` (repeatable) applies them to other te_seq variants
                        too, e.g. te_seq:cute:fp8:hp-wgrad -> te_seq:cute:fp8:hp-wgrad:NAME
-  te_seq:<backend>[:fp8]:graphed   the same Sequential captured by te_seq.make_graphed_callables
-                       (`--graphed`; fresh grads): what a step costs with no Python per op
+  te_seq:<backend>[:fp8[:hp-wgrad]]:graphed   the same Sequential captured by
+                       te_seq.make_graphed_callables (`--graphed`; fresh grads): what a step
+                       costs with no Python per op (FP8: weights quantized by their own graphs,
+                       replayed only after a weight changes: none in this benchmark)
   kernels:<backend>    the backend's raw functionals (grouped_mm, grouped_wgrad, glu_*), unfused
   grouped_mm[_compiled], loop, torchao_fp8[_compiled]   peers.py
   quack[_tuned]        peer_quack.py
@@ -303,10 +305,12 @@ class GraphedTeSeqVariant(TeSeqVariant):
     graph, replayed per call: no Python per op), bf16 or under Float8RowwiseScaling (`fp8`).
     Fresh grad mode only; its outputs live in the graphs' memory until the next replay."""
 
-    def __init__(self, case: Case, backend: str, fp8: bool = False) -> None:
+    def __init__(self, case: Case, backend: str, fp8: bool = False, hp_wgrad: bool = False,
+                 ) -> None:
         super().__init__(case, backend, "fresh")
-        self.name = f"te_seq:{backend}{':fp8' if fp8 else ''}:graphed"
-        self.recipe = te_seq.recipe.Float8RowwiseScaling() if fp8 else None
+        self.name = graphed_name(backend, fp8, hp_wgrad)
+        self.recipe = (te_seq.recipe.Float8RowwiseScaling(fp8_wgrad=not hp_wgrad) if fp8
+                       else None)
         if fp8:
             self.precision, self.check_tol = "fp8", FP8_TOL
         x = self.x.detach().clone().requires_grad_()
@@ -486,13 +490,18 @@ def _build_env_variants(b: _Builder) -> None:
                 b.attempt(f"{base_name}:{name}", lambda n=name, e=env: env_variant(base, n, e))
 
 
+def graphed_name(backend: str, fp8: bool, hp_wgrad: bool) -> str:
+    return f"te_seq:{backend}{':fp8' if fp8 else ''}{':hp-wgrad' if hp_wgrad else ''}:graphed"
+
+
 def _build_graphed_te_seq(b: _Builder, args: argparse.Namespace) -> None:
-    """te_seq:<backend>[:fp8]:graphed (--graphed) for the backends whose eager variant was
-    built, in the fresh grad mode (skipped, said why, elsewhere)."""
+    """te_seq:<backend>[:fp8[:hp-wgrad]]:graphed (--graphed) for the backends whose eager
+    variant was built, in the fresh grad mode (skipped, said why, elsewhere)."""
     built = {v.name for v in b.variants}
+    recipes = ((False, False), (True, False), (True, True)) if b.fp8 else ((False, False),)
     for backend in args.backends if args.graphed else ():
-        for fp8 in (False, True) if b.fp8 else (False,):
-            name = f"te_seq:{backend}{':fp8' if fp8 else ''}:graphed"
+        for fp8, hp_wgrad in recipes:
+            name = graphed_name(backend, fp8, hp_wgrad)
             if f"te_seq:{backend}" not in built:
                 continue
             if b.case.x.device.type != "cuda":
@@ -500,7 +509,8 @@ def _build_graphed_te_seq(b: _Builder, args: argparse.Namespace) -> None:
             elif b.grad_mode != "fresh":
                 b.skip(name, "--graphed runs in the fresh grad mode only", mode_label(b.grad_mode))
             else:
-                b.attempt(name, lambda k=backend, f=fp8: GraphedTeSeqVariant(b.case, k, f))
+                b.attempt(name, lambda k=backend, f=fp8, h=hp_wgrad:
+                          GraphedTeSeqVariant(b.case, k, f, h))
 
 
 def _build_compiled_te_seq(b: _Builder, args: argparse.Namespace) -> None:

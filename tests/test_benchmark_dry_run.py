@@ -72,6 +72,16 @@ def test_bench_grouped_mlp_dry_run(tmp_path):
     assert "vs" in stdout and "best peer" in stdout and "%bw" in stdout
 
 
+def test_graphed_variants_per_recipe_are_skipped_on_the_cpu_with_the_reason(tmp_path):
+    """--graphed --fp8: bf16, FP8 and FP8 with bf16 wgrads graphed, each a variant of its own."""
+    _, _, results = _dry_run(tmp_path, "--shapes", "T", "--backends", "torch", "--peers", "loop",
+                             "--graphed", "--fp8", "--modes", "fwd+bwd")
+    notes = {r["variant"]: r["note"] for r in results if r["status"] == "skipped"}
+    for name in ("te_seq:torch:graphed", "te_seq:torch:fp8:graphed",
+                 "te_seq:torch:fp8:hp-wgrad:graphed"):
+        assert "CUDA graphs need CUDA" in notes[name], (name, notes)
+
+
 @pytest.mark.slow
 def test_bench_grouped_mlp_dry_run_grad_modes_without_probs(tmp_path):
     _, meta, results = _dry_run(

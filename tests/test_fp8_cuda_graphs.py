@@ -1,7 +1,9 @@
-"""GPU: FP8 recipes under te_seq.make_graphed_callables. The captured graph quantizes the
-weights itself (te_seq/core/fp8.py `cached_weights` skips its cache while capturing), so a
-replay after an in-place weight update (an optimizer step) uses the new weights, as eager
-does. Before, the warm-up filled the cache and the graph replayed stale FP8 weights silently.
+"""GPU: FP8 recipes under te_seq.make_graphed_callables. A replay after an in-place weight
+update (an optimizer step) uses the new weights, as eager does: with cached weights
+(`cache_weights=True`, the default) each op's quantization runs in a weight graph of its own
+(te_seq/core/fp8.py `capture_weight_graphs`), replayed before a forward replay only when a
+weight changed; without, the forward graph quantizes the weights on every replay. (Before
+both, the warm-up filled the cache and the graph replayed stale FP8 weights silently.)
 
 The cute backend runs the FP8 grouped MLP without host syncs (the torch backend reads the
 offsets on the host for its wgrad), so it is the one captured here."""
@@ -55,8 +57,9 @@ def cute_backend() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("fp8_recipe", [recipe.Float8RowwiseScaling(),
+                                        recipe.Float8RowwiseScaling(cache_weights=False),
                                         recipe.Float8CurrentScaling(fp8_format="E4M3")],
-                         ids=["rowwise", "current"])
+                         ids=["rowwise", "rowwise-uncached", "current"])
 def test_graph_replay_sees_weight_updates_under_fp8(fp8_recipe, cute_backend) -> None:
     torch.manual_seed(0)
     graphed_model, eager = _mlp(), _mlp()
@@ -77,3 +80,55 @@ def test_graph_replay_sees_weight_updates_under_fp8(fp8_recipe, cute_backend) ->
         _close(after, _step(eager, x, splits), "after the update")
     change = (after.float() - before.float()).norm() / before.float().norm()
     assert change > 0.3, f"the update barely moved the output ({change:.3f}): test too weak"
+
+
+class _CountedReplays:
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph, self.replays = graph, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.graph.replay()
+
+
+def test_weights_are_quantized_by_their_own_graphs_only_when_they_change(cute_backend) -> None:
+    """Each GroupedLinear gets one weight graph; replays of the MLP with unchanged weights do
+    not replay it, an optimizer step (in-place) replays it once, and `clear_weight_cache`
+    (what a write through `.data`, which no version counter sees, needs) replays it too. The
+    outputs follow eager mode throughout."""
+    from te_seq.core import fp8
+
+    torch.manual_seed(1)
+    graphed_model, eager = _mlp(), _mlp()
+    eager.load_state_dict(graphed_model.state_dict())
+    splits = torch.tensor([60, 0, 90, 50], device="cuda")
+    with te_seq.autocast(recipe=recipe.Float8RowwiseScaling()):
+        sample = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        graphed = te_seq.make_graphed_callables(graphed_model, (sample, splits, splits))
+        linears = [m for m in graphed_model.modules() if isinstance(m, ops.GroupedLinear)]
+        weight_graphs = [m.__dict__.get("_fp8_weight_graph") for m in linears]
+        assert len(linears) == 2 and all(weight_graphs), "no weight graph per GroupedLinear"
+        for wg in weight_graphs:
+            wg.graph = _CountedReplays(wg.graph)
+
+        def check(what: str, replays: int) -> None:
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+            _close(_step(graphed, x, splits), _step(eager, x, splits), what)
+            assert [wg.graph.replays for wg in weight_graphs] == [replays] * 2, what
+
+        check("unchanged weights", 0)
+        check("unchanged weights, again", 0)
+        with torch.no_grad():
+            for pg, pe in zip(graphed_model.parameters(), eager.parameters()):
+                delta = torch.randn_like(pg) * pg.float().std().item()
+                pg.add_(delta)
+                pe.add_(delta)
+        check("after an optimizer step", 1)
+        check("no step since", 1)
+        with torch.no_grad():
+            for pg, pe in zip(graphed_model.parameters(), eager.parameters()):
+                pg.data.mul_(0.5)
+                pe.mul_(0.5)
+        for m in linears:
+            fp8.clear_weight_cache(m)
+        check("after a write through .data and clear_weight_cache", 2)

@@ -522,26 +522,112 @@ def cached_weights(
 
     While a CUDA graph is being captured the cache is neither read nor written: the graph must
     hold the quantization kernels (a replay after an optimizer step then quantizes the weights
-    it reads), and its outputs live in the graph's memory, which later replays overwrite."""
+    it reads), and its outputs live in the graph's memory, which later replays overwrite.
+    Except where `te_seq.make_graphed_callables` gave the op a weight graph
+    (`capture_weight_graphs`): then every call, captured or not, reads that graph's operands,
+    re-quantized in place (the graph replayed) when a Parameter changed."""
     capturing = _capturing(w.device)
-    key = (
+    base = (
         recipe,
         backend_name,  # the kernels' layouts differ (the cute dgrad form is a strided view)
         w.dtype,
         tuple(w.shape),
-        _versions(params),
     )
+    graphed = op.__dict__.get("_fp8_weight_graph")
+    if graphed is not None and graphed.base == base:
+        return graphed.current()
+    key = (*base, _versions(params))
     cache = op.__dict__.get("_fp8_weight_cache")
     if cache is not None and cache[0] == key and not capturing:
         return cache[1]
-    if w.dim() == 3:
-        weights = _stacked_operands(recipe, w, backend_name)
-    else:
-        forward, dgrad = _weight_pair(recipe, w)
-        weights = WeightOperands([forward], [dgrad], stacked=False)
+    weights = _weight_operands(recipe, w, backend_name)
     if recipe.cache_weights and not torch.compiler.is_compiling() and not capturing:
         op.__dict__["_fp8_weight_cache"] = (key, weights)
+        op.__dict__["_fp8_weight_source"] = (recipe, backend_name, params)
     return weights
+
+
+def _weight_operands(recipe: Recipe, w: Tensor, backend_name: str) -> WeightOperands:
+    if w.dim() == 3:
+        return _stacked_operands(recipe, w, backend_name)
+    forward, dgrad = _weight_pair(recipe, w)
+    return WeightOperands([forward], [dgrad], stacked=False)
+
+
+class _WeightGraph:
+    """A CUDA graph that quantizes one Parameter into static operands, replayed when the
+    Parameter's version changes (`current`): the forward graphs of `make_graphed_callables`
+    read those operands instead of quantizing the weight on every replay."""
+
+    def __init__(self, base: tuple, param: Tensor, graph, weights: WeightOperands) -> None:
+        self.base, self.param, self.graph, self.weights = base, param, graph, weights
+        self.data_ptr = param.data_ptr()
+        self.versions: tuple | None = _versions([param])  # None: replay on the next use
+
+    def current(self) -> WeightOperands:
+        versions = _versions([self.param])
+        if versions != self.versions:
+            if self.param.data_ptr() != self.data_ptr:
+                raise RuntimeError(
+                    f"a weight {tuple(self.param.shape)} of a graphed module was replaced by new "
+                    "memory after make_graphed_callables captured its FP8 weight graph (the "
+                    "graphs read the old memory): update weights in place (optimizer steps, "
+                    "`copy_`), or capture again"
+                )
+            if _capturing(self.param.device):
+                raise RuntimeError("a weight changed while a CUDA graph was being captured")
+            self.graph.replay()
+            self.versions = versions
+        return self.weights
+
+
+def capture_weight_graphs(module: torch.nn.Module, pool_factory) -> list[_WeightGraph]:
+    """Give each op of `module` whose FP8 weight operands are cached (made eagerly, e.g. by the
+    warm-up of `make_graphed_callables`) a weight graph (`_WeightGraph`): the same quantization
+    captured in a memory pool of its own (`pool_factory()`: no other graph's replay writes the
+    operands it holds), so graphs captured afterwards read its operands and no longer hold the
+    quantization kernels. Only for a single Parameter quantized as it is (no cast, no stack).
+    The graph is replayed once, so the operands hold the current weights. Returns them all
+    (`_WeightGraph.current()` before each replay of a graph that reads them)."""
+    made = []
+    for op in module.modules():
+        source = op.__dict__.get("_fp8_weight_source")
+        cache = op.__dict__.get("_fp8_weight_cache")
+        if source is None or cache is None or "_fp8_weight_graph" in op.__dict__:
+            continue
+        recipe, backend_name, params = source
+        key, eager = cache
+        if len(params) != 1 or key[-1] != _versions(params):
+            continue
+        param = params[0]
+        if (param.dtype, tuple(param.shape)) != key[2:4] or not param.is_contiguous():
+            continue
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool_factory()):
+            weights = _weight_operands(recipe, param.detach(), backend_name)
+            for name in _used_properties(eager):  # as the eager calls read them
+                getattr(weights, name)
+        graph.replay()
+        made.append(_WeightGraph(key[:4], param, graph, weights))
+        op.__dict__["_fp8_weight_graph"] = made[-1]
+        del op.__dict__["_fp8_weight_cache"]
+    return made
+
+
+def _used_properties(weights: WeightOperands) -> list[str]:
+    """The lazily made forms of `weights` that calls have read (`functools.cached_property`
+    stores them in the instance dict): a weight graph makes the same ones, so that no form is
+    first made inside another graph (whose memory later replays overwrite)."""
+    return [name for name, value in vars(type(weights)).items()
+            if isinstance(value, functools.cached_property) and name in weights.__dict__]
+
+
+def refresh_weight_graphs(module: torch.nn.Module) -> None:
+    """Re-quantize (replay) the weight graphs of `module`'s ops whose Parameter changed."""
+    for op in module.modules():
+        graphed = op.__dict__.get("_fp8_weight_graph")
+        if graphed is not None:
+            graphed.current()
 
 
 def _versions(params: list[Tensor]) -> tuple:
@@ -560,8 +646,14 @@ def _capturing(device: torch.device) -> bool:
 
 
 def clear_weight_cache(op: torch.nn.Module) -> None:
-    """Drop `op`'s cached quantized weights (they are recomputed on the next FP8 call)."""
-    op.__dict__.pop("_fp8_weight_cache", None)
+    """Drop `op`'s cached quantized weights (they are recomputed on the next FP8 call). A
+    weight graph stays (the graphs captured with it read its operands) and is replayed on the
+    next use."""
+    for name in ("_fp8_weight_cache", "_fp8_weight_source"):
+        op.__dict__.pop(name, None)
+    graphed = op.__dict__.get("_fp8_weight_graph")
+    if graphed is not None:
+        graphed.versions = None
 
 
 def with_recipe(needs: list, grouped: bool = True) -> list:

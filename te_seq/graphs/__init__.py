@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from te_seq.core import fp8
 from te_seq.graphs.capture import (
     _ArgSpec,
     _GraphedChunk,
@@ -91,6 +92,8 @@ class GraphedCallable:
         flat = chunk.spec.flatten(args, kwargs)
         users = chunk.microbatches[0].inputs.user_tensors(chunk.chunk, flat)
         chunk.lender.reclaim()
+        for weight_graph in chunk.weight_graphs:
+            weight_graph.current()  # re-quantized if the weight changed (an optimizer step)
         step = self._cursor.advance(StepKind.FORWARD, chunk.chunk)
         outputs = _GraphedFunction.apply(chunk, step.microbatch, *users, *chunk.params)
         return tuple(outputs) if chunk.returns_tuple else outputs[0]
@@ -240,6 +243,8 @@ def make_graphed_callables(
         for i, (m, (spec, flat)) in enumerate(zip(modules, surfaces))
     ]
     _warm_up(chunks, num_warmup_iters)
+    for chunk in chunks:  # FP8 weights: quantized by graphs of their own, when they change
+        chunk.weight_graphs = fp8.capture_weight_graphs(chunk.module, torch.cuda.graph_pool_handle)
     _capture_schedule(chunks, steps)
     cursor = _ScheduleCursor(steps)
     graphed = tuple(GraphedCallable(chunk, cursor) for chunk in chunks)

@@ -168,6 +168,7 @@ class _GraphedChunk:
     delays_wgrad: bool
     pool: Any = None
     lender: _GradLender = field(default_factory=lambda: _GradLender(enabled=False))
+    weight_graphs: list[Any] = field(default_factory=list)  # core.fp8._WeightGraph, in forward
     params: tuple[torch.nn.Parameter, ...] = ()
     param_names: tuple[str, ...] = ()  # per param, its name in the module (for messages)
     wgrad_targets: tuple[torch.nn.Module, ...] = ()
