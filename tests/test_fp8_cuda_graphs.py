@@ -27,8 +27,8 @@ pytestmark = [
 E, H, F, T = 4, 128, 128, 200
 
 
-def _mlp() -> te_seq.Sequential:
-    kw = {"bias": False, "device": "cuda", "dtype": torch.bfloat16}
+def _mlp(**kw: object) -> te_seq.Sequential:
+    kw = {"bias": False, "device": "cuda", "dtype": torch.bfloat16, **kw}
     return te_seq.Sequential(ops.GroupedLinear(E, H, 2 * F, **kw), ops.SwiGLU(),
                              ops.GroupedLinear(E, F, H, **kw))
 
@@ -91,7 +91,10 @@ class _CountedReplays:
         self.graph.replay()
 
 
-def test_weights_are_quantized_by_their_own_graphs_only_when_they_change(cute_backend) -> None:
+@pytest.mark.parametrize("single", [True, False], ids=["single-weight", "per-expert"])
+def test_weights_are_quantized_by_their_own_graphs_only_when_they_change(
+    single: bool, cute_backend
+) -> None:
     """Each GroupedLinear gets one weight graph; replays of the MLP with unchanged weights do
     not replay it, an optimizer step (in-place) replays it once, and `clear_weight_cache`
     (what a write through `.data`, which no version counter sees, needs) replays it too. The
@@ -99,7 +102,7 @@ def test_weights_are_quantized_by_their_own_graphs_only_when_they_change(cute_ba
     from te_seq.core import fp8
 
     torch.manual_seed(1)
-    graphed_model, eager = _mlp(), _mlp()
+    graphed_model, eager = _mlp(single_grouped_weight=single), _mlp(single_grouped_weight=single)
     eager.load_state_dict(graphed_model.state_dict())
     splits = torch.tensor([60, 0, 90, 50], device="cuda")
     with te_seq.autocast(recipe=recipe.Float8RowwiseScaling()):

@@ -29,7 +29,7 @@ def _op_with_weight_graph() -> tuple[torch.nn.Module, Float8RowwiseScaling, fp8.
     recipe = Float8RowwiseScaling()
     fp8.cached_weights(op, recipe, op.weight, [op.weight])  # an eager call fills the cache
     key, weights = op.__dict__["_fp8_weight_cache"]
-    wg = fp8._WeightGraph(key[:4], op.weight, _StandInGraph(), weights)
+    wg = fp8._WeightGraph(key[:4], [op.weight], _StandInGraph(), weights)
     op.__dict__["_fp8_weight_graph"] = wg
     return op, recipe, wg
 
@@ -73,3 +73,14 @@ def test_used_properties_are_the_forms_calls_made() -> None:
     weights.fp8  # noqa: B018 (made on first use)
     weights.dgrad_fp8  # noqa: B018
     assert sorted(fp8._used_properties(weights)) == ["dgrad_fp8", "fp8"]
+
+
+def test_the_graph_quantizes_the_parameter_or_the_experts_stacked_without_a_cast() -> None:
+    one = torch.nn.Parameter(torch.randn(G, N, K))
+    experts = [torch.nn.Parameter(torch.randn(N, K)) for _ in range(G)]
+    key = (None, "cute", torch.float32, (G, N, K))
+    assert fp8._graph_weight_input(key, [one])() is not None
+    assert torch.equal(fp8._graph_weight_input(key, experts)(), torch.stack(experts))
+    cast = (None, "cute", torch.bfloat16, (G, N, K))  # the calls quantized a cast: not hoisted
+    assert fp8._graph_weight_input(cast, [one]) is None
+    assert fp8._graph_weight_input(key, experts[:1]) is None

@@ -555,30 +555,45 @@ def _weight_operands(recipe: Recipe, w: Tensor, backend_name: str) -> WeightOper
 
 
 class _WeightGraph:
-    """A CUDA graph that quantizes one Parameter into static operands, replayed when the
-    Parameter's version changes (`current`): the forward graphs of `make_graphed_callables`
-    read those operands instead of quantizing the weight on every replay."""
+    """A CUDA graph that quantizes an op's weight Parameters into static operands, replayed
+    when one of them changes version (`current`): the forward graphs of
+    `make_graphed_callables` read those operands instead of quantizing on every replay."""
 
-    def __init__(self, base: tuple, param: Tensor, graph, weights: WeightOperands) -> None:
-        self.base, self.param, self.graph, self.weights = base, param, graph, weights
-        self.data_ptr = param.data_ptr()
-        self.versions: tuple | None = _versions([param])  # None: replay on the next use
+    def __init__(self, base: tuple, params: list[Tensor], graph, weights: WeightOperands):
+        self.base, self.params, self.graph, self.weights = base, params, graph, weights
+        self.data_ptrs = [p.data_ptr() for p in params]
+        self.versions: tuple | None = _versions(params)  # None: replay on the next use
 
     def current(self) -> WeightOperands:
-        versions = _versions([self.param])
+        versions = _versions(self.params)
         if versions != self.versions:
-            if self.param.data_ptr() != self.data_ptr:
-                raise RuntimeError(
-                    f"a weight {tuple(self.param.shape)} of a graphed module was replaced by new "
-                    "memory after make_graphed_callables captured its FP8 weight graph (the "
-                    "graphs read the old memory): update weights in place (optimizer steps, "
-                    "`copy_`), or capture again"
-                )
-            if _capturing(self.param.device):
+            for p, ptr in zip(self.params, self.data_ptrs):
+                if p.data_ptr() != ptr:
+                    raise RuntimeError(
+                        f"a weight {tuple(p.shape)} of a graphed module was replaced by new "
+                        "memory after make_graphed_callables captured its FP8 weight graph "
+                        "(the graphs read the old memory): update weights in place (optimizer "
+                        "steps, `copy_`), or capture again"
+                    )
+            if _capturing(self.params[0].device):
                 raise RuntimeError("a weight changed while a CUDA graph was being captured")
             self.graph.replay()
             self.versions = versions
         return self.weights
+
+
+def _graph_weight_input(key: tuple, params: list[Tensor]):
+    """What the weight graph quantizes: the Parameter itself, or the experts' Parameters
+    stacked, where that is the tensor the eager calls quantized (same dtype and shape; no cast);
+    None where it is not."""
+    dtype, shape = key[2:4]
+    if any(p.dtype != dtype or not p.is_contiguous() for p in params):
+        return None
+    if len(params) == 1 and tuple(params[0].shape) == shape:
+        return lambda: params[0].detach()
+    if len(params) > 1 and shape == (len(params), *params[0].shape):
+        return lambda: torch.stack([p.detach() for p in params])
+    return None
 
 
 def capture_weight_graphs(module: torch.nn.Module, pool_factory) -> list[_WeightGraph]:
@@ -586,9 +601,10 @@ def capture_weight_graphs(module: torch.nn.Module, pool_factory) -> list[_Weight
     warm-up of `make_graphed_callables`) a weight graph (`_WeightGraph`): the same quantization
     captured in a memory pool of its own (`pool_factory()`: no other graph's replay writes the
     operands it holds), so graphs captured afterwards read its operands and no longer hold the
-    quantization kernels. Only for a single Parameter quantized as it is (no cast, no stack).
-    The graph is replayed once, so the operands hold the current weights. Returns them all
-    (`_WeightGraph.current()` before each replay of a graph that reads them)."""
+    quantization kernels. Only where the eager calls quantized the Parameter itself or the
+    experts' Parameters stacked (`_graph_weight_input`). The graph is replayed once, so the
+    operands hold the current weights. Returns them all (`_WeightGraph.current()` before each
+    replay of a graph that reads them)."""
     made = []
     for op in module.modules():
         source = op.__dict__.get("_fp8_weight_source")
@@ -597,18 +613,16 @@ def capture_weight_graphs(module: torch.nn.Module, pool_factory) -> list[_Weight
             continue
         recipe, backend_name, params = source
         key, eager = cache
-        if len(params) != 1 or key[-1] != _versions(params):
-            continue
-        param = params[0]
-        if (param.dtype, tuple(param.shape)) != key[2:4] or not param.is_contiguous():
+        weight = _graph_weight_input(key, params)
+        if weight is None or key[-1] != _versions(params):
             continue
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool_factory()):
-            weights = _weight_operands(recipe, param.detach(), backend_name)
+            weights = _weight_operands(recipe, weight(), backend_name)
             for name in _used_properties(eager):  # as the eager calls read them
                 getattr(weights, name)
         graph.replay()
-        made.append(_WeightGraph(key[:4], param, graph, weights))
+        made.append(_WeightGraph(key[:4], list(params), graph, weights))
         op.__dict__["_fp8_weight_graph"] = made[-1]
         del op.__dict__["_fp8_weight_cache"]
     return made

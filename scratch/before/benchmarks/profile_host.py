@@ -1,0 +1,223 @@
+"""Where the grouped MLP's host time goes: per-call host time and a cProfile breakdown.
+
+Host time is the wall time of one call from an idle device until the call returns, its kernels
+not waited for (benchmarks/_common.py: time_host). With the GPU idle, a kernel starts as soon as
+it is launched, so the host time before the first kernel is what a single call pays on top of
+the kernels; it is estimated as a single call's latency minus the steady-state time per call.
+
+  python benchmarks/profile_host.py --shape Q --backend cute [--compile] [--top 30]
+      [--step] [--fp8 Float8RowwiseScaling]
+
+`--device cpu` measures the same Sequential's Python overhead without a GPU: tiny shape "U"
+(E=4, H=32, F=24, 128 rows), float32, the "torch" backend by default, one CPU thread (kernel time
+is small and steady there, so what changes is te_seq's own host time); it prints µs per forward,
+per forward+backward and without grad, cProfile's primitive calls per forward, and the same
+forward written as plain torch ops (the floor no wrapper can beat):
+
+  python benchmarks/profile_host.py --device cpu [--backend reference] [--iters 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+from _common import time_host
+from mlp_case import make_case
+
+import te_seq
+from te_seq import ops
+
+
+def build(case, backend: str):
+    s, x = case.shape, case.x
+    kw = {"device": x.device, "dtype": x.dtype, "single_grouped_weight": True}
+    mlp = te_seq.Sequential(
+        ops.GroupedLinear(s.E, s.H, 2 * s.F, bias=False, **kw),
+        ops.ScaledSwiGLU(),
+        ops.GroupedLinear(s.E, s.F, s.H, bias=False, **kw),
+    )
+    x = case.x.detach().requires_grad_()
+    probs = case.probs.detach().requires_grad_()
+    args = (x, case.split_sizes, probs, case.split_sizes)
+
+    def forward():
+        with te_seq.backend(backend):
+            return mlp(*args)
+
+    forward.inputs = (x, probs)  # leaves whose .grad a step harness clears (no accumulate add)
+    return mlp, forward
+
+
+def exposed_host_us(forward, device, iters: int = 20) -> tuple[float, float, float]:
+    """(single-call latency, steady-state device time per call, their difference) in µs.
+
+    The latency is one call from an idle GPU until its last kernel ends (CUDA events around
+    it); the device time is a burst of back-to-back calls divided by their count, so the host
+    runs ahead of the GPU there. Their difference is the host time the single call exposes:
+    mostly the time before its first kernel starts (the rest of its host work overlaps its
+    kernels while the host stays ahead). A profiler would time this directly but adds its own
+    cost to every op it records."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    latencies = []
+    for _ in range(iters):
+        torch.cuda.synchronize(device)
+        start.record()
+        forward()
+        end.record()
+        torch.cuda.synchronize(device)
+        latencies.append(start.elapsed_time(end) * 1e3)
+    start.record()
+    for _ in range(iters):
+        forward()
+    end.record()
+    torch.cuda.synchronize(device)
+    latency, steady = statistics.median(latencies), start.elapsed_time(end) * 1e3 / iters
+    return latency, steady, latency - steady
+
+
+def profile(fn, iters: int, top: int) -> None:
+    """cProfile of `iters` calls, each from an idle device (so no launch ever waits)."""
+    prof = cProfile.Profile()
+    spent = 0.0
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        prof.enable()
+        fn()
+        prof.disable()
+        spent += time.perf_counter() - t0
+    print(f"(profiled: {spent / iters * 1e6:.1f} us per call)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
+
+
+def primitive_calls(fn, iters: int = 50) -> float:
+    """Python function calls (cProfile's primitive calls) per call of `fn`."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    return pstats.Stats(prof).prim_calls / iters
+
+
+def plain_torch_forward(case):
+    """The same forward as plain torch ops (offsets, two torch._grouped_mm, the scaled SwiGLU)."""
+    x = case.x.detach().requires_grad_()
+    w1 = case.w1.detach().requires_grad_()
+    w2 = case.w2.detach().requires_grad_()
+    probs = case.probs.detach().requires_grad_()
+
+    def forward():
+        offs = torch.cumsum(case.split_sizes, 0, dtype=torch.int32)
+        gate, up = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        a = torch.nn.functional.silu(gate) * up * probs[:, None]
+        return torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+
+    return forward
+
+
+def main_cpu(args) -> None:
+    """The CPU proxy of the host time (module docstring)."""
+    torch.set_num_threads(1)  # one thread: steady kernel times on a shared machine
+    device = torch.device("cpu")
+    case = make_case(args.shape, device, torch.float32)
+    mlp, forward = build(case, args.backend)
+
+    def forward_backward():
+        forward().sum().backward()
+
+    for _ in range(20):
+        forward_backward()
+    print(mlp.fusion_plan())
+    best = {}
+    for _ in range(5):  # the best of 5 medians: the least disturbed by other processes
+        for name, fn in (("forward", forward), ("forward+backward", forward_backward)):
+            best[name] = min(best.get(name, 1e9), time_host(fn, args.iters, device) * 1e3)
+        with torch.no_grad():
+            best["forward (no_grad)"] = min(best.get("forward (no_grad)", 1e9),
+                                            time_host(forward, args.iters, device) * 1e3)
+        plain = plain_torch_forward(case)
+        best["plain torch forward"] = min(best.get("plain torch forward", 1e9),
+                                          time_host(plain, args.iters, device) * 1e3)
+    for name, us in best.items():
+        print(f"{name:24s} {us:8.1f} us")
+    print(f"calls per forward: {primitive_calls(forward):.0f}, "
+          f"per forward+backward: {primitive_calls(forward_backward):.0f}")
+    profile(forward, args.iters, args.top)
+
+
+def _under_recipe(forward, recipe):
+    def fp8_forward():
+        with te_seq.autocast(recipe=recipe):
+            return forward()
+
+    return fp8_forward
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--shape", default=None, help='default "Q" on cuda, "U" on cpu')
+    p.add_argument("--backend", default=None, help='default "cute" on cuda, "torch" on cpu')
+    p.add_argument("--iters", type=int, default=None, help="default 200 on cuda, 2000 on cpu")
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) too")
+    p.add_argument("--step", action="store_true", help="forward+backward too (cuda)")
+    p.add_argument("--fp8", default="", help="a te_seq.recipe class name, e.g. "
+                   "Float8RowwiseScaling: the forward under te_seq.autocast (cuda)")
+    args = p.parse_args()
+    cpu = args.device == "cpu"
+    args.shape = args.shape or ("U" if cpu else "Q")
+    args.backend = args.backend or ("torch" if cpu else "cute")
+    args.iters = args.iters or (2000 if cpu else 200)
+    if cpu:
+        main_cpu(args)
+        return
+    device = torch.device("cuda")
+    case = make_case(args.shape, device, torch.bfloat16)
+    mlp, forward = build(case, args.backend)
+    if args.fp8:
+        forward = _under_recipe(forward, getattr(te_seq.recipe, args.fp8)())
+    for _ in range(5):
+        forward()
+    print(mlp.fusion_plan())
+    print(f"eager forward host time: {time_host(forward, args.iters, device) * 1e3:.1f} us")
+    latency, steady, exposed = exposed_host_us(forward, device)
+    print(f"eager forward: latency {latency:.1f} us from an idle GPU, {steady:.1f} us per call "
+          f"back to back, exposed host time {exposed:.1f} us")
+    with torch.no_grad():
+        host = time_host(forward, args.iters, device) * 1e3
+    print(f"eager forward (no_grad) host time: {host:.1f} us")
+    profile(forward, args.iters, args.top)
+    if args.step:
+        def step():
+            forward().backward(dy)
+
+        dy = torch.randn_like(forward())
+        host = time_host(step, args.iters, device) * 1e3
+        print(f"eager forward+backward host time: {host:.1f} us")
+        profile(step, args.iters, args.top)
+    if args.compile:
+        compiled = torch.compile(mlp, fullgraph=True)
+        x, splits, probs = case.x.detach().requires_grad_(), case.split_sizes, case.probs
+
+        def forward_compiled():
+            with te_seq.backend(args.backend):
+                return compiled(x, splits, probs, splits)
+
+        for _ in range(5):
+            forward_compiled()
+        host = time_host(forward_compiled, args.iters, device) * 1e3
+        print(f"compiled forward host time: {host:.1f} us")
+        profile(forward_compiled, args.iters, args.top)
+
+
+if __name__ == "__main__":
+    main()

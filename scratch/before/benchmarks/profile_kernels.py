@@ -1,0 +1,177 @@
+"""Where the grouped MLP's device time goes: a kernel table of one forward+backward.
+
+Runs the same Sequential as profile_host.py (GroupedLinear -> ScaledSwiGLU -> GroupedLinear,
+split sizes on the device) a few times to warm up, then profiles `--iters` forward+backward
+calls with torch.profiler (CPU and CUDA) and prints, per kernel name: calls per step, device
+ms per step and share; then the step's wall time, summed kernel time and launches per step.
+`--fp8 ROWWISE|CURRENT|BLOCK` runs it under te_seq.autocast with that recipe (`--hp-wgrad`: its
+`fp8_wgrad=False`, the wgrads in bf16); `--cpu` also prints
+the host-side ops by self CPU time (where a host-bound step spends its time). `--order` also
+prints one step's launches in launch order with each one's mean device time (tells apart the
+six GEMMs that share a kernel name); `--peer quack` profiles QuACK's MLP (peer_quack.py, the
+benchmark's peer, fresh grads) instead of te_seq's, so the two tables compare GEMM by GEMM.
+
+  python benchmarks/profile_kernels.py --shape Q --backend cute --fp8 ROWWISE [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+from collections import defaultdict
+
+import torch
+from mlp_case import make_case
+from peer_quack import QuackPeer
+from profile_host import build
+
+import te_seq
+
+RECIPES = {
+    "ROWWISE": te_seq.recipe.Float8RowwiseScaling,
+    "CURRENT": te_seq.recipe.Float8CurrentScaling,
+    "BLOCK": te_seq.recipe.Float8BlockScaling,
+}
+
+
+def step_fn(mlp, forward, recipe):
+    """One fwd+bwd with fresh gradients, as the benchmark's default mode: the weights' and the
+    inputs' (x, probs) .grad set to None first, so no gradient-accumulation add runs, and dY
+    made once, so no fill runs; the table then holds the MLP's own kernels only."""
+    grad_out = []
+
+    def step():
+        mlp.zero_grad(set_to_none=True)
+        for leaf in forward.inputs:
+            leaf.grad = None
+        with te_seq.autocast(enabled=recipe is not None, recipe=recipe):
+            y = forward()
+        if not grad_out:
+            grad_out.append(torch.randn_like(y))
+        y.backward(grad_out[0])
+    return step
+
+
+def step_wall(step, iters: int) -> float:
+    """µs per step, `iters` steps back to back, no profiler (its per-op cost would inflate it)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def kernel_table(step, iters: int):
+    """{kernel name: (calls, device µs)} summed over `iters` steps, and the wall µs per step
+    (`step_wall`, measured before profiling)."""
+    wall = step_wall(step, iters)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    kernel_table.cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_table.order = launch_order(kernels, iters)
+    table = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        row = table[e.name]
+        row[0] += 1
+        row[1] += e.device_time
+    return table, wall
+
+
+def launch_order(kernels, iters: int) -> list[tuple[str, float]]:
+    """[(name, mean device µs)] per launch position within one step, in launch order; empty
+    when the steps did not launch the same number of kernels."""
+    kernels = sorted(kernels, key=lambda e: e.time_range.start)
+    per_step, rest = divmod(len(kernels), iters)
+    if rest or not per_step:
+        return []
+    return [(kernels[i].name, sum(e.device_time for e in kernels[i::per_step]) / iters)
+            for i in range(per_step)]
+
+
+def python_profile(step, iters: int, top: int) -> None:
+    """cProfile of `iters` steps: the Python functions by own time, then by cumulative time.
+    Backward runs on the calling thread here (autograd's device threads are invisible to
+    cProfile), and each step starts from an idle device, so no launch waits on a full queue."""
+    prof = cProfile.Profile()
+    torch.autograd.set_multithreading_enabled(False)
+    try:
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            prof.enable()
+            step()
+            prof.disable()
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
+
+
+def step_host(step, iters: int) -> float:
+    """Median host µs of one step from an idle device, its kernels not waited for."""
+    runs = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        runs.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return sorted(runs)[len(runs) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="Q")
+    p.add_argument("--backend", default="cute")
+    p.add_argument("--fp8", default=None, choices=sorted(RECIPES))
+    p.add_argument("--hp-wgrad", action="store_true",
+                   help="with --fp8: the recipe's fp8_wgrad=False (wgrads in bf16)")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--cpu", action="store_true", help="also the host ops by self CPU time")
+    p.add_argument("--order", action="store_true", help="also one step's launches in order")
+    p.add_argument("--peer", default="", choices=["", "quack"],
+                   help="profile this benchmark peer's MLP instead of te_seq's")
+    args = p.parse_args()
+    case = make_case(args.shape, torch.device("cuda"), torch.bfloat16)
+    recipe = RECIPES[args.fp8](fp8_wgrad=not args.hp_wgrad) if args.fp8 else None
+    if args.peer:
+        step = QuackPeer(case, "fresh").forward_backward
+        args.backend = args.peer
+    else:
+        mlp, forward = build(case, args.backend)
+        step = step_fn(mlp, forward, recipe)
+    for _ in range(3):
+        step()
+    if not args.peer:
+        with te_seq.backend(args.backend), te_seq.autocast(enabled=recipe is not None,
+                                                           recipe=recipe):
+            print(mlp.fusion_plan())
+    table, wall = kernel_table(step, args.iters)
+    total = sum(us for _, us in table.values())
+    launches = sum(n for n, _ in table.values())
+    print(f"shape {args.shape} backend {args.backend} fp8 {args.fp8}: wall {wall / 1e3:.2f} ms "
+          f"per fwd+bwd, kernels {total / args.iters / 1e3:.2f} ms, "
+          f"{launches / args.iters:.0f} launches, host {step_host(step, 20) / 1e3:.2f} ms "
+          "per step from an idle device")
+    if args.cpu:
+        print(kernel_table.cpu)
+        python_profile(step, args.iters, args.top)
+    rows = sorted(table.items(), key=lambda kv: -kv[1][1])[: args.top]
+    for name, (n, us) in rows:
+        print(f"{n / args.iters:7.1f}x {us / args.iters / 1e3:8.3f} ms {us / total:6.1%}  "
+              f"{name[:110]}")
+    if args.order:
+        print("launch order (one step, mean device ms):")
+        for i, (name, us) in enumerate(kernel_table.order):
+            print(f"{i:4d} {us / 1e3:8.3f} ms  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()

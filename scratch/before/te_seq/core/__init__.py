@@ -1,0 +1,1 @@
+"""Core machinery: operations, the fuser and its autograd bridge, Sequential, gradient contract."""

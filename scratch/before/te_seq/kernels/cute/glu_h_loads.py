@@ -1,0 +1,75 @@
+"""The fused GLU dgrad's loads of h (FC1's saved pre-activation) into shared memory.
+
+Per dgrad epilogue subtile (``epi_rows`` x 32 columns of dA), the gate and up columns of h
+that the subtile's maths needs are TMA-loaded into a pair of smem buffers behind the store
+ring, one mbarrier per pair (``h_prefetch`` pairs: the subtile after next is loaded while one
+is computed). `HLoadMixin` holds the column mapping, the buffers' barriers and phases and the
+loads; ``GluGemmKernel._dgrad_epilogue`` drives them.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import const_expr
+
+
+class HLoadMixin:
+    """h's subtile loads for the GLU dgrad epilogue (module docstring)."""
+
+    @cute.jit
+    def _h_partitions(self, ep, tma_h, m_h, row_base):
+        """TMA partitions (smem, gmem) of h's subtile blocks for the tile at ``row_base``."""
+        g_h = cute.zipped_divide(cute.domain_offset((row_base, 0), m_h), self.epi_tile)
+        return cute.nvgpu.cpasync.tma_partition(
+            tma_h, 0, cute.make_layout(1), cute.group_modes(ep.sC, 0, 2), g_h
+        )
+
+    @cute.jit
+    def _h_cols(self, n_tile, f_dim, e: int):
+        """(j0, gate column, up column) of dgrad subtile ``e``: dA columns [j0, j0 + 32)."""
+        j0 = n_tile * self.tile_mnk[1] + 32 * e
+        if const_expr(self.interleave is None):
+            g_col = j0
+            u_col = f_dim + j0
+        else:
+            s = self.interleave
+            g_col = (j0 // s) * (2 * s) + j0 % s
+            u_col = g_col + s
+        return j0, g_col, u_col
+
+    def _h_bar(self, ep, e: int):
+        """The mbarrier of dgrad subtile ``e``'s h pair (e % ``h_prefetch``)."""
+        pair = e % self.h_prefetch
+        return ep.extra_bar if pair == 0 else ep.extra_bar + pair
+
+    def _h_parity(self, count0, e: int):
+        """The mbarrier phase parity of dgrad subtile ``e``'s h pair. One pair (``h_prefetch``
+        1): a tile's subtile count (4, 6 or 8) is even, so it is e % 2 on every tile. Two pairs:
+        pair e % 2 has been filled once per two earlier subtiles of this CTA (``count0`` / 3 of
+        them before the tile: three stores each), so the parity comes from that running count."""
+        if self.h_prefetch == 1:
+            return e % 2
+        return ((count0 // 3 + e) // 2) % 2
+
+    @cute.jit
+    def _issue_h(self, ep, tma_h, s_l, g_l, n_tile, f_dim, e: int):
+        """TMA-load the gate and up (epi_rows x 32) blocks of h for dgrad subtile ``e`` (column
+        block e // halves, row half e % halves) into buffer pair e % ``h_prefetch`` (its own
+        mbarrier) (rows past M and columns past 2F are zero-filled; other out-of-tile values
+        are masked by the reader)."""
+        col, half = divmod(e, self._halves())
+        _, g_col, u_col = self._h_cols(n_tile, f_dim, col)
+        warp = ep.warp
+        bar = self._h_bar(ep, e)
+        g_buf = self.epi_stage + 2 * (e % self.h_prefetch)
+        if warp == self.epi_store_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    bar, 2 * self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
+                )
+            cute.copy(
+                tma_h, g_l[(None, (half, g_col // 32))], s_l[(None, g_buf)], tma_bar_ptr=bar
+            )
+            cute.copy(
+                tma_h, g_l[(None, (half, u_col // 32))], s_l[(None, g_buf + 1)], tma_bar_ptr=bar
+            )

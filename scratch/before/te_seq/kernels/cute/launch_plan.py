@@ -1,0 +1,74 @@
+"""Launch plans: what a CuTe DSL functional decides from a call's signature, kept for the next call.
+
+A functional's host work before its kernel call is mostly a function of the call's *signature*
+(the operands' dtypes, shapes, strides and devices, and its options): the tiling, the kernel
+config and its compiled kernel, the persistent grid's cluster count, and whether an operand must
+be copied into the kernel's layout. ``PlanCache`` maps a signature to that ``LaunchPlan``,
+built on the first call and reused while the signature matches; any change of shape, dtype,
+stride, device or option is a new signature, so it is decided afresh. Tensor data and ``offs``
+are never part of a signature (nothing is read on the host, no sync). Per-call work that
+depends on data stays per call (copies, placeholders for absent tensors).
+
+``clear_plans()`` empties every cache (after swapping compile entries, as tests and the host
+profiler do).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+_CACHES: list[PlanCache] = []
+_GENERATION = [0]  # bumped by every `clear_plans` (see `plans_generation`)
+_MAX_PLANS = 256  # distinct signatures per functional; a full cache starts over
+
+
+class LaunchPlan(NamedTuple):
+    """A call signature's decisions: the compiled kernel, the cluster count of its persistent
+    grid, whether B must be copied into a contiguous layout before its permuted view
+    (``launch._b_view``), and whether the kernel takes dynamic units (it then needs
+    ``unit_order``'s tensor)."""
+
+    kernel: object
+    clusters: int
+    b_copy: bool = False
+    dynamic: bool = False
+
+
+class PlanCache:
+    """signature (a hashable tuple) -> `LaunchPlan`, at most ``_MAX_PLANS`` of them."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, LaunchPlan] = {}
+        # get(signature) -> the plan or None: the dict's own method, no Python frame (read
+        # before every launch)
+        self.get = self._plans.get
+        _CACHES.append(self)
+
+    def put(self, signature: tuple, plan: LaunchPlan) -> LaunchPlan:
+        if len(self._plans) >= _MAX_PLANS:  # a workload with ever-changing shapes: no growth
+            self._plans.clear()
+        self._plans[signature] = plan
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+def tensor_signature(t: Tensor | None) -> tuple | None:
+    """What a plan may depend on in a tensor: dtype, shape, strides, device (None stays None)."""
+    return None if t is None else (t.dtype, t.shape, t.stride(), t.device)
+
+
+def clear_plans() -> None:
+    """Forget every plan (the compiled kernels they hold stay in the compile caches)."""
+    _GENERATION[0] += 1
+    for cache in _CACHES:
+        cache._plans.clear()
+
+
+def plans_generation() -> int:
+    """How many times `clear_plans` ran: a plan held outside the caches (``glu.Fc1Launch``)
+    is current while this is unchanged."""
+    return _GENERATION[0]

@@ -1,0 +1,15 @@
+"""ReGLU: y = relu(gate) · up."""
+
+from __future__ import annotations
+
+from te_seq.ops.basic.activation import GatedActivation
+
+
+class ReGLU(GatedActivation):
+    """ReGLU: y = relu(gate) · up.
+
+    x [..., 2F] holds [gate, up] (first half gate, TransformerEngine's order), or alternating
+    blocks of `glu_interleave_size` columns; y [..., F].
+    """
+
+    act = "relu"

@@ -1,0 +1,1 @@
+"""The runtime: `Sequential` and the `Fuser` that executes a fusion plan (above `fusion/`)."""
