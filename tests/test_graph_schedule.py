@@ -533,9 +533,36 @@ def test_a_kept_grad_object_keeps_its_values_when_the_graph_replays(delayed: boo
 
 
 @pytest.mark.parametrize("delayed", [False, True])
-def test_a_stale_reference_to_a_lent_grad_is_an_error_not_overwritten(delayed: bool) -> None:
-    """A gradient kept past zero_grad (set to None) still aliases the graph's buffer: the next
-    replay would overwrite it in place, so it raises, naming the parameter."""
+def test_a_grad_kept_past_zero_grad_keeps_its_values(delayed: bool) -> None:
+    """`kept = w.grad`, then `.grad` set to None: the next replay gives `kept` memory of its own
+    first (the graph would overwrite it otherwise), and `.grad` is the buffer again, no copy."""
+    graphed, buffers = _linear_chunk(delayed)
+    w = graphed.module.weight
+    for _ in range(2):
+        x, dy = torch.randn(4, 3), torch.randn(4, 2)
+        _step(graphed, x, dy)
+        kept = w.grad
+        w.grad = None
+        _step(graphed, torch.randn(4, 3), torch.randn(4, 2))
+        torch.testing.assert_close(kept, dy.t() @ x)
+        assert kept.data_ptr() != buffers["gw"].data_ptr() == w.grad.data_ptr()
+        w.grad = None
+
+
+def test_a_kept_autograd_grad_result_keeps_its_values() -> None:
+    graphed, _ = _linear_chunk(delayed=False)
+    w = graphed.module.weight
+    x, dy = torch.randn(4, 3), torch.randn(4, 2)
+    (first,) = torch.autograd.grad(graphed(x), [w], dy)
+    (second,) = torch.autograd.grad(graphed(torch.randn(4, 3)), [w], torch.randn(4, 2))
+    torch.testing.assert_close(first, dy.t() @ x)
+    assert first.data_ptr() != second.data_ptr()
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_kept_view_of_a_lent_grad_is_an_error_not_overwritten(delayed: bool) -> None:
+    """A view of an earlier gradient still aliases the graph's buffer and cannot be moved: the
+    next replay would overwrite it in place, so it raises, naming the parameter."""
     graphed, _ = _linear_chunk(delayed)
     w = graphed.module.weight
     _step(graphed, torch.randn(4, 3), torch.randn(4, 2))
@@ -544,7 +571,8 @@ def test_a_stale_reference_to_a_lent_grad_is_an_error_not_overwritten(delayed: b
     before = stale.clone()
     for _ in range(2):  # refused at the next replay (the forward), and again until dropped
         with pytest.raises(RuntimeError, match=r"chunk 1: the gradient of weight from an "
-                                               r"earlier replay is still referenced \(2 tensor"):
+                                               r"earlier replay is still referenced through "
+                                               r"a view \(1 tensor"):
             graphed(torch.randn(4, 3))
     assert torch.equal(stale, before)
     del stale

@@ -17,9 +17,9 @@ callables check every call against the schedule and raise `RuntimeError` on a st
 Gradients behave as in eager mode (docs/gradient_contract.md):
 - wgrads returned to autograd (default path, and the dummies of the `grad_added_to_main_grad`
   path) come out of the backward graph as static tensors and are lent to autograd: a `.grad`
-  that was None becomes the static buffer itself (no copy), one that exists gets it added; a
-  `.grad` still aliasing the buffer when the graph replays again is first given memory of its
-  own (accumulation stays exact), and any other tensor still aliasing it is an error;
+  that was None becomes the static buffer itself (no copy), one that exists gets it added;
+  before any later replay a `.grad` (or a kept reference to one) still aliasing the buffer is
+  given memory of its own (accumulation stays exact), and a view still aliasing it is an error;
 - `main_grad` accumulation is captured in place, so the graphs keep writing the `main_grad`
   tensor that existed at capture time; `overwrite_main_grad` and `zero_out_wgrad` are read at
   capture time;

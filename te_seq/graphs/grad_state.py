@@ -9,9 +9,11 @@ and `_set_flags` sets them again after every replay of that graph.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -113,19 +115,22 @@ class _GradLender:
     steals as `.grad` where that is None (a fresh-gradient step copies nothing) and otherwise
     adds into `.grad`. The graphs share one memory pool, so a later replay of *any* of them may
     write the memory of a lent buffer (one graph's scratch can be another's output); `reclaim()`
-    runs before every replay: each `.grad` that still aliases a lent buffer (gradients kept and
-    accumulated over steps) gets memory of its own, with its values, in the same tensor object
-    (`set_`), so references to that `.grad` keep their values too. A copy is made only then.
-    Any other tensor still aliasing a lent buffer (a reference or view of an earlier `.grad`
-    kept past `zero_grad()`, a `torch.autograd.grad` result) would be overwritten silently, so
-    `reclaim()` raises instead, and keeps raising until it is dropped. Disabled (`enabled`
-    False: the static tensors are handed out, and autograd copies them) when the pool is shared
-    with graphs this lender does not see. Non-contiguous buffers are never lent."""
+    runs before every replay and gives each tensor it knows that still aliases a lent buffer
+    memory of its own, with its values, in the same tensor object (`set_`): `.grad`, the
+    gradient objects autograd set as `.grad` (seen by a post-accumulate-grad hook, so a
+    reference kept past `zero_grad()` keeps its values) and the aliases it handed out (a
+    `torch.autograd.grad` result). A copy is made only for those. A tensor it cannot know (a
+    view of one of them) would be overwritten silently, so `reclaim()` raises instead, and keeps
+    raising until it is dropped. Disabled (`enabled` False: the static tensors are handed out,
+    and autograd copies them) when the pool is shared with graphs this lender does not see.
+    Non-contiguous buffers are never lent."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         # (chunk, parameter name, parameter, buffer, storage uses before it was lent)
         self._lent: list[tuple[int, str, torch.nn.Parameter, Tensor, int]] = []
+        self._known: list[weakref.ref[Tensor]] = []  # tensors that may alias a lent buffer
+        self._hooks: dict[int, Any] = {}  # per parameter id: its post-accumulate-grad hook
 
     def lend(
         self, chunk: int, items: Sequence[tuple[str, torch.nn.Parameter, Tensor]]
@@ -135,30 +140,49 @@ class _GradLender:
         uses = [_storage_uses(s) if ok else 0 for (_, _, s), ok in zip(items, lendable)]
         out = []
         for (name, p, s), ok, n in zip(items, lendable, uses):
-            if ok:
-                self._lent.append((chunk, name, p, s, n))
-            out.append(s.detach() if ok else s)
+            if not ok:
+                out.append(s)
+                continue
+            self._lent.append((chunk, name, p, s, n))
+            self._watch(p)
+            out.append(s.detach())
+            self._known.append(weakref.ref(out[-1]))
         return out
+
+    def _watch(self, p: torch.nn.Parameter) -> None:
+        """Remember the gradient object autograd sets as `p.grad` (it detaches what it steals,
+        so it is not the alias handed out)."""
+        if id(p) in self._hooks:
+            return
+        lender = weakref.ref(self)
+
+        def seen(param: Tensor) -> None:
+            me = lender()
+            if me is not None and me._lent and param.grad is not None:
+                me._known.append(weakref.ref(param.grad))
+
+        self._hooks[id(p)] = p.register_post_accumulate_grad_hook(seen)
+        weakref.finalize(self, self._hooks[id(p)].remove)
 
     def reclaim(self) -> None:
         """Before a replay: see the class docstring."""
         if not self._lent:
             return
         keys = {_storage_key(s) for _, _, _, s, _ in self._lent}
+        known = [ref() for ref in self._known] + [p.grad for _, _, p, _, _ in self._lent]
         with torch.no_grad():
-            for _, _, p, _, _ in self._lent:
-                g = p.grad
-                if g is not None and _storage_key(g) in keys:
-                    g.set_(g.clone())
+            for t in known:
+                if t is not None and _storage_key(t) in keys:
+                    t.set_(t.clone())
         for chunk, name, _, s, uses in self._lent:
             extra = _storage_uses(s) - uses
             if extra > 0:
                 raise RuntimeError(
                     f"graphed chunk {chunk}: the gradient of {name} from an earlier replay is "
-                    f"still referenced ({extra} tensor(s) besides `.grad` share the graph's "
+                    f"still referenced through a view ({extra} tensor(s) share the graph's "
                     "memory it lives in), and this replay would overwrite it. A graphed "
-                    "gradient is the graph's memory until the next replay: keep it in `.grad` "
-                    "(accumulating into it works), or keep `.grad.clone()` instead of `.grad` "
-                    "or a view of it."
+                    "gradient is the graph's memory until the next replay: keep `.grad` itself "
+                    "(or a reference to it), or a clone, not a view of it."
                 )
         self._lent.clear()
+        self._known.clear()

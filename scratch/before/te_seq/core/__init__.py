@@ -1,1 +1,0 @@
-"""Core machinery: operations, the fuser and its autograd bridge, Sequential, gradient contract."""

@@ -1,1 +1,0 @@
-"""Adapters to other libraries' models (imported on demand; nothing here runs on import)."""

@@ -1,1 +1,0 @@
-"""The runtime: `Sequential` and the `Fuser` that executes a fusion plan (above `fusion/`)."""
