@@ -21,8 +21,9 @@ E5M2 under fp8_format="HYBRID", E4M3 under "E4M3". Master weights keep their dty
 the GEMM's usual dtype (the input's, or torch.autocast's). Quantized weights are cached across
 calls until the weight changes (`cache_weights`): the cache is keyed on the Parameter's version
 counter, which every in-place write through the Parameter bumps (optimizer steps, `copy_` under
-`no_grad`); a write through `param.data` does not bump it, so code that updates weights that way
-must pass `cache_weights=False`.
+`no_grad`), and on the count of torch.optim steps (fused optimizers write without bumping it);
+a write through `param.data` moves neither, so code that updates weights that way must pass
+`cache_weights=False` (or call `te_seq.core.fp8.clear_weight_cache(op)`).
 
 `fp8_wgrad=False` keeps the weight gradients in high precision: dW = dyᵀ x runs on the unquantized
 dy and x in the GEMM's compute dtype (the same GEMM as without a recipe), while the forward and

@@ -389,6 +389,32 @@ def test_weight_cache_reused_then_invalidated_by_optimizer_step(r, monkeypatch):
     assert torch.equal(y, want)
 
 
+@pytest.mark.parametrize("optimizer", ["adamw-fused", "adamw-foreach", "sgd-fused"])
+def test_weight_cache_invalidated_by_a_fused_optimizer_step(optimizer, monkeypatch):
+    """torch.optim's fused optimizers write the weights in their own kernel without moving
+    the version counter (adamw-fused, sgd-fused: checked below); the cache still sees the step
+    (a global optimizer step hook), so the next call quantizes the updated weight."""
+    calls = _count_weight_quantizations(monkeypatch)
+    r = recipe.Float8RowwiseScaling()
+    op = ops.BasicLinear(128, 128)
+    model = te_seq.Sequential(op)
+    kind, mode = optimizer.split("-")
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.SGD
+    opt = cls(model.parameters(), lr=0.5, **{mode: True})
+    x = _rand(4, 128)
+    with te_seq.autocast(recipe=r):
+        model(x).sum().backward()
+        version = op.weight._version
+        before = op.weight.detach().clone()
+        opt.step()
+        y = model(x)
+    assert not torch.equal(op.weight, before), "the step did not move the weight"
+    if mode == "fused":
+        assert op.weight._version == version, "the fused step moved the version: test too weak"
+    assert len(calls) == 2
+    assert torch.equal(y, emu_linear(r, x, op.weight.detach(), torch.zeros(4, 128))[0])
+
+
 def test_weight_cache_sees_in_place_copy_and_new_parameter(monkeypatch):
     calls = _count_weight_quantizations(monkeypatch)
     r = recipe.Float8RowwiseScaling()

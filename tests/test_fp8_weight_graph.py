@@ -49,6 +49,10 @@ def test_calls_read_the_graph_operands_and_replay_only_after_a_change() -> None:
     assert "_fp8_weight_graph" in op.__dict__
     fp8.refresh_weight_graphs(op)
     assert wg.graph.replays == 2
+    w.grad = torch.randn_like(w)
+    torch.optim.AdamW([w], fused=True).step()  # no version counter moves: the step hook sees it
+    fp8.refresh_weight_graphs(op)
+    assert wg.graph.replays == 3
 
 
 def test_another_recipe_does_not_read_the_graph_operands() -> None:

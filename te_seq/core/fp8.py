@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from te_seq import config
 from te_seq.kernels import fp8_quantize, fp8_wgrad
@@ -542,6 +543,7 @@ def cached_weights(
         return cache[1]
     weights = _weight_operands(recipe, w, backend_name)
     if recipe.cache_weights and not torch.compiler.is_compiling() and not capturing:
+        _watch_optimizer_steps()
         op.__dict__["_fp8_weight_cache"] = (key, weights)
         op.__dict__["_fp8_weight_source"] = (recipe, backend_name, params)
     return weights
@@ -645,12 +647,34 @@ def refresh_weight_graphs(module: torch.nn.Module) -> None:
 
 
 def _versions(params: list[Tensor]) -> tuple:
-    """(identity, version counter, data pointer) of each Parameter: what a cached weight form
-    depends on (one weight, the usual case, without a generator's frames)."""
+    """What a cached weight form depends on: the count of optimizer steps taken (torch.optim's
+    fused optimizers write the Parameters without moving their version counters), then each
+    Parameter's (identity, version counter, data pointer) (one weight, the usual case, without
+    a generator's frames)."""
     if len(params) == 1:
         p = params[0]
-        return ((id(p), p._version, p.data_ptr()),)
-    return tuple((id(p), p._version, p.data_ptr()) for p in params)
+        return (_OPTIMIZER_STEPS, (id(p), p._version, p.data_ptr()))
+    return (_OPTIMIZER_STEPS, *[(id(p), p._version, p.data_ptr()) for p in params])
+
+
+# Optimizer steps taken since the first weight was cached: every `torch.optim.Optimizer.step()`
+# (a subclass's too) moves it, through a global step hook registered with that first cache
+# entry, so a step that writes the weights without a version counter seeing it (`fused=True`,
+# which writes them in its own kernel) still re-quantizes them. Not seen: a step captured in a
+# CUDA graph and replayed, and writes through `param.data` (`clear_weight_cache`).
+_OPTIMIZER_STEPS = 0
+_STEP_HOOK = None
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _OPTIMIZER_STEPS
+    _OPTIMIZER_STEPS += 1
+
+
+def _watch_optimizer_steps() -> None:
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        _STEP_HOOK = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def _capturing(device: torch.device) -> bool:
