@@ -119,6 +119,7 @@ def test_weights_are_quantized_by_their_own_graphs_only_when_they_change(
             _close(_step(graphed, x, splits), _step(eager, x, splits), what)
             assert [wg.graph.replays for wg in weight_graphs] == [replays] * 2, what
 
+        grads = [torch.randn_like(p) for p in graphed_model.parameters()]
         check("unchanged weights", 0)
         check("unchanged weights, again", 0)
         with torch.no_grad():
@@ -128,10 +129,15 @@ def test_weights_are_quantized_by_their_own_graphs_only_when_they_change(
                 pe.add_(delta)
         check("after an optimizer step", 1)
         check("no step since", 1)
+        for model in (graphed_model, eager):  # fused: no version counter moves (the hook sees it)
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+            torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True).step()
+        check("after a fused AdamW step", 2)
         with torch.no_grad():
             for pg, pe in zip(graphed_model.parameters(), eager.parameters()):
                 pg.data.mul_(0.5)
                 pe.mul_(0.5)
         for m in linears:
             fp8.clear_weight_cache(m)
-        check("after a write through .data and clear_weight_cache", 2)
+        check("after a write through .data and clear_weight_cache", 3)
