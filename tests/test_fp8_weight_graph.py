@@ -88,3 +88,15 @@ def test_the_graph_quantizes_the_parameter_or_the_experts_stacked_without_a_cast
     cast = (None, "cute", torch.bfloat16, (G, N, K))  # the calls quantized a cast: not hoisted
     assert fp8._graph_weight_input(cast, [one]) is None
     assert fp8._graph_weight_input(key, experts[:1]) is None
+
+
+def test_a_second_capture_gets_the_weight_graphs_of_the_first() -> None:
+    """Graphs captured again over the same ops read the earlier weight graphs' operands, so
+    their forward replays must refresh those too: they are returned, nothing new is captured."""
+    op, _, wg = _op_with_weight_graph()
+    module = torch.nn.Sequential(op)
+
+    def no_new_pool():
+        raise AssertionError("captured a second weight graph")
+
+    assert fp8.capture_weight_graphs(module, no_new_pool) == [wg]

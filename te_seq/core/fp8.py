@@ -605,13 +605,17 @@ def capture_weight_graphs(module: torch.nn.Module, pool_factory) -> list[_Weight
     operands it holds), so graphs captured afterwards read its operands and no longer hold the
     quantization kernels. Only where the eager calls quantized the Parameter itself or the
     experts' Parameters stacked (`_graph_weight_input`). The graph is replayed once, so the
-    operands hold the current weights. Returns them all (`_WeightGraph.current()` before each
-    replay of a graph that reads them)."""
+    operands hold the current weights. Returns them all, an earlier capture's included
+    (`_WeightGraph.current()` before each replay of a graph that reads them)."""
     made = []
     for op in module.modules():
+        existing = op.__dict__.get("_fp8_weight_graph")
+        if existing is not None:  # from an earlier capture: the new graphs read it too
+            made.append(existing)
+            continue
         source = op.__dict__.get("_fp8_weight_source")
         cache = op.__dict__.get("_fp8_weight_cache")
-        if source is None or cache is None or "_fp8_weight_graph" in op.__dict__:
+        if source is None or cache is None:
             continue
         recipe, backend_name, params = source
         key, eager = cache
