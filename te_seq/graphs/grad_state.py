@@ -129,7 +129,8 @@ class _GradLender:
         self.enabled = enabled
         # (chunk, parameter name, parameter, buffer, storage uses before it was lent)
         self._lent: list[tuple[int, str, torch.nn.Parameter, Tensor, int]] = []
-        self._known: list[weakref.ref[Tensor]] = []  # tensors that may alias a lent buffer
+        self._keys: set[int] = set()  # the lent buffers' storages
+        self._known: list[weakref.ref[Tensor]] = []  # tensors that alias a lent buffer
         self._hooks: dict[int, Any] = {}  # per parameter id: its post-accumulate-grad hook
 
     def lend(
@@ -144,6 +145,7 @@ class _GradLender:
                 out.append(s)
                 continue
             self._lent.append((chunk, name, p, s, n))
+            self._keys.add(_storage_key(s))
             self._watch(p)
             out.append(s.detach())
             self._known.append(weakref.ref(out[-1]))
@@ -157,9 +159,9 @@ class _GradLender:
         lender = weakref.ref(self)
 
         def seen(param: Tensor) -> None:
-            me = lender()
-            if me is not None and me._lent and param.grad is not None:
-                me._known.append(weakref.ref(param.grad))
+            me, grad = lender(), param.grad
+            if me is not None and grad is not None and _storage_key(grad) in me._keys:
+                me._known.append(weakref.ref(grad))
 
         self._hooks[id(p)] = p.register_post_accumulate_grad_hook(seen)
         weakref.finalize(self, self._hooks[id(p)].remove)
@@ -168,11 +170,10 @@ class _GradLender:
         """Before a replay: see the class docstring."""
         if not self._lent:
             return
-        keys = {_storage_key(s) for _, _, _, s, _ in self._lent}
         known = [ref() for ref in self._known] + [p.grad for _, _, p, _, _ in self._lent]
         with torch.no_grad():
             for t in known:
-                if t is not None and _storage_key(t) in keys:
+                if t is not None and _storage_key(t) in self._keys:
                     t.set_(t.clone())
         for chunk, name, _, s, uses in self._lent:
             extra = _storage_uses(s) - uses
@@ -185,4 +186,5 @@ class _GradLender:
                     "(or a reference to it), or a clone, not a view of it."
                 )
         self._lent.clear()
+        self._keys.clear()
         self._known.clear()
