@@ -100,3 +100,19 @@ def test_a_second_capture_gets_the_weight_graphs_of_the_first() -> None:
         raise AssertionError("captured a second weight graph")
 
     assert fp8.capture_weight_graphs(module, no_new_pool) == [wg]
+
+
+def test_the_cache_does_not_keep_a_replaced_parameter_alive() -> None:
+    """What a weight graph would quantize is remembered by weak reference: a Parameter replaced
+    after an FP8 call (weight surgery) is freed, not kept by the op's cache."""
+    import gc
+    import weakref
+
+    op = torch.nn.Module()
+    op.weight = torch.nn.Parameter(torch.randn(G, N, K))
+    with torch.no_grad():  # as inside an op's forward (an autograd Function's)
+        fp8.cached_weights(op, Float8RowwiseScaling(), op.weight, [op.weight])
+    old = weakref.ref(op.weight)
+    op.weight = torch.nn.Parameter(torch.randn(G, N, K))
+    gc.collect()
+    assert old() is None

@@ -17,6 +17,7 @@ so an optimizer step (an in-place write) or a new Parameter is always seen.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -545,7 +546,10 @@ def cached_weights(
     if recipe.cache_weights and not torch.compiler.is_compiling() and not capturing:
         _watch_optimizer_steps()
         op.__dict__["_fp8_weight_cache"] = (key, weights)
-        op.__dict__["_fp8_weight_source"] = (recipe, backend_name, params)
+        # what a weight graph would quantize (`capture_weight_graphs`); by weak reference, so
+        # that a replaced Parameter is not kept alive by it
+        op.__dict__["_fp8_weight_source"] = (recipe, backend_name,
+                                             [weakref.ref(p) for p in params])
     return weights
 
 
@@ -617,8 +621,11 @@ def capture_weight_graphs(module: torch.nn.Module, pool_factory) -> list[_Weight
         cache = op.__dict__.get("_fp8_weight_cache")
         if source is None or cache is None:
             continue
-        recipe, backend_name, params = source
+        recipe, backend_name, refs = source
+        params = [ref() for ref in refs]
         key, eager = cache
+        if any(p is None for p in params):
+            continue
         weight = _graph_weight_input(key, params)
         if weight is None or key[-1] != _versions(params):
             continue
