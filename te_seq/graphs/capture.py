@@ -12,8 +12,9 @@ Gradients behave as in eager mode:
 - delayed wgrads without `main_grad` are captured into a static buffer per parameter and added
   into `.grad` (set, lent, when None) after each wgrad replay, as `backward_dw()` does eagerly.
 
-Modules are duck-typed (`delay_wgrad_compute`, `backward_dw`, `need_backward_dw`): this package
-imports nothing of te_seq's core.
+Modules are duck-typed (`delay_wgrad_compute`, `backward_dw`, `need_backward_dw`): this module
+imports nothing of te_seq's core (the package's `__init__` asks `core.fp8` for the FP8 weight
+graphs, which a chunk holds in `weight_graphs`).
 """
 
 from __future__ import annotations
