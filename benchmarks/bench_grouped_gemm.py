@@ -43,9 +43,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import time
 
 import torch
+from _common import time_interleaved
 from torch import Tensor
 
 SHAPES = {  # E experts, H hidden, F ffn, M routed rows
@@ -73,24 +75,14 @@ BURST = 10  # back-to-back calls per timed run: the host's launch path overlaps 
 
 
 def time_ms(fns: dict, iters: int, burst: int | None = None) -> dict[str, float]:
-    """Median ms per call of each fn, runs interleaved; each run times ``burst`` back-to-back
-    calls (default ``BURST``) so that a call's host time hides behind the previous kernels, as
-    in a training step (one call per run would add the host time before the kernel starts)."""
-    burst = burst or BURST
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(3):
-        for fn in fns.values():
-            fn()
-    for _ in range(iters):
-        for k, fn in fns.items():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(burst):
-                fn()
-            e.record()
-            e.synchronize()
-            times[k].append(s.elapsed_time(e) / burst)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    """Median ms per call of each fn: 3 untimed calls each, then ``iters`` rounds of one run
+    per fn in a new order every round (`_common.time_interleaved`); each run times ``burst``
+    back-to-back calls (default ``BURST``) so that a call's host time hides behind the previous
+    kernels, as in a training step. A fixed order measured the same configuration 2 % (Q) to
+    7-9 % (B) apart depending on its place (one H200, 2026-11-29: `fused` against its twin
+    `fused_pp1x2` in `measured/h200_2026-11-29g_glu_fc1_no_h_*.txt`)."""
+    runs = time_interleaved(fns, iters, 3, torch.device("cuda"), burst or BURST)
+    return {k: statistics.median(v) for k, v in runs.items()}
 
 
 def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -379,6 +371,9 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator,
             "cute+ew": lambda: fc1(cmm),
             "cute+compiled_ew": lambda: fc1(cmm, compiled),
             "fused": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs),
+            # a forward without backward: a only, h not written (inference, no_grad)
+            "fused_no_h": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs,
+                                                       store_h=False),
             **{
                 key: (lambda t: lambda: cute.glu_fc1_forward(
                     x, w1t, offs, "silu", None, probs, tiling=t))(t)
@@ -419,7 +414,7 @@ def run_glu_shape(name: str, iters: int, pp64: bool = False,
             out = fn()
             torch.cuda.synchronize()
             first[key] = round(time.perf_counter() - t0, 2)
-            errs[key] = [rel_err(o, r) for o, r in zip(out, ref)]
+            errs[key] = [rel_err(o, r) for o, r in zip(out, ref) if o is not None]
         ms = time_ms(fns, iters)
         row = dict(
             shape=name,

@@ -80,6 +80,9 @@ def _configs() -> dict[str, object]:
         # ping-pong GLU epilogues (one warpgroup holds the whole 128-row tile)
         "glu_fc1_silu_probs_pp": GluConfig("fc1", bf16, "k", "silu", None, fp32, tile_n=128,
                                            pingpong=True),
+        # a forward without backward: a only, h not stored
+        "glu_fc1_silu_probs_pp_noh": GluConfig("fc1", bf16, "k", "silu", None, fp32, tile_n=128,
+                                               pingpong=True, store_h=False),
         "glu_dgrad_silu128_pp": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=128,
                                           pingpong=True),
         "glu_dgrad_silu192_pp": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=192,

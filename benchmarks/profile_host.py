@@ -6,7 +6,7 @@ it is launched, so the host time before the first kernel is what a single call p
 the kernels; it is estimated as a single call's latency minus the steady-state time per call.
 
   python benchmarks/profile_host.py --shape Q --backend cute [--compile] [--top 30]
-      [--step] [--fp8 Float8RowwiseScaling]
+      [--step] [--fp8 Float8RowwiseScaling [--hp-wgrad]]
 
 `--device cpu` measures the same Sequential's Python overhead without a GPU: tiny shape "U"
 (E=4, H=32, F=24, 128 rows), float32, the "torch" backend by default, one CPU thread (kernel time
@@ -172,6 +172,8 @@ def main() -> None:
     p.add_argument("--step", action="store_true", help="forward+backward too (cuda)")
     p.add_argument("--fp8", default="", help="a te_seq.recipe class name, e.g. "
                    "Float8RowwiseScaling: the forward under te_seq.autocast (cuda)")
+    p.add_argument("--hp-wgrad", action="store_true",
+                   help="with --fp8: the recipe with fp8_wgrad=False")
     args = p.parse_args()
     cpu = args.device == "cpu"
     args.shape = args.shape or ("U" if cpu else "Q")
@@ -183,8 +185,10 @@ def main() -> None:
     device = torch.device("cuda")
     case = make_case(args.shape, device, torch.bfloat16)
     mlp, forward = build(case, args.backend)
+    leaves = [*mlp.parameters(), *forward.inputs]
     if args.fp8:
-        forward = _under_recipe(forward, getattr(te_seq.recipe, args.fp8)())
+        options = {"fp8_wgrad": False} if args.hp_wgrad else {}
+        forward = _under_recipe(forward, getattr(te_seq.recipe, args.fp8)(**options))
     for _ in range(5):
         forward()
     print(mlp.fusion_plan())
@@ -197,7 +201,9 @@ def main() -> None:
     print(f"eager forward (no_grad) host time: {host:.1f} us")
     profile(forward, args.iters, args.top)
     if args.step:
-        def step():
+        def step():  # fresh grads, as the benchmark's default grad mode
+            for t in leaves:
+                t.grad = None
             forward().backward(dy)
 
         dy = torch.randn_like(forward())

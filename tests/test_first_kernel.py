@@ -99,7 +99,7 @@ def _facts(arg):
 def test_stubbed_forward_launches_offsets_then_fc1_then_fc2(grad):
     """Kernels, order and arguments of a (second, planned) forward's launches, as they were
     before FC1 was moved forward: the offsets kernel, the FC1 GLU kernel reading its offsets,
-    FC2's GEMM reading FC1's activation."""
+    FC2's GEMM reading FC1's activation (without grad FC1's h operand is a: h not stored)."""
     pl = _harness()
     from te_seq.kernels.cute.compile import GemmConfig, GluConfig
 
@@ -118,9 +118,11 @@ def test_stubbed_forward_launches_offsets_then_fc1_then_fc2(grad):
     (_, offsets), (_, fc1), (_, fc2) = launches
     assert [_facts(a) for a in offsets] == [
         (torch.int64, (8,), (1,), 0), (i32, (8,), (1,), 0), (i32, (1,), (1,), 0), 256]
+    h = (bf, (256, 256), (256, 1), 0) if grad else (bf, (256, 128), (128, 1), 0)  # no_grad: a
+    assert (fc1[2] is fc1[5]) == (not grad)  # without backward FC1 stores a only
     assert [_facts(a) for a in fc1] == [
         (bf, (256, 256), (256, 1), 0), (bf, (256, 256, 8), (256, 1, 65536), 0),
-        (bf, (256, 256), (256, 1), 0), (i32, (8,), (1,), 0), 10, (bf, (256, 128), (128, 1), 0),
+        h, (i32, (8,), (1,), 0), 10, (bf, (256, 128), (128, 1), 0),
         (torch.float32, (256,), (1,), 0), (torch.float32, (8,), (1,), 0),
         (bf, (8, 8), (8, 1), 0), (bf, (8, 8), (8, 1), 0), (i32, (1,), (1,), 0)]
     assert [_facts(a) for a in fc2] == [
@@ -202,3 +204,48 @@ def test_a_copy_after_steady_calls_starts_afresh():
     assert mlp._runs[0]._fast is not None and twin._runs[0]._fast is None
     steady = mlp._runs[0]._fast.templates[0]["steady"]
     assert len(steady) == 1  # the grouped MLP's launches
+
+
+@pytest.mark.parametrize("recipe", [None, "Float8RowwiseScaling"])
+def test_a_forward_without_backward_launches_fc1_without_h(recipe):
+    """A call whose backward never runs (no_grad here; the fast path's signature holds grad
+    mode) launches FC1's h-less kernel (`store_h=False`: a passed as its h operand, nothing
+    stored through it); calls with grad keep the h-writing one, also when the two alternate
+    (each change of signature takes the full path; a repeated one the fast path)."""
+    pl = _harness()
+    from te_seq.kernels.cute.compile import GluConfig
+
+    with pl.stubbed_step(record=True) as stubs:
+        forward = pl.mlp_forward(256, recipe, e=8, h=256, f=128)
+        for grad in (True, False, True, False, False):
+            with torch.set_grad_enabled(grad):
+                forward()
+    fc1 = {cfg.store_h: stub for cfg, stub in stubs.items()
+           if isinstance(cfg, GluConfig) and cfg.mode == "fc1"}
+    assert set(fc1) == {True, False}
+    assert all(cfg.scaled == (recipe is not None) for cfg in stubs if isinstance(cfg, GluConfig))
+    assert len(fc1[True].calls) == 2 and len(fc1[False].calls) == 3
+    for args in fc1[False].calls:  # (x, b, c, offs, clusters, a, ...)
+        assert args[2] is args[5] and args[5].shape == (256, 128)
+    for args in fc1[True].calls:
+        assert args[2].shape == (256, 256) and args[5].shape == (256, 128)
+    assert forward.parts[0]._runs[0].fast_calls == 1  # the last call: no_grad's steady FC1
+
+
+
+def test_keep_h_setting_makes_a_forward_without_backward_write_h(tiling_env):
+    """``TE_SEQ_FC1_KEEP_H=1`` (a tiling setting, to compare both in one process): a no_grad
+    forward launches the h-writing kernel with an h of its own."""
+    pl = _harness()
+    from te_seq.kernels.cute.compile import GluConfig
+
+    tiling_env("TE_SEQ_FC1_KEEP_H", "1")
+    with pl.stubbed_step(record=True) as stubs, torch.no_grad():
+        forward = pl.mlp_forward(256, None, e=8, h=256, f=128)
+        forward()
+        forward()
+    fc1 = [(cfg, stub) for cfg, stub in stubs.items()
+           if isinstance(cfg, GluConfig) and cfg.mode == "fc1"]
+    assert len(fc1) == 1 and fc1[0][0].store_h
+    for args in fc1[0][1].calls:
+        assert args[2] is not args[5] and args[2].shape == (256, 256)

@@ -37,12 +37,14 @@ class FakeGlu:
     def supports(*args, **kwargs):
         return True, ""
 
-    def __call__(self, a, b, a_scale, b_scale, offs, *rest):
+    def __call__(self, a, b, a_scale, b_scale, offs, *rest, store_h=True):
         self.calls.append((a, b, a_scale, b_scale, offs))
+        self.store_h = store_h
         acc = self.gemm(a, b, a_scale, b_scale, offs)  # bf16, as h / dA
         if self.mode == "fc1":
             act, interleave, probs, params = rest
-            return acc, ref_kernels.glu_forward(acc, act, interleave, probs, params)
+            a = ref_kernels.glu_forward(acc, act, interleave, probs, params)
+            return (acc if store_h else None), a
         h, act, interleave, probs, params = rest
         dh, dprobs = ref_kernels.glu_backward(h, acc, act, interleave, probs, params)
         return dh, ref_kernels.glu_forward(h, act, interleave, probs, params), dprobs
@@ -94,6 +96,20 @@ def test_fp8_glu_runs_in_both_epilogues(fused_glu):
     want, _ = _run("reference", ROWWISE)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and rel_err(g, w) < TOL, rel_err(g, w)
+
+
+def test_fp8_forward_without_backward_asks_fc1_for_no_h(fused_glu):
+    """Under no_grad the fused FP8 MLP asks its FC1 kernel not to write h (nothing reads it)
+    and gives the training forward's y; with grad it asks for h."""
+    fc1, _ = fused_glu
+    model, splits, probs, x = _mlp()
+    with te_seq.backend("cute"), te_seq.autocast(recipe=ROWWISE):
+        with torch.no_grad():
+            y_eval = model(x, splits, probs, splits)
+        assert fc1.store_h is False
+        y = model(x.clone().requires_grad_(), splits, probs, splits)
+        assert fc1.store_h is True
+    assert torch.equal(y_eval, y.detach())
 
 
 def test_fp8_glu_epilogues_fall_back_with_reasons(fused_glu):

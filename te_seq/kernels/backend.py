@@ -80,6 +80,9 @@ class Backend:
     # row r goes to out[scatter_rows[r]]) natively; te_seq.kernels.routed falls back for the rest.
     gather_kernels: frozenset[str] = frozenset()
     scatter_kernels: frozenset[str] = frozenset()
+    # `glu_fc1_forward(..., store_h=False)` skips writing h (returned as None): a forward whose
+    # backward never runs (no_grad, inference) moves 2F columns fewer per row
+    fc1_h_optional: bool = False
 
     def available(self) -> tuple[bool, str]:
         """Whether this backend can run on this machine, and why not."""

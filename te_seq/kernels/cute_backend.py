@@ -63,6 +63,7 @@ class CuteBackend(GpuBackend):
     # by index in its loads; a plain GEMM writes its rows by index in its epilogue
     gather_kernels = frozenset({"grouped_mm", "glu_fc1_forward", "act_fc1_forward"})
     scatter_kernels = frozenset({"grouped_mm"})
+    fc1_h_optional = True
 
     def available(self) -> tuple[bool, str]:
         return cute.available()
@@ -155,10 +156,10 @@ class CuteBackend(GpuBackend):
         return cute.grouped_wgrad(grad_out, x, offs, out=out, accumulate=accumulate)
 
     def glu_fc1_forward(self, x, w1t, offs, glu: GluSpec, probs=None, bias=None, *,
-                        gather_rows=None):
+                        gather_rows=None, store_h=True):
         il = glu.glu_interleave_size
         return cute.glu_fc1_forward(x, w1t, offs, glu.act, il, probs, glu.params, bias=bias,
-                                    gather_rows=gather_rows)
+                                    gather_rows=gather_rows, store_h=store_h)
 
     def glu_fc2_dgrad(self, dy, w2, offs, h, glu: GluSpec, probs=None):
         il = glu.glu_interleave_size
@@ -173,13 +174,13 @@ class CuteBackend(GpuBackend):
 
     # --- launches prepared for a steady state (ops/fused/grouped_mlp.py) --------------------
     def prepare_glu_fc1_forward(self, x: Tensor, w1: Tensor, glu: GluSpec,
-                                probs: Tensor | None = None) -> Callable:
+                                probs: Tensor | None = None, store_h: bool = True) -> Callable:
         """``run(x, w1, offs, probs) -> (h, a)``, equal to ``glu_fc1_forward(x,
-        w1.transpose(1, 2), offs, glu, probs)`` for later calls whose operands have these
-        ones' dtypes, shapes, strides and devices (the caller vouches for them): checked and
-        planned once, here (``cute.glu_fc1_forward.launch_for``)."""
+        w1.transpose(1, 2), offs, glu, probs, store_h=store_h)`` for later calls whose operands
+        have these ones' dtypes, shapes, strides and devices (the caller vouches for them):
+        checked and planned once, here (``cute.glu_fc1_forward.launch_for``)."""
         return cute.glu_fc1_forward.launch_for(x, w1, glu.act, glu.glu_interleave_size, probs,
-                                               glu.params)
+                                               glu.params, store_h)
 
     def prepare_group_offsets(self, splits: Tensor, rows: int,
                               device: torch.device) -> Callable | None:

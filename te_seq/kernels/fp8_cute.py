@@ -189,12 +189,13 @@ def block_glu_reason(glu: GluSpec, hidden: int, ffn: int, device: torch.device) 
 
 
 def glu_fc1(x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
-            out_dtype: torch.dtype, *, glu: GluSpec, probs: Tensor | None
-            ) -> tuple[Tensor, Tensor]:
+            out_dtype: torch.dtype, *, glu: GluSpec, probs: Tensor | None,
+            store_h: bool = True) -> tuple[Tensor | None, Tensor]:
     """(h [M, 2F], a [M, F]): FC1's FP8 GEMM (`scaled_grouped_mm`'s operands: x [M, H], W1
     [G, 2F, H]) with the gated activation (· probs) in its epilogue, bf16 (`out_dtype`):
     `block_scaled_glu_fc1_forward` for 1x128 / 128x128 blocks, else
-    `scaled_glu_fc1_forward` (row-wise or per-tensor scales)."""
+    `scaled_glu_fc1_forward` (row-wise or per-tensor scales). `store_h=False`: h may be
+    left unwritten (None; the row-wise kernel skips it, the block-scaled one writes it)."""
     args = (glu.act, glu.glu_interleave_size, probs, glu.params)
     if (x.block.rows, x.block.cols) == _TILES:  # 1x128 (tuples: no dataclass comparison)
         scale_a, scale_b = block_scales(x, w_scale_inv, w_data.shape[1])
@@ -202,7 +203,8 @@ def glu_fc1(x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tenso
             x.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32), *args)
     scale_a, scale_b = row_scales(x, w_scale_inv, w_data.shape[1])
     return cute.scaled_glu_fc1_forward(
-        x.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32), *args)
+        x.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32), *args,
+        store_h=store_h)
 
 
 def glu_dgrad(dy: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,

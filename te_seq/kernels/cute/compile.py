@@ -288,6 +288,7 @@ class GluConfig:
     # the FP8 block-scaled GLU steps (``block_glu``): E4M3 operands, scales [M, HB] and
     # [E, NB, HB] promoted in the main loop; out of the repr (cached as "block_glu")
     block_scaled: bool = field(default=False, repr=False)
+    store_h: bool = True  # fc1: False writes a only (no backward reads h)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", param_values(self.act, self.params))
@@ -349,6 +350,7 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.h_prefetch,
         cfg.epi_rows,
         cfg.half_tiles,
+        cfg.store_h,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 
@@ -359,11 +361,12 @@ def _compile_block_scaled_glu(cfg: GluConfig) -> CompiledGemm:
     from .block_glu import TILE_N, BlockScaledGluGemmKernel
 
     plain = (cfg.ab_dtype, cfg.b_major, cfg.tile_n, cfg.epi_rows, cfg.h_prefetch)
-    extras = (cfg.scaled, cfg.bias_dtype, cfg.route, cfg.pingpong, cfg.half_tiles)
+    extras = (cfg.scaled, cfg.bias_dtype, cfg.route, cfg.pingpong, cfg.half_tiles,
+              not cfg.store_h)
     if plain != (torch.float8_e4m3fn, "k", TILE_N, 128, 1) or any(extras):
         raise ValueError(f"the block-scaled GLU kernel is a cooperative E4M3 fc1 or dgrad with "
                          f"K-major B, tile_n {TILE_N}, one h buffer pair, no bias, route or "
-                         f"row-wise scales: {cfg}")
+                         f"row-wise scales, h stored: {cfg}")
     kernel = BlockScaledGluGemmKernel(
         cfg.mode, cfg.act, cfg.interleave, cfg.probs_dtype is not None, cfg.cluster_mn,
         cfg.params,
@@ -382,7 +385,7 @@ def _compile_scaled_glu(cfg: GluConfig) -> CompiledGemm:
     kernel = ScaledGluGemmKernel(
         cfg.mode, cfg.act, cfg.interleave, cfg.probs_dtype is not None, cfg.cluster_mn,
         cfg.store_stages, cfg.tile_n, cfg.params, pingpong=cfg.pingpong,
-        epi_rows=cfg.epi_rows, half_tiles=cfg.half_tiles,
+        epi_rows=cfg.epi_rows, half_tiles=cfg.half_tiles, store_h=cfg.store_h,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 

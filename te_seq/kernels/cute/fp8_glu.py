@@ -133,18 +133,20 @@ def _refused(op: str, a: tuple[str, Tensor], b: tuple[str, Tensor], why: str) ->
 
 
 def _run_fc1(op: str, x: Tensor, w1: Tensor, offs: Tensor, act: str, interleave: int | None,
-             probs: Tensor | None, params: tuple, operands, **launch) -> tuple[Tensor, Tensor]:
-    """An FP8 GLU FC1 on checked operands: h [M, 2F] and a [M, F] allocated in bf16, probs
-    checked, and (where x has rows) the kernel launched on ``operands()`` = (x, w1 as
-    [E, H, 2F], scales) with ``launch``'s options (tiling, block_scaled)."""
+             probs: Tensor | None, params: tuple, operands, store_h: bool = True,
+             **launch) -> tuple[Tensor | None, Tensor]:
+    """An FP8 GLU FC1 on checked operands: h [M, 2F] (``store_h`` False: None unless
+    `launch.fc1_writes_h` keeps it) and a [M, F] in bf16, probs checked, and (where x
+    has rows) the kernel launched on ``operands()`` = (x, w1 as [E, H, 2F], scales) with
+    ``launch``'s options (tiling, block_scaled)."""
     rows, f = x.shape[0], w1.shape[1] // 2
     probs = _check_probs(probs, rows, op)
-    h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=x.device)
+    h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=x.device) if store_h else None
     a = torch.empty(rows, f, dtype=torch.bfloat16, device=x.device)
     if rows:
         x, w1t, scales = operands()
-        _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params,
-                scales=scales, **launch)
+        h = _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params,
+                    scales=scales, **launch)
     return h, a
 
 
@@ -180,21 +182,24 @@ class _ScaledFc1Forward:
         params: tuple[float, ...] = (),
         *,
         tiling: Tiling | None = None,
-    ) -> tuple[Tensor, Tensor]:
+        store_h: bool = True,
+    ) -> tuple[Tensor | None, Tensor]:
         """h [M, 2F] bf16 = diag(x_scale) (x_e W1_eᵀ) diag(w1_scale[e]) (fp32 accumulation,
         one rounding) and a [M, F] bf16 = act(gate)·up(·probs) from the bf16 h, as
         ``reference.glu_forward(h, ...)``. x [M, H] and w1 [E, 2F, H] float8_e4m3fn (W1's
         rows in h's column layout), offs int32 [E] cumulative row ends, probs [M] or None,
         ``params`` the activation's float parameters (() for its defaults), ``tiling`` as
         the 16-bit ``glu_fc1_forward``'s (None: the default). Rows past ``offs[-1]`` are
-        zeros in h and a. Raises ValueError when ``supports`` is False."""
+        zeros in h and a. ``store_h=False`` (no backward reads h): h not written (None;
+        `launch.fc1_writes_h`), a the same bit for bit. Raises ValueError when ``supports``
+        is False."""
         op = "scaled_glu_fc1_forward"
         checked, why = _checked(x, w1, x_scale, w1_scale, act, interleave, True)
         if checked is None:
             raise _refused(op, ("x", x), ("w1", w1), why)
         return _run_fc1(op, x, w1, offs, act, interleave, probs, params,
                         lambda: _kernel_operands(x, w1, x_scale, w1_scale, checked),
-                        tiling=tiling)
+                        store_h, tiling=tiling)
 
 
 class _ScaledFc2Dgrad:

@@ -28,6 +28,7 @@ from .launch import (
     b_layout,
     b_view,
     bias_problem,
+    fc1_writes_h,
     gathered_rows,
     glu_fc1_pingpong_tile_n,
     half_tiles,
@@ -194,35 +195,39 @@ def _dgrad_h_prefetch(t: Tiling, scaled: bool) -> int:
 
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params,
             bias=None, gather=None, scales=(), tiling=None, h_prefetch=None,
-            block_scaled=False):
-    """Launch the GLU kernel over c's M rows (``gather``: int32 [M], x's row of each GEMM
+            block_scaled=False) -> Tensor | None:
+    """Launch the GLU kernel over a's M rows (``gather``: int32 [M], x's row of each GEMM
     row; x is then the [T, H] token matrix; ``scales``: the FP8 kernel's fp32 (scale_a [M],
     scale_b [E, N]), ``fp8_glu``; ``block_scaled``: they are the block scales [M, HB] and
     [E, 2F/128, HB] of the block-scaled FC1, ``block_glu``; ``tiling``: ``_glu_tiling``;
-    ``h_prefetch``: the dgrad's, None for ``_dgrad_h_prefetch``), its kernel and grid planned
-    (and compiled) once per call signature (``launch_plan``)."""
-    rows = c.shape[0]
+    ``h_prefetch``: the dgrad's, None for ``_dgrad_h_prefetch``; c None: an fc1 whose h is
+    not wanted, ``launch.fc1_writes_h`` decides), its kernel and grid planned (and compiled)
+    once per call signature (``launch_plan``). Returns c (None where the fc1 wrote no h)."""
+    rows = act_out.shape[0]
     offs = _check_offs(offs, b.shape[0], x.device)
     signature = (
         mode, x.dtype, x.device, b.dtype, b.shape, b.stride(), b.device, rows,
         None if probs is None else probs.dtype, act, interleave, tuple(params),
         None if bias is None else bias.dtype, gather is None, bool(scales), tiling, h_prefetch,
-        tiling is None and pingpong_by_default(),  # the default tiling reads the environment
-        block_scaled,
+        tiling is None and tiling_settings(),  # the default tiling reads the environment
+        block_scaled, c is None,
     )
     plan = _PLANS.get(signature) or _PLANS.put(
         signature, _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather,
-                         bool(scales), tiling, h_prefetch, block_scaled)
+                         bool(scales), tiling, h_prefetch, block_scaled, c is not None)
     )
+    if c is None and plan.writes_c:  # h not wanted, but this tiling writes it anyway
+        c = torch.empty(rows, b.shape[2], dtype=act_out.dtype, device=act_out.device)
     plan.kernel(
-        _row_major(x), b_view(b, plan.b_copy), c, offs, plan.clusters,
-        *epilogue_args(x, act_out, probs, dprobs, h_in, bias), *scales,
+        _row_major(x), b_view(b, plan.b_copy), act_out if c is None else c, offs,
+        plan.clusters, *epilogue_args(x, act_out, probs, dprobs, h_in, bias), *scales,
         no_route(x.device) if gather is None else gather,
     )
+    return c
 
 
 def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled, tiling,
-          h_prefetch, block_scaled=False):
+          h_prefetch, block_scaled=False, store_h=True):
     """The `LaunchPlan` of a GLU launch: its config compiled (once per config), the grid."""
     from .compile import GluConfig, compile_glu
 
@@ -233,6 +238,7 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
     fp8_dgrad = mode == "dgrad" and scaled and not block_scaled
     t = _glu_tiling(mode, n, gather is not None, tiling, x.shape[1], plain_fc1, fp8_dgrad)
     _check_fc1_halves(mode, interleave, n, t)
+    store_h = fc1_writes_h(store_h)
     if h_prefetch is None:
         h_prefetch = _dgrad_h_prefetch(t, scaled) if mode == "dgrad" else 1
     cfg = GluConfig(
@@ -241,11 +247,11 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
         bias_dtype=None if bias is None else bias.dtype,
         route=None if gather is None else "gather", scaled=scaled and not block_scaled,
         pingpong=t.pingpong, h_prefetch=h_prefetch, epi_rows=t.epi_rows,
-        half_tiles=half_tiles(t), block_scaled=block_scaled,
+        half_tiles=half_tiles(t), block_scaled=block_scaled, store_h=store_h,
     )
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)
-    return LaunchPlan(compile_glu(cfg).fn, clusters, b_copy)
+    return LaunchPlan(compile_glu(cfg).fn, clusters, b_copy, writes_c=store_h)
 
 
 def _check_fc1_halves(mode: str, interleave: int | None, n: int, t: Tiling) -> None:
@@ -272,11 +278,12 @@ class _Fc1Forward:
 
     @staticmethod
     def launch_for(x: Tensor, w1: Tensor, act: str, interleave: int | None,
-                   probs: Tensor | None = None, params: tuple[float, ...] = ()) -> Fc1Launch:
+                   probs: Tensor | None = None, params: tuple[float, ...] = (),
+                   store_h: bool = True) -> Fc1Launch:
         """An `Fc1Launch`: this call without bias, gathered rows or a tiling, for later calls
         with operands of these facts (W1 untransposed, [E, 2F, H]); ValueError as the call
         where the kernel cannot take them."""
-        return Fc1Launch(x, w1, act, interleave, probs, tuple(params))
+        return Fc1Launch(x, w1, act, interleave, probs, tuple(params), store_h)
 
     def __call__(
         self,
@@ -290,7 +297,8 @@ class _Fc1Forward:
         bias: Tensor | None = None,
         gather_rows: Tensor | None = None,
         tiling: Tiling | None = None,
-    ) -> tuple[Tensor, Tensor]:
+        store_h: bool = True,
+    ) -> tuple[Tensor | None, Tensor]:
         """h = x_e W1_eᵀ (+ bias[e], added to the fp32 accumulator; bias [E, 2F] in h's
         columns) [M, 2F] (w1t = W1.transpose(1, 2) [E, H, 2F]) and
         a = act(gate)·up(·probs) [M, F] from the bf16 h, as ``reference.glu_forward(h, ...)``
@@ -300,10 +308,14 @@ class _Fc1Forward:
         matrix, H a multiple of 64), read by the kernel's loads (no [M, H] copy).
         ``tiling``: None (128 x 256 tiles, two warpgroups on each) or
         ``Tiling(128, cluster, pingpong=True)`` (64 gate + 64 up columns per tile, one
-        warpgroup on each; no bias, no gather; ``epi_rows=64``: 64 x 32 epilogue subtiles)."""
+        warpgroup on each; no bias, no gather; ``epi_rows=64``: 64 x 32 epilogue subtiles).
+        ``store_h=False`` (no backward reads h): h is neither allocated nor written
+        (returned as None; with ``TE_SEQ_FC1_KEEP_H=1`` written and returned as usual); a is
+        the same bit for bit either way."""
         gather = gather_rows is not None
         if not gather:
-            return _fc1_direct(x, w1t, offs, act, interleave, probs, tuple(params), bias, tiling)
+            return _fc1_direct(x, w1t, offs, act, interleave, probs, tuple(params), bias, tiling,
+                               store_h)
         ok, why = self.supports(x, w1t, act, interleave, bias, gather)
         if not ok:
             raise ValueError(
@@ -311,12 +323,12 @@ class _Fc1Forward:
             )
         (rows, gather_rows), f = gathered_rows(x, gather_rows, "glu_fc1_forward"), w1t.shape[2] // 2
         probs = _check_probs(probs, rows, "glu_fc1_forward")
-        h = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device)
         a = torch.empty(rows, f, dtype=x.dtype, device=x.device)
+        h = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device) if store_h else None
         if rows:
             bias = None if bias is None else bias.contiguous()
-            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params, bias,
-                    gather_rows, tiling=tiling)
+            h = _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params,
+                        bias, gather_rows, tiling=tiling)
         return h, a
 
 
@@ -334,19 +346,19 @@ class _CheckedFc1(NamedTuple):
 
 def _fc1_signature(x: Tensor, w1t: Tensor, probs: Tensor | None, act: str,
                    interleave: int | None, params: tuple, bias: Tensor | None,
-                   tiling: Tiling | None) -> tuple:
+                   tiling: Tiling | None, store_h: bool) -> tuple:
     """Everything `_Fc1Forward.supports` and the FC1 `LaunchPlan` read of an ungathered call
     (M = x's rows is in x.shape; data and offs are never part of it)."""
     return (
         x.dtype, x.shape, x.device, w1t.dtype, w1t.shape, w1t.stride(), w1t.device,
         None if probs is None else (probs.dtype, probs.shape), act, interleave, params,
-        tensor_signature(bias), tiling, tiling is None and tiling_settings(),
+        tensor_signature(bias), tiling, tiling is None and tiling_settings(), store_h,
     )
 
 
 def _checked_fc1(signature: tuple, x: Tensor, w1t: Tensor, probs: Tensor | None, act: str,
                  interleave: int | None, params: tuple, bias: Tensor | None,
-                 tiling: Tiling | None) -> _CheckedFc1:
+                 tiling: Tiling | None, store_h: bool) -> _CheckedFc1:
     """Check an FC1 call's operands (ValueError with the reason) and plan its launch; kept
     for the next calls with the same `signature`."""
     ok, why = _Fc1Forward.supports(x, w1t, act, interleave, bias)
@@ -355,7 +367,7 @@ def _checked_fc1(signature: tuple, x: Tensor, w1t: Tensor, probs: Tensor | None,
             f"cute glu_fc1_forward: x {tuple(x.shape)}, w1t {tuple(w1t.shape)}: {why}"
         )
     plan = _plan("fc1", x, w1t, x.shape[0], probs, act, interleave, params, bias, None, False,
-                 tiling, None)
+                 tiling, None, store_h=store_h)
     fp32_dummy, mat_dummy = _dummy(x.device)
     checked = _CheckedFc1(plan, fp32_dummy, mat_dummy, _mat_dummy(x.device, x.dtype),
                           no_route(x.device))
@@ -364,44 +376,48 @@ def _checked_fc1(signature: tuple, x: Tensor, w1t: Tensor, probs: Tensor | None,
 
 def _fc1_direct(x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int | None,
                 probs: Tensor | None, params: tuple, bias: Tensor | None,
-                tiling: Tiling | None) -> tuple[Tensor, Tensor]:
+                tiling: Tiling | None, store_h: bool = True) -> tuple[Tensor | None, Tensor]:
     """`glu_fc1_forward` of ungathered rows: the operand checks and the launch plan looked up
     by the call's signature first (decided once per signature, as `_launch`'s plans are), so
     a repeated call runs only its per-call work (probs' and offs' layout, h and a, the
     launch) before the kernel starts: its host time is exposed on an idle GPU."""
-    signature = _fc1_signature(x, w1t, probs, act, interleave, params, bias, tiling)
+    signature = _fc1_signature(x, w1t, probs, act, interleave, params, bias, tiling, store_h)
     checked = _FC1_CHECKED.get(signature) or _checked_fc1(
-        signature, x, w1t, probs, act, interleave, params, bias, tiling)
-    probs, h, a = _fc1_outputs(x, w1t.shape[2] // 2, probs)
+        signature, x, w1t, probs, act, interleave, params, bias, tiling, store_h)
+    probs, h, a = _fc1_outputs(x, w1t.shape[2] // 2, probs, checked.plan.writes_c)
     if x.shape[0]:
         _fc1_kernel(checked, x, b_view(w1t, checked.plan.b_copy), h, a, offs, w1t.shape[0],
                     probs, None if bias is None else bias.contiguous())
     return h, a
 
 
-def _fc1_outputs(x: Tensor, f: int, probs: Tensor | None) -> tuple:
-    """(probs as the kernel reads them, h [M, 2F], a [M, F]) of an FC1 call on rows x."""
+def _fc1_outputs(x: Tensor, f: int, probs: Tensor | None, store_h: bool = True) -> tuple:
+    """(probs as the kernel reads them, h [M, 2F] (None unless `store_h`), a [M, F]) of an
+    FC1 call on rows x."""
     rows, dtype, device = x.shape[0], x.dtype, x.device
     probs = _check_probs(probs, rows, "glu_fc1_forward")
-    h = torch.empty(rows, 2 * f, dtype=dtype, device=device)  # [M, 2F]
+    h = torch.empty(rows, 2 * f, dtype=dtype, device=device) if store_h else None  # [M, 2F]
     a = torch.empty(rows, f, dtype=dtype, device=device)  # [M, F]
     return probs, h, a
 
 
-def _fc1_kernel(checked: _CheckedFc1, x: Tensor, b: Tensor, h: Tensor, a: Tensor, offs: Tensor,
-                groups: int, probs: Tensor | None, bias: Tensor | None) -> None:
-    """Launch a checked FC1 plan on rows x (M > 0) and B in the kernel's (N, K, E) view."""
+def _fc1_kernel(checked: _CheckedFc1, x: Tensor, b: Tensor, h: Tensor | None, a: Tensor,
+                offs: Tensor, groups: int, probs: Tensor | None, bias: Tensor | None) -> None:
+    """Launch a checked FC1 plan on rows x (M > 0) and B in the kernel's (N, K, E) view (h
+    None: a plan that writes no h, which stores nothing through its c: a is passed)."""
     plan = checked.plan
     plan.kernel(
-        _row_major(x), b, h, _check_offs(offs, groups, x.device), plan.clusters, a,
+        _row_major(x), b, a if h is None else h, _check_offs(offs, groups, x.device),
+        plan.clusters, a,
         checked.fp32_dummy if probs is None else probs, checked.fp32_dummy, checked.h_dummy,
         checked.mat_dummy if bias is None else bias, checked.route,
     )
 
 
 class Fc1Launch:
-    """``glu_fc1_forward(x, w1.transpose(1, 2), offs, act, interleave, probs, params)`` for
-    calls whose x, w1 [E, 2F, H] and probs have the dtypes, shapes, strides and devices of the
+    """``glu_fc1_forward(x, w1.transpose(1, 2), offs, act, interleave, probs, params,
+    store_h=store_h)`` for calls whose x, w1 [E, 2F, H] and probs have the dtypes, shapes,
+    strides and devices of the
     ones it was made from (``glu_fc1_forward.launch_for``; x's and probs' layouts may vary):
     the checks and the plan are found once, at its making, so a call runs only its per-call
     work, and the kernel's view of B is read straight off W1 (one view, not a transpose and
@@ -410,23 +426,23 @@ class Fc1Launch:
     (``launch.tiling_settings``, read from the environment) it checks and plans anew."""
 
     def __init__(self, x: Tensor, w1: Tensor, act: str, interleave: int | None,
-                 probs: Tensor | None, params: tuple) -> None:
+                 probs: Tensor | None, params: tuple, store_h: bool = True) -> None:
         self._args = (act, interleave, params)
-        self._groups, self._f = w1.shape[0], w1.shape[1] // 2
+        self._groups, self._f, self._store_h = w1.shape[0], w1.shape[1] // 2, store_h
         self._checked = self._plan(x, w1.transpose(1, 2), probs)  # w1t [E, H, 2F]
 
     def _plan(self, x: Tensor, w1t: Tensor, probs: Tensor | None) -> _CheckedFc1:
         self._generation, self._settings = plans_generation(), tiling_settings()
-        signature = _fc1_signature(x, w1t, probs, *self._args, None, None)
+        signature = _fc1_signature(x, w1t, probs, *self._args, None, None, self._store_h)
         return _FC1_CHECKED.get(signature) or _checked_fc1(
-            signature, x, w1t, probs, *self._args, None, None)
+            signature, x, w1t, probs, *self._args, None, None, self._store_h)
 
     def __call__(self, x: Tensor, w1: Tensor, offs: Tensor,
-                 probs: Tensor | None) -> tuple[Tensor, Tensor]:
+                 probs: Tensor | None) -> tuple[Tensor | None, Tensor]:
         checked = self._checked
         if self._generation != plans_generation() or self._settings != tiling_settings():
             checked = self._checked = self._plan(x, w1.transpose(1, 2), probs)
-        probs, h, a = _fc1_outputs(x, self._f, probs)
+        probs, h, a = _fc1_outputs(x, self._f, probs, checked.plan.writes_c)
         if x.shape[0]:
             # w1t.permute(2, 1, 0) is w1.permute(1, 2, 0): (N, K, E)
             b = w1.transpose(1, 2).contiguous().permute(2, 1, 0) if checked.plan.b_copy \

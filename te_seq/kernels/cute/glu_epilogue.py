@@ -10,6 +10,8 @@ with the epilogue hook ``_store_tile`` replaced:
 * ``"fc1"``: acc = x_e W1_eᵀ for 256 GEMM columns that hold 128 gate and the 128 matching up
   columns; writes h (its halves at their own columns of h) and a = act(gate)·up(·probs), the
   activation computed from the bf16-rounded h, as the reference does from the saved h.
+  ``store_h=False`` writes a only (a forward whose backward never runs: no h to keep), the
+  same a bit for bit; c is then any 16-bit matrix (a itself): nothing is stored through it.
   With a bias (``has_bias``) h = x_e W1_eᵀ + b1_e: the bias [E, 2F] (h's columns) is added to
   the fp32 accumulator before h is rounded (``bias_epilogue``).
   With halves, W1 is seen through a hierarchical view ((128, 2, F/128), H, E) (no copy) so GEMM
@@ -89,6 +91,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
         h_prefetch: int = 1,
         epi_rows: int = 128,
         half_tiles: bool = False,
+        store_h: bool = True,
     ):
         if mode not in ("fc1", "dgrad"):
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
@@ -116,7 +119,9 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
                 f"GluGemmKernel: epi_rows {epi_rows} unsupported (128, or 64 in ping-pong), "
                 f"pingpong {pingpong}"
             )
-        self.h_prefetch, self.epi_rows = h_prefetch, epi_rows
+        if not store_h and mode != "fc1":
+            raise ValueError("GluGemmKernel: store_h=False is an fc1 option (dgrad writes dh)")
+        self.h_prefetch, self.epi_rows, self.store_h = h_prefetch, epi_rows, store_h
         super().__init__(
             "m", (128, tile_n), cluster_mn, route=route, pingpong=pingpong, half_tiles=half_tiles
         )
@@ -216,6 +221,15 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
         self._store_group(ep.tiled_r2s, ep.tRS_sC, ep.warp, items, count)
 
     @cute.jit
+    def _store_a(self, ep, t, r_a, j_blk, count, half: int = 0):
+        """TMA-store the (epi_rows x 32) subtile ``r_a`` of a at column block ``j_blk`` and
+        row half ``half`` of the tile, in ring slot ``count`` (``store_h=False``)."""
+        tma_a, s_a, g_a = t.a_out
+        m_blk = t.m_tile * self._halves() + half
+        self._store_group(ep.tiled_r2s, ep.tRS_sC, ep.warp,
+                          [(r_a, tma_a, s_a, g_a, (m_blk, j_blk))], count)
+
+    @cute.jit
     def _partition(self, tma, m_view, sC, row0, rows):
         """TMA partitions of a ragged (M, cols) view clipped to the group, per subtile."""
         g = cute.zipped_divide(_ragged_group(m_view, 0, row0, rows), self.epi_tile)
@@ -301,10 +315,14 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
                 if const_expr(self.has_probs):
                     res = res * self._per_value(ep, t.r_p, t.slots, sg)
                 r_a_out.store(res.to(self.c_dtype))
-                self._store_glu(
-                    ep, t, (ep.rD_out, r_up_out, r_a_out), (g_blk, u_blk, j_blk), count, half
-                )
-                count = count + 3
+                if const_expr(self.store_h):
+                    self._store_glu(
+                        ep, t, (ep.rD_out, r_up_out, r_a_out), (g_blk, u_blk, j_blk), count, half
+                    )
+                    count = count + 3
+                else:  # a only: h is not wanted (no backward reads it)
+                    self._store_a(ep, t, r_a_out, j_blk, count, half)
+                    count = count + 1
         return count - count0
 
     @cute.jit

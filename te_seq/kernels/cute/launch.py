@@ -113,11 +113,13 @@ PINGPONG_MAX_K = 4096
 #                              1x2 or 2x1 (default: MM_TILING's 1x2)
 #   TE_SEQ_HALF_TILES=0|1      whether a ping-pong varlen-M tile with <= 64 rows of its group
 #                              runs one 64-row WGMMA atom (default HALF_TILES)
+#   TE_SEQ_FC1_KEEP_H=0|1      whether a GLU FC1 asked not to write h (a forward without
+#                              backward) writes it all the same (default 0: it skips h)
 # They exist to compare tilings inside one process (bench_grouped_mlp.py --env-variant). Read
 # once, not per call: four environment lookups cost ~3 µs of host time per launch.
 TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER",
               "TE_SEQ_PINGPONG_TILE_N", "TE_SEQ_GLU_FC1_TILE_N", "TE_SEQ_WGRAD_SCHEDULE",
-              "TE_SEQ_MM_CLUSTER", "TE_SEQ_HALF_TILES")
+              "TE_SEQ_MM_CLUSTER", "TE_SEQ_HALF_TILES", "TE_SEQ_FC1_KEEP_H")
 _SETTINGS: list = [(), {}]  # [the values in TILING_ENV order, {name: value}]
 
 
@@ -237,6 +239,12 @@ def half_tiles(tiling: Tiling) -> bool:
     ``TE_SEQ_HALF_TILES=0`` (default ``HALF_TILES``)."""
     chosen = _chosen("TE_SEQ_HALF_TILES", _SWITCH)
     return tiling.pingpong and (HALF_TILES if chosen is None else chosen)
+
+
+def fc1_writes_h(wanted: bool) -> bool:
+    """Whether a GLU FC1 launch writes h: where it is ``wanted`` (a backward reads it), and
+    where it is not only with ``TE_SEQ_FC1_KEEP_H=1`` (to compare both in one process)."""
+    return wanted or bool(_chosen("TE_SEQ_FC1_KEEP_H", _SWITCH))
 
 
 def plain_mm_tiling(n: int, k: int) -> Tiling:

@@ -27,13 +27,15 @@ _MAX_PLANS = 256  # distinct signatures per functional; a full cache starts over
 class LaunchPlan(NamedTuple):
     """A call signature's decisions: the compiled kernel, the cluster count of its persistent
     grid, whether B must be copied into a contiguous layout before its permuted view
-    (``launch._b_view``), and whether the kernel takes dynamic units (it then needs
-    ``unit_order``'s tensor)."""
+    (``launch._b_view``), whether the kernel takes dynamic units (it then needs
+    ``unit_order``'s tensor), and whether it stores through its C operand (a GLU FC1 asked
+    not to write h may still write it: ``glu.fc1_writes_h``)."""
 
     kernel: object
     clusters: int
     b_copy: bool = False
     dynamic: bool = False
+    writes_c: bool = True
 
 
 class PlanCache:

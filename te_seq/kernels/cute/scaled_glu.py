@@ -51,9 +51,11 @@ class ScaledGluGemmKernel(ScaleScratchMixin, GluGemmKernel):
         pingpong: bool = False,
         epi_rows: int = 128,
         half_tiles: bool = False,
+        store_h: bool = True,
     ):
         super().__init__(mode, act, interleave, has_probs, cluster_mn, store_stages, tile_n, params,
-                         pingpong=pingpong, epi_rows=epi_rows, half_tiles=half_tiles)
+                         pingpong=pingpong, epi_rows=epi_rows, half_tiles=half_tiles,
+                         store_h=store_h)
 
     @cute.jit
     def __call__(

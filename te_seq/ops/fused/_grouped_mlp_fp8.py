@@ -96,15 +96,17 @@ def _activation(mlp, h: Tensor, probs, backend) -> Tensor:
 
 
 def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
-            extras, extra_inputs) -> Tensor:
-    """y [T, H] of the fused op under ctxs[0].recipe; fills the contexts for `backward`."""
+            extras, extra_inputs, with_backward: bool = True) -> Tensor:
+    """y [T, H] of the fused op under ctxs[0].recipe; fills the contexts for `backward` where
+    `with_backward` (else FC1's fused epilogue may skip writing h)."""
     ctx, recipe, backend = ctxs[0], ctxs[0].recipe, ctxs[0].backend
     bounds, dtype = LazyGroupBounds(offs), x.dtype
     probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]
     fp8.check_operands(mlp.fc1, recipe, x, w1, w1.shape[-1], w1.shape[-2])
     _activation_checks(mlp, ctx, x, extra_inputs[1])
     if not epilogue_reasons(mlp, backend.name, recipe, dtype, x.device)[0]:
-        glu = functools.partial(fp8_cute.glu_fc1, glu=mlp.activation.glu_spec, probs=probs)
+        glu = functools.partial(fp8_cute.glu_fc1, glu=mlp.activation.glu_spec, probs=probs,
+                                store_h=with_backward)
         (h, a), ops1 = fp8_gemm.grouped_forward(mlp.fc1, ctx, input_, x, w1, _params(mlp.fc1),
                                                 offs, bounds, gemm=glu)
     else:
@@ -114,7 +116,7 @@ def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: 
     # FC2's wgrad operand is recomputed from h in backward: not quantized along tokens here
     y, ops2 = _gemm(mlp.fc2, ctx, a, a, w2, offs, bounds, extras.fc2_scales,
                        need_wgrad=False)  # [T, H]
-    if any(c.requires_grad for c in ctxs):
+    if with_backward:
         ctx.save_for_backward(h, offs, extras.probs, extras.fc1_scales, extras.fc2_scales,
                               *ops1.tensors(), *ops2.tensors())
         ctx.saved = mlp.fc1.saved_record(input_, dtype)

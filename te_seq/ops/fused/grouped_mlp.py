@@ -118,11 +118,13 @@ class GroupedMLP(FusedOperation):
 
     # --- activation ---------------------------------------------------------------------------
     def _fc1_act(self, x: Tensor, w1: Tensor, offs: Tensor, extras: _Extras, probs, backend,
-                 gather: Route | None = None):
+                 gather: Route | None = None, need_h: bool = True):
         """(h, a): FC1's pre-activation [T, 2F] and the activation [T, F] (· probs).
 
         One kernel where the plan fused the activation into FC1's epilogue; else the GEMM,
-        then the activation. `gather`: FC1's rows are x[gather.rows] (te_seq.kernels.routed)."""
+        then the activation. `gather`: FC1's rows are x[gather.rows] (te_seq.kernels.routed).
+        `need_h` False (no backward will read h): h may be None, never written, where the
+        backend's fused FC1 can skip it (`Backend.fc1_h_optional`)."""
         op = self.activation
         if self.epilogue_status(backend, x.dtype, x.device)[0]:
             w1t = w1.transpose(1, 2)
@@ -131,6 +133,9 @@ class GroupedMLP(FusedOperation):
                                    gather=gather)
             bias = _bias(self.fc1, x.dtype)
             if bias is None and gather is None:  # the steady state's call: no routing layer
+                if not need_h and backend.fc1_h_optional:
+                    return backend.glu_fc1_forward(x, w1t, offs, op.glu_spec, probs,
+                                                   store_h=False)
                 return backend.glu_fc1_forward(x, w1t, offs, op.glu_spec, probs)
             if bias is None:  # backends without bias support keep their plain signature
                 return routed.call(backend, "glu_fc1_forward", x, w1t, offs, op.glu_spec, probs,
@@ -176,6 +181,10 @@ class GroupedMLP(FusedOperation):
         extras = self._unpack(basic_op_extra_inputs)
         x, w1 = self.fc1.operands(ctx, as_rows(input_, self.fc1.in_features))  # [T, H]
         inner_extra = basic_op_extra_inputs[1:]
+        # Saved when any of the three ops' backward runs: with FC1 frozen and an input that needs
+        # no gradient only the activation (router probs) or FC2 may need one. Else FC1 may skip
+        # writing h (a forward-only call: no_grad, inference).
+        with_backward = any(c.requires_grad for c in basic_op_ctxs)
         steady = ctx.steady.get(self) if ctx.signature_checked and ctx.steady else None
         if steady is not None:  # this signature's launches, prepared by its first call
             offs = steady.offsets(extras.splits)
@@ -185,18 +194,16 @@ class GroupedMLP(FusedOperation):
             if ctx.recipe is not None:
                 w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
                 y = _grouped_mlp_fp8.forward(self, basic_op_ctxs, input_, x, w1, w2, offs,
-                                             extras, basic_op_extra_inputs)
+                                             extras, basic_op_extra_inputs, with_backward)
                 return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
             # FC1 is launched before FC2's operands are made (a cast under torch.autocast):
             # only what its launch needs runs before it, the GPU starts sooner
-            h, a = self.fc1_rows(ctx, x, w1, offs, extras, inner_extra)
+            h, a = self.fc1_rows(ctx, x, w1, offs, extras, inner_extra, need_h=with_backward)
             if ctx.steady is not None and not ctx.signature_checked:
-                self._prepare_steady(ctx, x, w1, extras)
+                self._prepare_steady(ctx, x, w1, extras, with_backward)
         w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
         y = self.fc2_rows(ctx, a, w2, offs, extras, inner_extra)
-        # Saved when any of the three ops' backward runs: with FC1 frozen and an input that needs
-        # no gradient only the activation (router probs) or FC2 may need one.
-        if any(c.requires_grad for c in basic_op_ctxs):
+        if with_backward:
             ctx.save_for_backward(
                 x, h, w1, w2, offs, extras.probs, extras.fc1_scales, extras.fc2_scales
             )
@@ -206,7 +213,7 @@ class GroupedMLP(FusedOperation):
         return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
 
     def _prepare_steady(self, ctx: OperationContext, x: Tensor, w1: Tensor,
-                        extras: _Extras) -> None:
+                        extras: _Extras, need_h: bool = True) -> None:
         """Keep in `ctx.steady` (this call's signature's dict) the offsets' and FC1's launches
         for the next calls of the signature, where the backend prepares both and this call
         ran them as those do: the fused GLU epilogue without bias, uncast operands of one
@@ -222,7 +229,9 @@ class GroupedMLP(FusedOperation):
             return
         offsets = prepare_offsets(extras.splits, x.shape[0], x.device)
         if offsets is not None:
-            fc1 = prepare_fc1(x, w1, op.glu_spec, _row_values(extras.probs))
+            probs = _row_values(extras.probs)
+            fc1 = prepare_fc1(x, w1, op.glu_spec, probs) if need_h or not backend.fc1_h_optional \
+                else prepare_fc1(x, w1, op.glu_spec, probs, store_h=False)
             ctx.steady[self] = _Steady(offsets, fc1)
 
     def forward_rows(self, ctx: OperationContext, x: Tensor, w1: Tensor, w2: Tensor,
@@ -235,16 +244,18 @@ class GroupedMLP(FusedOperation):
         return h, a, self.fc2_rows(ctx, a, w2, offs, extras, inner_extra, scatter)
 
     def fc1_rows(self, ctx: OperationContext, x: Tensor, w1: Tensor, offs: Tensor,
-                 extras: _Extras, inner_extra: Sequence[tuple], gather: Route | None = None):
+                 extras: _Extras, inner_extra: Sequence[tuple], gather: Route | None = None,
+                 need_h: bool = True):
         """(h [T, 2F], a [T, F]): `forward_rows`' FC1 and activation, the activation's input
-        checks first."""
+        checks first (`need_h` as `_fc1_act`'s)."""
         probs = _row_values(extras.probs)  # [T]
         seen = ctx.signature_checked  # the inner ops' checks that read only it passed before
         if not (seen and self.activation.checks_read_only_signature()):
             rows = x.shape[0] if gather is None else gather.rows.shape[0]
             h_like = x.new_empty(()).expand(rows, self.fc1.out_features)  # shape only
             self.activation.forward_checks(h_like, inner_extra[0], seen)
-        return self._fc1_act(x, w1, offs, extras, probs, ctx.backend, gather)  # [T, 2F], [T, F]
+        return self._fc1_act(x, w1, offs, extras, probs, ctx.backend, gather,
+                             need_h)  # [T, 2F], [T, F]
 
     def fc2_rows(self, ctx: OperationContext, a: Tensor, w2: Tensor, offs: Tensor,
                  extras: _Extras, inner_extra: Sequence[tuple], scatter: Route | None = None):
@@ -304,7 +315,8 @@ class _Steady:
     """The launches before FC2 that one call signature's first call prepares for its next
     ones (`OperationContext.steady`): offsets(splits) -> offs [G], and fc1(x, w1, offs,
     probs) -> (h [T, 2F], a [T, F]), equal to the backend's `group_offsets` and
-    `glu_fc1_forward` for those operands."""
+    `glu_fc1_forward` for those operands (h None where the signature runs no backward and
+    the backend skips it)."""
 
     offsets: Callable[[Tensor], Tensor]
     fc1: Callable[..., tuple[Tensor, Tensor]]
