@@ -71,10 +71,10 @@ _TILINGS = ["pingpong", "cooperative"]
 
 
 def _rows(case, dtype=torch.bfloat16):
-    """(x [M, H] with a non-unit row stride, w1 [E, 2F, H], probs or None, sizes, offs)."""
+    """(x [M, H] with rows H + 16 elements apart, w1 [E, 2F, H], split sizes, offs)."""
     _, sizes, extra, h, f = case
     m = sum(sizes) + extra
-    x = torch.randn(m, h + 16, device="cuda", dtype=dtype)[:, :h]  # rows 16 elements apart
+    x = torch.randn(m, h + 16, device="cuda", dtype=dtype)[:, :h]  # not contiguous
     w1 = torch.randn(len(sizes), 2 * f, h, device="cuda", dtype=dtype) / h**0.5
     return x, w1, sizes, _offs(sizes)
 
@@ -83,58 +83,54 @@ def _probs(m: int, dtype):
     return None if dtype is None else (torch.rand(m, device="cuda") + 0.25).to(dtype)
 
 
-def _check_without_h(h, a, no_h, a_only, end: int) -> None:
-    """a bit for bit (no h store landed in it, since the h-less kernel's h operand is a), and
-    no h."""
-    assert no_h is None
-    assert torch.equal(a_only, a)
-    assert (a_only[end:] == 0).all() and a_only[:end].abs().sum() > 0
-    assert h[:end].abs().sum() > 0  # the reference call did write h
-
-
-@gpu
-@needs_cute
-@pytest.mark.parametrize("tiling", _TILINGS)
-@pytest.mark.parametrize("config", _CONFIGS, ids=str)
-@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
-def test_16bit_fc1_without_h_gives_the_same_a(tiling_env, case, config, tiling):
-    from te_seq.kernels import cute
-
-    tiling_env("TE_SEQ_PINGPONG", "0" if tiling == "cooperative" else None)
-    act, il, p_dtype = config
-    x, w1, sizes, offs = _rows(case)
-    probs = _probs(x.shape[0], p_dtype)
-    w1t = w1.transpose(1, 2)
-    h, a = cute.glu_fc1_forward(x, w1t, offs, act, il, probs)
-    _poison(((x.shape[0], w1.shape[1] // 2), x.dtype))  # a of the next call starts as NaN
-    no_h, a_only = cute.glu_fc1_forward(x, w1t, offs, act, il, probs, store_h=False)
-    _check_without_h(h, a, no_h, a_only, sum(sizes))
-
-
 def _quantized_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 data, fp32 [rows] dequantization scales) of t [..., C], one scale per row."""
     q = fp8ref.quantize(t.reshape(-1, t.shape[-1]), fp8ref.ROWWISE, fp8ref.ScaleRule())
     return q.data.reshape(t.shape), q.scale_inv.reshape(t.shape[:-1]).contiguous()
 
 
+def _fc1_call(operands: str, case, act: str, il, p_dtype):
+    """(fc1(store_h) -> (h, a), a's shape, a's dtype, rows in groups) on fresh random data:
+    the 16-bit functional on a non-contiguous bf16 x, or the FP8 one on row-wise E4M3
+    operands."""
+    from te_seq.kernels import cute
+
+    if operands == "bf16":
+        x, w1, sizes, offs = _rows(case)
+        probs = _probs(x.shape[0], p_dtype)
+        w1t = w1.transpose(1, 2)
+
+        def fc1(store_h):
+            return cute.glu_fc1_forward(x, w1t, offs, act, il, probs, store_h=store_h)
+    else:
+        x16, w16, sizes, offs = _rows(case, torch.float32)
+        (x, sx), (w1, sw1) = _quantized_rows(x16.contiguous()), _quantized_rows(w16)
+        probs = _probs(x.shape[0], p_dtype)
+
+        def fc1(store_h):
+            return cute.scaled_glu_fc1_forward(x, w1, sx, sw1, offs, act, il, probs,
+                                               store_h=store_h)
+    return fc1, (x.shape[0], w1.shape[1] // 2), torch.bfloat16, sum(sizes)
+
+
 @gpu
 @needs_cute
+@pytest.mark.parametrize("operands", ["bf16", "fp8"])
 @pytest.mark.parametrize("tiling", _TILINGS)
 @pytest.mark.parametrize("config", _CONFIGS, ids=str)
 @pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
-def test_fp8_fc1_without_h_gives_the_same_a(tiling_env, case, config, tiling):
-    from te_seq.kernels import cute
-
+def test_fc1_without_h_gives_the_same_a(tiling_env, case, config, tiling, operands):
+    """a bit for bit (no h store landed in it, since the h-less kernel's h operand is a), and
+    no h."""
     tiling_env("TE_SEQ_PINGPONG", "0" if tiling == "cooperative" else None)
-    act, il, p_dtype = config
-    x16, w16, sizes, offs = _rows(case, torch.float32)
-    (x, sx), (w1, sw1) = _quantized_rows(x16.contiguous()), _quantized_rows(w16)
-    probs = _probs(x.shape[0], p_dtype)
-    h, a = cute.scaled_glu_fc1_forward(x, w1, sx, sw1, offs, act, il, probs)
-    _poison(((x.shape[0], w1.shape[1] // 2), torch.bfloat16))
-    no_h, a_only = cute.scaled_glu_fc1_forward(x, w1, sx, sw1, offs, act, il, probs,
-                                               store_h=False)
-    _check_without_h(h, a, no_h, a_only, sum(sizes))
+    fc1, a_shape, a_dtype, end = _fc1_call(operands, case, *config)
+    h, a = fc1(True)
+    _poison((a_shape, a_dtype))  # a of the next call starts as NaN
+    no_h, a_only = fc1(False)
+    assert no_h is None
+    assert torch.equal(a_only, a)
+    assert (a_only[end:] == 0).all() and a_only[:end].abs().sum() > 0
+    assert h[:end].abs().sum() > 0  # the reference call did write h
 
 
 @gpu
