@@ -133,10 +133,8 @@ class GroupedMLP(FusedOperation):
                                    gather=gather)
             bias = _bias(self.fc1, x.dtype)
             if bias is None and gather is None:  # the steady state's call: no routing layer
-                if not need_h and backend.fc1_h_optional:
-                    return backend.glu_fc1_forward(x, w1t, offs, op.glu_spec, probs,
-                                                   store_h=False)
-                return backend.glu_fc1_forward(x, w1t, offs, op.glu_spec, probs)
+                return backend.glu_fc1_forward(x, w1t, offs, op.glu_spec, probs,
+                                               **_h_option(backend, need_h))
             if bias is None:  # backends without bias support keep their plain signature
                 return routed.call(backend, "glu_fc1_forward", x, w1t, offs, op.glu_spec, probs,
                                    gather=gather)
@@ -229,9 +227,8 @@ class GroupedMLP(FusedOperation):
             return
         offsets = prepare_offsets(extras.splits, x.shape[0], x.device)
         if offsets is not None:
-            probs = _row_values(extras.probs)
-            fc1 = prepare_fc1(x, w1, op.glu_spec, probs) if need_h or not backend.fc1_h_optional \
-                else prepare_fc1(x, w1, op.glu_spec, probs, store_h=False)
+            fc1 = prepare_fc1(x, w1, op.glu_spec, _row_values(extras.probs),
+                              **_h_option(backend, need_h))
             ctx.steady[self] = _Steady(offsets, fc1)
 
     def forward_rows(self, ctx: OperationContext, x: Tensor, w1: Tensor, w2: Tensor,
@@ -308,6 +305,12 @@ class GroupedMLP(FusedOperation):
         bias_grads, dscales = _bias_grads(fc, dout, offs, scales, backend)
         weight_grads = fc.weight_grads(ctx, inp, dout, offs)
         return weight_grads + bias_grads, dscales
+
+
+def _h_option(backend, need_h: bool) -> dict:
+    """The fused FC1's keyword that skips writing h (`store_h=False`) where no backward will
+    read it and the backend can skip it (`Backend.fc1_h_optional`); else none (h written)."""
+    return {} if need_h or not backend.fc1_h_optional else {"store_h": False}
 
 
 @dataclass(frozen=True)
