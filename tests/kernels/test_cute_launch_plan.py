@@ -373,3 +373,26 @@ def test_fc1_launch_refuses_what_the_functional_refuses():
     x, w1 = torch.randn(M, H).to(BF16), torch.randn(E, 2 * F, H).to(BF16)
     with stubbed_kernels(), pytest.raises(ValueError, match="no fused epilogue"):
         cute.glu_fc1_forward.launch_for(x, w1, "tanh", None, None)
+
+
+def test_fc1_without_h_only_where_checked_on_a_gpu():
+    """`glu_fc1_forward(store_h=False)`: the plain call launches the h-less kernel with a as
+    its h operand and returns no h; with a bias or gathered rows (kernels not yet checked on a
+    GPU without h) it launches the h-writing kernel and returns h."""
+    x = torch.randn(M, H).to(BF16)
+    w1t = torch.randn(E, 2 * F, H).to(BF16).transpose(1, 2)
+    bias, rows = torch.randn(E, 2 * F).to(BF16), torch.arange(M, dtype=torch.int32).flip(0)
+    with stubbed_kernels() as stubs:
+        calls = {
+            "plain": lambda: cute.glu_fc1_forward(x, w1t, _offs(), "silu", None, store_h=False),
+            "bias": lambda: cute.glu_fc1_forward(x, w1t, _offs(), "silu", None, bias=bias,
+                                                 store_h=False),
+            "gather": lambda: cute.glu_fc1_forward(x, w1t, _offs(), "silu", None,
+                                                   gather_rows=rows, store_h=False),
+        }
+        for name, call in calls.items():
+            (cfg, args), (h, a) = _launch_of(stubs, call), call()
+            assert cfg.store_h == (name != "plain"), name
+            assert (h is None) == (name == "plain"), name
+            assert (args[2] is args[5]) == (name == "plain"), name
+            assert a.shape == (M, F)
