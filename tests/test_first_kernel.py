@@ -249,3 +249,23 @@ def test_keep_h_setting_makes_a_forward_without_backward_write_h(tiling_env):
     assert len(fc1) == 1 and fc1[0][0].store_h
     for args in fc1[0][1].calls:
         assert args[2] is not args[5] and args[2].shape == (256, 256)
+
+
+def test_frozen_weights_and_inputs_skip_h_until_something_needs_a_gradient():
+    """With grad enabled but every parameter and input frozen no backward runs: FC1 skips h.
+    Unfreezing FC2's weight alone needs h again (its wgrad reads a, re-emitted from h)."""
+    pl = _harness()
+    from te_seq.kernels.cute.compile import GluConfig
+
+    with pl.stubbed_step(record=True) as stubs:
+        forward = pl.mlp_forward(256, None, e=8, h=256, f=128)
+        mlp, x, probs = forward.parts
+        for t in (*mlp.parameters(), x, probs):
+            t.requires_grad_(False)
+        assert not forward().requires_grad
+        mlp[2].weight.requires_grad_(True)
+        forward().sum().backward()
+        assert mlp[2].weight.grad is not None
+    fc1 = {cfg.store_h: stub for cfg, stub in stubs.items()
+           if isinstance(cfg, GluConfig) and cfg.mode == "fc1"}
+    assert len(fc1[False].calls) == 1 and len(fc1[True].calls) == 1
