@@ -269,3 +269,34 @@ def test_frozen_weights_and_inputs_skip_h_until_something_needs_a_gradient():
     fc1 = {cfg.store_h: stub for cfg, stub in stubs.items()
            if isinstance(cfg, GluConfig) and cfg.mode == "fc1"}
     assert len(fc1[False].calls) == 1 and len(fc1[True].calls) == 1
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_moe_block_without_backward_launches_its_gathered_fc1_without_h(grad):
+    """The MoE block (dispatch -> grouped MLP -> combine) gathers FC1's rows in the kernel's
+    loads; without a backward it launches that kernel h-less (a as its h operand), with one
+    the h-writing kernel."""
+    pl = _harness()
+    from te_seq.kernels.cute.compile import GluConfig
+
+    e, h, f, t, k = 8, 256, 128, 96, 2
+    kw = {"dtype": torch.bfloat16}
+    with pl.stubbed_step(record=True) as stubs, torch.set_grad_enabled(grad):
+        block = te_seq.Sequential(ops.ExpertDispatch(e),
+                                  ops.GroupedLinear(e, h, 2 * f, bias=False, **kw),
+                                  ops.ScaledSwiGLU(),
+                                  ops.GroupedLinear(e, f, h, bias=False, **kw),
+                                  ops.ExpertCombine())
+        x = torch.randn(t, h, dtype=torch.bfloat16)
+        probs, indices = torch.softmax(torch.randn(t, e), -1).topk(k)
+        with te_seq.backend("cute"):
+            block(x, indices, probs.bfloat16())
+    assert [s.name for s in block.fusion_plan().forward] == ["MoeBlock"]
+    fc1 = [(cfg, stub) for cfg, stub in stubs.items()
+           if isinstance(cfg, GluConfig) and cfg.mode == "fc1"]
+    assert len(fc1) == 1
+    cfg, stub = fc1[0]
+    assert cfg.route == "gather" and cfg.store_h == grad
+    (args,) = stub.calls  # (x [T, H], b, c, offs, clusters, a [T k, F], ...)
+    assert args[0].shape == (t, h) and args[5].shape == (t * k, f)
+    assert (args[2] is args[5]) == (not grad)

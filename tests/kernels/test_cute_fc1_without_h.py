@@ -3,7 +3,8 @@
 the h-writing kernel's bit for bit (the same accumulators, h rounded to bf16 before the
 activation as always), and nothing may be stored through the kernel's h operand (the functional
 passes a itself there, so a stray h store would corrupt a); ``TE_SEQ_FC1_KEEP_H=1`` writes h
-all the same (the same h). 16-bit and row-wise FP8 operands, ping-pong and cooperative tilings.
+all the same (the same h). 16-bit and row-wise FP8 operands, ping-pong and cooperative tilings,
+rows gathered by index (the MoE block).
 Compile-only tests run on CPU; GPU tests need sm_90+.
 """
 
@@ -33,6 +34,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         GluConfig("fc1", bf16, "k", "gelu", 32, None, store_h=False),  # cooperative 256 wide
         GluConfig("fc1", fp8, "k", "silu", None, fp32, tile_n=128, scaled=True, pingpong=True,
                   store_h=False),
+        GluConfig("fc1", bf16, "k", "silu", None, fp32, (2, 1), route="gather", store_h=False),
     ]:
         print(cfg, f"{compile_glu(cfg).compile_s:.1f}s", flush=True)
     refusals = [
@@ -135,6 +137,37 @@ def test_fc1_without_h_gives_the_same_a(tiling_env, case, config, tiling, operan
 
 @gpu
 @needs_cute
+@pytest.mark.parametrize("p_dtype", [torch.float32, None], ids=["probs", "no_probs"])
+@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def test_gathered_fc1_without_h_gives_the_same_a(case, p_dtype):
+    """FC1 over gathered rows (x a token matrix, row r of the GEMM x[gather_rows[r]], tokens
+    repeated and skipped as a top-k routing does): a bit for bit with and without h, no h."""
+    from te_seq.kernels import cute
+
+    _, sizes, extra, h, f = case
+    rows = sum(sizes) + extra
+    tokens = torch.randn(rows // 2 + 3, h + 16, device="cuda", dtype=torch.bfloat16)[:, :h]
+    gather = torch.randint(0, tokens.shape[0], (rows,), device="cuda", dtype=torch.int32)
+    w1t = (torch.randn(len(sizes), 2 * f, h, device="cuda", dtype=torch.bfloat16)
+           / h**0.5).transpose(1, 2)
+    probs, offs = _probs(rows, p_dtype), _offs(sizes)
+
+    def fc1(store_h):
+        return cute.glu_fc1_forward(tokens, w1t, offs, "silu", None, probs, gather_rows=gather,
+                                    store_h=store_h)
+
+    hh, a = fc1(True)
+    _poison(((rows, f), torch.bfloat16))  # a of the next call starts as NaN
+    no_h, a_only = fc1(False)
+    assert no_h is None
+    assert torch.equal(a_only, a)
+    end = sum(sizes)
+    assert (a_only[end:] == 0).all() and a_only[:end].abs().sum() > 0
+    assert hh[:end].abs().sum() > 0
+
+
+@gpu
+@needs_cute
 def test_keep_h_setting_writes_h_all_the_same(tiling_env):
     """``TE_SEQ_FC1_KEEP_H=1``: an FC1 asked not to write h writes (and returns) it, equal to
     the h of a call that wanted it; the setting is read into the plans' signatures."""
@@ -189,4 +222,41 @@ def test_fused_mlp_without_grad_equals_its_training_forward(recipe):
             assert torch.equal(run(), trained.detach())
     again = run()
     again.sum().backward()  # the grad signature's steady FC1 still saves h for backward
+    assert torch.equal(again, trained)
+
+
+@gpu
+@needs_cute
+def test_moe_block_without_grad_equals_its_training_forward():
+    """The MoE block under no_grad (its gathered FC1 without h) gives the training forward's
+    y bit for bit, and a training step after it still has its h."""
+    import te_seq
+    from te_seq import ops
+
+    torch.manual_seed(0)
+    e, hidden, ffn, t, k = 8, 256, 128, 300, 2
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    block = te_seq.Sequential(ops.ExpertDispatch(e),
+                              ops.GroupedLinear(e, hidden, 2 * ffn, bias=False, **kw),
+                              ops.ScaledSwiGLU(),
+                              ops.GroupedLinear(e, ffn, hidden, bias=False, **kw),
+                              ops.ExpertCombine())
+    logits = torch.randn(t, e, device="cuda")
+    logits[:, 3] = -1e9  # expert 3 never chosen: an empty group
+    probs, indices = torch.softmax(logits, -1).topk(k)
+    probs = probs.bfloat16().requires_grad_()
+    x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def run():
+        with te_seq.backend("cute"):
+            return block(x, indices, probs)
+
+    trained = run()
+    trained.sum().backward()
+    assert [s.name for s in block.fusion_plan().forward] == ["MoeBlock"]
+    for _ in range(2):
+        with torch.no_grad():
+            assert torch.equal(run(), trained.detach())
+    again = run()
+    again.sum().backward()
     assert torch.equal(again, trained)

@@ -376,8 +376,8 @@ def test_fc1_launch_refuses_what_the_functional_refuses():
 
 
 def test_fc1_without_h_only_where_checked_on_a_gpu():
-    """`glu_fc1_forward(store_h=False)`: the plain call launches the h-less kernel with a as
-    its h operand and returns no h; with a bias or gathered rows (kernels not yet checked on a
+    """`glu_fc1_forward(store_h=False)`: the plain call and the gathered one launch the h-less
+    kernel with a as its h operand and return no h; with a bias (a kernel not yet checked on a
     GPU without h) it launches the h-writing kernel and returns h."""
     x = torch.randn(M, H).to(BF16)
     w1t = torch.randn(E, 2 * F, H).to(BF16).transpose(1, 2)
@@ -392,7 +392,8 @@ def test_fc1_without_h_only_where_checked_on_a_gpu():
         }
         for name, call in calls.items():
             (cfg, args), (h, a) = _launch_of(stubs, call), call()
-            assert cfg.store_h == (name != "plain"), name
-            assert (h is None) == (name == "plain"), name
-            assert (args[2] is args[5]) == (name == "plain"), name
+            assert cfg.store_h == (name == "bias"), name
+            assert (h is None) == (name != "bias"), name
+            assert (args[2] is args[5]) == (name != "bias"), name
+            assert (cfg.route == "gather") == (name == "gather"), name
             assert a.shape == (M, F)

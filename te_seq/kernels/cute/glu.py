@@ -311,12 +311,13 @@ class _Fc1Forward:
         warpgroup on each; no bias, no gather; ``epi_rows=64``: 64 x 32 epilogue subtiles).
         ``store_h=False`` (no backward reads h): h is neither allocated nor written
         (returned as None; with ``TE_SEQ_FC1_KEEP_H=1`` written and returned as usual); a is
-        the same bit for bit either way. With a bias or gathered rows h is written all the
-        same (those kernels have not been checked without it on a GPU yet)."""
+        the same bit for bit either way. With a bias h is written all the same (that kernel
+        has not been checked without it on a GPU yet)."""
         gather = gather_rows is not None
+        store_h = store_h or bias is not None
         if not gather:
             return _fc1_direct(x, w1t, offs, act, interleave, probs, tuple(params), bias, tiling,
-                               store_h or bias is not None)
+                               store_h)
         ok, why = self.supports(x, w1t, act, interleave, bias, gather)
         if not ok:
             raise ValueError(
@@ -324,12 +325,12 @@ class _Fc1Forward:
             )
         (rows, gather_rows), f = gathered_rows(x, gather_rows, "glu_fc1_forward"), w1t.shape[2] // 2
         probs = _check_probs(probs, rows, "glu_fc1_forward")
-        h = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device)
+        h = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device) if store_h else None
         a = torch.empty(rows, f, dtype=x.dtype, device=x.device)
         if rows:
             bias = None if bias is None else bias.contiguous()
-            _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params, bias,
-                    gather_rows, tiling=tiling)
+            h = _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params,
+                        bias, gather_rows, tiling=tiling)
         return h, a
 
 

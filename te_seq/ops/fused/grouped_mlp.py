@@ -137,7 +137,7 @@ class GroupedMLP(FusedOperation):
                                                **_h_option(backend, need_h))
             if bias is None:  # backends without bias support keep their plain signature
                 return routed.call(backend, "glu_fc1_forward", x, w1t, offs, op.glu_spec, probs,
-                                   gather=gather)
+                                   gather=gather, **_h_option(backend, need_h))
             return routed.call(backend, "glu_fc1_forward", x, w1t, offs, op.glu_spec, probs,
                                bias=bias, gather=gather)
         h = _linear(self.fc1, x, w1, offs, extras.fc1_scales, backend, gather=gather)  # [T, 2F]
@@ -233,11 +233,13 @@ class GroupedMLP(FusedOperation):
 
     def forward_rows(self, ctx: OperationContext, x: Tensor, w1: Tensor, w2: Tensor,
                      offs: Tensor, extras: _Extras, inner_extra: Sequence[tuple],
-                     gather: Route | None = None, scatter: Route | None = None):
+                     gather: Route | None = None, scatter: Route | None = None,
+                     need_h: bool = True):
         """(h [T, 2F], a [T, F], y [T, H]) of rows x (with `gather`: rows x[gather.rows]; with
         `scatter`: y's row r written to row scatter.rows[r]), the activation's and FC2's input
-        checks included (`inner_extra`: their extra inputs as the call gave them)."""
-        h, a = self.fc1_rows(ctx, x, w1, offs, extras, inner_extra, gather)
+        checks included (`inner_extra`: their extra inputs as the call gave them; `need_h` as
+        `_fc1_act`'s)."""
+        h, a = self.fc1_rows(ctx, x, w1, offs, extras, inner_extra, gather, need_h)
         return h, a, self.fc2_rows(ctx, a, w2, offs, extras, inner_extra, scatter)
 
     def fc1_rows(self, ctx: OperationContext, x: Tensor, w1: Tensor, offs: Tensor,

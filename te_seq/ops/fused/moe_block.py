@@ -120,11 +120,14 @@ class MoeBlock(FusedOperation):
         offs = device_offsets(splits, n, x.device, ctx1.backend)
         extras = self._extras(splits, row_probs)
         status = self.route_status(ctx1.backend, x.dtype, x.device)
+        # no backward (no_grad, inference, everything frozen): FC1 may skip writing h
+        with_backward = any(c.requires_grad for c in basic_op_ctxs)
         h, a, y_slots = self.mlp.forward_rows(
             ctx1, x, w1, w2, offs, extras, self._inner_extra(splits, row_probs),
-            gather=Route(token_of_row, status.gather), scatter=Route(order, status.scatter))
+            gather=Route(token_of_row, status.gather), scatter=Route(order, status.scatter),
+            need_h=with_backward)
         y = _sum_choices(y_slots, x.shape[0], k)  # [T, H]
-        if any(c.requires_grad for c in basic_op_ctxs):
+        if with_backward:
             # routing_map (an output) rather than its base; under torch.compile a copy of the
             # probs (dynamo's autograd.Function may not save an alias of an output)
             probs_saved = row_probs.clone() if torch.compiler.is_compiling() else row_probs
