@@ -14,6 +14,7 @@ shape Z it runs on zero-padded groups, whose padding is not counted.
         [--tilings 192:2x1p,192:2x1pd]  # "d": dynamic work units (the wgrads only)
         [--quack]                     # also QuACK's varlen GEMMs on the same operands
     python benchmarks/bench_grouped_gemm.py --glu [--shapes Q,B,A] [--iters 20] [--json out.json]
+        [--quack]                     # also FC1 in other W1 layouts and QuACK's gated FC1
 
 ``--glu`` times the fused grouped-MLP GLU steps instead (SwiGLU with router probs): FC1 forward
 (h and a = silu(gate)·up·probs) and FC2 dgrad (dh, re-emitted a, d(probs)), each as
@@ -28,6 +29,9 @@ dgrad at both ping-pong widths, 128 and 192 (``fused_pp1x2_w128_e64``, ...), out
 against torch like every other variant.
 
 ``--glu-tilings 128:2x1p,...`` (implies ``--glu``) adds both fused steps at those tilings.
+``--glu --quack`` adds FC1 without h with W1 interleaved in 64-row blocks, QuACK's gated FC1
+without its pre-activation (probs applied after it) and QuACK's plain GEMM of N = 2F
+(`fc1_layout_variants`); their a (or h) is checked like every other variant's.
 
 ``--main-grad`` times FC1's and FC2's wgrads accumulated into an fp32 ``main_grad`` (Megatron
 mode), checked against float64, and prints the TB/s of their compulsory traffic (main_grad read
@@ -315,9 +319,39 @@ def launch_overhead_us(calls: int = 2000) -> dict[str, float]:
     return res
 
 
+def fc1_layout_variants(qk, x: Tensor, w1t: Tensor, offs: Tensor, probs: Tensor) -> dict:
+    """FC1 forward without h next to QuACK's (``qk``: quack.gemm_interface), with the same
+    weights in each kernel's layout: ours with W1 interleaved in 64-row blocks (a plain TMA
+    box, against the default [gate | up] halves: ``fused_no_h``), QuACK's gated FC1 (W1 rows
+    interleaved one by one, its default sm90 config, no pre-activation stored; probs applied
+    after it, as its MLP does: peer_quack.py) and QuACK's plain GEMM of the same N = 2F."""
+    from peer_quack import interleave_gate_up
+
+    from te_seq.kernels import cute
+
+    w1 = w1t.transpose(1, 2)  # [E, 2F, H]
+    e, f2, h = w1.shape
+    w1_il64 = w1.view(e, 2, f2 // 128, 64, h).transpose(1, 2).reshape(e, f2, h)
+    w1_quack = interleave_gate_up(w1).transpose(1, 2)
+    cu = torch.cat([offs.new_zeros(1), offs])
+
+    def quack_gated():
+        _, a = qk.gemm_gated(x, w1_quack, activation="swiglu", cu_seqlens_m=cu,
+                             store_preact=False)
+        return None, a.mul_(probs[:, None])
+
+    return {
+        "fused_no_h_il64": lambda: cute.glu_fc1_forward(
+            x, w1_il64.transpose(1, 2), offs, "silu", 64, probs, store_h=False),
+        "quack_gated_no_h": quack_gated,
+        "quack_mm": lambda: (qk.gemm(x, w1t, cu_seqlens_m=cu), None),  # h only
+    }
+
+
 def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator,
-              pp64: bool = False, extra: dict | None = None):
-    """(label, flops, {variant: fn}, check) for the FC1 forward and FC2 dgrad GLU steps."""
+              pp64: bool = False, extra: dict | None = None, qk=None):
+    """(label, flops, {variant: fn}, check) for the FC1 forward and FC2 dgrad GLU steps
+    (``qk``: also `fc1_layout_variants`)."""
     from te_seq.kernels import GluSpec, cute, get_backend, reference
 
     sizes = split_sizes(name, e, m, gen)
@@ -379,6 +413,7 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator,
                     x, w1t, offs, "silu", None, probs, tiling=t))(t)
                 for key, t in fc1_pp.items()
             },
+            **({} if qk is None else fc1_layout_variants(qk, x, w1t, offs, probs)),
         },
     )
     yield (
@@ -402,11 +437,11 @@ def glu_cases(name: str, e: int, h: int, f: int, m: int, gen: torch.Generator,
 
 
 def run_glu_shape(name: str, iters: int, pp64: bool = False,
-                  extra: dict | None = None) -> list[dict]:
+                  extra: dict | None = None, qk=None) -> list[dict]:
     e, h, f, m = SHAPES[name]
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for label, flops, fns in glu_cases(name, e, h, f, m, gen, pp64, extra):
+    for label, flops, fns in glu_cases(name, e, h, f, m, gen, pp64, extra, qk):
         ref = fns["torch+ew"]()
         first, errs = {}, {}
         for key, fn in fns.items():
@@ -436,9 +471,10 @@ def run_glu_shape(name: str, iters: int, pp64: bool = False,
 
 def main_glu(args) -> None:
     rows = []
+    qk = _quack_or_none() if args.quack else None
     for name in args.shapes.split(","):
         rows += run_glu_shape(name, args.iters, args.glu_pp,
-                              parse_tilings(args.glu_tilings) if args.glu_tilings else None)
+                              parse_tilings(args.glu_tilings) if args.glu_tilings else None, qk)
     print(
         f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}"
     )
@@ -460,9 +496,11 @@ def main_glu(args) -> None:
         "cew = reference maths compiled by torch.compile; h2: dgrad with two h subtiles loaded "
         "ahead)"
     )
-    for r in rows if args.glu_pp or args.glu_tilings else []:  # the extra fused variants
+    layout = ("fused_no_h", "fused_no_h_il64", "quack_gated_no_h", "quack_mm")
+    for r in rows if args.glu_pp or args.glu_tilings or qk else []:  # the extra variants
         more = {k: v for k, v in r["tflops"].items()
-                if k.endswith("_e64") or k.removeprefix("fused_") in (args.glu_tilings or "")}
+                if k.endswith("_e64") or k.removeprefix("fused_") in (args.glu_tilings or "")
+                or (qk is not None and k in layout)}
         print(f"{r['shape']:5} {r['step']:14} "
               + "  ".join(f"{k} {v:.0f}" for k, v in more.items()))
     if args.json:

@@ -34,22 +34,28 @@ from te_seq import ops
 
 
 def build(case, backend: str):
+    """(mlp, forward): FC1 -> ScaledSwiGLU (with the case's router probs) or SwiGLU (a case made
+    with act="swiglu") -> FC2, and a no-argument forward on the case's inputs."""
     s, x = case.shape, case.x
     kw = {"device": x.device, "dtype": x.dtype, "single_grouped_weight": True}
+    act = ops.ScaledSwiGLU() if case.uses_probs else ops.SwiGLU()
     mlp = te_seq.Sequential(
         ops.GroupedLinear(s.E, s.H, 2 * s.F, bias=False, **kw),
-        ops.ScaledSwiGLU(),
+        act,
         ops.GroupedLinear(s.E, s.F, s.H, bias=False, **kw),
     )
     x = case.x.detach().requires_grad_()
-    probs = case.probs.detach().requires_grad_()
-    args = (x, case.split_sizes, probs, case.split_sizes)
+    if case.uses_probs:
+        probs = case.probs.detach().requires_grad_()
+        args, leaves = (x, case.split_sizes, probs, case.split_sizes), (x, probs)
+    else:
+        args, leaves = (x, case.split_sizes, case.split_sizes), (x,)
 
     def forward():
         with te_seq.backend(backend):
             return mlp(*args)
 
-    forward.inputs = (x, probs)  # leaves whose .grad a step harness clears (no accumulate add)
+    forward.inputs = leaves  # leaves whose .grad a step harness clears (no accumulate add)
     return mlp, forward
 
 

@@ -10,6 +10,8 @@ the host-side ops by self CPU time (where a host-bound step spends its time). `-
 prints one step's launches in launch order with each one's mean device time (tells apart the
 six GEMMs that share a kernel name); `--peer quack` profiles QuACK's MLP (peer_quack.py, the
 benchmark's peer, fresh grads) instead of te_seq's, so the two tables compare GEMM by GEMM.
+`--act swiglu` runs SwiGLU without router probs; `--forward` profiles forwards under
+torch.no_grad() instead (no backward follows: FC1 writes no h, QuACK stores no pre-activation).
 
   python benchmarks/profile_kernels.py --shape Q --backend cute --fp8 ROWWISE [--top 25]
 """
@@ -23,7 +25,7 @@ import time
 from collections import defaultdict
 
 import torch
-from mlp_case import make_case
+from mlp_case import ACTS, make_case
 from peer_quack import QuackPeer
 from profile_host import build
 
@@ -34,6 +36,14 @@ RECIPES = {
     "CURRENT": te_seq.recipe.Float8CurrentScaling,
     "BLOCK": te_seq.recipe.Float8BlockScaling,
 }
+
+
+def forward_fn(forward, recipe):
+    """One forward under torch.no_grad() (no backward will run: FC1 writes no h)."""
+    def step():
+        with torch.no_grad(), te_seq.autocast(enabled=recipe is not None, recipe=recipe):
+            forward()
+    return step
 
 
 def step_fn(mlp, forward, recipe):
@@ -138,15 +148,20 @@ def main() -> None:
     p.add_argument("--order", action="store_true", help="also one step's launches in order")
     p.add_argument("--peer", default="", choices=["", "quack"],
                    help="profile this benchmark peer's MLP instead of te_seq's")
+    p.add_argument("--act", default="scaled_swiglu", choices=ACTS,
+                   help="swiglu: no router probs")
+    p.add_argument("--forward", action="store_true",
+                   help="forward only, under torch.no_grad() (what inference runs)")
     args = p.parse_args()
-    case = make_case(args.shape, torch.device("cuda"), torch.bfloat16)
+    case = make_case(args.shape, torch.device("cuda"), torch.bfloat16, act=args.act)
     recipe = RECIPES[args.fp8](fp8_wgrad=not args.hp_wgrad) if args.fp8 else None
     if args.peer:
-        step = QuackPeer(case, "fresh").forward_backward
+        peer = QuackPeer(case, "fresh")
+        step = forward_fn(peer.forward, None) if args.forward else peer.forward_backward
         args.backend = args.peer
     else:
         mlp, forward = build(case, args.backend)
-        step = step_fn(mlp, forward, recipe)
+        step = forward_fn(forward, recipe) if args.forward else step_fn(mlp, forward, recipe)
     for _ in range(3):
         step()
     if not args.peer:
@@ -156,8 +171,9 @@ def main() -> None:
     table, wall = kernel_table(step, args.iters)
     total = sum(us for _, us in table.values())
     launches = sum(n for n, _ in table.values())
-    print(f"shape {args.shape} backend {args.backend} fp8 {args.fp8}: wall {wall / 1e3:.2f} ms "
-          f"per fwd+bwd, kernels {total / args.iters / 1e3:.2f} ms, "
+    what = "forward" if args.forward else "fwd+bwd"
+    print(f"shape {args.shape} {args.act} backend {args.backend} fp8 {args.fp8}: wall "
+          f"{wall / 1e3:.2f} ms per {what}, kernels {total / args.iters / 1e3:.2f} ms, "
           f"{launches / args.iters:.0f} launches, host {step_host(step, 20) / 1e3:.2f} ms "
           "per step from an idle device")
     if args.cpu:
