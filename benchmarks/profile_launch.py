@@ -406,13 +406,16 @@ def main_mlp(args) -> None:
 
 # --- time to the first heavy kernel (the FC1 GLU GEMM) of the forward -----------------------
 
-def fc1_stub(stubs: dict[object, StubKernel]) -> StubKernel:
-    """The stub of the forward's FC1 GLU kernel (a `GluConfig` of mode "fc1")."""
+def fc1_stub(stubs: dict[object, StubKernel], store_h: bool = True) -> StubKernel:
+    """The stub of the forward's FC1 GLU kernel (a `GluConfig` of mode "fc1"): the h-writing
+    one (a forward with backward) or, ``store_h=False``, the h-less one (without backward)."""
     from te_seq.kernels.cute.compile import GluConfig
 
-    found = [s for c, s in stubs.items() if isinstance(c, GluConfig) and c.mode == "fc1"]
+    found = [s for c, s in stubs.items()
+             if isinstance(c, GluConfig) and c.mode == "fc1" and c.store_h == store_h]
     if len(found) != 1:
-        raise RuntimeError(f"expected one FC1 GLU kernel config, found {len(found)}")
+        raise RuntimeError(f"expected one FC1 GLU kernel config with store_h={store_h}, "
+                           f"found {len(found)}")
     return found[0]
 
 
@@ -486,10 +489,10 @@ def main_first_kernel(args) -> None:
         forward = mlp_forward(args.rows)
         step = mlp_step(args.rows, None)
         step()
-        fc1 = fc1_stub(stubs)
         for label, grad in (("forward", True), ("forward, no_grad", False)):
             with torch.set_grad_enabled(grad):
                 forward()
+                fc1 = fc1_stub(stubs, store_h=grad)  # without backward FC1 writes no h
                 to_fc1, whole = time_to_fc1(forward, fc1, args.iters)
                 stats = profile_to_fc1(forward, fc1, max(args.iters // 10, 1))
                 aten = aten_ops_to_fc1(forward, fc1)

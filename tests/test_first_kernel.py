@@ -132,12 +132,14 @@ def test_stubbed_forward_launches_offsets_then_fc1_then_fc2(grad):
     assert fc2[0] is fc1[5]  # FC2 multiplies FC1's activation
 
 
-def test_harness_times_the_forward_up_to_its_fc1_launch():
+@pytest.mark.parametrize("grad", [True, False])
+def test_harness_times_the_forward_up_to_its_fc1_launch(grad):
+    """Up to the FC1 launch of the call's own grad mode (without backward the h-less FC1)."""
     pl = _harness()
-    with pl.stubbed_step() as stubs:
+    with pl.stubbed_step() as stubs, torch.set_grad_enabled(grad):
         forward = pl.mlp_forward(256, None, e=8, h=256, f=128)
         forward()
-        fc1 = pl.fc1_stub(stubs)
+        fc1 = pl.fc1_stub(stubs, store_h=grad)
         to_fc1, whole = pl.time_to_fc1(forward, fc1, 3)
         aten = pl.aten_ops_to_fc1(forward, fc1)
         stats = pl.profile_to_fc1(forward, fc1, 2)
