@@ -564,3 +564,55 @@ def test_jittered_shape_splits_near_uniform():
     assert len(set(counts)) > j.E // 4
     assert counts == split_counts(j) != split_counts(j, seed=1)
     assert split_counts(SHAPES["Q"]) == [j.M // j.E] * j.E
+
+
+def _grouped(x, b, sizes):
+    """x's rows of group g times b[g], for a CPU stand-in of the varlen GEMMs."""
+    return torch.cat([xg @ b[g] for g, xg in enumerate(x.split(sizes))])
+
+
+def test_fc1_layout_variants_give_fc1s_a_from_each_kernels_w1_layout(monkeypatch):
+    """`bench_grouped_gemm.fc1_layout_variants` hands each kernel the same W1 in its layout:
+    ours interleaved in 64-row blocks (the kernel's interleave=64), QuACK's gate/up row by row;
+    with CPU stand-ins of the three kernels every variant reproduces SwiGLU(x W1ᵀ)·probs."""
+    import bench_grouped_gemm
+
+    from te_seq.kernels import GluSpec, cute, reference
+
+    sizes, h, f = [5, 0, 7], 64, 128
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(sizes), h, dtype=torch.float64)
+    w1t = torch.randn(len(sizes), 2 * f, h, dtype=torch.float64).transpose(1, 2)
+    probs = torch.rand(sum(sizes), dtype=torch.float64)
+
+    def ours(x_, w1t_, offs_, act, interleave, probs_, store_h=True):
+        hh = _grouped(x_, w1t_, sizes)
+        assert interleave == 64 and not store_h
+        hh = hh.view(-1, f // 64, 2, 64).transpose(1, 2).reshape(-1, 2 * f)  # -> [gate | up]
+        return None, reference.REFERENCE.glu_forward(hh, GluSpec(act), probs_)
+
+    def gated(x_, w, activation, cu_seqlens_m, store_preact):
+        hh = _grouped(x_, w, sizes)
+        return None, F.silu(hh[:, 0::2]) * hh[:, 1::2]
+
+    monkeypatch.setattr(cute, "glu_fc1_forward", ours)
+    qk = types.SimpleNamespace(gemm_gated=gated,
+                               gemm=lambda x_, w, cu_seqlens_m: _grouped(x_, w, sizes))
+    h_ref = _grouped(x, w1t, sizes)
+    a_ref = reference.REFERENCE.glu_forward(h_ref, GluSpec("silu"), probs)
+    got = {k: fn() for k, fn in bench_grouped_gemm.fc1_layout_variants(
+        qk, x, w1t, offs, probs).items()}
+    torch.testing.assert_close(got["fused_no_h_il64"][1], a_ref)
+    torch.testing.assert_close(got["quack_gated_no_h"][1], a_ref)
+    torch.testing.assert_close(got["quack_mm"][0], h_ref)
+
+
+@pytest.mark.slow  # a subprocess that compiles two kernels for sm_90a
+def test_fc1_probe_kernel_compiles_and_keeps_its_mainloop():
+    """benchmarks/probe_fc1.py's kernel with an empty epilogue compiles, and its PTX has as
+    many WGMMAs as the real FC1's (the compiler kept the mainloop it is there to time)."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    result = subprocess.run([sys.executable, "benchmarks/probe_fc1.py", "--compile-only"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "WGMMAs in the PTX" in result.stdout

@@ -1,0 +1,186 @@
+"""Where the GLU FC1 forward's time goes: the kernel against itself with parts left out.
+
+The FC1 GLU kernel (x W1ᵀ -> a = act(gate)·up, h not written: a forward without backward)
+trails QuACK's gated FC1 by ~11 % on shape Q while our plain GEMM of the same N is QuACK's
+equal (te_seq/kernels/cute/README.md, section 14). Leaving one stage out and timing the
+difference places the time without hardware counters:
+
+- ``fc1``: the kernel as the forward runs it (SiLU; MUFU exp and reciprocal);
+- ``fc1_relu``: the same with ReLU, whose maths is one max (the activation's own cost);
+- ``fc1_h``: h written too (the store ring's cost per extra subtile);
+- ``no_epilogue``: the same kernel with an empty epilogue (a subclass whose ``_store_tile``
+  stores nothing; one accumulator value is written under a condition that never holds at
+  run time, so the compiler keeps the WGMMAs): the mainloop and the ping-pong hand-offs alone.
+  Its output is garbage by design; only its time means something;
+- ``plain_mm``: our plain grouped GEMM of N = 2F (writes h whole, no GLU epilogue);
+- ``quack_gated``, ``quack_mm``: QuACK's gated FC1 and plain GEMM, where quack-kernels is
+  installed (benchmarks/README.md, "Running it").
+
+Each variant is timed as bench_grouped_mlp.py times (`_common.time_interleaved`: shuffled
+rounds of bursts). The variants that compute a are checked against ``fc1`` first.
+
+  python benchmarks/probe_fc1.py [--shapes Q,J,B] [--iters 20] [--probs]
+  python benchmarks/probe_fc1.py --compile-only   # the no-epilogue kernel for sm_90a, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+import torch
+
+
+def no_epilogue_kernel(pingpong: bool = True, tile_n: int = 128, cluster=(1, 2)):
+    """A `GluGemmKernel` (fc1, SiLU, no probs, no h) whose epilogue stores nothing."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from te_seq.kernels.cute.glu_epilogue import GluGemmKernel
+
+    class NoEpilogue(GluGemmKernel):
+        @cute.jit
+        def _store_tile(self, ep, acc, group, m_tile, n_tile, row0, rows, epi_count):
+            act_out = ep.epi[2]
+            if rows < 0:  # never: keeps the accumulators (and so the WGMMAs) alive
+                act_out[(0, 0)] = acc[0].to(cutlass.BFloat16)
+            return 0
+
+    return NoEpilogue("fc1", "silu", None, False, cluster, tile_n=tile_n, pingpong=pingpong,
+                      store_h=False)
+
+
+def compile_no_epilogue(cfg):
+    """The no-epilogue kernel compiled for ``cfg`` (a `GluConfig` of the real launch)."""
+    import cutlass.cute as cute
+
+    from te_seq.kernels.cute.compile import _fake_glu_args
+
+    kernel = no_epilogue_kernel(cfg.pingpong, cfg.tile_n, cfg.cluster_mn)
+    return cute.compile(kernel, *_fake_glu_args(cfg), options="--enable-tvm-ffi")
+
+
+def compile_check() -> str:
+    """Compile the no-epilogue kernel and the real one (ping-pong, 128 wide, 1x2) for sm_90a
+    and count the WGMMAs in each one's PTX: equal counts say the compiler kept the mainloop."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    os.environ["CUTE_DSL_KEEP"] = "ptx"
+    os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="te_seq_probe_ptx_")
+    import cutlass.cute as cute
+    from dump_ptx import _ptx_of
+
+    from te_seq.kernels.cute.compile import GluConfig, _fake_glu_args
+    from te_seq.kernels.cute.glu_epilogue import GluGemmKernel
+
+    cfg = GluConfig("fc1", torch.bfloat16, "k", "silu", None, None, (1, 2), tile_n=128,
+                    pingpong=True, store_h=False)
+    real = GluGemmKernel("fc1", "silu", None, False, (1, 2), tile_n=128, pingpong=True,
+                         store_h=False)
+    counts = {}
+    for name, kernel in (("fc1", real), ("no_epilogue", no_epilogue_kernel())):
+        ptx = _ptx_of(cute.compile(kernel, *_fake_glu_args(cfg)))
+        counts[name] = ptx.count("wgmma.mma_async")
+    if counts["fc1"] != counts["no_epilogue"] or not counts["fc1"]:
+        raise RuntimeError(f"WGMMAs in the PTX differ: {counts}")
+    return f"compiled; WGMMAs in the PTX: {counts}"
+
+
+def variants(x, w1t, offs, probs, qk=None) -> dict:
+    """{name: fn} of the module docstring on these operands."""
+    from te_seq.kernels import cute
+    from te_seq.kernels.cute import glu, launch
+
+    rows, f = x.shape[0], w1t.shape[2] // 2
+    plan = glu._plan("fc1", x, w1t, rows, probs, "silu", None, (), None, None, False, None,
+                     None, False, False)
+    bare = compile_no_epilogue(_config_of(x, w1t, probs))
+    a_out = torch.empty(rows, f, dtype=x.dtype, device=x.device)
+
+    def no_epilogue():
+        bare(launch._row_major(x), launch.b_view(w1t, plan.b_copy), a_out, offs, plan.clusters,
+             *glu.epilogue_args(x, a_out, probs, None, None, None), launch.no_route(x.device))
+        return None, a_out
+
+    fns = {
+        "fc1": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs, store_h=False),
+        "fc1_relu": lambda: cute.glu_fc1_forward(x, w1t, offs, "relu", None, probs,
+                                                 store_h=False),
+        "fc1_h": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs),
+        "no_epilogue": no_epilogue,
+        "plain_mm": lambda: (cute.grouped_mm(x, w1t, offs), None),
+    }
+    if qk is not None:
+        from bench_grouped_gemm import fc1_layout_variants
+
+        theirs = fc1_layout_variants(qk, x, w1t, offs, probs)
+        fns["quack_gated"], fns["quack_mm"] = theirs["quack_gated_no_h"], theirs["quack_mm"]
+    return fns
+
+
+def _config_of(x, w1t, probs):
+    """The `GluConfig` the default FC1 launch compiles for these operands: its plan made with
+    the compile entry watched (`glu._plan` looks ``compile_glu`` up at each call)."""
+    from te_seq.kernels.cute import compile as compile_module
+    from te_seq.kernels.cute import glu
+
+    seen, original = [], compile_module.compile_glu
+
+    def watch(cfg):
+        seen.append(cfg)
+        return original(cfg)
+
+    compile_module.compile_glu = watch
+    try:
+        glu._plan("fc1", x, w1t, x.shape[0], probs, "silu", None, (), None, None, False, None,
+                  None, False, False)
+    finally:
+        compile_module.compile_glu = original
+    return seen[0]
+
+
+def run_shape(name: str, iters: int, with_probs: bool, qk) -> None:
+    from _common import time_interleaved
+    from mlp_case import make_case
+
+    case = make_case(name, torch.device("cuda"), torch.bfloat16,
+                     act="scaled_swiglu" if with_probs else "swiglu")
+    x, w1t, offs = case.x, case.w1.transpose(1, 2), case.offs
+    probs = case.probs
+    fns = variants(x, w1t, offs, probs, qk)
+    want = fns["fc1"]()[1]
+    for key in ("fc1_h", "quack_gated"):
+        if key in fns:
+            got = fns[key]()[1].float()
+            err = ((got - want.float()).norm() / want.float().norm()).item()
+            print(f"[{name}] {key} vs fc1: rel err {err:.1e}")
+    runs = time_interleaved(fns, iters, 3, torch.device("cuda"), 10)
+    flops = 2 * x.shape[0] * x.shape[1] * w1t.shape[2]
+    base = statistics.median(runs["fc1"])
+    for key, times in runs.items():
+        ms = statistics.median(times)
+        print(f"[{name}] {key:12s} {ms:.4f} ms {flops / ms / 1e9:6.0f} TFLOP/s  "
+              f"{ms / base:5.2f}x fc1")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="Q,J,B")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--probs", action="store_true", help="with router probs (ScaledSwiGLU)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile the no-epilogue kernel for sm_90a (no GPU needed)")
+    args = p.parse_args()
+    if args.compile_only:
+        print(compile_check())
+        return
+    from bench_grouped_gemm import _quack_or_none
+
+    qk = _quack_or_none()
+    for name in args.shapes.split(","):
+        run_shape(name, args.iters, args.probs, qk)
+
+
+if __name__ == "__main__":
+    main()
