@@ -616,3 +616,39 @@ def test_fc1_probe_kernel_compiles_and_keeps_its_mainloop():
                             cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "WGMMAs in the PTX" in result.stdout
+
+
+def test_ncu_stalls_reads_a_source_page_and_ranks_instructions():
+    """ncu_stalls.py on a source page as ncu writes it (the kernel's name first, numbers with
+    thousands separators, "(Not Issued)" twins of the reason columns): the samples per
+    reason, the instructions by samples, each with its leading reasons."""
+    import ncu_stalls
+
+    page = [
+        '"Kernel Name","kernel_x"',
+        '"Address","Source","Warp Stall Sampling (All Samples)",'
+        '"Warp Stall Sampling (Not-issued Samples)","stall_barrier","stall_wait",'
+        '"stall_long_sb","stall_barrier (Not Issued)"',
+        '"0x10","BAR.SYNC 0x1, 0x80","1,200","1,100","1,000","200","0","999"',
+        '"0x20","WARPGROUP.DEPBAR.LE gsb0, 0x1","300","250","0","300","0","0"',
+        '"0x30","LDG.E R2, [R4]","500","480","0","100","400","0"',
+    ]
+    ins = ncu_stalls.read_source_page(page)
+    assert [i.samples for i in ins] == [1200, 300, 500]
+    assert ins[0].reasons == {"barrier": 1000, "wait": 200, "long_sb": 0}
+    assert ins[2].leading(1) == [("long_sb", 400)]
+    text = ncu_stalls.summary(ins, top=2)
+    assert "2000 samples" in text and "barrier" in text.splitlines()[1]
+    top = [line for line in text.splitlines() if line.strip().startswith(("1200", "500"))]
+    assert len(top) == 2 and "BAR.SYNC" in top[0] and "LDG" in top[1]
+    with pytest.raises(ValueError, match="not an ncu source page"):
+        ncu_stalls.read_source_page(['"Address","Source"'])
+
+
+@pytest.mark.parametrize("forward", [True, False])
+def test_ncu_target_runs_its_steps_on_the_cpu(forward):
+    import ncu_target
+
+    step = ncu_target.make_step("U", "swiglu", forward, "", "cpu")
+    for _ in range(2):
+        step()
