@@ -8,6 +8,9 @@ difference places the time without hardware counters:
 - ``fc1``: the kernel as the forward runs it (SiLU; MUFU exp and reciprocal);
 - ``fc1_relu``: the same with ReLU, whose maths is one max (the activation's own cost);
 - ``fc1_h``: h written too (the store ring's cost per extra subtile);
+- ``fc1_w192``: 192-wide tiles (96 gate + 96 up columns, where F is a multiple of 96), the
+  plain GEMM's tile and cluster (``plain_mm`` below) but one A/B stage fewer (4: the plain
+  kernel trades a store slot for its fifth);
 - ``no_epilogue``: the same kernel with an empty epilogue (a subclass whose ``_store_tile``
   stores nothing; one accumulator value is written under a condition that never holds at
   run time, so the compiler keeps the WGMMAs): the mainloop and the ping-pong hand-offs alone.
@@ -96,6 +99,7 @@ def variants(x, w1t, offs, probs, qk=None) -> dict:
     plan = glu._plan("fc1", x, w1t, rows, probs, "silu", None, (), None, None, False, None,
                      None, False, False)
     bare = compile_no_epilogue(_config_of(x, w1t, probs))
+    w192 = cute.Tiling(192, (1, 2), pingpong=True)
     a_out = torch.empty(rows, f, dtype=x.dtype, device=x.device)
 
     def no_epilogue():
@@ -111,6 +115,9 @@ def variants(x, w1t, offs, probs, qk=None) -> dict:
         "no_epilogue": no_epilogue,
         "plain_mm": lambda: (cute.grouped_mm(x, w1t, offs), None),
     }
+    if f % 96 == 0:  # whole 192-wide tiles of 96 gate + 96 up columns (not B: F = 1024)
+        fns["fc1_w192"] = lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs,
+                                                       tiling=w192, store_h=False)
     if qk is not None:
         from bench_grouped_gemm import fc1_layout_variants
 
@@ -150,7 +157,7 @@ def run_shape(name: str, iters: int, with_probs: bool, qk) -> None:
     probs = case.probs
     fns = variants(x, w1t, offs, probs, qk)
     want = fns["fc1"]()[1]
-    for key in ("fc1_h", "quack_gated"):
+    for key in ("fc1_h", "fc1_w192", "quack_gated"):
         if key in fns:
             got = fns[key]()[1].float()
             err = ((got - want.float()).norm() / want.float().norm()).item()
