@@ -273,14 +273,25 @@ def test_frozen_weights_and_inputs_skip_h_until_something_needs_a_gradient():
     assert len(fc1[False].calls) == 1 and len(fc1[True].calls) == 1
 
 
-@pytest.mark.parametrize("grad", [True, False])
-def test_moe_block_without_backward_launches_its_gathered_fc1_without_h(grad):
+# (grad mode on, parameters trainable, router probs need a gradient) -> a backward runs
+_MOE_CASES = {
+    "training": (True, True, False, True),
+    "no_grad": (False, True, False, False),
+    "frozen": (True, False, False, False),  # grad on, nothing needs a gradient
+    "frozen_probs_grad": (True, False, True, True),  # the probs' gradient reads h
+}
+
+
+@pytest.mark.parametrize("case", list(_MOE_CASES))
+def test_moe_block_without_backward_launches_its_gathered_fc1_without_h(case):
     """The MoE block (dispatch -> grouped MLP -> combine) gathers FC1's rows in the kernel's
-    loads; without a backward it launches that kernel h-less (a as its h operand), with one
-    the h-writing kernel."""
+    loads; without a backward (no_grad, or every parameter and input frozen) it launches that
+    kernel h-less (a as its h operand), with one (training, or only the router probs needing
+    a gradient) the h-writing kernel."""
     pl = _harness()
     from te_seq.kernels.cute.compile import GluConfig
 
+    grad, trainable, probs_grad, backward = _MOE_CASES[case]
     e, h, f, t, k = 8, 256, 128, 96, 2
     kw = {"dtype": torch.bfloat16}
     with pl.stubbed_step(record=True) as stubs, torch.set_grad_enabled(grad):
@@ -289,16 +300,19 @@ def test_moe_block_without_backward_launches_its_gathered_fc1_without_h(grad):
                                   ops.ScaledSwiGLU(),
                                   ops.GroupedLinear(e, f, h, bias=False, **kw),
                                   ops.ExpertCombine())
+        block.requires_grad_(trainable)
         x = torch.randn(t, h, dtype=torch.bfloat16)
         probs, indices = torch.softmax(torch.randn(t, e), -1).topk(k)
+        probs = probs.bfloat16().requires_grad_(probs_grad)
         with te_seq.backend("cute"):
-            block(x, indices, probs.bfloat16())
+            y = block(x, indices, probs)
+    assert y.requires_grad == backward
     assert [s.name for s in block.fusion_plan().forward] == ["MoeBlock"]
     fc1 = [(cfg, stub) for cfg, stub in stubs.items()
            if isinstance(cfg, GluConfig) and cfg.mode == "fc1"]
     assert len(fc1) == 1
     cfg, stub = fc1[0]
-    assert cfg.route == "gather" and cfg.store_h == grad
+    assert cfg.route == "gather" and cfg.store_h == backward
     (args,) = stub.calls  # (x [T, H], b, c, offs, clusters, a [T k, F], ...)
     assert args[0].shape == (t, h) and args[5].shape == (t * k, f)
-    assert (args[2] is args[5]) == (not grad)
+    assert (args[2] is args[5]) == (not backward)
