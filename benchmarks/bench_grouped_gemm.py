@@ -338,7 +338,7 @@ def fc1_layout_variants(qk, x: Tensor, w1t: Tensor, offs: Tensor, probs: Tensor)
     def quack_gated():
         _, a = qk.gemm_gated(x, w1_quack, activation="swiglu", cu_seqlens_m=cu,
                              store_preact=False)
-        return None, a.mul_(probs[:, None])
+        return None, (a if probs is None else a.mul_(probs[:, None]))
 
     return {
         "fused_no_h_il64": lambda: cute.glu_fc1_forward(

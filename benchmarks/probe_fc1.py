@@ -1,20 +1,22 @@
-"""Where the GLU FC1 forward's time goes: the kernel against itself with parts left out.
+"""Where the GLU FC1 forward's time goes: the kernel against itself with parts changed.
 
 The FC1 GLU kernel (x W1ᵀ -> a = act(gate)·up, h not written: a forward without backward)
-trails QuACK's gated FC1 by ~11 % on shape Q while our plain GEMM of the same N is QuACK's
-equal (te_seq/kernels/cute/README.md, section 14). Leaving one stage out and timing the
+trailed QuACK's gated FC1 by ~11 % on shape Q while our plain GEMM of the same N was QuACK's
+equal (te_seq/kernels/cute/README.md, sections 14 and 15). Changing one part and timing the
 difference places the time without hardware counters:
 
 - ``fc1``: the kernel as the forward runs it (SiLU; MUFU exp and reciprocal);
 - ``fc1_relu``: the same with ReLU, whose maths is one max (the activation's own cost);
 - ``fc1_h``: h written too (the store ring's cost per extra subtile);
-- ``fc1_w192``: 192-wide tiles (96 gate + 96 up columns, where F is a multiple of 96), the
-  plain GEMM's tile and cluster (``plain_mm`` below) but one A/B stage fewer (4: the plain
-  kernel trades a store slot for its fifth);
+- ``fc1_rounded``, ``fc1_h_rounded``: a computed from h rounded to 16 bits
+  (``act_from_rounded_h``, the default until 2026-11-29: a conversion to bf16 and back per
+  gate and up value), without and with h;
+- ``fc1_w192``: 192-wide tiles (96 gate + 96 up columns, where F is a multiple of 96);
 - ``no_epilogue``: the same kernel with an empty epilogue (a subclass whose ``_store_tile``
   stores nothing; one accumulator value is written under a condition that never holds at
   run time, so the compiler keeps the WGMMAs): the mainloop and the ping-pong hand-offs alone.
-  Its output is garbage by design; only its time means something;
+  Its output is garbage by design; only its time means something (it varied by 15 % between
+  runs, more than the other variants: read it with care);
 - ``plain_mm``: our plain grouped GEMM of N = 2F (writes h whole, no GLU epilogue);
 - ``quack_gated``, ``quack_mm``: QuACK's gated FC1 and plain GEMM, where quack-kernels is
   installed (benchmarks/README.md, "Running it").
@@ -23,7 +25,7 @@ Each variant is timed as bench_grouped_mlp.py times (`_common.time_interleaved`:
 rounds of bursts). The variants that compute a are checked against ``fc1`` first.
 
   python benchmarks/probe_fc1.py [--shapes Q,J,B] [--iters 20] [--probs]
-  python benchmarks/probe_fc1.py --compile-only   # the no-epilogue kernel for sm_90a, no GPU
+  python benchmarks/probe_fc1.py --compile-only   # the variant kernels for sm_90a, no GPU
 """
 
 from __future__ import annotations
@@ -36,38 +38,48 @@ import tempfile
 import torch
 
 
-def no_epilogue_kernel(pingpong: bool = True, tile_n: int = 128, cluster=(1, 2)):
-    """A `GluGemmKernel` (fc1, SiLU, no probs, no h) whose epilogue stores nothing."""
+def variant_kernel(cfg, empty_epilogue: bool = False, rounded_act: bool = False,
+                   store_h: bool = False):
+    """The `GluGemmKernel` of ``cfg`` (a `GluConfig` of fc1 with SiLU, no h) with parts
+    changed: ``empty_epilogue`` (the epilogue stores nothing), ``rounded_act``
+    (``act_from_rounded_h``: a from h rounded to 16 bits, not from the fp32 accumulators),
+    ``store_h`` (h written too)."""
     import cutlass
     import cutlass.cute as cute
 
     from te_seq.kernels.cute.glu_epilogue import GluGemmKernel
 
-    class NoEpilogue(GluGemmKernel):
-        @cute.jit
-        def _store_tile(self, ep, acc, group, m_tile, n_tile, row0, rows, epi_count):
-            act_out = ep.epi[2]
-            if rows < 0:  # never: keeps the accumulators (and so the WGMMAs) alive
-                act_out[(0, 0)] = acc[0].to(cutlass.BFloat16)
-            return 0
+    class Variant(GluGemmKernel):
+        act_from_rounded_h = rounded_act
 
-    return NoEpilogue("fc1", "silu", None, False, cluster, tile_n=tile_n, pingpong=pingpong,
-                      store_h=False)
+        if empty_epilogue:
+            @cute.jit
+            def _store_tile(self, ep, acc, group, m_tile, n_tile, row0, rows, epi_count):
+                act_out = ep.epi[2]
+                if rows < 0:  # never: keeps the accumulators (and so the WGMMAs) alive
+                    act_out[(0, 0)] = acc[0].to(cutlass.BFloat16)
+                return 0
+
+    return Variant("fc1", "silu", None, cfg.probs_dtype is not None, cfg.cluster_mn,
+                   tile_n=cfg.tile_n, pingpong=cfg.pingpong, epi_rows=cfg.epi_rows,
+                   half_tiles=cfg.half_tiles, store_h=store_h)
 
 
-def compile_no_epilogue(cfg):
-    """The no-epilogue kernel compiled for ``cfg`` (a `GluConfig` of the real launch)."""
+def compile_variant(cfg, **changes):
+    """`variant_kernel` compiled for ``cfg`` (a `GluConfig` of the real launch)."""
     import cutlass.cute as cute
 
     from te_seq.kernels.cute.compile import _fake_glu_args
 
-    kernel = no_epilogue_kernel(cfg.pingpong, cfg.tile_n, cfg.cluster_mn)
+    kernel = variant_kernel(cfg, **changes)
     return cute.compile(kernel, *_fake_glu_args(cfg), options="--enable-tvm-ffi")
 
 
 def compile_check() -> str:
-    """Compile the no-epilogue kernel and the real one (ping-pong, 128 wide, 1x2) for sm_90a
-    and count the WGMMAs in each one's PTX: equal counts say the compiler kept the mainloop."""
+    """Compile the real FC1 (ping-pong, 128 wide, 1x2, no h) and its variants for sm_90a and
+    count in each one's PTX the WGMMAs (equal counts: the compiler kept every mainloop) and
+    the conversions to bf16 (the real kernel's must be fewer than ``fc1_rounded``'s: it
+    converts a only, not gate and up on their way to the activation)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     os.environ["CUTE_DSL_KEEP"] = "ptx"
     os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="te_seq_probe_ptx_")
@@ -81,13 +93,18 @@ def compile_check() -> str:
                     pingpong=True, store_h=False)
     real = GluGemmKernel("fc1", "silu", None, False, (1, 2), tile_n=128, pingpong=True,
                          store_h=False)
-    counts = {}
-    for name, kernel in (("fc1", real), ("no_epilogue", no_epilogue_kernel())):
+    counts, converts = {}, {}
+    variants = (("fc1", real), ("no_epilogue", variant_kernel(cfg, empty_epilogue=True)),
+                ("fc1_rounded", variant_kernel(cfg, rounded_act=True)))
+    for name, kernel in variants:
         ptx = _ptx_of(cute.compile(kernel, *_fake_glu_args(cfg)))
         counts[name] = ptx.count("wgmma.mma_async")
-    if counts["fc1"] != counts["no_epilogue"] or not counts["fc1"]:
+        converts[name] = ptx.count("cvt.rn.bf16")  # cvt.rn.bf16.f32 and cvt.rn.bf16x2.f32
+    if len(set(counts.values())) != 1 or not counts["fc1"]:
         raise RuntimeError(f"WGMMAs in the PTX differ: {counts}")
-    return f"compiled; WGMMAs in the PTX: {counts}"
+    if not 0 < converts["fc1"] < converts["fc1_rounded"]:
+        raise RuntimeError(f"the FC1 converts gate and up to bf16 again: {converts}")
+    return f"compiled; WGMMAs in the PTX: {counts}; conversions to bf16: {converts}"
 
 
 def variants(x, w1t, offs, probs, qk=None) -> dict:
@@ -98,21 +115,31 @@ def variants(x, w1t, offs, probs, qk=None) -> dict:
     rows, f = x.shape[0], w1t.shape[2] // 2
     plan = glu._plan("fc1", x, w1t, rows, probs, "silu", None, (), None, None, False, None,
                      None, False, False)
-    bare = compile_no_epilogue(_config_of(x, w1t, probs))
+    cfg = _config_of(x, w1t, probs)
     w192 = cute.Tiling(192, (1, 2), pingpong=True)
     a_out = torch.empty(rows, f, dtype=x.dtype, device=x.device)
+    h_out = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device)
 
-    def no_epilogue():
-        bare(launch._row_major(x), launch.b_view(w1t, plan.b_copy), a_out, offs, plan.clusters,
-             *glu.epilogue_args(x, a_out, probs, None, None, None), launch.no_route(x.device))
-        return None, a_out
+    def launcher(**changes):
+        compiled = compile_variant(cfg, **changes)
+
+        c = h_out if changes.get("store_h") else a_out
+
+        def run():
+            compiled(launch._row_major(x), launch.b_view(w1t, plan.b_copy), c, offs,
+                     plan.clusters, *glu.epilogue_args(x, a_out, probs, None, None, None),
+                     launch.no_route(x.device))
+            return None, a_out
+        return run
 
     fns = {
         "fc1": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs, store_h=False),
         "fc1_relu": lambda: cute.glu_fc1_forward(x, w1t, offs, "relu", None, probs,
                                                  store_h=False),
         "fc1_h": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs),
-        "no_epilogue": no_epilogue,
+        "no_epilogue": launcher(empty_epilogue=True),
+        "fc1_rounded": launcher(rounded_act=True),
+        "fc1_h_rounded": launcher(rounded_act=True, store_h=True),
         "plain_mm": lambda: (cute.grouped_mm(x, w1t, offs), None),
     }
     if f % 96 == 0:  # whole 192-wide tiles of 96 gate + 96 up columns (not B: F = 1024)
@@ -157,7 +184,7 @@ def run_shape(name: str, iters: int, with_probs: bool, qk) -> None:
     probs = case.probs
     fns = variants(x, w1t, offs, probs, qk)
     want = fns["fc1"]()[1]
-    for key in ("fc1_h", "fc1_w192", "quack_gated"):
+    for key in ("fc1_h", "fc1_w192", "fc1_rounded", "fc1_h_rounded", "quack_gated"):
         if key in fns:
             got = fns[key]()[1].float()
             err = ((got - want.float()).norm() / want.float().norm()).item()

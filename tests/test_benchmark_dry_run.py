@@ -609,13 +609,15 @@ def test_fc1_layout_variants_give_fc1s_a_from_each_kernels_w1_layout(monkeypatch
 
 @pytest.mark.slow  # a subprocess that compiles two kernels for sm_90a
 def test_fc1_probe_kernel_compiles_and_keeps_its_mainloop():
-    """benchmarks/probe_fc1.py's kernel with an empty epilogue compiles, and its PTX has as
-    many WGMMAs as the real FC1's (the compiler kept the mainloop it is there to time)."""
+    """benchmarks/probe_fc1.py's variant kernels compile, and their PTX has as many WGMMAs as
+    the real FC1's (the compiler kept the mainloops they are there to time); the real FC1
+    converts fewer values to bf16 than the one computing a from the rounded h (it computes a
+    from the fp32 accumulators: a is its only conversion)."""
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
     result = subprocess.run([sys.executable, "benchmarks/probe_fc1.py", "--compile-only"],
                             cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "WGMMAs in the PTX" in result.stdout
+    assert "WGMMAs in the PTX" in result.stdout and "conversions to bf16" in result.stdout
 
 
 def test_ncu_stalls_reads_a_source_page_and_ranks_instructions():
@@ -643,6 +645,33 @@ def test_ncu_stalls_reads_a_source_page_and_ranks_instructions():
     assert len(top) == 2 and "BAR.SYNC" in top[0] and "LDG" in top[1]
     with pytest.raises(ValueError, match="not an ncu source page"):
         ncu_stalls.read_source_page(['"Address","Source"'])
+
+
+def test_ncu_stalls_accounts_instructions_per_offset_range():
+    """--ranges: per range of offsets from the kernel's first instruction, the samples, the
+    warp instructions executed and the opcodes by count (modifiers and predicates dropped)."""
+    import ncu_stalls
+
+    page = [
+        '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+        '"stall_wait"',
+        '"0x7f00","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24","10","4,096","10"',
+        '"0x7f10","@!P0  BRA 0x7f00","5","100","5"',
+        '"0x7f20","F2F.BF16.F32 R95, R95","3","2,048","3"',
+        '"0x7f30","F2F.BF16.F32 R96, R96","2","2,048","2"',
+        '"0x7f40","FMUL R1, R2, R3","0","1,024","0"',
+    ]
+    ins = ncu_stalls.read_source_page(page)
+    assert [i.opcode for i in ins] == ["HGMMA", "BRA", "F2F", "F2F", "FMUL"]
+    ranges = ncu_stalls.parse_ranges("main=0x0-0x20,epi=0x20-0x50")
+    assert ranges == [("main", 0, 0x20), ("epi", 0x20, 0x50)]
+    main, epi = ncu_stalls.by_range(ins, ranges).splitlines()[1:]
+    assert "15 samples" in main and "4196 warp instructions" in main
+    assert "5 samples" in epi and "5120 warp instructions" in epi
+    assert epi.index("F2F 4096") < epi.index("FMUL 1024")
+    assert "+0x00010" in ncu_stalls.summary(ins, top=2)  # the BRA's offset
+    with pytest.raises(ValueError, match="name=START-END"):
+        ncu_stalls.parse_ranges("main=0x0")
 
 
 @pytest.mark.parametrize("forward", [True, False])

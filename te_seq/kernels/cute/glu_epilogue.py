@@ -9,7 +9,8 @@ with the epilogue hook ``_store_tile`` replaced:
 
 * ``"fc1"``: acc = x_e W1_eᵀ for 256 GEMM columns that hold 128 gate and the 128 matching up
   columns; writes h (its halves at their own columns of h) and a = act(gate)·up(·probs), the
-  activation computed from the bf16-rounded h, as the reference does from the saved h.
+  activation computed from the fp32 accumulators (one rounding: a's; ``act_from_rounded_h``
+  computes it from the 16-bit h instead, as the unfused chain does from its saved h).
   ``store_h=False`` writes a only (a forward whose backward never runs: no h to keep), the
   same a bit for bit; c is then any 16-bit matrix (a itself): nothing is stored through it.
   With a bias (``has_bias``) h = x_e W1_eᵀ + b1_e: the bias [E, 2F] (h's columns) is added to
@@ -73,6 +74,10 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
     dgrad: 128 or 192 columns), no bias."""
 
     pingpong_ready = True  # without a bias (checked in __init__)
+    # fc1: a from h rounded to 16 bits (what the unfused chain computes from its saved h)
+    # instead of from the fp32 accumulators: a rounding and its conversions per gate and up
+    # value, 6-9 % of the kernel's time (kernel README, "a from the fp32 accumulators")
+    act_from_rounded_h = False
     cooperative_fc1_widths = (256,)  # 128 gate + 128 up columns (FP8 block scales: 128)
 
     def __init__(
@@ -294,8 +299,9 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
                     if const_expr(bt is not None):
                         ep.rD[v] = ep.rD[v] + self._bias_at(bt, self._sub_index(ep, sg, v))
                         r_up[v] = r_up[v] + self._bias_at(bt, self._sub_index(ep, su, v))
-                ep.rD_out.store(ep.rD.load().to(self.c_dtype))
-                r_up_out.store(r_up.load().to(self.c_dtype))
+                if const_expr(self.store_h or self.act_from_rounded_h):
+                    ep.rD_out.store(ep.rD.load().to(self.c_dtype))
+                    r_up_out.store(r_up.load().to(self.c_dtype))
                 # activation column block (of 32) and h column blocks of gate and up
                 j_blk = n_tile * (tn // 64) + ((32 * e) // (2 * ts)) * q + e % q
                 if const_expr(self.interleave is None):
@@ -308,8 +314,10 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
                 g_blk, u_blk, j_blk = self._drop_unless(
                     j_blk * 32 < f_dim, f_dim, g_blk, u_blk, j_blk
                 )
-                gate = ep.rD_out.load().to(Float32)
-                up = r_up_out.load().to(Float32)
+                gate, up = ep.rD.load(), r_up.load()
+                if const_expr(self.act_from_rounded_h):
+                    gate = ep.rD_out.load().to(Float32)
+                    up = r_up_out.load().to(Float32)
                 fg, _ = act_and_grad(gate, self.act, False, self.params)
                 res = fg * up_and_grad(up, self.act, False, self.params)[0]
                 if const_expr(self.has_probs):
