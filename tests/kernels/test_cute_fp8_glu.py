@@ -216,10 +216,10 @@ def test_scaled_fc1_forward_matches_float64(case, config):
     h_ref = _grouped_f64(x64, w1_64, sizes)
     assert _max_rel(h, h_ref) < 1e-2
     p64 = None if probs is None else probs.double()
-    a_ref = reference.glu_forward(h_ref.to(torch.bfloat16).double(), act, il, p64, params)
-    assert _max_rel(a, a_ref) < 1e-2
-    # a comes from the kernel's own bf16 h, as the reference composition computes it
-    assert _max_rel(a, reference.glu_forward(h.double(), act, il, p64, params)) < 4e-3
+    # a comes from the fp32 accumulators (one rounding, a's): the activation of the exact h,
+    # and within the rounding of gate and up of the kernel's own bf16 h's
+    assert _max_rel(a, reference.glu_forward(h_ref, act, il, p64, params)) < 1e-2
+    assert _max_rel(a, reference.glu_forward(h.double(), act, il, p64, params)) < 1e-2
     assert (h[end:] == 0).all() and (a[end:] == 0).all()
 
 
@@ -259,7 +259,8 @@ def test_scaled_fc2_dgrad_matches_float64(case, config):
 @needs_cute
 def test_fc1_then_dgrad_chain_rows_past_the_end_are_zero():
     """h from the FP8 FC1 fed to the FP8 dgrad (the fused MLP's order): rows past offs[-1] are
-    zeros in h, a and dh; dgrad's re-emitted a equals FC1's a bit for bit."""
+    zeros in h, a and dh; dgrad's re-emitted a (from the bf16 h) equals FC1's (from the fp32
+    sums) up to the rounding of gate and up."""
     sizes, extra, h_dim, f = [0, 130, 61], 19, 144, 256
     m, end = sum(sizes) + extra, sum(sizes)
     x, sx, _ = _quantized_rows(_spread_rows(m, h_dim))
@@ -270,7 +271,7 @@ def test_fc1_then_dgrad_chain_rows_past_the_end_are_zero():
     offs = _offs(sizes)
     h, a = cute.scaled_glu_fc1_forward(x, w1, sx, sw1, offs, "silu", None, probs)
     dh, a2, dprobs = cute.scaled_glu_fc2_dgrad(dy, w2t, sdy, sw2, offs, h, "silu", None, probs)
-    assert torch.equal(a, a2)
+    torch.testing.assert_close(a.float(), a2.float(), rtol=2e-2, atol=1e-3)
     for t in (h, a, dh):
         assert (t[end:] == 0).all()
     assert (dprobs[end:] == 0).all() and dprobs[:end].abs().sum() > 0

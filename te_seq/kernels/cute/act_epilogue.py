@@ -101,7 +101,7 @@ class ActGemmKernel(GluGemmKernel):
 
     @cute.jit
     def _fc1_epilogue(self, ep, t, count0, bias_tile=None):
-        """Per 32-column subtile: h (rounded) and a = f(h)(·p); returns #stores (``bias_tile``:
+        """Per 32-column subtile: h (rounded) and a = f(h)(·p) from the fp32 sums; returns #stores (``bias_tile``:
         the GLU kernel's hook argument, always None here: no FC1 bias)."""
         size_rD = cute.size(ep.rD)
         num_sub = self.tile_mnk[1] // 32
@@ -111,7 +111,10 @@ class ActGemmKernel(GluGemmKernel):
             for v in cutlass.range_constexpr(size_rD):
                 ep.rD[v] = ep.tRS_acc[self._acc_index(ep, e, v)]
             ep.rD_out.store(ep.rD.load().to(self.c_dtype))
-            f, _ = act_and_grad(ep.rD_out.load().to(Float32), self.act, False)
+            h = ep.rD.load()  # a from the fp32 sums (``act_from_rounded_h``: from the rounded h)
+            if const_expr(self.act_from_rounded_h):
+                h = ep.rD_out.load().to(Float32)
+            f, _ = act_and_grad(h, self.act, False)
             if const_expr(self.has_probs):
                 f = f * self._per_value(ep, t.r_p, t.slots, e)
             r_a_out.store(f.to(self.c_dtype))

@@ -45,7 +45,6 @@ class BlockScaledGluGemmKernel(BlockScalesMixin, GluGemmKernel):
     pingpong_ready = False  # the promoted main loop does not hand the tensor cores over
     cooperative_fc1_widths = (TILE_N,)
     block_scale_index = 7  # ep.epi: the GLU kernel's seven entries (no bias), then the scales
-    act_from_rounded_h = True  # as the row-wise FP8 FC1 (``scaled_glu``)
 
     def __init__(
         self,

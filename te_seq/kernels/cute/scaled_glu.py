@@ -37,9 +37,6 @@ class ScaledGluGemmKernel(ScaleScratchMixin, GluGemmKernel):
     accumulators are dequantized by row and column scales first; see the module."""
 
     scale_epi_index = 7  # ep.epi: the GLU kernel's seven entries (no bias), then the scales
-    # a from the rounded h: the FP8 FC1s keep it until measured and GPU-checked the other way
-    # (their dgrad re-emits a from h bit for bit; kernel README, "a from the fp32 accumulators")
-    act_from_rounded_h = True
 
     def __init__(
         self,
