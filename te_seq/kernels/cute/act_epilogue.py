@@ -101,8 +101,8 @@ class ActGemmKernel(GluGemmKernel):
 
     @cute.jit
     def _fc1_epilogue(self, ep, t, count0, bias_tile=None):
-        """Per 32-column subtile: h (rounded) and a = f(h)(·p) from the fp32 sums; returns #stores (``bias_tile``:
-        the GLU kernel's hook argument, always None here: no FC1 bias)."""
+        """Per 32-column subtile: h (rounded) and a = f(h)(·p) from the fp32 sums; returns
+        #stores (``bias_tile``: the GLU kernel's hook argument, always None here: no bias)."""
         size_rD = cute.size(ep.rD)
         num_sub = self.tile_mnk[1] // 32
         r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
