@@ -112,6 +112,52 @@ def test_probs_are_checked_and_normalised():
 
 
 
+_H_READER_SCRIPT = textwrap.dedent(
+    """
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import OperandMajorMode
+    from cutlass.tensor_utils import LayoutEnum
+
+    from te_seq.kernels.cute.glu_h_loads import ldmatrix_mirror
+    from te_seq.kernels.cute.mainloop import stmatrix_tiled_copy
+
+    @cute.jit
+    def check():
+        # ping-pong (one warpgroup) and cooperative (two), the dgrads' widths, 16-bit h
+        for wgs in (1, 2):
+            for tn in (128, 192, 256):
+                for dtype in (cutlass.BFloat16, cutlass.Float16):
+                    mma = sm90_utils.make_trivial_tiled_mma(
+                        dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32,
+                        (wgs, 1, 1), tiler_mn=(64, tn))
+                    store = stmatrix_tiled_copy(LayoutEnum.ROW_MAJOR, dtype, cutlass.Float32, mma)
+                    load = ldmatrix_mirror(store, LayoutEnum.ROW_MAJOR, dtype)
+                    pair = (wgs, tn, dtype)
+                    assert str(load.layout_dst_tv_tiled) == str(store.layout_src_tv_tiled), pair
+                    assert str(load.layout_src_tv_tiled) == str(store.layout_dst_tv_tiled), pair
+                    assert str(load.tiler_mn) == str(store.tiler_mn), pair
+
+    cute.compile(check)
+    print("ALL COMPILED")
+    """
+)
+
+
+@pytest.mark.slow  # the DSL in a subprocess
+@needs_dsl
+def test_dgrad_h_reads_are_the_stores_inverse(tmp_path):
+    """The dgrad epilogues read h's subtiles with ldmatrix (`glu_h_loads.ldmatrix_mirror`) into
+    registers in the accumulators' order: the read's register and smem thread-value layouts
+    are the epilogue's stmatrix store's, swapped, on the same tiler, for every warpgroup
+    count, tile width and 16-bit type the dgrads run, so value v read lies where value v of
+    the accumulators would be stored."""
+    check = tmp_path / "h_reader_check.py"  # the DSL compiles functions from their source file
+    check.write_text(_H_READER_SCRIPT)
+    compile_for_sm90a(f"import runpy; runpy.run_path({str(check)!r})", timeout=300)
+
+
 # (name, split sizes, extra rows past offs[-1], H, F). dgrad's tile width follows F
 # (``tile_n_for``): 128 for F = 256 and 128, 192 for F = 384, 256 for F = 512.
 _CASES = [

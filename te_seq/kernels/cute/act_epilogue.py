@@ -134,14 +134,14 @@ class ActGemmKernel(GluGemmKernel):
         r_h = cute.make_rmem_tensor(ep.rD.shape, Float32)
         r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         s_l, g_l = self._h_partitions(ep, tma_h, m_h, t.row_base)
+        reader = self._h_reader(ep)
         self._issue_h(ep, tma_h, s_l, g_l, t.n_tile, t.f_dim, 0)
         count = count0
         for e in cutlass.range_constexpr(num_sub):
             cute.arch.mbarrier_wait(ep.extra_bar, e % 2)
             for v in cutlass.range_constexpr(size_rD):
                 ep.rD[v] = ep.tRS_acc[self._acc_index(ep, e, v)]
-                r, cc = t.coords[self._acc_index(ep, 0, v)]
-                r_h[v] = ep.sC[r, cc, self.epi_stage].to(Float32)
+            self._read_h(ep, reader, self.epi_stage, True, r_h)
             self.epi_barrier.arrive_and_wait()  # the h buffer is free again
             if const_expr(e + 1 < num_sub):
                 self._issue_h(ep, tma_h, s_l, g_l, t.n_tile, t.f_dim, e + 1)

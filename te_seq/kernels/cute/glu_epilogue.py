@@ -349,6 +349,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
         r_du_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         s_l, g_l = self._h_partitions(ep, tma_h, m_h, t.row_base)
+        reader = self._h_reader(ep)
         depth, halves = self.h_prefetch, self._halves()
         num_sub = self.tile_mnk[1] // 32 * halves  # subtile s: column block s // halves
         for d in cutlass.range_constexpr(min(depth, num_sub)):
@@ -362,9 +363,8 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
             cute.arch.mbarrier_wait(self._h_bar(ep, e), self._h_parity(count0, e))
             for v in cutlass.range_constexpr(size_rD):
                 ep.rD[v] = self._acc_at(ep, t, self._sub_index(ep, e, v))
-                r, cc = t.coords[self._sub_index(ep, 0, v)]  # in the subtile
-                r_g[v] = cutlass.select_(col_ok, ep.sC[r, cc, g_buf].to(Float32), Float32(0.0))
-                r_u[v] = cutlass.select_(col_ok, ep.sC[r, cc, u_buf].to(Float32), Float32(0.0))
+            self._read_h(ep, reader, g_buf, col_ok, r_g)
+            self._read_h(ep, reader, u_buf, col_ok, r_u)
             self.epi_barrier.arrive_and_wait()  # the h buffers are free again
             if const_expr(e + depth < num_sub):
                 self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, e + depth)

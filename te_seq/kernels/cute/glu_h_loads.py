@@ -9,8 +9,9 @@ loads; ``GluGemmKernel._dgrad_epilogue`` drives them.
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import const_expr
+from cutlass import Float32, const_expr
 
 
 class HLoadMixin:
@@ -73,3 +74,39 @@ class HLoadMixin:
             cute.copy(
                 tma_h, g_l[(None, (half, u_col // 32))], s_l[(None, g_buf + 1)], tma_bar_ptr=bar
             )
+
+    @cute.jit
+    def _h_reader(self, ep):
+        """(tiled copy, this thread's partition of the smem ring) that reads a (epi_rows x 32)
+        block of the ring with ldmatrix into registers in ``ep.rD``'s order: the inverse of the
+        stmatrix copy (``ep.tiled_r2s``) that stages the stores, on its own register layout, so
+        value v of a block read lies where value v of the subtile's accumulators does (eight
+        values per instruction where a per-value read needs its own swizzled address)."""
+        tiled = ldmatrix_mirror(ep.tiled_r2s, self.c_layout, self.c_dtype)
+        return tiled, tiled.get_slice(ep.mma_tidx).partition_S(ep.sC)
+
+    @cute.jit
+    def _read_h(self, ep, reader, buf, ok, out):
+        """``out`` (fp32, ``ep.rD``'s shape) = ring block ``buf`` read by ``reader``
+        (`_h_reader`), or zeros where ``ok`` is False (a block past the activation's columns;
+        ``True``: no mask)."""
+        tiled, part = reader
+        raw = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
+        cute.copy(tiled, part[(None, None, None, buf)], tiled.retile(raw))
+        for v in cutlass.range_constexpr(cute.size(out)):
+            value = raw[v].to(Float32)
+            if const_expr(ok is not True):
+                value = cutlass.select_(ok, value, Float32(0.0))
+            out[v] = value
+
+
+def ldmatrix_mirror(tiled_r2s, c_layout, c_dtype):
+    """The ldmatrix tiled copy that reads what the stmatrix copy ``tiled_r2s`` writes, value
+    for value: its register (destination) thread-value layout is ``tiled_r2s``'s register
+    (source) one, on the same tiler (ldmatrix's reference layout is its destination's, so
+    `make_tiled_copy_S` hands it the stores' register layout)."""
+    atom = cute.make_copy_atom(
+        cute.nvgpu.warp.LdMatrix8x8x16bOp(c_layout.is_m_major_c(), 4), c_dtype
+    )
+    return cute.make_tiled_copy_S(atom, tiled_r2s)
+

@@ -176,13 +176,7 @@ class MainloopMixin:
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
         # Epilogue: registers -> smem (stmatrix for 16-bit) -> TMA store, per (tm x 32) subtile.
-        r2s_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype)
-        stm_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
-        )
-        tiled_r2s = cute.make_tiled_copy_S(
-            r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma)
-        )
+        tiled_r2s = stmatrix_tiled_copy(self.c_layout, self.c_dtype, self.acc_dtype, tiled_mma)
         thr_r2s = tiled_r2s.get_slice(mma_tidx)
         tRS_sC = thr_r2s.partition_D(sC)
         tRS_acc = tiled_r2s.retile(acc)
@@ -336,3 +330,14 @@ def _first_m(t):
     64-row WGMMA atom's operand or accumulators (a layout composition, no copy)."""
     rest = [1] * (cute.rank(t) - 1)
     return cute.composition(t, cute.make_layout((cute.shape(t, mode=[0]), *rest)))
+
+
+def stmatrix_tiled_copy(c_layout, c_dtype, acc_dtype, tiled_mma):
+    """The epilogue's register -> smem copy of ``tiled_mma``'s accumulators (converted to
+    ``c_dtype``): stmatrix for 16-bit outputs, tiled on the MMA's C layout."""
+    r2s_atom = sm90_utils.sm90_get_smem_store_op(c_layout, c_dtype, acc_dtype)
+    stm_atom = cute.make_copy_atom(
+        cute.nvgpu.warp.StMatrix8x8x16bOp(c_layout.is_m_major_c(), 4), c_dtype
+    )
+    return cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+
