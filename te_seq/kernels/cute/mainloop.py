@@ -120,24 +120,19 @@ class MainloopMixin:
         first_atom=False,
     ):
         """acc = Σ_k A_k B_kᵀ over ``k_tiles`` stages; one WGMMA batch kept in flight
-        (``tiled_mma`` accumulates: acc is zeroed first). ``issued`` (ping-pong): the named
-        barrier to arrive on once the last WGMMAs are issued, before waiting for them.
-        ``first_atom`` (ping-pong, trace-time): only the tile's first 64-row WGMMA atom runs;
-        the other accumulators stay zero (``_pingpong_mainloop``)."""
+        (the WGMMAs accumulate: acc is zeroed first). ``issued`` (ping-pong): the named barrier
+        to arrive on once the last WGMMAs are issued, before waiting for them. ``first_atom``
+        (ping-pong, trace-time): only the tile's first 64-row WGMMA atom runs; the other
+        accumulators stay zero (``_pingpong_mainloop``).
+
+        Zeroing acc here rather than overwriting it with the first WGMMA (scale-d off, as
+        ``issue_k_tile`` can) is deliberate: the fill ends the previous tile's accumulators'
+        live range at its epilogue. Without it ptxas keeps them live into the next tile's
+        first WGMMA, and the FP8 row-wise 192-wide ping-pong kernel spills 100 B."""
         acc.fill(0.0)
-        acc_top = _first_m(acc) if const_expr(first_atom) else None
-        num_k_blocks = cute.size(tCrA, mode=[2])
         for k in range(k_tiles):
             ab_pipe.consumer_wait(read)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                if const_expr(first_atom):
-                    a_top = _first_m(tCrA[None, None, kb, read.index])
-                    cute.gemm(tiled_mma, acc_top, a_top, tCrB[None, None, kb, read.index], acc_top)
-                else:
-                    coord = (None, None, kb, read.index)
-                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-            cute.nvgpu.warpgroup.commit_group()
+            issue_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, False, first_atom)
             read.advance()
             if k > 0:
                 cute.nvgpu.warpgroup.wait_group(1)
@@ -341,3 +336,22 @@ def stmatrix_tiled_copy(c_layout, c_dtype, acc_dtype, tiled_mma):
     )
     return cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
 
+
+@cute.jit
+def issue_k_tile(tiled_mma, acc, tCrA, tCrB, stage, zero_init, first_atom=False):
+    """Issue (and commit) one k-tile's WGMMAs from smem ``stage`` into acc. With ``zero_init``
+    (a trace-time or run-time bool) the first WGMMA overwrites acc (its scale-d predicate off)
+    instead of adding to it, so acc needs no zeroing first. ``first_atom`` (trace-time): only
+    the first 64-row atom's WGMMAs. The atom is made here, not taken from ``tiled_mma``: a
+    field set inside a dynamic loop must not leak out of it."""
+    mma_atom = cute.make_mma_atom(tiled_mma.op)
+    mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, not zero_init)
+    cute.nvgpu.warpgroup.fence()
+    for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        a, b = tCrA[None, None, kb, stage], tCrB[None, None, kb, stage]
+        if const_expr(first_atom):
+            cute.gemm(mma_atom, _first_m(acc), _first_m(a), b, _first_m(acc))
+        else:
+            cute.gemm(mma_atom, acc, a, b, acc)
+        mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+    cute.nvgpu.warpgroup.commit_group()

@@ -1,7 +1,8 @@
 """The main loop of the FP8 block-scaled kernels (``block_scaled.py``, ``block_wgrad.py``).
 
-Each k-tile's WGMMAs accumulate into a zeroed fp32 fragment, which is waited for and then
-promoted into the accumulator with that k-tile's scales: ``acc += part · scale`` per value.
+Each k-tile's WGMMAs write a fresh fp32 fragment (the first overwrites it), which is waited
+for and then promoted into the accumulator with that k-tile's scales: ``acc += part · scale``
+per value.
 Besides applying the block scales this bounds the partial sums that Hopper's FP8 WGMMA keeps at
 reduced precision to one k-tile of products (as DeepGEMM does). The two consumer warpgroups of
 a CTA interleave, so one's promotion runs while the other's WGMMAs do.
@@ -19,9 +20,10 @@ scales, loaded before the k-tile is waited for) and ``_promote(acc, part, ctx, s
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+
+from .mainloop import issue_k_tile
 
 
 class PromotedMainloopMixin:
@@ -29,22 +31,16 @@ class PromotedMainloopMixin:
 
     @cute.jit
     def _mainloop(self, tiled_mma, acc, tCrA, tCrB, ab_pipe, read, release, k_tiles):
-        """acc = Σ_k promote(A_k B_kᵀ, scales of k-tile k): per k-tile the WGMMAs fill a
-        zeroed fp32 fragment, are waited for, and the fragment is promoted into acc."""
+        """acc = Σ_k promote(A_k B_kᵀ, scales of k-tile k): per k-tile the WGMMAs overwrite
+        an fp32 fragment, are waited for, and the fragment is promoted into acc."""
         ctx = self._promotion(acc)
         part = cute.make_rmem_tensor(acc.layout, Float32)
         acc.fill(0.0)
-        num_k_blocks = cute.size(tCrA, mode=[2])
         for k in range(k_tiles):
             # issued before the wait: their latency hides behind the pipeline and the MMAs
             scales = self._k_scales(ctx, k)
             ab_pipe.consumer_wait(read)
-            part.fill(0.0)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                coord = (None, None, kb, read.index)
-                cute.gemm(tiled_mma, part, tCrA[coord], tCrB[coord], part)
-            cute.nvgpu.warpgroup.commit_group()
+            issue_k_tile(tiled_mma, part, tCrA, tCrB, read.index, zero_init=True)
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipe.consumer_release(release)
             read.advance()
