@@ -265,14 +265,16 @@ def stubbed_step(record: bool = False) -> Iterator[dict[object, StubKernel]]:
 
 
 def mlp_forward(rows: int, recipe_name: str | None = None, e: int = 128, h: int = 2048,
-                f: int = 768, fp8_wgrad: bool = True) -> Callable[[], torch.Tensor]:
+                f: int = 768, fp8_wgrad: bool = True, per_group: bool = False,
+                ) -> Callable[[], torch.Tensor]:
     """The forward of `mlp_step`'s step (the Sequential of profile_host.py: single grouped
-    weights, device-style split sizes, probs), inputs that require grad, the cute backend;
-    ``fp8_wgrad=False`` builds the recipe with its high-precision wgrads."""
+    weights, or ``per_group`` one weight per expert, device-style split sizes, probs), inputs
+    that require grad, the cute backend; ``fp8_wgrad=False`` builds the recipe with its
+    high-precision wgrads."""
     import te_seq
     from te_seq import ops, recipe
 
-    kw = {"dtype": torch.bfloat16, "single_grouped_weight": True}
+    kw = {"dtype": torch.bfloat16, "single_grouped_weight": not per_group}
     mlp = te_seq.Sequential(ops.GroupedLinear(e, h, 2 * f, bias=False, **kw), ops.ScaledSwiGLU(),
                             ops.GroupedLinear(e, f, h, bias=False, **kw))
     x = _rand(rows, h).requires_grad_()
@@ -291,14 +293,14 @@ def mlp_forward(rows: int, recipe_name: str | None = None, e: int = 128, h: int 
 
 
 def mlp_step(rows: int, recipe_name: str | None, e: int = 128, h: int = 2048, f: int = 768,
-             fp8_wgrad: bool = True) -> Callable[[], None]:
+             fp8_wgrad: bool = True, per_group: bool = False) -> Callable[[], None]:
     """One fwd+bwd step of the fused grouped MLP on shape Q's widths, ``rows`` tokens, bf16
     on CPU (call it inside `stubbed_step`): the benchmark's ScaledSwiGLU with probs, fresh
     grads (the weights' ``.grad`` dropped after each step: their two [E, N, K] CPU mallocs
     cost ~0.1 ms a step, bf16 and FP8 alike; accumulating instead would add them up on the
     CPU), under ``recipe_name`` (a ``te_seq.recipe`` class name, with ``fp8_wgrad``) or in
-    bf16 (None)."""
-    forward = mlp_forward(rows, recipe_name, e, h, f, fp8_wgrad)
+    bf16 (None); ``per_group``: one weight parameter per expert."""
+    forward = mlp_forward(rows, recipe_name, e, h, f, fp8_wgrad, per_group)
     mlp, x, probs = forward.parts
     dy = _rand(rows, h)
 
@@ -387,7 +389,8 @@ def main_mlp(args) -> None:
     names = [None] + [RECIPES[n] for n in args.fp8.split(",") if n]
     with stubbed_step() as stubs:
         for name in names:
-            step = mlp_step(args.rows, name, fp8_wgrad=not (name and args.hp_wgrad))
+            step = mlp_step(args.rows, name, fp8_wgrad=not (name and args.hp_wgrad),
+                            per_group=args.per_group)
             step()
             launches = len(stubs)
             timed = name in (None, RECIPES["ROWWISE"], RECIPES["BLOCK"])
@@ -395,6 +398,7 @@ def main_mlp(args) -> None:
             calls, stats = profile_step(step, max(args.iters // 10, 1) if timed else 2)
             counts = count_step(step, stubs)
             label = f"{name}(fp8_wgrad=False)" if name and args.hp_wgrad else name or "bf16"
+            label += ", per group" if args.per_group else ""
             print(f"{label:22s} {us}  {calls:6.0f} calls/step  "
                   f"({launches} kernel configs so far)")
             print(f"{'':22s} {counts.line()}")
@@ -516,6 +520,8 @@ def main() -> None:
                    "forward's host time to its FC1 GLU launch (grad and no_grad)")
     p.add_argument("--fp8", default="ROWWISE", help=f"with --mlp: recipes after bf16, "
                    f"comma-separated, of {sorted(RECIPES)} ('' for bf16 only)")
+    p.add_argument("--per-group", action="store_true", help="with --mlp: one weight "
+                   "parameter per expert (single_grouped_weight=False, GroupedLinear's default)")
     p.add_argument("--hp-wgrad", action="store_true", help="with --mlp: the --fp8 recipes "
                    "with fp8_wgrad=False (high-precision wgrads)")
     args = p.parse_args()

@@ -84,6 +84,30 @@ def test_count_step_counts_aten_ops_allocations_and_launches():
     assert "aten ops/step" in counts.line() and "8 kernel launches/step" in counts.line()
 
 
+def test_per_group_weights_launch_and_allocate_as_one_block():
+    """One weight Parameter per expert (GroupedLinear's default) reaches the kernels as the
+    block the Parameters view: the step launches the single-weight step's kernels with the
+    same arguments and dispatches no other op (no stacked copy of the weights); what it adds
+    are views (the autograd engine's detach per stolen gradient, the per-expert grads)."""
+    from profile_launch import count_step
+
+    counts, launches = {}, {}
+    for per_group in (False, True):
+        with stubbed_step() as stubs:
+            step = mlp_step(256, None, e=8, h=256, f=128, per_group=per_group)
+            step()
+            counts[per_group] = count_step(step, stubs)
+        with stubbed_step(record=True) as stubs:
+            step = mlp_step(256, None, e=8, h=256, f=128, per_group=per_group)
+            step()
+            launches[per_group] = _step_launches(step, stubs)
+    assert launches[True] == launches[False] and len(launches[True]) == 8
+    single, grouped = counts[False], counts[True]
+    assert grouped.allocations == single.allocations
+    assert grouped.aten - grouped.views == single.aten - single.views  # no stack, cat, copy
+    assert grouped.views > single.views
+
+
 @pytest.mark.parametrize("pingpong", ["1", "0"])
 def test_rowwise_step_runs_its_gemms_in_pingpong(tiling_env, pingpong):
     """Under Float8RowwiseScaling every FP8 GEMM runs ping-pong: the GLU FC1, the plain
