@@ -86,3 +86,39 @@ def test_plan_shows_the_backend_reason():
         "activation after the GEMMs (the reference backend has no fused activation epilogue)"
     )
     assert "(data on cpu" in str(mlp.fusion_plan())
+
+
+def _mlp_of(groups, single):
+    kw = {"dtype": torch.bfloat16, "single_grouped_weight": single}
+    return GroupedMLP([ops.GroupedLinear(groups, 64, 256, bias=False, **kw), ops.SwiGLU(),
+                       ops.GroupedLinear(groups, 128, 64, bias=False, **kw)])
+
+
+def test_many_per_expert_weights_get_a_host_time_hint():
+    """One weight Parameter per expert costs autograd host time per Parameter: from
+    PER_EXPERT_HINT_GROUPS experts the note says so and names the fix; one grouped weight per
+    linear, or few experts, keep the note as it was."""
+    from te_seq.ops.fused.grouped_mlp import PER_EXPERT_HINT_GROUPS
+
+    cpu = torch.device("cpu")
+    many = PER_EXPERT_HINT_GROUPS
+    mlp = _mlp_of(many, single=False)
+    note = mlp.plan_note(CUTE, torch.bfloat16, cpu)
+    hint = (f"; 2 x {many} per-expert weight Parameters cost autograd host time each step: "
+            "single_grouped_weight=True avoids it")
+    assert note == _mlp_of(many, single=True).plan_note(CUTE, torch.bfloat16, cpu) + hint, note
+    for groups, single in ((many, True), (many - 1, False)):
+        note = _mlp_of(groups, single).plan_note(CUTE, torch.bfloat16, cpu)
+        assert "per-expert" not in note, (groups, single, note)
+
+
+def test_the_hint_reaches_fusion_plan():
+    mlp = te_seq.Sequential(
+        ops.GroupedLinear(64, 64, 256, bias=False, dtype=torch.bfloat16), ops.SwiGLU(),
+        ops.GroupedLinear(64, 128, 64, bias=False, dtype=torch.bfloat16))
+    x = torch.randn(128, 64, dtype=torch.bfloat16)
+    splits = torch.full((64,), 2, dtype=torch.int64)
+    with te_seq.backend("torch"):
+        mlp(x, splits, splits)
+        plan = mlp.fusion_plan()
+    assert "2 x 64 per-expert weight Parameters" in str(plan), plan
