@@ -166,9 +166,6 @@ class MainloopMixin:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tm, tn)), self.acc_dtype)
-        # once, outside the tile loop: the epilogue partitions with ``tiled_mma`` too, and a value
-        # set inside a (dynamic) branch of the loop would not be visible there
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
         # Epilogue: registers -> smem (stmatrix for 16-bit) -> TMA store, per (tm x 32) subtile.
         tiled_r2s = stmatrix_tiled_copy(self.c_layout, self.c_dtype, self.acc_dtype, tiled_mma)
