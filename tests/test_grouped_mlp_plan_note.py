@@ -98,7 +98,7 @@ def test_many_per_expert_weights_get_a_host_time_hint():
     """One weight Parameter per expert costs autograd host time per Parameter: from
     PER_EXPERT_HINT_GROUPS experts the note says so and names the fix; one grouped weight per
     linear, or few experts, keep the note as it was."""
-    from te_seq.ops.fused.grouped_mlp import PER_EXPERT_HINT_GROUPS
+    from te_seq.ops.basic.grouped_linear import PER_EXPERT_HINT_GROUPS
 
     cpu = torch.device("cpu")
     many = PER_EXPERT_HINT_GROUPS
@@ -122,3 +122,16 @@ def test_the_hint_reaches_fusion_plan():
         mlp(x, splits, splits)
         plan = mlp.fusion_plan()
     assert "2 x 64 per-expert weight Parameters" in str(plan), plan
+
+
+def test_an_unfused_grouped_linear_gets_the_hint_too():
+    lin = ops.GroupedLinear(64, 64, 32, bias=False, dtype=torch.bfloat16)
+    mlp = te_seq.Sequential(lin)
+    x = torch.randn(128, 64, dtype=torch.bfloat16)
+    with te_seq.backend("torch"):
+        mlp(x, torch.full((64,), 2, dtype=torch.int64))
+        plan = str(mlp.fusion_plan())
+    assert "64 per-expert weight Parameters cost autograd host time" in plan, plan
+    assert "x 64" not in plan, plan
+    one = ops.GroupedLinear(64, 64, 32, bias=False, single_grouped_weight=True)
+    assert one.plan_note(get_backend("torch"), torch.float32, torch.device("cpu")) == ""

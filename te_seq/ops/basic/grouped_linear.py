@@ -204,6 +204,9 @@ class GroupedLinear(GradContractMixin, BasicOperation):
         )
 
     # --- checks and planning ----------------------------------------------------------------
+    def plan_note(self, backend, dtype: torch.dtype, device: torch.device) -> str:
+        return per_expert_weights_hint([self])
+
     def pre_forward_checks(self, input_: Tensor, extra_inputs: tuple) -> None:
         checks.check_last_dim(self, input_, self.in_features, "in_features")
         first = self.weight if self.single_grouped_weight else self._parameters["weight0"]
@@ -412,3 +415,23 @@ def _names(prefix: str, count: int) -> tuple[str, ...]:
 def _cached_names(prefix: str, count: int) -> tuple[str, ...]:
     return tuple(f"{prefix}{g}" for g in range(count))
 
+
+# experts from which fusion_plan() suggests one grouped weight Parameter per linear: on an
+# H200 host each per-expert Parameter costs ~10-20 µs a step (docs/grouped_mlp.md), 0.6-1.3 ms
+# for 2 x 32, as much as the GEMMs of a fine-grained step
+PER_EXPERT_HINT_GROUPS = 32
+
+
+def per_expert_weights_hint(linears: Sequence[GroupedLinear]) -> str:
+    """A note for fusion_plan() where GroupedLinears hold one weight Parameter per expert and
+    there are many experts: autograd handles each Parameter apart (an AccumulateGrad per
+    Parameter every backward, per-Parameter checks every forward), which makes a step on
+    fine-grained experts host-bound (docs/grouped_mlp.md, "One weight per expert costs host
+    time"); "" otherwise."""
+    per_expert = [lin for lin in linears if not lin.single_grouped_weight]
+    if not per_expert or per_expert[0].num_groups < PER_EXPERT_HINT_GROUPS:
+        return ""
+    groups = per_expert[0].num_groups
+    count = f"{len(per_expert)} x {groups}" if len(per_expert) > 1 else str(groups)
+    return (f"{count} per-expert weight Parameters cost autograd host time each step: "
+            "single_grouped_weight=True avoids it")

@@ -30,7 +30,7 @@ from te_seq.kernels.backend import Backend, KernelNeed
 from te_seq.kernels.bias import bias_scale_grads
 from te_seq.kernels.routed import Route
 from te_seq.ops.basic.activation import Activation
-from te_seq.ops.basic.grouped_linear import GroupedLinear
+from te_seq.ops.basic.grouped_linear import GroupedLinear, per_expert_weights_hint
 from te_seq.ops.fused import _grouped_mlp_fp8
 from te_seq.ops.fused._linear_common import check_activation
 
@@ -107,9 +107,10 @@ class GroupedMLP(FusedOperation):
         return True, ""
 
     def plan_note(self, backend: Backend, dtype: torch.dtype, device: torch.device) -> str:
-        """Whether the activation runs inside the GEMMs' epilogues or after them (and a hint
-        when many per-expert weight Parameters will cost host time)."""
-        return self._activation_note(backend, dtype, device) + self._per_expert_weights_hint()
+        """Whether the activation runs inside the GEMMs' epilogues or after them (and
+        `per_expert_weights_hint`'s note on the linears' weights)."""
+        hint = per_expert_weights_hint([self.fc1, self.fc2])
+        return "; ".join(filter(None, [self._activation_note(backend, dtype, device), hint]))
 
     def _activation_note(self, backend: Backend, dtype: torch.dtype, device: torch.device) -> str:
         recipe = fp8.active_recipe()  # the plan is built inside the call
@@ -119,19 +120,6 @@ class GroupedMLP(FusedOperation):
         if fused:
             return "activation fused into the FC1 and FC2-dgrad epilogues"
         return f"activation after the GEMMs ({why})"
-
-    def _per_expert_weights_hint(self) -> str:
-        """A note for fusion_plan() when the linears hold one weight Parameter per expert and
-        there are many experts: autograd handles each Parameter apart (an AccumulateGrad per
-        Parameter every backward, per-Parameter checks every forward), which makes a step on
-        fine-grained experts host-bound (docs/grouped_mlp.md, "One weight per expert costs host
-        time"). Below PER_EXPERT_HINT_GROUPS experts that cost is small next to the GEMMs."""
-        linears = [lin for lin in (self.fc1, self.fc2) if not lin.single_grouped_weight]
-        groups = self.fc1.num_groups
-        if not linears or groups < PER_EXPERT_HINT_GROUPS:
-            return ""
-        return (f"; {len(linears)} x {groups} per-expert weight Parameters cost autograd host "
-                "time each step: single_grouped_weight=True avoids it")
 
     # --- activation ---------------------------------------------------------------------------
     def _fc1_act(self, x: Tensor, w1: Tensor, offs: Tensor, extras: _Extras, probs, backend,
@@ -345,11 +333,6 @@ class _Steady:
 
 
 # (FC1 kernel, FC2-dgrad kernel) with the activation in their epilogues, by `Activation.gated`
-# experts from which fusion_plan() suggests one grouped weight Parameter per linear: on an
-# H200 host each per-expert Parameter costs ~10-20 µs a step (docs/grouped_mlp.md), 0.6-1.3 ms
-# for 2 x 32, as much as the GEMMs of a fine-grained step
-PER_EXPERT_HINT_GROUPS = 32
-
 _EPILOGUE_KERNELS = {
     True: ("glu_fc1_forward", "glu_fc2_dgrad"),
     False: ("act_fc1_forward", "act_fc2_dgrad"),
