@@ -100,6 +100,34 @@ def test_store_ring_gives_a_slot_only_for_an_ab_stage(tile_n, c_bits, accumulate
     assert (ring, kernel._ab_stages(ring)) == want
 
 
+@needs_dsl
+@pytest.mark.parametrize(
+    ("tile_n", "ab_bits", "c_bits", "want_blocks", "want_stages"),
+    [
+        (256, 16, 32, 3, 3),  # the default 16-bit main_grad wgrad: a third block is free
+        (256, 8, 32, 3, 3),  # FP8 row-wise into main_grad: the same A/B stage bytes
+        (192, 16, 32, 2, 4),  # a third block would cost the fourth stage
+        (128, 8, 32, 2, 5),  # the block-scaled FP8 wgrad: it would cost the fifth
+        (256, 16, 16, 3, 3),  # accumulating into a bf16 buffer
+    ],
+)
+def test_accumulate_takes_a_third_old_c_block_only_where_it_costs_no_stage(
+        tile_n, ab_bits, c_bits, want_blocks, want_stages):
+    """``GroupedGemmKernel._old_c_blocks``: old C subtiles in flight and the A/B stages left."""
+    pytest.importorskip("cutlass")
+    import cutlass
+
+    from te_seq.kernels.cute.grouped_gemm import GroupedGemmKernel
+
+    kernel = GroupedGemmKernel("k", (128, tile_n), (1, 2), accumulate=True)
+    kernel.a_dtype = kernel.b_dtype = cutlass.BFloat16 if ab_bits == 16 else cutlass.Float8E4M3FN
+    kernel.tile_mnk = (128, tile_n, 1024 // ab_bits)  # what _setup sets from the dtypes
+    kernel.c_dtype = cutlass.BFloat16 if c_bits == 16 else cutlass.Float32
+    blocks = kernel._old_c_blocks()
+    kernel.epi_extra_buffers = blocks
+    assert (blocks, kernel._ab_stages(kernel._store_ring())) == (want_blocks, want_stages)
+
+
 def test_import_does_not_import_cutlass():
     code = "import sys, te_seq.kernels.cute as c; c.supports; print('cutlass' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

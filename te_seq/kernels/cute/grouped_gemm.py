@@ -81,6 +81,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     epi_batch: int | None = 1
     epi_extra_buffers = 0
     extra_barriers = 0
+    old_c_blocks = 2  # with accumulate: old C subtiles in flight (``_setup`` may take 3)
     # Give up one slot of a 4-slot store ring where that fits one more A/B stage (the plain
     # kernel: ``compile_gemm``); subclasses keep their rings.
     trade_store_slot = False
@@ -149,8 +150,8 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         if store_stages is not None:
             self.epi_store_stages = store_stages
         self.trade_store_slot = trade_store_slot
-        if self.accumulate:  # 2 smem blocks that TMA fills with old C subtiles, 1 mbarrier each
-            self.epi_extra_buffers, self.extra_barriers = 2, 2
+        if self.accumulate:  # smem blocks that TMA fills with old C subtiles, 1 mbarrier each
+            self.epi_extra_buffers = self.extra_barriers = self.old_c_blocks  # set in _setup
         self.cluster_m, self.cluster_n = cluster_mn
         self.cluster_size = self.cluster_m * self.cluster_n
         self.tile_mnk = (tile_mn[0], tile_mn[1], 64)
@@ -202,6 +203,9 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             tiler_mn=(64, tn),
         )
         self.epi_tile = (self.epi_rows or tm, 32)
+        if self.accumulate:
+            self.old_c_blocks = self._old_c_blocks()
+            self.epi_extra_buffers = self.extra_barriers = self.old_c_blocks
         self.epi_stage = self._store_ring()
         self.ab_stage = self._ab_stages(self.epi_stage)
         self.a_smem = sm90_utils.make_smem_layout_a(
@@ -222,13 +226,25 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         gains = self._ab_stages(ring - 1) > self._ab_stages(ring)
         return ring - 1 if self.trade_store_slot and ring >= 4 and gains else ring
 
-    def _ab_stages(self, store_ring: int) -> int:
+    def _old_c_blocks(self) -> int:
+        """Old C subtiles in flight for ``accumulate``: 3 where the third smem block costs no
+        A/B stage (the 256-wide 16-bit wgrad into fp32: 3 stages either way), else 2. Measured
+        on one H200 (2026-11-29, fp32 ``main_grad``, `bench_grouped_gemm.py --main-grad`): 3
+        blocks ran Q's and Z's FC1 accumulate 7 % faster, their FC2 2-4 %, B level; 4 (one
+        stage fewer) lost up to 16 % on B."""
+        ring = self.epi_store_stages or (4 if self.c_dtype.width == 16 else 2)
+        keeps_stages = self._ab_stages(ring, extra_buffers=3) == self._ab_stages(ring, 2)
+        return 3 if keeps_stages else 2
+
+    def _ab_stages(self, store_ring: int, extra_buffers: int | None = None) -> int:
         """A/B pipeline stages that fit in smem beside a store ring of ``store_ring`` (tm x 32)
-        subtiles and the class's extra epilogue buffers and scratch. A 128 x 192 bf16 tile
-        fits 4 beside a 4-slot ring and 5 beside a 3-slot one (``trade_store_slot``)."""
+        subtiles and the class's extra epilogue buffers (or ``extra_buffers``) and scratch. A
+        128 x 192 bf16 tile fits 4 beside a 4-slot ring and 5 beside a 3-slot one
+        (``trade_store_slot``)."""
         tm, tn, tk = self.tile_mnk
         ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8
-        epi_bytes = tm * 32 * self.c_dtype.width // 8 * (store_ring + self.epi_extra_buffers)
+        extra = self.epi_extra_buffers if extra_buffers is None else extra_buffers
+        epi_bytes = tm * 32 * self.c_dtype.width // 8 * (store_ring + extra)
         smem = memory.get_smem_capacity_in_bytes("sm_90")
         # barriers and the padding to sA's 1024-byte alignment take < 1 KB; the scratch after
         reserve = max(2048, 1024 + 4 * self._scratch_words())

@@ -2,10 +2,10 @@
 
 Per (tm x 32) subtile the consumer warpgroups convert the fp32 accumulators to the output type,
 stage them in a ring of smem buffers and one warp TMA-stores them; with ``accumulate`` (varlen K
-into an existing C) the old C subtiles are TMA-loaded into two extra smem blocks (subtile g of
-the CTA's running count in block g % 2, one mbarrier each) and added first: the first two loads
-of a tile are issued before its mainloop, each later one as soon as its block is free, so the
-epilogue waits for none it could have had earlier.
+into an existing C) the old C subtiles are TMA-loaded into ``old_c_blocks`` (2 or 3) extra smem
+blocks (subtile g of the CTA's running count in block g % blocks, one mbarrier each) and added
+first: a tile's first loads (one per block) are issued before its mainloop, each later one as
+soon as its block is free, so the epilogue waits for none it could have had earlier.
 The ring helpers (``_store_group``, ``_ring_reserve``, ``_ring_flush``) are shared with the GLU
 epilogues (``glu_epilogue``), which override the hooks ``_make_epi`` and ``_store_tile``.
 """
@@ -85,11 +85,12 @@ class StoreEpilogueMixin:
     @cute.jit
     def _before_mainloop(self, ep, group, m_tile, n_tile, row0, epi_count):
         """Hook before a tile's mainloop. With ``accumulate``: start loading the tile's first
-        two old C subtiles (their smem blocks are free: the last tile's epilogue is done)."""
+        ``old_c_blocks`` old C subtiles (their smem blocks are free: the last tile's epilogue
+        is done)."""
         if const_expr(self.accumulate):
             loads = self._old_c_loads(ep, self._old_tile(ep, group, m_tile, n_tile))
-            self._load_old_c(ep, loads, 0, epi_count)
-            self._load_old_c(ep, loads, 1, epi_count)
+            for e in cutlass.range_constexpr(min(self.old_c_blocks, self.tile_mnk[1] // 32)):
+                self._load_old_c(ep, loads, e, epi_count)
 
     @cute.jit
     def _epilogue(self, ep, gC, epi_count, old, bias_tile=None, scatter=None, scale_tile=None):
@@ -150,11 +151,11 @@ class StoreEpilogueMixin:
 
     @cute.jit
     def _load_old_c(self, ep, loads, e: int, epi_count):
-        """Start the TMA load of subtile ``e`` of the old C into extra smem block g % 2, g =
-        ``epi_count`` + e (the CTA's running subtile count); its mbarrier (g % 2) completes one
-        phase per load. Values past C's bounds are zero-filled."""
+        """Start the TMA load of subtile ``e`` of the old C into extra smem block g % blocks,
+        g = ``epi_count`` + e (the CTA's running subtile count); that block's mbarrier completes
+        one phase per load. Values past C's bounds are zero-filled."""
         tma_old, s_l, g_l, _, epi_layout = loads
-        buf = (epi_count + e) % 2
+        buf = (epi_count + e) % self.old_c_blocks
         if ep.warp == self.epi_store_warp:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(
@@ -170,19 +171,19 @@ class StoreEpilogueMixin:
 
     @cute.jit
     def _add_old_c(self, ep, loads, e: int, num_epi: int, epi_count):
-        """rD += subtile ``e`` of the old C (block g % 2, its load phase g // 2); then the block
-        is free and the load of subtile e + 2 starts."""
+        """rD += subtile ``e`` of the old C (block g % blocks, its load phase g // blocks); then
+        the block is free and the load of subtile e + blocks starts."""
         coords = loads[3]
         size_rD = cute.size(ep.rD)
         g = epi_count + e
-        buf = g % 2
-        cute.arch.mbarrier_wait(ep.extra_bar + buf, (g // 2) % 2)
+        buf = g % self.old_c_blocks
+        cute.arch.mbarrier_wait(ep.extra_bar + buf, (g // self.old_c_blocks) % 2)
         for v in cutlass.range_constexpr(size_rD):
             r, cc = coords[self._acc_index(ep, e, v)]
             ep.rD[v] = ep.rD[v] + ep.sC[r, cc - 32 * e, self.epi_stage + buf].to(Float32)
         self.epi_barrier.arrive_and_wait()
-        if const_expr(e + 2 < num_epi):
-            self._load_old_c(ep, loads, e + 2, epi_count)
+        if const_expr(e + self.old_c_blocks < num_epi):
+            self._load_old_c(ep, loads, e + self.old_c_blocks, epi_count)
 
     def _acc_index(self, ep, e: int, v: int) -> int:
         """Flat index in ``tRS_acc`` (and in coordinate views retiled the same way) of value
