@@ -33,11 +33,14 @@ import te_seq
 from te_seq import ops
 
 
-def build(case, backend: str):
+def build(case, backend: str, main_grad: bool = False):
     """(mlp, forward): FC1 -> ScaledSwiGLU (with the case's router probs) or SwiGLU (a case made
-    with act="swiglu") -> FC2, and a no-argument forward on the case's inputs."""
+    with act="swiglu") -> FC2, and a no-argument forward on the case's inputs. ``main_grad``:
+    the linears run with ``accumulate_into_main_grad=True`` (Megatron mode: give the weights
+    their ``main_grad`` buffers, e.g. with ``grad_modes.GradState("megatron", ...)``)."""
     s, x = case.shape, case.x
-    kw = {"device": x.device, "dtype": x.dtype, "single_grouped_weight": True}
+    kw = {"device": x.device, "dtype": x.dtype, "single_grouped_weight": True,
+          "accumulate_into_main_grad": main_grad}
     act = ops.ScaledSwiGLU() if case.uses_probs else ops.SwiGLU()
     mlp = te_seq.Sequential(
         ops.GroupedLinear(s.E, s.H, 2 * s.F, bias=False, **kw),

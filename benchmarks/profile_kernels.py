@@ -12,6 +12,9 @@ six GEMMs that share a kernel name); `--peer quack` profiles QuACK's MLP (peer_q
 benchmark's peer, fresh grads) instead of te_seq's, so the two tables compare GEMM by GEMM.
 `--act swiglu` runs SwiGLU without router probs; `--forward` profiles forwards under
 torch.no_grad() instead (no backward follows: FC1 writes no h, QuACK stores no pre-activation).
+`--grad-mode megatron` profiles the benchmark's Megatron mode (grad_modes.py: fp32 `main_grad`
+buffers, the flag and Megatron's hook; te_seq with `accumulate_into_main_grad=True`, the peer's
+bf16 grads added into `main_grad` by the hook) instead of fresh grads.
 
   python benchmarks/profile_kernels.py --shape Q --backend cute --fp8 ROWWISE [--top 25]
 """
@@ -25,6 +28,7 @@ import time
 from collections import defaultdict
 
 import torch
+from grad_modes import GradState
 from mlp_case import ACTS, make_case
 from peer_quack import QuackPeer
 from profile_host import build
@@ -49,7 +53,8 @@ def forward_fn(forward, recipe):
 def step_fn(mlp, forward, recipe):
     """One fwd+bwd with fresh gradients, as the benchmark's default mode: the weights' and the
     inputs' (x, probs) .grad set to None first, so no gradient-accumulation add runs, and dY
-    made once, so no fill runs; the table then holds the MLP's own kernels only."""
+    made once, so no fill runs; the table then holds the MLP's own kernels only (in Megatron
+    mode the wgrads add into main_grad, as they must)."""
     grad_out = []
 
     def step():
@@ -152,15 +157,19 @@ def main() -> None:
                    help="swiglu: no router probs")
     p.add_argument("--forward", action="store_true",
                    help="forward only, under torch.no_grad() (what inference runs)")
+    p.add_argument("--grad-mode", default="fresh", choices=["fresh", "megatron"],
+                   help="megatron: fp32 main_grad, the flag and Megatron's hook")
     args = p.parse_args()
     case = make_case(args.shape, torch.device("cuda"), torch.bfloat16, act=args.act)
     recipe = RECIPES[args.fp8](fp8_wgrad=not args.hp_wgrad) if args.fp8 else None
     if args.peer:
-        peer = QuackPeer(case, "fresh")
+        peer = QuackPeer(case, args.grad_mode)
         step = forward_fn(peer.forward, None) if args.forward else peer.forward_backward
         args.backend = args.peer
     else:
-        mlp, forward = build(case, args.backend)
+        mlp, forward = build(case, args.backend, main_grad=args.grad_mode == "megatron")
+        if args.grad_mode == "megatron":
+            GradState("megatron", list(mlp.parameters()))  # main_grad buffers, flag, hook
         step = forward_fn(forward, recipe) if args.forward else step_fn(mlp, forward, recipe)
     for _ in range(3):
         step()
@@ -172,7 +181,8 @@ def main() -> None:
     total = sum(us for _, us in table.values())
     launches = sum(n for n, _ in table.values())
     what = "forward" if args.forward else "fwd+bwd"
-    print(f"shape {args.shape} {args.act} backend {args.backend} fp8 {args.fp8}: wall "
+    print(f"shape {args.shape} {args.act} backend {args.backend} fp8 {args.fp8} grads "
+          f"{args.grad_mode}: wall "
           f"{wall / 1e3:.2f} ms per {what}, kernels {total / args.iters / 1e3:.2f} ms, "
           f"{launches / args.iters:.0f} launches, host {step_host(step, 20) / 1e3:.2f} ms "
           "per step from an idle device")

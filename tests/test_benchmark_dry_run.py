@@ -169,6 +169,28 @@ def test_megatron_hook_adds_grad_into_main_grad_and_frees_it():
     assert p.main_grad.abs().sum() == 0 and p.grad_added_to_main_grad is False
 
 
+def test_profiled_mlp_in_megatron_mode_writes_main_grad_only():
+    """profile_host.build(main_grad=True) with GradState("megatron"), as profile_kernels.py
+    --grad-mode megatron runs it: each weight's wgrad lands in its fp32 main_grad (equal to a
+    fresh-grad run's .grad), the flag is set, and no .grad is left."""
+    import profile_host
+
+    case = mlp_case.make_case("U", torch.device("cpu"), torch.float32)
+    grads, weights = {}, None
+    for megatron in (False, True):
+        mlp, forward = profile_host.build(case, "torch", main_grad=megatron)
+        if megatron:
+            mlp.load_state_dict(weights)  # the fresh run's weights
+            grad_modes.GradState("megatron", list(mlp.parameters()))
+        weights = mlp.state_dict()
+        forward().backward(torch.ones(case.x.shape))
+        grads[megatron] = list(mlp.parameters())
+    for fresh, megatron in zip(grads[False], grads[True], strict=True):
+        assert megatron.grad is None and megatron.grad_added_to_main_grad
+        assert fresh.grad is not None and fresh.grad.abs().sum() > 0
+        torch.testing.assert_close(megatron.main_grad, fresh.grad.float())
+
+
 @pytest.mark.parametrize(("grad_mode", "expected"), [("fresh", 3.0), ("accumulate", 6.0)])
 def test_fresh_drops_grad_accumulate_keeps_it(grad_mode, expected):
     p, x = _param(1.0), torch.ones(2, 3, requires_grad=True)
