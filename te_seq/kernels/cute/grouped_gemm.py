@@ -222,9 +222,14 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         """Slots of the epilogue's smem store ring: ``epi_store_stages``, else 4 for 16-bit
         outputs and 2 for wider ones; one fewer where that fits one more A/B stage and the
         kernel trades (``trade_store_slot``)."""
-        ring = self.epi_store_stages or (4 if self.c_dtype.width == 16 else 2)
+        ring = self._default_ring()
         gains = self._ab_stages(ring - 1) > self._ab_stages(ring)
         return ring - 1 if self.trade_store_slot and ring >= 4 and gains else ring
+
+    def _default_ring(self) -> int:
+        """The store ring's slots before any trade: ``epi_store_stages``, else 4 for 16-bit
+        outputs and 2 for wider ones."""
+        return self.epi_store_stages or (4 if self.c_dtype.width == 16 else 2)
 
     def _old_c_blocks(self) -> int:
         """Old C subtiles in flight for ``accumulate``: 3 where the third smem block costs no
@@ -232,7 +237,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         on one H200 (2026-11-29, fp32 ``main_grad``, `bench_grouped_gemm.py --main-grad`): 3
         blocks ran Q's and Z's FC1 accumulate 7 % faster, their FC2 2-4 %, B level; 4 (one
         stage fewer) lost up to 16 % on B."""
-        ring = self.epi_store_stages or (4 if self.c_dtype.width == 16 else 2)
+        ring = self._default_ring()
         keeps_stages = self._ab_stages(ring, extra_buffers=3) == self._ab_stages(ring, 2)
         return 3 if keeps_stages else 2
 
