@@ -71,6 +71,14 @@ def _configs() -> dict[str, object]:
                                           dynamic=True),
         "wgrad_fp32_acc_dyn": GemmConfig("k", bf16, fp32, "n", 256, (1, 2), accumulate=True,
                                          dynamic=True),
+        # the fp32 main_grad accumulate in ping-pong (one set of old-C blocks per warpgroup)
+        "wgrad_fp32_acc_pp192_dyn": GemmConfig("k", bf16, fp32, "n", 192, (2, 1),
+                                               accumulate=True, pingpong=True, dynamic=True),
+        "wgrad_fp32_acc_pp128_dyn": GemmConfig("k", bf16, fp32, "n", 128, (1, 2),
+                                               accumulate=True, pingpong=True, dynamic=True),
+        # its default (launch.ACCUMULATE_TILING: groups of <= 512 rows)
+        "wgrad_fp32_acc_pp128_1x1_dyn": GemmConfig("k", bf16, fp32, "n", 128, (1, 1),
+                                                   accumulate=True, pingpong=True, dynamic=True),
         "glu_fc1_silu_probs": GluConfig("fc1", bf16, "k", "silu", None, fp32),
         "glu_fc1_relu_il32": GluConfig("fc1", bf16, "k", "relu", 32, None),
         "glu_dgrad_gelu_il64": GluConfig("dgrad", bf16, "n", "gelu", 64, bf16),

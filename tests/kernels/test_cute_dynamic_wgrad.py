@@ -92,7 +92,8 @@ def test_wgrad_default_tiling_takes_dynamic_units_unless_set_static(tiling_env):
 
     assert launch.WGRAD_SCHEDULE == "dynamic"
     assert wgrad_tiling(2048, False, 256) == Tiling(192, (2, 1), True, dynamic=True)
-    assert wgrad_tiling(2048, True) == Tiling(256, (1, 2), dynamic=True)  # accumulate too
+    assert wgrad_tiling(2048, True) == Tiling(128, (1, 1), True, dynamic=True)  # accumulate too
+    assert wgrad_tiling(2048, True, 4096) == Tiling(256, (1, 2), dynamic=True)
     tiling_env("TE_SEQ_WGRAD_SCHEDULE", "static")
     assert wgrad_tiling(2048, False, 256) == Tiling(192, (2, 1), True)
     tiling_env("TE_SEQ_WGRAD_SCHEDULE", "longest")
@@ -156,12 +157,12 @@ def test_dynamic_wgrad_equals_static_and_reference(case, tiling, out_dtype):
 
 @gpu
 @needs_cute
+@pytest.mark.parametrize("tiling", [(256, (1, 2), False), (128, (1, 1), True)], ids=str)
 @pytest.mark.parametrize("case", _CASES[1:3], ids=[c[0] for c in _CASES[1:3]])
-def test_dynamic_wgrad_accumulates_into_main_grad_as_static_does(case):
+def test_dynamic_wgrad_accumulates_into_main_grad_as_static_does(case, tiling):
     _, sizes, n, k = case
     grad_out, x, offs = _operands(sizes, n, k)
     start = torch.randn(len(sizes), n, k, device="cuda", dtype=torch.float32)
-    tiling = (256, (1, 2), False)  # the accumulate form is cooperative
     out = _wgrad(grad_out, x, offs, tiling, True, torch.float32, True, start)
     static = _wgrad(grad_out, x, offs, tiling, False, torch.float32, True, start)
     check_wgrad(out, static, grad_out, x, offs, sizes, start)

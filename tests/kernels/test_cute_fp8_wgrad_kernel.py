@@ -161,8 +161,9 @@ def test_scaled_grouped_wgrad_takes_an_e5m2_a():
 
 def test_default_tiling_is_the_16_bit_wgrads_with_static_units(tiling_env):
     """Without accumulation the wgrad runs ping-pong in the 16-bit wgrad's cluster (2x1 for
-    spans of <= 512 tokens on average), static units; accumulating into main_grad (old-C
-    loads) or TE_SEQ_PINGPONG=0 keeps it cooperative."""
+    spans of <= 512 tokens on average), static units; accumulating into main_grad (the
+    scaled ping-pong accumulate is tested below but not timed) or TE_SEQ_PINGPONG=0 keeps it
+    cooperative."""
     from te_seq.kernels.cute.fp8 import _wgrad_tiling
 
     assert _wgrad_tiling(768, False, 256.0) == cute.Tiling(192, (2, 1), True)
@@ -196,3 +197,23 @@ def test_pingpong_equals_cooperative_bit_for_bit(case, out_dtype, tiling):
     torch.testing.assert_close(out, same, rtol=0, atol=0)
     ok = [g for g, c in enumerate(counts) if c]
     _check(out[ok], (a, b, sa[ok], sb[ok], _spans(ends)[ok]))
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("tiling", _PINGPONG, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def test_pingpong_accumulate_equals_cooperative_bit_for_bit(case, out_dtype, tiling):
+    """Adding into a random old C (every group's block, empty groups' too): each ping-pong
+    warpgroup loads its old C into its own smem blocks; the sums equal the cooperative
+    kernel's bit for bit and the float64 reference plus the old C."""
+    _, counts, n, k = case
+    a, b, sa, sb, ends = _operands(counts, n, k, "cuda", seed=6)
+    old = torch.randn(len(counts), n, k, device="cuda").to(out_dtype)
+    out, same = old.clone(), old.clone()
+    cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=out, accumulate=True, tiling=tiling)
+    cooperative = cute.Tiling(tiling.tile_n, tiling.cluster_mn)
+    cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=same, accumulate=True, tiling=cooperative)
+    torch.testing.assert_close(out, same, rtol=0, atol=0)
+    _check(out, (a, b, sa, sb, _spans(ends)), old=old)

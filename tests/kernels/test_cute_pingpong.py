@@ -74,8 +74,8 @@ def test_compile_pingpong_configs_for_sm90a():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"varlen": "k", "accumulate": True}, "accumulate True"),
         ({"varlen": "m", "route": "scatter"}, "route 'scatter'"),
+        ({"varlen": "m", "route": "gather", "cluster_mn": (1, 1)}, "route 'gather'"),
         ({"varlen": "m", "tile_mn": (128, 256)}, "tile width"),
     ],
 )

@@ -4,7 +4,8 @@
 Each output tile's fp32 sum over an expert's tokens runs the same k-tiles in the same order
 whether one warpgroup or two compute it, so the ping-pong result equals the cooperative
 kernel's of the same tile width bit for bit, and the float64 reference within rounding. The
-accumulate form (old C added) is refused: its loads would race with the peer's epilogue.
+accumulate form (old C added) too: in ping-pong each warpgroup loads its old C into its own
+smem blocks, so one's loads before its mainloop never overwrite what the peer's epilogue reads.
 Compile-only tests run on CPU; GPU tests need sm_90+.
 """
 
@@ -36,6 +37,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     for cfg in [
         GemmConfig("k", bf16, bf16, "n", 128, (1, 2), pingpong=True),
         GemmConfig("k", bf16, fp32, "n", 192, (2, 1), pingpong=True),
+        GemmConfig("k", bf16, fp32, "n", 128, (1, 2), accumulate=True, pingpong=True),
     ]:
         print(cfg, f"{compile_gemm(cfg).compile_s:.1f}s", flush=True)
     print("ALL COMPILED")
@@ -49,15 +51,22 @@ def test_compile_pingpong_wgrad_configs_for_sm90a():
     compile_for_sm90a(_COMPILE_SCRIPT, timeout=900)
 
 
-def test_grouped_wgrad_refuses_pingpong_accumulate():
+def test_grouped_wgrad_takes_pingpong_accumulate_and_gives_each_warpgroup_its_blocks():
+    pytest.importorskip("cutlass")
     from te_seq.kernels.cute import gemm
+    from te_seq.kernels.cute.grouped_gemm import GroupedGemmKernel
 
-    with pytest.raises(ValueError, match="cannot accumulate into out yet"):
-        gemm._check_pingpong(Tiling(128, (1, 2), pingpong=True), None, "accumulate")
-    gemm._check_pingpong(Tiling(256, (1, 2)), None, "accumulate")  # cooperative: fine
+    gemm._check_pingpong(Tiling(128, (1, 2), pingpong=True), None, "accumulate")
+    gemm._check_pingpong(Tiling(256, (1, 2)), None, "accumulate")  # cooperative
+    with pytest.raises(ValueError, match="neither a bias nor routed rows"):
+        gemm._check_pingpong(Tiling(128, (1, 2), pingpong=True), None, "gather")
+    pingpong = GroupedGemmKernel("k", (128, 128), (1, 2), accumulate=True, pingpong=True)
+    cooperative = GroupedGemmKernel("k", (128, 256), (1, 2), accumulate=True)
+    assert (pingpong.epi_extra_buffers, pingpong.extra_barriers) == (4, 4)  # 2 per warpgroup
+    assert (cooperative.epi_extra_buffers, cooperative.extra_barriers) == (2, 2)  # until _setup
 
 
-def test_wgrad_default_tiling_is_pingpong_unless_turned_off_or_accumulating(tiling_env):
+def test_wgrad_default_tiling_is_pingpong_unless_turned_off(tiling_env):
     from te_seq.kernels.cute import wgrad_tiling
 
     tiling_env("TE_SEQ_WGRAD_SCHEDULE", "static")  # the units: test_cute_dynamic_wgrad.py
@@ -72,7 +81,14 @@ def test_wgrad_default_tiling_is_pingpong_unless_turned_off_or_accumulating(tili
     tiling_env("TE_SEQ_WGRAD_CLUSTER", "1x2")
     assert wgrad_tiling(2048, False, 256) == Tiling(128, (1, 2), True)
     tiling_env("TE_SEQ_WGRAD_CLUSTER", None)
-    assert wgrad_tiling(2048, True) == Tiling(256, (1, 2))  # accumulate: cooperative
+    # accumulate: ping-pong 128 wide, no cluster, over groups of <= 512 rows on average (the
+    # accumulate is memory-bound there); cooperative over longer ones (compute-bound: A)
+    assert wgrad_tiling(2048, True, 256) == Tiling(128, (1, 1), True)
+    assert wgrad_tiling(768, True, 512) == Tiling(128, (1, 1), True)
+    assert wgrad_tiling(2048, True, 513) == Tiling(256, (1, 2))
+    assert wgrad_tiling(768, True, 4096) == Tiling(192, (1, 2))
+    tiling_env("TE_SEQ_PINGPONG", "0")
+    assert wgrad_tiling(2048, True) == Tiling(256, (1, 2))  # turned off: cooperative
     assert wgrad_tiling(768, True) == Tiling(192, (1, 2))
 
 
@@ -93,13 +109,25 @@ _CASES = [
 _TILINGS = [(128, (1, 2)), (192, (2, 1)), (128, (1, 1))]
 
 
-def _wgrad(grad_out, x, offs, tiling, pingpong, out_dtype):
+def _wgrad(grad_out, x, offs, tiling, pingpong, out_dtype, start=None, dynamic=False):
+    """The wgrad into a NaN-filled output, or added to a copy of ``start`` (accumulate)."""
     from te_seq.kernels import cute
 
     e, n, k = offs.shape[0], grad_out.shape[1], x.shape[1]
     out = torch.full((e, n, k), float("nan"), device="cuda", dtype=out_dtype)
-    cute.grouped_wgrad(grad_out, x, offs, out=out, tiling=Tiling(tiling[0], tiling[1], pingpong))
+    if start is not None:
+        out.copy_(start)
+    t = Tiling(tiling[0], tiling[1], pingpong, dynamic=dynamic)
+    cute.grouped_wgrad(grad_out, x, offs, out=out, accumulate=start is not None, tiling=t)
     return out
+
+
+def _operands(sizes, n, k):
+    torch.manual_seed(len(sizes) + n)
+    m = sum(sizes) + 29  # 29 token rows past offs[-1]: no expert's, never read
+    grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    return grad_out, x, _offs(sizes)
 
 
 @gpu
@@ -109,14 +137,28 @@ def _wgrad(grad_out, x, offs, tiling, pingpong, out_dtype):
 @pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
 def test_pingpong_wgrad_equals_cooperative_and_reference(case, tiling, out_dtype):
     _, sizes, n, k = case
-    torch.manual_seed(len(sizes) + n)
-    m = sum(sizes) + 29  # 29 token rows past offs[-1]: no expert's, never read
-    grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    offs = _offs(sizes)
+    grad_out, x, offs = _operands(sizes, n, k)
     out = _wgrad(grad_out, x, offs, tiling, True, out_dtype)
     same_tile = _wgrad(grad_out, x, offs, tiling, False, out_dtype)
     check_wgrad(out, same_tile, grad_out, x, offs, sizes)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize(("out_dtype", "dynamic"),
+                         [(torch.float32, True), (torch.float32, False), (torch.bfloat16, False)],
+                         ids=["fp32_dynamic", "fp32_static", "bf16_static"])
+@pytest.mark.parametrize("tiling", _TILINGS, ids=str)
+@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def test_pingpong_accumulate_equals_cooperative_and_reference(case, tiling, out_dtype, dynamic):
+    """Old C (random, every expert's block, empty experts' too) plus the wgrad: ping-pong
+    (each warpgroup its own old-C blocks) against the cooperative kernel of the same tile."""
+    _, sizes, n, k = case
+    grad_out, x, offs = _operands(sizes, n, k)
+    start = torch.randn(len(sizes), n, k, device="cuda").to(out_dtype)
+    out = _wgrad(grad_out, x, offs, tiling, True, out_dtype, start, dynamic)
+    same_tile = _wgrad(grad_out, x, offs, tiling, False, out_dtype, start, dynamic)
+    check_wgrad(out, same_tile, grad_out, x, offs, sizes, start)
 
 
 @gpu

@@ -64,7 +64,7 @@ class GemmConfig:
     route: str | None = None  # "gather" (A's rows) or "scatter" (C's rows) by index (routed.py)
     scaled: bool = False
     a_dtype: torch.dtype | None = None  # A's dtype where it is not ab_dtype (E5M2 gradients)
-    pingpong: bool = False  # ping-pong MMA warpgroups (the plain kernel, no accumulate)
+    pingpong: bool = False  # ping-pong MMA warpgroups (the plain kernel, accumulate allowed)
     dynamic: bool = False  # units handed out longest group first (the plain varlen-K kernel)
     # varlen M in ping-pong: a tile with <= 64 rows of its group runs one 64-row WGMMA atom
     half_tiles: bool = False

@@ -22,11 +22,13 @@ import torch
 from torch import Tensor
 
 from .launch import (
+    WGRAD_TILING,
     Tiling,
     _check_offs,
     _num_sms,
     _row_major,
     aligned_16,
+    default_tiling,
     half_tiles,
     no_route,
     plain_mm_tiling,
@@ -312,9 +314,12 @@ def scaled_grouped_wgrad(
 
 
 def _wgrad_tiling(k: int, accumulate: bool, span_tokens: float) -> Tiling:
-    """The 16-bit wgrad's default tiling (``wgrad_tiling``: ping-pong unless accumulating,
-    its cluster from the groups' average padded span ``span_tokens``) with static units (the
-    scaled kernel has no dynamic schedule)."""
+    """The 16-bit wgrad's default tiling (``wgrad_tiling``: ping-pong, its cluster from the
+    groups' average padded span ``span_tokens``) with static units (the scaled kernel has no
+    dynamic schedule); cooperative when accumulating (the scaled ping-pong accumulate is
+    verified but not yet timed against it)."""
+    if accumulate:
+        return default_tiling(k, WGRAD_TILING)
     return replace(wgrad_tiling(k, accumulate, span_tokens), dynamic=False)
 
 

@@ -151,7 +151,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             self.epi_store_stages = store_stages
         self.trade_store_slot = trade_store_slot
         if self.accumulate:  # smem blocks that TMA fills with old C subtiles, 1 mbarrier each
-            self.epi_extra_buffers = self.extra_barriers = self.old_c_blocks  # set in _setup
+            self.epi_extra_buffers = self.extra_barriers = self._old_c_smem_blocks()
         self.cluster_m, self.cluster_n = cluster_mn
         self.cluster_size = self.cluster_m * self.cluster_n
         self.tile_mnk = (tile_mn[0], tile_mn[1], 64)
@@ -166,15 +166,15 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
 
     def _check_pingpong(self, tile_mn: tuple[int, int]) -> None:
         """Ping-pong consumers (``mainloop._pingpong_tiles``) are built for the plain kernel,
-        varlen M or K, without the old-C accumulate (its loads, issued before the mainloop,
-        would overwrite the smem the peer's epilogue reads) or routed rows; a warpgroup's whole
-        128 x tile_n accumulator must fit its registers."""
+        varlen M or K, with or without the old-C accumulate (each warpgroup its own old-C
+        blocks), without routed rows; a warpgroup's whole 128 x tile_n accumulator must fit
+        its registers."""
         if not self.pingpong_ready:
             raise ValueError(f"{type(self).__name__}: ping-pong consumers are not supported yet")
-        if self.accumulate or self.route:
+        if self.route:
             raise ValueError(
-                f"GroupedGemmKernel: ping-pong runs without accumulate or route, got varlen "
-                f"{self.varlen!r}, accumulate {self.accumulate}, route {self.route!r}"
+                f"GroupedGemmKernel: ping-pong runs without routed rows, got varlen "
+                f"{self.varlen!r}, route {self.route!r}"
             )
         if tile_mn[1] not in PINGPONG_TILE_WIDTHS:
             raise ValueError(
@@ -205,7 +205,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         self.epi_tile = (self.epi_rows or tm, 32)
         if self.accumulate:
             self.old_c_blocks = self._old_c_blocks()
-            self.epi_extra_buffers = self.extra_barriers = self.old_c_blocks
+            self.epi_extra_buffers = self.extra_barriers = self._old_c_smem_blocks()
         self.epi_stage = self._store_ring()
         self.ab_stage = self._ab_stages(self.epi_stage)
         self.a_smem = sm90_utils.make_smem_layout_a(
@@ -231,12 +231,21 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         outputs and 2 for wider ones."""
         return self.epi_store_stages or (4 if self.c_dtype.width == 16 else 2)
 
+    def _old_c_smem_blocks(self) -> int:
+        """Smem blocks (and mbarriers) of the old C: ``old_c_blocks`` per epilogue, one set
+        per warpgroup in ping-pong (each loads its next tile's old C before its mainloop,
+        while the peer's epilogue may still read its own set)."""
+        return self.old_c_blocks * (self.num_mma_warpgroups if self.pingpong else 1)
+
     def _old_c_blocks(self) -> int:
-        """Old C subtiles in flight for ``accumulate``: 3 where the third smem block costs no
-        A/B stage (the 256-wide 16-bit wgrad into fp32: 3 stages either way), else 2. Measured
+        """Old C subtiles in flight for ``accumulate``: 2 per warpgroup in ping-pong; else 3
+        where the third smem block costs no A/B stage (the 256-wide 16-bit wgrad into fp32:
+        3 stages either way), else 2. Measured
         on one H200 (2026-11-29, fp32 ``main_grad``, `bench_grouped_gemm.py --main-grad`): 3
         blocks ran Q's and Z's FC1 accumulate 7 % faster, their FC2 2-4 %, B level; 4 (one
         stage fewer) lost up to 16 % on B."""
+        if self.pingpong:
+            return 2
         ring = self._default_ring()
         keeps_stages = self._ab_stages(ring, extra_buffers=3) == self._ab_stages(ring, 2)
         return 3 if keeps_stages else 2

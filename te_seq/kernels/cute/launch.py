@@ -100,7 +100,7 @@ PINGPONG_MAX_K = 4096
 #   TE_SEQ_PINGPONG=0          every ping-pong default off (all cooperative)
 #   TE_SEQ_PINGPONG_MAX_K=K    the longest mainloop (K) of a varlen-M GEMM, plain or GLU FC1,
 #                              that runs ping-pong by default (default PINGPONG_MAX_K)
-#   TE_SEQ_WGRAD_CLUSTER=MxN   the cluster of the ping-pong wgrads, 1x2 or 2x1
+#   TE_SEQ_WGRAD_CLUSTER=MxN   the cluster of the fresh ping-pong wgrads, 1x2 or 2x1
 #                              (default: `wgrad_pingpong_cluster`'s rule)
 #   TE_SEQ_PINGPONG_TILE_N=W   the width of the plain ping-pong tiles, 128 or 192 (default:
 #                              `pingpong_tile_n`'s rule)
@@ -265,14 +265,32 @@ def plain_mm_tiling(n: int, k: int) -> Tiling:
 # the same default.
 def wgrad_tiling(n: int, accumulate: bool, rows_per_group: float = 0) -> Tiling:
     """The default tiling of the varlen-K grouped GEMM writing ``n`` output columns, its groups
-    ``rows_per_group`` long on average: with ``pingpong_by_default()`` and nothing to
-    accumulate into, ping-pong in ``wgrad_pingpong_cluster``; else cooperative
+    ``rows_per_group`` long on average: with ``pingpong_by_default()``, ping-pong in
+    ``wgrad_pingpong_cluster`` when writing fresh, ``ACCUMULATE_TILING`` when adding into
+    the output over groups of up to ``ACCUMULATE_PINGPONG_MAX_ROWS`` rows; else cooperative
     ``WGRAD_TILING`` fitted to ``n``. Its units are dynamic where ``wgrad_dynamic()``."""
     dynamic = wgrad_dynamic()
-    if accumulate or not pingpong_by_default():
+    if not pingpong_by_default() or (accumulate and rows_per_group > ACCUMULATE_PINGPONG_MAX_ROWS):
         return replace(default_tiling(n, WGRAD_TILING), dynamic=dynamic)
+    if accumulate:
+        return replace(ACCUMULATE_TILING, dynamic=dynamic)
     cluster = wgrad_pingpong_cluster(rows_per_group)
     return Tiling(pingpong_tile_n(n, cluster[1]), cluster, True, dynamic=dynamic)
+
+
+# The varlen-K accumulate (fp32 main_grad += wgrad) over short groups, memory-bound: ping-pong,
+# 128 wide, one warpgroup's old-C loads and stores overlapping the other's mainloop, no cluster.
+# Measured on one H200 (2026-11-29, benchmarks/probe_pingpong_accumulate.py --speed, dynamic
+# units, two runs, ms; ping-pong 1x1 / 1x2 / cooperative 256): Q FC1 0.909-0.924 / 0.904-0.917
+# / 1.014-1.025, FC2 0.482-0.493 / 0.479-0.489 / 0.611-0.612; Z FC1 1.019-1.038 / 1.021-1.039
+# / 1.062-1.077, FC2 0.541-0.551 / 0.538-0.546 / 0.643-0.653; B FC1 2.973-2.979 / 3.067-3.089 /
+# 3.778-3.828, FC2 1.461-1.476 / 1.541-1.560 / 1.944-1.960 (192 wide and 2x1 slower). Over
+# long groups the accumulate is compute-bound (a 128 x 128 tile's old C is 128 KB read and
+# written, its MMA 2 * 128 * 128 * rows flops: level with an H200's ~183 flops per byte of
+# copy bandwidth at ~730 rows) and the cooperative 256-wide tile wins: A (4096 rows per group)
+# FC1 12.81 ms cooperative against 14.42 ping-pong 1x2 and 17.37 1x1, FC2 6.42 / 6.58 / 6.62.
+ACCUMULATE_TILING = Tiling(128, (1, 1), True)
+ACCUMULATE_PINGPONG_MAX_ROWS = 512
 
 
 # The 16-bit wgrads' work units: "dynamic" (tile_scheduler.py) or "static".

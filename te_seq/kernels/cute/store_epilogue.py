@@ -3,9 +3,10 @@
 Per (tm x 32) subtile the consumer warpgroups convert the fp32 accumulators to the output type,
 stage them in a ring of smem buffers and one warp TMA-stores them; with ``accumulate`` (varlen K
 into an existing C) the old C subtiles are TMA-loaded into ``old_c_blocks`` (2 or 3) extra smem
-blocks (subtile g of the CTA's running count in block g % blocks, one mbarrier each) and added
-first: a tile's first loads (one per block) are issued before its mainloop, each later one as
-soon as its block is free, so the epilogue waits for none it could have had earlier.
+blocks (subtile g of the CTA's running count in block g % blocks, one mbarrier each; in
+ping-pong each warpgroup has its own blocks and count) and added first: a tile's first loads
+(one per block) are issued before its mainloop, each later one as soon as its block is free,
+so the epilogue waits for none it could have had earlier.
 The ring helpers (``_store_group``, ``_ring_reserve``, ``_ring_flush``) are shared with the GLU
 epilogues (``glu_epilogue``), which override the hooks ``_make_epi`` and ``_store_tile``.
 """
@@ -88,9 +89,14 @@ class StoreEpilogueMixin:
         ``old_c_blocks`` old C subtiles (their smem blocks are free: the last tile's epilogue
         is done)."""
         if const_expr(self.accumulate):
-            loads = self._old_c_loads(ep, self._old_tile(ep, group, m_tile, n_tile))
-            for e in cutlass.range_constexpr(min(self.old_c_blocks, self.tile_mnk[1] // 32)):
-                self._load_old_c(ep, loads, e, epi_count)
+            self._first_old_c_loads(ep, self._old_c_loads(ep, self._old_tile(ep, group, m_tile,
+                                                                               n_tile)), epi_count)
+
+    @cute.jit
+    def _first_old_c_loads(self, ep, loads, epi_count):
+        """Start loading a tile's first old C subtiles, one per block."""
+        for e in cutlass.range_constexpr(min(self.old_c_blocks, self.tile_mnk[1] // 32)):
+            self._load_old_c(ep, loads, e, epi_count)
 
     @cute.jit
     def _epilogue(self, ep, gC, epi_count, old, bias_tile=None, scatter=None, scale_tile=None):
@@ -155,7 +161,7 @@ class StoreEpilogueMixin:
         g = ``epi_count`` + e (the CTA's running subtile count); that block's mbarrier completes
         one phase per load. Values past C's bounds are zero-filled."""
         tma_old, s_l, g_l, _, epi_layout = loads
-        buf = (epi_count + e) % self.old_c_blocks
+        buf = self._old_c_block(epi_count + e)
         if ep.warp == self.epi_store_warp:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(
@@ -176,14 +182,28 @@ class StoreEpilogueMixin:
         coords = loads[3]
         size_rD = cute.size(ep.rD)
         g = epi_count + e
-        buf = g % self.old_c_blocks
+        buf = self._old_c_block(g)
         cute.arch.mbarrier_wait(ep.extra_bar + buf, (g // self.old_c_blocks) % 2)
         for v in cutlass.range_constexpr(size_rD):
             r, cc = coords[self._acc_index(ep, e, v)]
             ep.rD[v] = ep.rD[v] + ep.sC[r, cc - 32 * e, self.epi_stage + buf].to(Float32)
+        # the reads above are generic-proxy, the block's next load (TMA) async-proxy: the
+        # barrier alone does not order them (without this fence the ping-pong accumulate read
+        # stale old C in about half the calls on an H200; the GLU / activation dgrads' h
+        # blocks fence the same way)
+        cute.arch.fence_proxy("async.shared", space="cta")
         self.epi_barrier.arrive_and_wait()
         if const_expr(e + self.old_c_blocks < num_epi):
             self._load_old_c(ep, loads, e + self.old_c_blocks, epi_count)
+
+    def _old_c_block(self, g):
+        """The old-C smem block (and mbarrier) of subtile ``g`` of the running count: g %
+        ``old_c_blocks``, in ping-pong within this warpgroup's own set (its count is its own)."""
+        block = g % self.old_c_blocks
+        if self.pingpong:
+            wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1  # warpgroup 0 loads
+            block = block + wg * self.old_c_blocks
+        return block
 
     def _acc_index(self, ep, e: int, v: int) -> int:
         """Flat index in ``tRS_acc`` (and in coordinate views retiled the same way) of value
