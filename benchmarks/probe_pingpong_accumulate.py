@@ -68,10 +68,11 @@ def speed(shapes: str) -> None:
 
 def race() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-    from test_cute_pingpong_wgrad import _CASES, _operands
+    from cute_marks import wgrad_operands
+    from test_cute_pingpong_wgrad import _CASES
 
     for cname, sizes, n, k in _CASES[1:]:
-        grad_out, x, offs = _operands(sizes, n, k)
+        grad_out, x, offs = wgrad_operands(sizes, n, k)
         start = torch.randn(len(sizes), n, k, device="cuda")
         ref = reference.grouped_wgrad(grad_out.double(), x.double(), offs) + start.double()
         ref = ref.float()
@@ -105,10 +106,11 @@ def locate(case: str, tn: int, cluster: tuple, dynamic: bool, calls: int = 20) -
     where that value sits in the old C (``start``), in this call's output and in the
     reference."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-    from test_cute_pingpong_wgrad import _CASES, _operands
+    from cute_marks import wgrad_operands
+    from test_cute_pingpong_wgrad import _CASES
 
     _, sizes, n, k = next(c for c in _CASES if c[0] == case)
-    grad_out, x, offs = _operands(sizes, n, k)
+    grad_out, x, offs = wgrad_operands(sizes, n, k)
     start = torch.randn(len(sizes), n, k, device="cuda")
     wgrad = reference.grouped_wgrad(grad_out.double(), x.double(), offs)
     ref = (wgrad + start.double()).float()

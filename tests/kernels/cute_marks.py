@@ -81,6 +81,16 @@ def poison(*shapes_dtypes) -> None:
     del held
 
 
+def wgrad_operands(sizes: list[int], n: int, k: int):
+    """Random bf16 (grad_out [M, n], x [M, k]) with 29 token rows past the last expert's (no
+    expert's: never read) and the offsets of ``sizes``, seeded by the case."""
+    torch.manual_seed(len(sizes) + n)
+    m = sum(sizes) + 29
+    grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    return grad_out, x, offsets(sizes)
+
+
 def check_wgrad(out, same_sums, grad_out, x, offs, sizes, start=None) -> None:
     """A varlen-K result ``out`` [E, N, K]: bit for bit ``same_sums`` (another schedule or
     consumer mode of the same tiles: the same sums in the same order), empty experts' blocks

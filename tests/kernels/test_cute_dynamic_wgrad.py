@@ -22,8 +22,8 @@ from cute_marks import (
     gpu,
     needs_cute,
     needs_dsl,
+    wgrad_operands,
 )
-from cute_marks import offsets as _offs
 
 from te_seq.kernels import reference
 from te_seq.kernels.cute import Tiling
@@ -134,14 +134,6 @@ def _wgrad(grad_out, x, offs, tiling, dynamic, out_dtype, accumulate=False, star
     return out
 
 
-def _operands(sizes, n, k):
-    torch.manual_seed(len(sizes) + n)
-    m = sum(sizes) + 29  # 29 token rows past offs[-1]: no expert's, never read
-    grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    return grad_out, x, _offs(sizes)
-
-
 @gpu
 @needs_cute
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -149,7 +141,7 @@ def _operands(sizes, n, k):
 @pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
 def test_dynamic_wgrad_equals_static_and_reference(case, tiling, out_dtype):
     _, sizes, n, k = case
-    grad_out, x, offs = _operands(sizes, n, k)
+    grad_out, x, offs = wgrad_operands(sizes, n, k)
     out = _wgrad(grad_out, x, offs, tiling, True, out_dtype)
     static = _wgrad(grad_out, x, offs, tiling, False, out_dtype)
     check_wgrad(out, static, grad_out, x, offs, sizes)
@@ -161,7 +153,7 @@ def test_dynamic_wgrad_equals_static_and_reference(case, tiling, out_dtype):
 @pytest.mark.parametrize("case", _CASES[1:3], ids=[c[0] for c in _CASES[1:3]])
 def test_dynamic_wgrad_accumulates_into_main_grad_as_static_does(case, tiling):
     _, sizes, n, k = case
-    grad_out, x, offs = _operands(sizes, n, k)
+    grad_out, x, offs = wgrad_operands(sizes, n, k)
     start = torch.randn(len(sizes), n, k, device="cuda", dtype=torch.float32)
     out = _wgrad(grad_out, x, offs, tiling, True, torch.float32, True, start)
     static = _wgrad(grad_out, x, offs, tiling, False, torch.float32, True, start)
@@ -190,7 +182,7 @@ def test_wgrads_sharing_offs_each_take_a_fresh_counter():
     from te_seq.kernels.cute.unit_order import SLOTS
 
     _, sizes, n, k = _CASES[1]
-    grad_out, x, offs = _operands(sizes, n, k)
+    grad_out, x, offs = wgrad_operands(sizes, n, k)
     ref = reference.grouped_wgrad(grad_out.double(), x.double(), offs)
     for _ in range(SLOTS + 2):
         out = _wgrad(grad_out, x, offs, (192, (2, 1), True), True, torch.bfloat16)

@@ -176,6 +176,17 @@ def test_default_tiling_is_the_16_bit_wgrads_with_static_units(tiling_env):
 _PINGPONG = [cute.Tiling(128, (2, 1), True), cute.Tiling(192, (1, 2), True)]
 
 
+def _pingpong_equal_to_cooperative(operands, start, tiling, accumulate):
+    """The ping-pong result (``out`` starting as ``start``), checked bit for bit against the
+    cooperative kernel of the same tile width and cluster."""
+    out, same = start.clone(), start.clone()
+    cute.scaled_grouped_wgrad(*operands, out=out, accumulate=accumulate, tiling=tiling)
+    cooperative = cute.Tiling(tiling.tile_n, tiling.cluster_mn)
+    cute.scaled_grouped_wgrad(*operands, out=same, accumulate=accumulate, tiling=cooperative)
+    torch.testing.assert_close(out, same, rtol=0, atol=0)
+    return out
+
+
 @gpu
 @needs_cute
 @pytest.mark.parametrize("tiling", _PINGPONG, ids=str)
@@ -189,12 +200,8 @@ def test_pingpong_equals_cooperative_bit_for_bit(case, out_dtype, tiling):
     for g, c in enumerate(counts):
         if c == 0:
             sa[g], sb[g] = float("nan"), float("inf")
-    out = torch.full((len(counts), n, k), float("nan"), device="cuda", dtype=out_dtype)
-    cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=out, tiling=tiling)
-    same = torch.full_like(out, float("nan"))
-    cooperative = cute.Tiling(tiling.tile_n, tiling.cluster_mn)
-    cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=same, tiling=cooperative)
-    torch.testing.assert_close(out, same, rtol=0, atol=0)
+    start = torch.full((len(counts), n, k), float("nan"), device="cuda", dtype=out_dtype)
+    out = _pingpong_equal_to_cooperative((a, b, sa, sb, ends), start, tiling, accumulate=False)
     ok = [g for g, c in enumerate(counts) if c]
     _check(out[ok], (a, b, sa[ok], sb[ok], _spans(ends)[ok]))
 
@@ -211,9 +218,5 @@ def test_pingpong_accumulate_equals_cooperative_bit_for_bit(case, out_dtype, til
     _, counts, n, k = case
     a, b, sa, sb, ends = _operands(counts, n, k, "cuda", seed=6)
     old = torch.randn(len(counts), n, k, device="cuda").to(out_dtype)
-    out, same = old.clone(), old.clone()
-    cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=out, accumulate=True, tiling=tiling)
-    cooperative = cute.Tiling(tiling.tile_n, tiling.cluster_mn)
-    cute.scaled_grouped_wgrad(a, b, sa, sb, ends, out=same, accumulate=True, tiling=cooperative)
-    torch.testing.assert_close(out, same, rtol=0, atol=0)
+    out = _pingpong_equal_to_cooperative((a, b, sa, sb, ends), old, tiling, accumulate=True)
     _check(out, (a, b, sa, sb, _spans(ends)), old=old)

@@ -22,8 +22,8 @@ from cute_marks import (
     gpu,
     needs_cute,
     needs_dsl,
+    wgrad_operands,
 )
-from cute_marks import offsets as _offs
 
 from te_seq.kernels.cute import Tiling
 
@@ -122,14 +122,6 @@ def _wgrad(grad_out, x, offs, tiling, pingpong, out_dtype, start=None, dynamic=F
     return out
 
 
-def _operands(sizes, n, k):
-    torch.manual_seed(len(sizes) + n)
-    m = sum(sizes) + 29  # 29 token rows past offs[-1]: no expert's, never read
-    grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    return grad_out, x, _offs(sizes)
-
-
 @gpu
 @needs_cute
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -137,7 +129,7 @@ def _operands(sizes, n, k):
 @pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
 def test_pingpong_wgrad_equals_cooperative_and_reference(case, tiling, out_dtype):
     _, sizes, n, k = case
-    grad_out, x, offs = _operands(sizes, n, k)
+    grad_out, x, offs = wgrad_operands(sizes, n, k)
     out = _wgrad(grad_out, x, offs, tiling, True, out_dtype)
     same_tile = _wgrad(grad_out, x, offs, tiling, False, out_dtype)
     check_wgrad(out, same_tile, grad_out, x, offs, sizes)
@@ -154,7 +146,7 @@ def test_pingpong_accumulate_equals_cooperative_and_reference(case, tiling, out_
     """Old C (random, every expert's block, empty experts' too) plus the wgrad: ping-pong
     (each warpgroup its own old-C blocks) against the cooperative kernel of the same tile."""
     _, sizes, n, k = case
-    grad_out, x, offs = _operands(sizes, n, k)
+    grad_out, x, offs = wgrad_operands(sizes, n, k)
     start = torch.randn(len(sizes), n, k, device="cuda").to(out_dtype)
     out = _wgrad(grad_out, x, offs, tiling, True, out_dtype, start, dynamic)
     same_tile = _wgrad(grad_out, x, offs, tiling, False, out_dtype, start, dynamic)
