@@ -240,10 +240,10 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     def _old_c_blocks(self) -> int:
         """Old C subtiles in flight for ``accumulate``: 2 per warpgroup in ping-pong; else 3
         where the third smem block costs no A/B stage (the 256-wide 16-bit wgrad into fp32:
-        3 stages either way), else 2. Measured
-        on one H200 (2026-11-29, fp32 ``main_grad``, `bench_grouped_gemm.py --main-grad`): 3
-        blocks ran Q's and Z's FC1 accumulate 7 % faster, their FC2 2-4 %, B level; 4 (one
-        stage fewer) lost up to 16 % on B."""
+        3 stages either way), else 2. Measured on one H200 (2026-11-29, fp32 ``main_grad``,
+        `bench_grouped_gemm.py --main-grad`, cooperative): 3 blocks ran Q's and Z's FC1
+        accumulate 7 % faster, their FC2 2-4 %, B level; 4 (one stage fewer) lost up to 16 %
+        on B."""
         if self.pingpong:
             return 2
         ring = self._default_ring()
