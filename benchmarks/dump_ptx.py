@@ -39,11 +39,11 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 def _configs() -> dict[str, object]:
     """Named kernel configs: both GEMM problems (tile widths, majors, cluster shapes, wgrad
-    outputs), both GLU epilogues (activations, probs, interleaving, dgrad tile widths) and the
-    FP8 quantization kernels (bf16 in, E4M3 out)."""
+    outputs), both GLU epilogues (activations, probs, interleaving, dgrad tile widths), the
+    non-gated activation dgrad and the FP8 quantization kernels (bf16 in, E4M3 out)."""
     import torch
 
-    from te_seq.kernels.cute.compile import GemmConfig, GluConfig
+    from te_seq.kernels.cute.compile import ActConfig, GemmConfig, GluConfig
     from te_seq.kernels.cute.compile_quant import QuantConfig
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -79,6 +79,8 @@ def _configs() -> dict[str, object]:
         # its default (launch.ACCUMULATE_TILING: groups of <= 512 rows)
         "wgrad_fp32_acc_pp128_1x1_dyn": GemmConfig("k", bf16, fp32, "n", 128, (1, 1),
                                                    accumulate=True, pingpong=True, dynamic=True),
+        # the non-gated FC2 dgrad (act_epilogue: h loaded by TMA, read by the threads)
+        "act_dgrad_relu_probs": ActConfig("dgrad", bf16, "n", "relu", fp32),
         "glu_fc1_silu_probs": GluConfig("fc1", bf16, "k", "silu", None, fp32),
         "glu_fc1_relu_il32": GluConfig("fc1", bf16, "k", "relu", 32, None),
         "glu_dgrad_gelu_il64": GluConfig("dgrad", bf16, "n", "gelu", 64, bf16),
@@ -229,11 +231,19 @@ def ptxas_usage(ptx_file: Path) -> tuple[int, int, int, int | None]:
 
 
 def _compile(cfg: object) -> object:
-    from te_seq.kernels.cute.compile import GemmConfig, compile_gemm, compile_glu
+    from te_seq.kernels.cute.compile import (
+        ActConfig,
+        GemmConfig,
+        compile_act,
+        compile_gemm,
+        compile_glu,
+    )
     from te_seq.kernels.cute.compile_quant import QuantConfig, compile_quant
 
     if isinstance(cfg, QuantConfig):
         return compile_quant(cfg).fn
+    if isinstance(cfg, ActConfig):
+        return compile_act(cfg).fn
     return (compile_gemm if isinstance(cfg, GemmConfig) else compile_glu)(cfg).fn
 
 
