@@ -142,8 +142,7 @@ class ActGemmKernel(GluGemmKernel):
             for v in cutlass.range_constexpr(size_rD):
                 ep.rD[v] = ep.tRS_acc[self._acc_index(ep, e, v)]
             self._read_h(ep, reader, self.epi_stage, True, r_h)
-            cute.arch.fence_proxy("async.shared", space="cta")  # reads before the TMA refill
-            self.epi_barrier.arrive_and_wait()  # the h buffer is free again
+            self._sync_for_tma()  # the h buffer is free again
             if const_expr(e + 1 < num_sub):
                 self._issue_h(ep, tma_h, s_l, g_l, t.n_tile, t.f_dim, e + 1)
             self._dact(ep, t, (ep.rD, r_h, e), r_s, (ep.rD_out, r_a_out))

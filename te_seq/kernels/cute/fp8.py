@@ -320,7 +320,7 @@ def _wgrad_tiling(k: int, accumulate: bool, span_tokens: float) -> Tiling:
     verified but not yet timed against it)."""
     if accumulate:
         return default_tiling(k, WGRAD_TILING)
-    return replace(wgrad_tiling(k, accumulate, span_tokens), dynamic=False)
+    return replace(wgrad_tiling(k, False, span_tokens), dynamic=False)
 
 
 def _plan_wgrad(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,

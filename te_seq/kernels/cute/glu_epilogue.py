@@ -365,8 +365,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
                 ep.rD[v] = self._acc_at(ep, t, self._sub_index(ep, e, v))
             self._read_h(ep, reader, g_buf, col_ok, r_g)
             self._read_h(ep, reader, u_buf, col_ok, r_u)
-            cute.arch.fence_proxy("async.shared", space="cta")  # reads before the TMA refill
-            self.epi_barrier.arrive_and_wait()  # the h buffers are free again
+            self._sync_for_tma()  # the h buffers are free again
             if const_expr(e + depth < num_sub):
                 self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, e + depth)
             self._dglu(ep, t, (ep.rD, r_g, r_u, e), r_s, (ep.rD_out, r_du_out, r_a_out))

@@ -89,14 +89,9 @@ class StoreEpilogueMixin:
         ``old_c_blocks`` old C subtiles (their smem blocks are free: the last tile's epilogue
         is done)."""
         if const_expr(self.accumulate):
-            self._first_old_c_loads(ep, self._old_c_loads(ep, self._old_tile(ep, group, m_tile,
-                                                                               n_tile)), epi_count)
-
-    @cute.jit
-    def _first_old_c_loads(self, ep, loads, epi_count):
-        """Start loading a tile's first old C subtiles, one per block."""
-        for e in cutlass.range_constexpr(min(self.old_c_blocks, self.tile_mnk[1] // 32)):
-            self._load_old_c(ep, loads, e, epi_count)
+            loads = self._old_c_loads(ep, self._old_tile(ep, group, m_tile, n_tile))
+            for e in cutlass.range_constexpr(min(self.old_c_blocks, self.tile_mnk[1] // 32)):
+                self._load_old_c(ep, loads, e, epi_count)
 
     @cute.jit
     def _epilogue(self, ep, gC, epi_count, old, bias_tile=None, scatter=None, scale_tile=None):
@@ -187,12 +182,7 @@ class StoreEpilogueMixin:
         for v in cutlass.range_constexpr(size_rD):
             r, cc = coords[self._acc_index(ep, e, v)]
             ep.rD[v] = ep.rD[v] + ep.sC[r, cc - 32 * e, self.epi_stage + buf].to(Float32)
-        # the reads above are generic-proxy, the block's next load (TMA) async-proxy: the
-        # barrier alone does not order them (without this fence the ping-pong accumulate read
-        # stale old C in about half the calls on an H200; the GLU / activation dgrads' h
-        # blocks fence the same way)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        self.epi_barrier.arrive_and_wait()
+        self._sync_for_tma()  # the block is free for its next load
         if const_expr(e + self.old_c_blocks < num_epi):
             self._load_old_c(ep, loads, e + self.old_c_blocks, epi_count)
 
@@ -265,11 +255,20 @@ class StoreEpilogueMixin:
         self.epi_barrier.arrive_and_wait()
 
     @cute.jit
+    def _sync_for_tma(self):
+        """Sync the epilogue threads before TMA touches smem they used (stores a slot they
+        wrote, refills a block they read): each first fences the async proxy, since the
+        barrier orders only their generic accesses. Without the fence the ping-pong
+        accumulate read stale old C in about half the calls on an H200 (kernel README,
+        section 19)."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.epi_barrier.arrive_and_wait()
+
+    @cute.jit
     def _ring_flush(self, warp, stores: list):
         """Make the staged subtiles visible to TMA and store them, one bulk group each.
         ``stores``: (TMA atom, smem partition, gmem partition, ring slot, gmem coordinate)."""
-        cute.arch.fence_proxy("async.shared", space="cta")
-        self.epi_barrier.arrive_and_wait()
+        self._sync_for_tma()
         if warp == self.epi_store_warp:
             for i in cutlass.range_constexpr(len(stores)):
                 tma, s_part, g_part, slot, coord = stores[i]
