@@ -127,6 +127,10 @@ def _configs() -> dict[str, object]:
         "fp8_rowwise": GemmConfig("m", torch.float8_e4m3fn, bf16, "k", 256, (1, 2), scaled=True),
         "fp8_wgrad_fp32_acc": GemmConfig("k", torch.float8_e4m3fn, fp32, "k", 256, (1, 2),
                                          accumulate=True, scaled=True),
+        # the scaled accumulate's default over short groups (fp8.SCALED_ACCUMULATE_TILING)
+        "fp8_wgrad_fp32_acc_pp128_2x1": GemmConfig("k", torch.float8_e4m3fn, fp32, "k", 128,
+                                                   (2, 1), accumulate=True, scaled=True,
+                                                   pingpong=True),
         # FP8 GLU epilogues: the scales applied to the accumulators first (scaled_glu.py)
         "fp8_glu_fc1_silu_probs": GluConfig("fc1", torch.float8_e4m3fn, "k", "silu", None, fp32,
                                             scaled=True),

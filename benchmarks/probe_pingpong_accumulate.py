@@ -4,6 +4,9 @@ against cooperative tilings, for speed and for shared-memory races.
 ``--speed SHAPES``: ms and TB/s of FC1's and FC2's wgrads accumulated into a random fp32
 main_grad, the cooperative 256-wide tiling against ping-pong ones (the default is 128 wide,
 1x2), each checked against float64 first.
+``--fp8-speed SHAPES``: the same for the FP8 row-wise wgrad (``cute.scaled_grouped_wgrad``
+on token-major E4M3 operands, static units: the scaled kernel has no dynamic schedule), its
+cooperative default against ping-pong tilings, each checked against the cooperative result.
 ``--race``: per variant (ping-pong and cooperative, 128 and 192 wide, clusters 1x2 / 2x1 /
 1x1, static and dynamic units), six calls on the ping-pong tests' cases, the count of values
 off the float64 reference per call and the first one (its value, the expected one, its old C).
@@ -11,6 +14,7 @@ off the float64 reference per call and the first one (its value, the expected on
 the value it added instead of its old C sits (old C, output, reference).
 
   python benchmarks/probe_pingpong_accumulate.py --speed Q,Z,B
+  python benchmarks/probe_pingpong_accumulate.py --fp8-speed Q,Z,B
   python benchmarks/probe_pingpong_accumulate.py --race
   python benchmarks/probe_pingpong_accumulate.py --locate long_spans,128,1,2,dyn
   compute-sanitizer --tool racecheck --racecheck-report hazard \
@@ -62,6 +66,47 @@ def speed(shapes: str) -> None:
             gb = (2 * main_grad.numel() * 4 + (dout.numel() + x.numel()) * 2) / 1e9
             print(name, label, "  ".join(f"{t} {ms[t]:.3f}ms {gb / ms[t]:.2f}TB/s "
                                          f"err {errs[t]:.1e}" for t in TILINGS), flush=True)
+            del main_grad, start
+            torch.cuda.empty_cache()
+
+
+FP8_TILINGS = {"coop256": Tiling(256, (1, 2)),
+               "pp128_1x1": Tiling(128, (1, 1), True),
+               "pp128_2x1": Tiling(128, (2, 1), True),
+               "pp128_1x2": Tiling(128, (1, 2), True),
+               "pp192_1x2": Tiling(192, (1, 2), True),
+               "default": None}
+
+
+def fp8_speed(shapes: str) -> None:
+    from bench_fp8_gemm import token_major
+
+    for name in shapes.split(","):
+        e, h, f, m = SHAPES[name]
+        sizes = split_sizes(name, e, m, torch.Generator().manual_seed(0))
+        bf = dict(device="cuda", dtype=torch.bfloat16)
+        for label, (dout, x) in {"fc1": (torch.randn(m, 2 * f, **bf), torch.randn(m, h, **bf)),
+                                 "fc2": (torch.randn(m, h, **bf), torch.randn(m, f, **bf))}.items():
+            (qd, sd, ends), (qx, sx, _) = token_major(dout, sizes), token_major(x, sizes)
+            main_grad = torch.randn(e, dout.shape[1], x.shape[1], device="cuda")
+            start = main_grad.clone()
+            ref = start.clone()
+            cute.scaled_grouped_wgrad(qd, qx, sd, sx, ends, out=ref, accumulate=True,
+                                      tiling=FP8_TILINGS["coop256"])
+            fns, errs = {}, {}
+            for t, tiling in FP8_TILINGS.items():
+                main_grad.copy_(start)
+                cute.scaled_grouped_wgrad(qd, qx, sd, sx, ends, out=main_grad, accumulate=True,
+                                          tiling=tiling)
+                errs[t] = rel_err(main_grad - start, ref - start)
+                fns[t] = (lambda c, tl: lambda: cute.scaled_grouped_wgrad(
+                    qd, qx, sd, sx, ends, out=c, accumulate=True, tiling=tl))(main_grad, tiling)
+            del ref
+            ms = time_ms(fns, 10)
+            gb = (2 * main_grad.numel() * 4 + qd.numel() + qx.numel()) / 1e9
+            print(name, "fp8", label, "  ".join(f"{t} {ms[t]:.3f}ms {gb / ms[t]:.2f}TB/s "
+                                                f"err {errs[t]:.1e}" for t in FP8_TILINGS),
+                  flush=True)
             del main_grad, start
             torch.cuda.empty_cache()
 
@@ -136,12 +181,15 @@ def locate(case: str, tn: int, cluster: tuple, dynamic: bool, calls: int = 20) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--speed", default="")
+    p.add_argument("--fp8-speed", default="")
     p.add_argument("--race", action="store_true")
     p.add_argument("--locate", default="", help="CASE,TILE_N,CLUSTER_M,CLUSTER_N,dyn|static")
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args()
     if args.speed:
         speed(args.speed)
+    if args.fp8_speed:
+        fp8_speed(args.fp8_speed)
     if args.race:
         race()
     if args.locate:

@@ -15,12 +15,20 @@ per forward+backward and without grad, cProfile's primitive calls per forward, a
 forward written as plain torch ops (the floor no wrapper can beat):
 
   python benchmarks/profile_host.py --device cpu [--backend reference] [--iters 2000]
+
+`--timeline` prints, instead, when one forward call reaches each step on its way to the first
+GEMM (µs after the call starts, median of calls each from an idle device; each step is timed by a
+thin wrapper, ~0.3 µs apiece): where the host time before the first kernel goes.
+
+  python benchmarks/profile_host.py --timeline [--device cpu]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import functools
 import pstats
 import statistics
 import time
@@ -132,6 +140,89 @@ def plain_torch_forward(case):
     return forward
 
 
+# (label, owner, attribute): the steps a forward call passes before its first GEMM is launched
+def _timeline_steps():
+    from te_seq.kernels import cute
+    from te_seq.ops.fused import grouped_mlp
+    from te_seq.run import fuser, sequential
+
+    return [("Sequential.forward", sequential.Sequential, "forward"),
+            ("Fuser.run_eager", fuser.Fuser, "run_eager"),
+            ("call_signature", fuser.fast_path, "call_signature"),
+            ("FastEntry.contexts", fuser.fast_path.FastEntry, "contexts"),
+            ("Fuser._run", fuser.Fuser, "_run"),
+            ("_Call", fuser, "_Call"),
+            ("_FuserFunction.apply", fuser._FuserFunction, "apply"),
+            ("autograd forward", fuser, "_run_forward"),
+            ("_forward_step", fuser, "_forward_step"),
+            ("_step_contexts", fuser, "_step_contexts"),
+            ("GroupedMLP.fuser_forward", grouped_mlp.GroupedMLP, "fuser_forward"),
+            ("GroupedLinear.operands (FC1's, then FC2's)", grouped_mlp.GroupedLinear,
+             "operands"),
+            ("GroupedLinear.offsets", grouped_mlp.GroupedLinear, "offsets"),
+            ("fc1_rows (first call of a signature)", grouped_mlp.GroupedMLP, "fc1_rows"),
+            ("offsets kernel", cute, "group_offsets"),
+            ("offsets assert", torch, "_assert_async"),
+            ("fc2_rows", grouped_mlp.GroupedMLP, "fc2_rows")]
+
+
+@contextlib.contextmanager
+def _stamped_steps(mlp, marks: list):
+    """`_timeline_steps` and the grouped MLP's prepared offsets and FC1 launches wrapped so
+    that each appends (label, ns) to `marks` on entry and return; the originals back after.
+    An attribute write to each op makes the next call take the full path, which prepares the
+    steady launches anew (wrapped)."""
+    from te_seq.ops.fused import grouped_mlp
+
+    def stamped(label, fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            marks.append((label, time.perf_counter_ns()))
+            out = fn(*args, **kwargs)
+            marks.append((label + " returned", time.perf_counter_ns()))
+            return out
+        return run
+
+    restore = [(owner, name, owner.__dict__.get(name)) for _, owner, name in _timeline_steps()]
+    for label, owner, name in _timeline_steps():
+        setattr(owner, name, stamped(label, getattr(owner, name)))
+    steady = grouped_mlp._Steady
+    grouped_mlp._Steady = lambda offsets, fc1: steady(stamped("offsets (prepared)", offsets),
+                                                      stamped("FC1 (prepared launch)", fc1))
+    for op in mlp.basic_ops():
+        op.training = op.training  # a new op state: the next call prepares its launches again
+    try:
+        yield
+    finally:
+        grouped_mlp._Steady = steady
+        for owner, name, original in restore:
+            if original is None:  # inherited: the wrapper shadowed it
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def timeline(mlp, forward, device, iters: int) -> None:
+    """Median µs after the call starts at which a forward call enters and leaves each step of
+    `_timeline_steps` (steps it does not take are left out)."""
+    marks: list[tuple[str, int]] = []
+    runs: dict[str, list[float]] = {}
+    with _stamped_steps(mlp, marks):
+        for _ in range(3):  # the first call of the signature prepares the steady launches
+            forward()
+        for _ in range(iters):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            marks.clear()
+            t0 = time.perf_counter_ns()
+            forward()
+            marks.append(("call returned", time.perf_counter_ns()))
+            for label, t in marks:
+                runs.setdefault(label, []).append((t - t0) / 1e3)
+    for label, times in sorted(runs.items(), key=lambda kv: statistics.median(kv[1])):
+        print(f"{statistics.median(times):8.1f} us  {label}")
+
+
 def main_cpu(args) -> None:
     """The CPU proxy of the host time (module docstring)."""
     torch.set_num_threads(1)  # one thread: steady kernel times on a shared machine
@@ -181,6 +272,8 @@ def main() -> None:
     p.add_argument("--step", action="store_true", help="forward+backward too (cuda)")
     p.add_argument("--fp8", default="", help="a te_seq.recipe class name, e.g. "
                    "Float8RowwiseScaling: the forward under te_seq.autocast (cuda)")
+    p.add_argument("--timeline", action="store_true",
+                   help="when the forward reaches each step before its first GEMM (see above)")
     p.add_argument("--hp-wgrad", action="store_true",
                    help="with --fp8: the recipe with fp8_wgrad=False")
     args = p.parse_args()
@@ -188,9 +281,18 @@ def main() -> None:
     args.shape = args.shape or ("U" if cpu else "Q")
     args.backend = args.backend or ("torch" if cpu else "cute")
     args.iters = args.iters or (2000 if cpu else 200)
+    if cpu and args.timeline:
+        case = make_case(args.shape, torch.device("cpu"), torch.float32)
+        timeline(*build(case, args.backend), case.x.device, args.iters)
+        return
     if cpu:
         main_cpu(args)
         return
+    main_cuda(args)
+
+
+def main_cuda(args) -> None:
+    """Host time, exposed host time and cProfile of the forward (and step) on the GPU."""
     device = torch.device("cuda")
     case = make_case(args.shape, device, torch.bfloat16)
     mlp, forward = build(case, args.backend)
@@ -200,6 +302,12 @@ def main() -> None:
         forward = _under_recipe(forward, getattr(te_seq.recipe, args.fp8)(**options))
     for _ in range(5):
         forward()
+    if args.timeline:  # the unwrapped host time around it: what the wrappers add
+        for _ in range(2):
+            print(f"host time {time_host(forward, args.iters, device) * 1e3:.1f} us")
+            timeline(mlp, forward, device, args.iters)
+        print(f"host time {time_host(forward, args.iters, device) * 1e3:.1f} us")
+        return
     print(mlp.fusion_plan())
     print(f"eager forward host time: {time_host(forward, args.iters, device) * 1e3:.1f} us")
     latency, steady, exposed = exposed_host_us(forward, device)

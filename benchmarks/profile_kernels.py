@@ -14,7 +14,16 @@ benchmark's peer, fresh grads) instead of te_seq's, so the two tables compare GE
 torch.no_grad() instead (no backward follows: FC1 writes no h, QuACK stores no pre-activation).
 `--grad-mode megatron` profiles the benchmark's Megatron mode (grad_modes.py: fp32 `main_grad`
 buffers, the flag and Megatron's hook; te_seq with `accumulate_into_main_grad=True`, the peer's
-bf16 grads added into `main_grad` by the hook) instead of fresh grads.
+bf16 grads added into `main_grad` by the hook) instead of fresh grads. `--gaps` also prints,
+per launch position of a step, the idle time before the kernel and how much of it the GPU
+spent waiting for the launch itself (the launch call ended after the previous kernel did: the
+host was behind), from a trace of CUDA activity only (no per-op host recording; CUPTI's
+per-launch callbacks still slow the host, so the 'late' part is an upper bound: check it with
+`--feed`, kernel README section 21). `--feed` times bursts of steps without any profiler: the
+host's time to queue a burst (until its last step returns) against the burst's device time
+(until its last kernel ends), per step, with autograd's device threads and without them
+(backward on the calling thread): where the host time per step nears the device time, the GPU
+waits for launches.
 
   python benchmarks/profile_kernels.py --shape Q --backend cute --fp8 ROWWISE [--top 25]
 """
@@ -23,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
+import tempfile
 import time
 from collections import defaultdict
 
@@ -110,6 +121,61 @@ def launch_order(kernels, iters: int) -> list[tuple[str, float]]:
             for i in range(per_step)]
 
 
+def launch_gaps(step, iters: int) -> list[tuple[str, float, float]]:
+    """[(kernel name, idle µs before it, of which the launch was late)] per launch position of
+    one step, means over `iters` back-to-back steps (the first kernel of each step counts the
+    time since the previous step's last kernel). A kernel's launch is the CUDA runtime or
+    driver call with its correlation id; it was late by how long that call ended after the
+    previous kernel ended (0 if before)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    launch_end = {e["args"]["correlation"]: e["ts"] + e.get("dur", 0) for e in events
+                  if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in
+                  e.get("args", {})}
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    per_step, rest = divmod(len(kernels), iters)
+    if rest or not per_step:
+        return []
+    sums = [[kernels[i]["name"], 0.0, 0.0] for i in range(per_step)]
+    for i in range(1, len(kernels)):
+        prev_end = kernels[i - 1]["ts"] + kernels[i - 1]["dur"]
+        idle = max(0.0, kernels[i]["ts"] - prev_end)
+        late = launch_end.get(kernels[i]["args"].get("correlation"), prev_end) - prev_end
+        sums[i % per_step][1] += idle / iters
+        sums[i % per_step][2] += min(idle, max(0.0, late)) / iters
+    return [tuple(row) for row in sums]
+
+
+def host_feed(step, bursts: int = 10, burst: int = 20) -> dict[str, tuple[float, float]]:
+    """{"threads"|"calling thread": (host µs per step to queue a burst, device µs per step of
+    the burst)}, medians over `bursts` bursts of `burst` back-to-back steps, each from an idle
+    device; "calling thread" runs backward without autograd's device threads."""
+    out = {}
+    for label, threads in (("threads", True), ("calling thread", False)):
+        torch.autograd.set_multithreading_enabled(threads)
+        try:
+            runs = []
+            for _ in range(bursts):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(burst):
+                    step()
+                queued = time.perf_counter()
+                torch.cuda.synchronize()
+                done = time.perf_counter()
+                runs.append(((queued - t0) / burst * 1e6, (done - t0) / burst * 1e6))
+        finally:
+            torch.autograd.set_multithreading_enabled(True)
+        runs.sort()
+        out[label] = runs[len(runs) // 2]
+    return out
+
+
 def python_profile(step, iters: int, top: int) -> None:
     """cProfile of `iters` steps: the Python functions by own time, then by cumulative time.
     Backward runs on the calling thread here (autograd's device threads are invisible to
@@ -151,6 +217,10 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--cpu", action="store_true", help="also the host ops by self CPU time")
     p.add_argument("--order", action="store_true", help="also one step's launches in order")
+    p.add_argument("--feed", action="store_true",
+                   help="also the host's queueing time per step in bursts against the device's")
+    p.add_argument("--gaps", action="store_true",
+                   help="also the idle time before each launch and how much the host caused")
     p.add_argument("--peer", default="", choices=["", "quack"],
                    help="profile this benchmark peer's MLP instead of te_seq's")
     p.add_argument("--act", default="scaled_swiglu", choices=ACTS,
@@ -197,6 +267,22 @@ def main() -> None:
         print("launch order (one step, mean device ms):")
         for i, (name, us) in enumerate(kernel_table.order):
             print(f"{i:4d} {us / 1e3:8.3f} ms  {name[:110]}")
+    if args.gaps:
+        print_gaps(launch_gaps(step, max(args.iters, 10)))
+    if args.feed:
+        for label, (host, wall) in host_feed(step).items():
+            print(f"bursts of 20, backward on {label}: host {host:.1f} us per step to queue, "
+                  f"{wall:.1f} us per step until the last kernel ends")
+
+
+def print_gaps(gaps: list[tuple[str, float, float]]) -> None:
+    """`launch_gaps`' rows and their totals per step."""
+    print("idle before each launch (one step, mean µs; 'late': the host launched it after "
+          "the previous kernel ended):")
+    for i, (name, idle, late) in enumerate(gaps):
+        print(f"{i:4d} idle {idle:7.1f} us  late {late:7.1f} us  {name[:100]}")
+    print(f"per step: idle {sum(g[1] for g in gaps):.1f} us, of which the host was late for "
+          f"{sum(g[2] for g in gaps):.1f} us")
 
 
 if __name__ == "__main__":

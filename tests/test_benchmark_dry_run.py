@@ -191,6 +191,28 @@ def test_profiled_mlp_in_megatron_mode_writes_main_grad_only():
         torch.testing.assert_close(megatron.main_grad, fresh.grad.float())
 
 
+def test_host_timeline_orders_the_steps_and_unwraps_them(capsys):
+    """profile_host.timeline: each step the forward takes is printed once per entry and
+    return, in call order (the Sequential before the fuser before the fused op, FC1's rows
+    before FC2's), and afterwards every wrapped function is the original again."""
+    import profile_host
+
+    case = mlp_case.make_case("U", torch.device("cpu"), torch.float32)
+    mlp, forward = profile_host.build(case, "torch")
+    originals = [(owner, name, getattr(owner, name))
+                 for _, owner, name in profile_host._timeline_steps()]
+    profile_host.timeline(mlp, forward, torch.device("cpu"), iters=3)
+    labels = [line.split("us  ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    order = ["Sequential.forward", "Fuser.run_eager", "_FuserFunction.apply",
+             "GroupedMLP.fuser_forward", "fc1_rows (first call of a signature)", "fc2_rows",
+             "fc2_rows returned", "GroupedMLP.fuser_forward returned", "call returned"]
+    assert [label for label in labels if label in order] == order
+    for owner, name, original in originals:
+        assert getattr(owner, name) == original, name  # == : a classmethod binds anew
+    y = forward()  # still runs, unwrapped
+    assert y.shape == (case.x.shape[0], case.shape.H)
+
+
 @pytest.mark.parametrize(("grad_mode", "expected"), [("fresh", 3.0), ("accumulate", 6.0)])
 def test_fresh_drops_grad_accumulate_keeps_it(grad_mode, expected):
     p, x = _param(1.0), torch.ones(2, 3, requires_grad=True)

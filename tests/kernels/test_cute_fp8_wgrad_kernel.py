@@ -161,16 +161,22 @@ def test_scaled_grouped_wgrad_takes_an_e5m2_a():
 
 def test_default_tiling_is_the_16_bit_wgrads_with_static_units(tiling_env):
     """Without accumulation the wgrad runs ping-pong in the 16-bit wgrad's cluster (2x1 for
-    spans of <= 512 tokens on average), static units; accumulating into main_grad (the
-    scaled ping-pong accumulate is tested below but not timed) or TE_SEQ_PINGPONG=0 keeps it
-    cooperative."""
-    from te_seq.kernels.cute.fp8 import _wgrad_tiling
+    spans of <= 512 tokens on average), static units. Accumulating into main_grad it runs
+    the scaled ping-pong accumulate (128 wide, 2x1) over groups of up to 512 tokens on
+    average (spans of up to 640: a span pads its group by up to 128), cooperative over longer
+    ones; TE_SEQ_PINGPONG=0 keeps every default cooperative."""
+    from te_seq.kernels.cute.fp8 import SCALED_ACCUMULATE_TILING, _wgrad_tiling
 
     assert _wgrad_tiling(768, False, 256.0) == cute.Tiling(192, (2, 1), True)
     assert _wgrad_tiling(2048, False, 4096.0) == cute.Tiling(128, (1, 2), True)
-    assert not _wgrad_tiling(768, True, 256.0).pingpong
+    assert SCALED_ACCUMULATE_TILING == cute.Tiling(128, (2, 1), True)
+    assert _wgrad_tiling(768, True, 256.0) == SCALED_ACCUMULATE_TILING
+    assert _wgrad_tiling(2048, True, 640.0) == SCALED_ACCUMULATE_TILING
+    assert not _wgrad_tiling(2048, True, 641.0).pingpong
+    assert not _wgrad_tiling(2048, True, 4096.0).pingpong
     tiling_env("TE_SEQ_PINGPONG", "0")
     assert not _wgrad_tiling(768, False, 256.0).pingpong
+    assert not _wgrad_tiling(768, True, 256.0).pingpong
 
 
 _PINGPONG = [cute.Tiling(128, (2, 1), True), cute.Tiling(192, (1, 2), True)]

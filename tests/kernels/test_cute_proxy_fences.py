@@ -23,6 +23,7 @@ from cute_marks import ROOT, needs_dsl
 
 _CONFIGS = (
     "wgrad_fp32_acc", "wgrad_fp32_acc_pp128_1x1_dyn", "fp8_wgrad_fp32_acc",
+    "fp8_wgrad_fp32_acc_pp128_2x1",
     "glu_dgrad_silu192", "glu_dgrad_silu128_pp", "fp8_glu_dgrad_silu_probs",
     "fp8_block_glu_dgrad_silu_probs", "act_dgrad_relu_probs",
 )

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .launch import (
+    ACCUMULATE_PINGPONG_MAX_ROWS,
     WGRAD_TILING,
     Tiling,
     _check_offs,
@@ -31,6 +32,7 @@ from .launch import (
     default_tiling,
     half_tiles,
     no_route,
+    pingpong_by_default,
     plain_mm_tiling,
     static_only,
     tiling_settings,
@@ -313,14 +315,27 @@ def scaled_grouped_wgrad(
     return out
 
 
+# The scaled main_grad accumulate over short groups: ping-pong, 128 wide, 2x1 clusters, static
+# units (probe_pingpong_accumulate.py --fp8-speed, one H200, 2026-11-29: against the 256-wide
+# cooperative tiling Q's FC1 / FC2 0.930 / 0.475 ms against 0.946 / 0.538, Z 0.987 / 0.512
+# against 1.027 / 0.615, B 2.610 / 1.347 against 2.933 / 1.465; 1x1 level on Q and Z, 5 % slower
+# on B; bit for bit the cooperative result).
+SCALED_ACCUMULATE_TILING = Tiling(128, (2, 1), True)
+
+
 def _wgrad_tiling(k: int, accumulate: bool, span_tokens: float) -> Tiling:
     """The 16-bit wgrad's default tiling (``wgrad_tiling``: ping-pong, its cluster from the
     groups' average padded span ``span_tokens``) with static units (the scaled kernel has no
-    dynamic schedule); cooperative when accumulating (the scaled ping-pong accumulate is
-    verified but not yet timed against it)."""
-    if accumulate:
-        return default_tiling(k, WGRAD_TILING)
-    return replace(wgrad_tiling(k, False, span_tokens), dynamic=False)
+    dynamic schedule). Accumulating: ``SCALED_ACCUMULATE_TILING`` where the groups hold up to
+    ``ACCUMULATE_PINGPONG_MAX_ROWS`` tokens on average (their spans up to one ``WGRAD_SPAN``
+    more),
+    as the 16-bit accumulate chooses; cooperative over longer groups or with
+    ``TE_SEQ_PINGPONG=0``."""
+    if not accumulate:
+        return replace(wgrad_tiling(k, False, span_tokens), dynamic=False)
+    if pingpong_by_default() and span_tokens <= ACCUMULATE_PINGPONG_MAX_ROWS + WGRAD_SPAN:
+        return SCALED_ACCUMULATE_TILING
+    return default_tiling(k, WGRAD_TILING)
 
 
 def _plan_wgrad(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
