@@ -144,9 +144,43 @@ def test_harness_times_the_forward_up_to_its_fc1_launch(grad):
         aten = pl.aten_ops_to_fc1(forward, fc1)
         stats = pl.profile_to_fc1(forward, fc1, 2)
     assert 0 < to_fc1 < whole
-    assert "_assert_async" in aten and "mm" not in aten  # the offsets' check, no GEMM yet
+    assert "cumsum" in aten and "mm" not in aten  # the (stubbed) offsets kernel, no GEMM yet
+    assert "_assert_async" not in aten  # the offsets' check waits until FC1 is launched
     names = {name for (_, _, name) in stats.stats}
     assert "fuser_forward" in names and "fc2_rows" not in names  # profiled up to FC1 only
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_steady_forward_asserts_the_offsets_right_after_the_fc1_launch(grad):
+    """A steady call issues the offsets' device-side check as the first op after FC1's launch
+    (before anything of FC2), once; the signature's first call checks before FC1 as every
+    other grouped op does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    pl = _harness()
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with pl.stubbed_step() as stubs, torch.set_grad_enabled(grad):
+        forward = pl.mlp_forward(256, None, e=8, h=256, f=128)
+        forward()  # compiles (stubs) the kernels
+        fc1 = pl.fc1_stub(stubs, store_h=grad)
+        for steady in (False, True):
+            if not steady:  # an attribute write: the next call is a signature's first again
+                for op in forward.parts[0].basic_ops():
+                    op.training = op.training
+            ops: list[str] = []
+            fc1.on_launch = lambda ops=ops: ops.append("FC1")
+            with Log():
+                forward()
+            fc1.on_launch = None
+            at = ops.index("FC1")
+            assert ops.count("_assert_async") == 1
+            assert (ops.index("_assert_async") == at + 1) == steady
+            assert (ops.index("_assert_async") < at) == (not steady)
 
 
 def _fc1_facts(stubs):

@@ -20,7 +20,8 @@ import pytest
 import torch
 from test_fp8_torch import gpu_linear_case, gpu_mlp_case, on_backends, rel_err
 
-from te_seq import recipe
+import te_seq
+from te_seq import ops, recipe
 from te_seq.kernels.backend import backend_available
 
 RECIPES = [recipe.Float8RowwiseScaling(), recipe.Float8CurrentScaling(),
@@ -132,3 +133,40 @@ def test_high_precision_wgrad_keeps_the_fp8_forward_and_dgrad(case, r):
         plain = on_backends(*case(None), ("cute",))["cute"]
         for got, want in zip(high[2:], plain[2:]):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["single_weight", "per_expert"])
+def test_fused_grouped_mlp_fp8_main_grad_adds_the_fresh_wgrads(single):
+    """Megatron mode under Float8RowwiseScaling on the cute backend: each weight's fp32
+    main_grad grows by the FP8 wgrad that a fresh-grads run of the same model, data and
+    weights writes to .grad (the accumulate's kernel adds in fp32 what the fresh one rounds to
+    bf16: within bf16's rounding) and the flag is set; the groups (70, 0 and 133
+    tokens) are short, so the accumulate runs its ping-pong default."""
+    r = recipe.Float8RowwiseScaling()
+    splits = torch.tensor([70, 0, 133], device="cuda")
+    x = torch.randn(203, 256, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(203, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(203, 256, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for megatron in (False, True):
+        torch.manual_seed(5)
+        kw = dict(dtype=torch.bfloat16, device="cuda", single_grouped_weight=single,
+                  accumulate_into_main_grad=megatron, bias=False)  # weights only
+        model = te_seq.Sequential(ops.GroupedLinear(3, 256, 512, **kw), ops.ScaledSwiGLU(),
+                                  ops.GroupedLinear(3, 256, 256, **kw))
+        starts = []
+        for p in model.parameters():
+            p.main_grad = torch.randn(p.shape, device="cuda")
+            p.grad_added_to_main_grad = False
+            starts.append(p.main_grad.clone())
+        with te_seq.backend("cute"), te_seq.autocast(recipe=r):
+            y = model(x.clone().requires_grad_(), splits, probs.clone().requires_grad_(), splits)
+        y.backward(dy)
+        assert model.fusion_plan().forward[0].name == "GroupedMLP"
+        if not megatron:
+            grads = [p.grad.float() for p in model.parameters()]
+            continue
+        for p, start, fresh in zip(model.parameters(), starts, grads, strict=True):
+            assert p.grad_added_to_main_grad  # autograd got a dummy (uninitialised) .grad
+            assert p.grad.untyped_storage().data_ptr() != p.main_grad.untyped_storage().data_ptr()
+            assert rel_err(p.main_grad - start, fresh) < 8e-3, rel_err(p.main_grad - start, fresh)

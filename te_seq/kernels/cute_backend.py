@@ -184,12 +184,15 @@ class CuteBackend(GpuBackend):
 
     def prepare_group_offsets(self, splits: Tensor, rows: int,
                               device: torch.device) -> Callable | None:
-        """``run(splits) -> offs``, equal to ``group_offsets(splits, rows, device)`` for later
-        calls whose split sizes have these ones' dtype, shape and device, when that is the
-        offsets kernel's launch (None otherwise: the caller calls ``group_offsets``)."""
+        """``run(splits) -> (offs, check)`` for later calls whose split sizes have these ones'
+        dtype, shape and device, when ``group_offsets(splits, rows, device)`` is the offsets
+        kernel's launch (None otherwise: the caller calls ``group_offsets``): offs equal to
+        its result, and ``check()`` its device-side assert, which the caller issues after its
+        first launch on offs (bad split sizes make offs all zeros: that launch reads no row),
+        so that the first GEMM is launched one launch sooner."""
         if splits.device != device or cute.offsets_problem(splits):
             return None
-        return functools.partial(_kernel_offsets, rows=rows)
+        return functools.partial(_offsets_and_check, rows=rows)
 
     def group_offsets(self, splits: Tensor, rows: int, device: torch.device) -> Tensor:
         """Device split sizes: one launch for the offsets and their check
@@ -202,9 +205,16 @@ class CuteBackend(GpuBackend):
 
 def _kernel_offsets(splits: Tensor, rows: int) -> Tensor:
     """The offsets kernel's offs of device split sizes, its check asserted on the device."""
-    offs, ok = cute.group_offsets(splits, rows)
-    torch._assert_async(ok, offsets_maths.SPLITS_MESSAGE)
+    offs, check = _offsets_and_check(splits, rows)
+    check()
     return offs
+
+
+def _offsets_and_check(splits: Tensor, rows: int) -> tuple[Tensor, Callable[[], None]]:
+    """(the offsets kernel's offs of device split sizes, the device-side assert on their
+    check, not yet issued)."""
+    offs, ok = cute.group_offsets(splits, rows)
+    return offs, functools.partial(torch._assert_async, ok, offsets_maths.SPLITS_MESSAGE)
 
 
 CUTE = register_backend(CuteBackend())

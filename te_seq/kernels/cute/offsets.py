@@ -31,8 +31,10 @@ def offsets_problem(splits: Tensor) -> str:
 
 def group_offsets(splits: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     """(offs int32 [G], ok int32 [1]) from split sizes [G] on the GPU: offs[g] = Σ_{j≤g}
-    splits[j]; ok[0] = 1 when every split is >= 0 and they sum to ``rows``, else 0. One
-    launch, no host sync, CUDA-graph capturable (``offsets_problem`` says where it runs)."""
+    splits[j]; ok[0] = 1 when every split is >= 0 and they sum to ``rows``, else 0 and offs
+    all zeros (every group empty: a kernel launched on them before the caller's assert on ok
+    reads and writes no row). One launch, no host sync, CUDA-graph capturable
+    (``offsets_problem`` says where it runs)."""
     kernels = sys.modules.get(_KERNEL_MODULE)  # imported (with cutlass) on first use only;
     if kernels is None:  # read from sys.modules after that: an import statement costs ~1 µs
         from . import offsets_kernel as kernels

@@ -2,9 +2,11 @@
 
 ``GroupOffsetsKernel``: split sizes [G] (int32 or int64, on the device) -> offs [G] int32, the
 cumulative row ends, and ok [1] int32: 1 when every split is non-negative and they sum to
-``rows``, else 0. One warp walks the splits 32 at a time: an inclusive shuffle scan per chunk
-plus the running total. It replaces a cumsum, a dtype copy and five checking kernels, whose
-launches cost ~0.1 ms of host time per forward (``ops/basic/_split_sizes.device_offsets``).
+``rows``, else 0 (and offs all zeros: every group empty, so that a GEMM launched on them
+before the assert on ok fires touches no row). One warp walks the splits 32 at a time: an
+inclusive shuffle scan per chunk plus the running total. It replaces a cumsum, a dtype copy
+and five checking kernels, whose launches cost ~0.1 ms of host time per forward
+(``ops/basic/_split_sizes.device_offsets``).
 
 Imports cutlass; only ``offsets.py`` imports this module, lazily.
 """
@@ -27,7 +29,7 @@ _SPLIT_DTYPES = {torch.int32: cutlass.Int32, torch.int64: cutlass.Int64}
 
 class GroupOffsetsKernel:
     """offs[g] = splits[0] + ... + splits[g] (int32), ok[0] = (all splits >= 0 and
-    offs[G - 1] == rows); one CTA of one warp."""
+    offs[G - 1] == rows), offs zeroed where not ok; one CTA of one warp."""
 
     @cute.jit
     def __call__(self, splits: cute.Tensor, offs: cute.Tensor, ok: cute.Tensor, rows: Int32,
@@ -51,9 +53,14 @@ class GroupOffsetsKernel:
                 offs[g] = running
             total = cute.arch.shuffle_sync(running, WARP - 1)
         any_negative = cute.arch.vote_any_sync(negative != 0)
+        sums_to_rows = cutlass.select_(total == rows, Int32(1), Int32(0))
+        valid = cutlass.select_(any_negative, Int32(0), sums_to_rows)  # the same in every lane
         if lane == 0:
-            sums_to_rows = cutlass.select_(total == rows, Int32(1), Int32(0))
-            ok[0] = cutlass.select_(any_negative, Int32(0), sums_to_rows)
+            ok[0] = valid
+        if valid == 0:  # every group empty: a kernel launched on offs before the assert reads
+            for base in cutlass.range(0, groups, WARP):  # no row (each lane its own slots)
+                if base + lane < groups:
+                    offs[base + lane] = Int32(0)
 
     @cute.jit
     def _inclusive_scan(self, value: Int32, lane) -> Int32:

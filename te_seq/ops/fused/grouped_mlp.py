@@ -190,8 +190,9 @@ class GroupedMLP(FusedOperation):
         with_backward = any(c.requires_grad for c in basic_op_ctxs)
         steady = ctx.steady.get(self) if ctx.signature_checked and ctx.steady else None
         if steady is not None:  # this signature's launches, prepared by its first call
-            offs = steady.offsets(extras.splits)
+            offs, check_offsets = steady.offsets(extras.splits)
             h, a = steady.fc1(x, w1, offs, _row_values(extras.probs))  # [T, 2F], [T, F]
+            check_offsets()  # after FC1's launch: bad split sizes gave it only empty groups
         else:
             offs = self.fc1.offsets(extras.splits, input_, ctx.backend)
             if ctx.recipe is not None:
@@ -323,10 +324,10 @@ def _h_option(backend, need_h: bool) -> dict:
 @dataclass(frozen=True)
 class _Steady:
     """The launches before FC2 that one call signature's first call prepares for its next
-    ones (`OperationContext.steady`): offsets(splits) -> offs [G], and fc1(x, w1, offs,
-    probs) -> (h [T, 2F], a [T, F]), equal to the backend's `group_offsets` and
-    `glu_fc1_forward` for those operands (h None where the signature runs no backward and
-    the backend skips it)."""
+    ones (`OperationContext.steady`): offsets(splits) -> (offs [G], check), and fc1(x, w1,
+    offs, probs) -> (h [T, 2F], a [T, F]), equal to the backend's `group_offsets` (whose
+    device-side check is `check()`, issued after FC1's launch) and `glu_fc1_forward` for
+    those operands (h None where the signature runs no backward and the backend skips it)."""
 
     offsets: Callable[[Tensor], Tensor]
     fc1: Callable[..., tuple[Tensor, Tensor]]
