@@ -328,8 +328,7 @@ def _wgrad_tiling(k: int, accumulate: bool, span_tokens: float) -> Tiling:
     groups' average padded span ``span_tokens``) with static units (the scaled kernel has no
     dynamic schedule). Accumulating: ``SCALED_ACCUMULATE_TILING`` where the groups hold up to
     ``ACCUMULATE_PINGPONG_MAX_ROWS`` tokens on average (their spans up to one ``WGRAD_SPAN``
-    more),
-    as the 16-bit accumulate chooses; cooperative over longer groups or with
+    more), as the 16-bit accumulate chooses; cooperative over longer groups or with
     ``TE_SEQ_PINGPONG=0``."""
     if not accumulate:
         return replace(wgrad_tiling(k, False, span_tokens), dynamic=False)

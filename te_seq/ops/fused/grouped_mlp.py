@@ -329,7 +329,7 @@ class _Steady:
     device-side check is `check()`, issued after FC1's launch) and `glu_fc1_forward` for
     those operands (h None where the signature runs no backward and the backend skips it)."""
 
-    offsets: Callable[[Tensor], Tensor]
+    offsets: Callable[[Tensor], tuple[Tensor, Callable[[], None]]]
     fc1: Callable[..., tuple[Tensor, Tensor]]
 
 
