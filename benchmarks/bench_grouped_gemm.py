@@ -13,6 +13,7 @@ shape Z it runs on zero-padded groups, whose padding is not counted.
         [--tilings 256:1x2,192:1x2p]  # a "p" suffix: ping-pong warpgroups
         [--tilings 192:2x1p,192:2x1pd]  # "d": dynamic work units (the wgrads only)
         [--quack]                     # also QuACK's varlen GEMMs on the same operands
+        [--exact-splits]              # m / e rows per expert (A, B, Q), as the MLP benchmark
     python benchmarks/bench_grouped_gemm.py --glu [--shapes Q,B,A] [--iters 20] [--json out.json]
         [--quack]                     # also FC1 in other W1 layouts and QuACK's gated FC1
 
@@ -50,6 +51,7 @@ import json
 import statistics
 import time
 
+import mlp_case
 import torch
 from _common import time_interleaved
 from torch import Tensor
@@ -63,7 +65,11 @@ SHAPES = {  # E experts, H hidden, F ffn, M routed rows
 
 
 def split_sizes(name: str, e: int, m: int, gen: torch.Generator) -> list[int]:
-    """Uniform-ish random counts, or (Z) Zipf-like counts with empty experts, not multiples of 8."""
+    """Uniform-ish random counts, or (Z) Zipf-like counts with empty experts, not multiples of 8;
+    with ``EXACT_SPLITS`` (``--exact-splits``) A, B and Q take the grouped-MLP benchmark's
+    split (mlp_case.py: m / e rows per expert)."""
+    if EXACT_SPLITS and name != "Z":
+        return mlp_case.split_counts(mlp_case.SHAPES[name])
     if name != "Z":
         w = torch.rand(e, generator=gen) * 0.2 + 0.9
     else:
@@ -76,6 +82,7 @@ def split_sizes(name: str, e: int, m: int, gen: torch.Generator) -> list[int]:
 
 
 BURST = 10  # back-to-back calls per timed run: the host's launch path overlaps the kernels
+EXACT_SPLITS = False  # --exact-splits: m / e rows per expert (A, B, Q), as in the MLP benchmark
 
 
 def time_ms(fns: dict, iters: int, burst: int | None = None) -> dict[str, float]:
@@ -524,11 +531,14 @@ def main_fp8(args) -> None:
 
 
 def main() -> None:
-    global BURST
+    global BURST, EXACT_SPLITS
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="A,B,Q,Z")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--burst", type=int, default=BURST, help="back-to-back calls per timed run")
+    p.add_argument("--exact-splits", action="store_true",
+                   help="m / e rows per expert on A, B, Q (the MLP benchmark's splits; kernel "
+                   "README section 21: Q's FC1 dgrad trails QuACK's only on those)")
     p.add_argument("--json", default=None)
     p.add_argument("--tilings", default="default,256:1x2,256:2x1")
     p.add_argument("--quack", action="store_true",
@@ -542,7 +552,7 @@ def main() -> None:
     p.add_argument("--main-grad", action="store_true",
                    help="time the wgrads accumulated into fp32 main_grad instead (TB/s)")
     args = p.parse_args()
-    BURST = args.burst
+    BURST, EXACT_SPLITS = args.burst, args.exact_splits
     if args.fp8:
         main_fp8(args)
         return

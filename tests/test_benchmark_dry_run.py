@@ -579,6 +579,20 @@ def test_gemm_benchmark_tilings_include_the_default_choice():
                    "256:1x2d": Tiling(256, (1, 2), False, dynamic=True)}
 
 
+def test_gemm_benchmark_exact_splits_match_the_mlp_benchmarks(monkeypatch):
+    """bench_grouped_gemm.py --exact-splits: A, B and Q get the MLP benchmark's m / e rows per
+    expert (its default jitters them); Z keeps its Zipf split either way."""
+    import bench_grouped_gemm
+
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    e, _, _, m = bench_grouped_gemm.SHAPES["Q"]
+    assert len(set(bench_grouped_gemm.split_sizes("Q", e, m, gen()))) > 1
+    zipf = bench_grouped_gemm.split_sizes("Z", e, m, gen())
+    monkeypatch.setattr(bench_grouped_gemm, "EXACT_SPLITS", True)
+    assert bench_grouped_gemm.split_sizes("Q", e, m, gen()) == [m // e] * e
+    assert bench_grouped_gemm.split_sizes("Z", e, m, gen()) == zipf
+
+
 def test_schedule_model_shows_static_units_unbalanced_only_under_skew():
     """benchmarks/schedule_model.py (the kernel README's case for dynamic wgrad units): on Z's
     Zipf split the FC2 wgrad's 32 units per expert leave a static stride ~1.3x its balanced
