@@ -18,7 +18,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
-from profile_launch import UNIT_ORDER, mlp_step, stubbed_step  # noqa: E402
+from profile_launch import UNIT_ORDER, mlp_step, stubbed_kernels, stubbed_step  # noqa: E402
 
 from te_seq.kernels.cute.compile import GemmConfig, GluConfig  # noqa: E402
 from te_seq.kernels.cute.compile_quant import QuantConfig  # noqa: E402
@@ -119,6 +119,37 @@ def test_rowwise_step_runs_its_gemms_in_pingpong(tiling_env, pingpong):
     ping = {(getattr(c, "mode", None) or c.varlen, c.pingpong) for c in gemms}
     on = pingpong == "1"
     assert ping == {("fc1", on), ("m", on), ("dgrad", on), ("k", on)}, ping
+
+
+@pytest.mark.parametrize("pingpong", ["1", "0"])
+def test_scaled_accumulate_runs_pingpong_over_short_groups_only(tiling_env, pingpong):
+    """`cute.scaled_grouped_wgrad(..., accumulate=True)` compiles the 128-wide 2x1 ping-pong
+    kernel where the groups' spans average <= 640 tokens (Q, Z, B) and the cooperative 256
+    over longer ones (A), through the functional's own span arithmetic (the padded P over the
+    groups); TE_SEQ_PINGPONG=0 keeps both cooperative."""
+    from te_seq.kernels import cute
+
+    tiling_env("TE_SEQ_PINGPONG", pingpong)
+    fp8 = torch.float8_e4m3fn
+    compiled = {}
+    with stubbed_kernels(record=True) as stubs:
+        for label, span in (("short", 512), ("long", 4096)):
+            n, k, groups = 256, 512, 4
+            p = groups * span + 128  # spans, then one spare tile, as TokenMajor lays them out
+            for stub in stubs.values():
+                stub.calls.clear()
+            cute.scaled_grouped_wgrad(
+                torch.zeros(n, p).to(fp8), torch.zeros(k, p).to(fp8), torch.ones(groups, n),
+                torch.ones(groups, k), torch.tensor([span] * groups).cumsum(0).to(torch.int32),
+                out=torch.zeros(groups, n, k), accumulate=True)
+            [compiled[label]] = [c for c, stub in stubs.items() if stub.calls]  # the launch
+    short, long = compiled["short"], compiled["long"]
+    assert short.accumulate and short.scaled and long.accumulate
+    if pingpong == "1":
+        assert (short.tile_n, short.cluster_mn, short.pingpong) == (128, (2, 1), True)
+    else:
+        assert not short.pingpong and short.tile_n == 256
+    assert not long.pingpong and long.tile_n == 256
 
 
 def test_rowwise_step_makes_no_shape_only_stand_ins():
