@@ -193,11 +193,16 @@ def _pingpong_equal_to_cooperative(operands, start, tiling, accumulate):
     return out
 
 
-@gpu
-@needs_cute
-@pytest.mark.parametrize("tiling", _PINGPONG, ids=str)
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def _on_pingpong_cases(test):
+    """A GPU test over every ping-pong tiling, both output dtypes and every case."""
+    for mark in (pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES]),
+                 pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str),
+                 pytest.mark.parametrize("tiling", _PINGPONG, ids=str), needs_cute, gpu):
+        test = mark(test)
+    return test
+
+
+@_on_pingpong_cases
 def test_pingpong_equals_cooperative_bit_for_bit(case, out_dtype, tiling):
     """Ping-pong and cooperative tiles of one width sum each output over the same k-tiles in
     the same order: bit for bit equal (empty groups with NaN scales: zeros)."""
@@ -212,11 +217,7 @@ def test_pingpong_equals_cooperative_bit_for_bit(case, out_dtype, tiling):
     _check(out[ok], (a, b, sa[ok], sb[ok], _spans(ends)[ok]))
 
 
-@gpu
-@needs_cute
-@pytest.mark.parametrize("tiling", _PINGPONG, ids=str)
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+@_on_pingpong_cases
 def test_pingpong_accumulate_equals_cooperative_bit_for_bit(case, out_dtype, tiling):
     """Adding into a random old C (every group's block, empty groups' too): each ping-pong
     warpgroup loads its old C into its own smem blocks; the sums equal the cooperative
