@@ -25,6 +25,9 @@ Variants, all in this process on the same random data, each checked against an f
                        te_seq/kernels/cute/launch.py: two tilings compared in one process;
                        `--env-base BASE` (repeatable) applies them to other te_seq variants
                        too, e.g. te_seq:cute:fp8:hp-wgrad -> te_seq:cute:fp8:hp-wgrad:NAME
+  te_seq:cute:aa       the base variant timed again with nothing changed (`--aa`): the A/A
+                       yardstick of an `--env-variant` comparison (in one process two timed
+                       entries of one module measured 0.2-1.7 % apart, 2026-11-29 run "n")
   te_seq:<backend>[:fp8[:hp-wgrad]]:graphed   the same Sequential captured by
                        te_seq.make_graphed_callables (`--graphed`; fresh grads): what a step
                        costs with no Python per op (FP8: weights quantized by their own graphs,
@@ -193,7 +196,7 @@ class _EnvMixin:
     def __init__(self, base: TeSeqVariant, name: str, env: dict[str, str]) -> None:
         vars(self).update(vars(base))  # shared: the module, its weights, x, probs and dy
         self.name, self.env = f"{base.name}:{name}", env
-        self.note = " ".join(f"{k}={v}" for k, v in env.items())
+        self.note = " ".join(f"{k}={v}" for k, v in env.items()) or AA_NOTE
 
     def run(self, x: Tensor, probs: Tensor | None) -> Tensor:
         with _environment(self.env):
@@ -217,6 +220,9 @@ def env_variant(base: TeSeqVariant, name: str, env: dict[str, str]) -> TeSeqVari
     if kind not in _ENV_CLASSES:
         _ENV_CLASSES[kind] = type(f"Env{kind.__name__}", (_EnvMixin, kind), {})
     return _ENV_CLASSES[kind](base, name, env)
+
+
+AA_NOTE = "A/A: the base again, nothing set"
 
 
 def pingpong_flip() -> tuple[str, dict[str, str]]:
@@ -426,7 +432,7 @@ def build_variants(
     b = _Builder(case, grad_mode)
     b.fp8, b.fp8_block = args.fp8, args.fp8_block
     b.env_variants = ([pingpong_flip()] if args.pingpong else []) + [
-        parse_env_variant(text) for text in args.env_variant]
+        parse_env_variant(text) for text in args.env_variant] + ([("aa", {})] if args.aa else [])
     b.env_bases = args.env_base or ["te_seq:cute"]
     _build_te_seq(b, args.backends)
     _build_env_variants(b)
@@ -644,6 +650,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--env-variant", action="append", default=[],
                    help="also te_seq:cute:NAME with these variables set while it runs, "
                    "NAME:VAR=VALUE[,VAR=VALUE...] (repeatable; same process)")
+    p.add_argument("--aa", action="store_true",
+                   help="also BASE:aa for every --env-base: the base timed again with nothing "
+                   "set, the noise yardstick of the --env-variant comparisons")
     p.add_argument("--env-base", action="append", default=[],
                    help="a te_seq variant the --env-variant and --pingpong variants apply to "
                    "(repeatable; default te_seq:cute), e.g. te_seq:cute:fp8:hp-wgrad")

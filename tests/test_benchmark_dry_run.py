@@ -539,6 +539,28 @@ def test_env_variant_of_an_fp8_base_keeps_its_recipe(monkeypatch):
     assert "--env-base te_seq:none is not a variant of this run" in b.skipped[0].note
 
 
+def test_aa_adds_the_base_again_with_nothing_set(monkeypatch):
+    """`--aa`: BASE:aa for every `--env-base`, the base's own module run with the environment
+    as it is (the A/A yardstick of an --env-variant comparison), noted as such."""
+    import bench_grouped_mlp as bench
+
+    monkeypatch.setenv("TE_SEQ_PROBE_A", "kept")
+    seen = []
+    monkeypatch.setattr(bench.TeSeqVariant, "run", lambda self, x, probs: seen.append(
+        os.environ.get("TE_SEQ_PROBE_A")) or x)
+    case = mlp_case.make_case("T", torch.device("cpu"), torch.float32)
+    args = bench.parse_args(["--dry-run", "--backends", "torch", "--peers", "", "--aa",
+                             "--env-variant", "probe:TE_SEQ_PROBE_A=1",
+                             "--env-base", "te_seq:torch"])
+    variants, _ = bench.build_variants(case, args, "fresh")
+    built = {v.name: v for v in variants}
+    aa, probe = built["te_seq:torch:aa"], built["te_seq:torch:probe"]
+    assert aa.mlp is built["te_seq:torch"].mlp and aa.env == {} and aa.note == bench.AA_NOTE
+    aa.forward()
+    probe.forward()
+    assert seen == ["kept", "1"] and os.environ["TE_SEQ_PROBE_A"] == "kept"
+
+
 def test_quack_gemms_compute_the_four_gemms_of_the_gemm_benchmark():
     """bench_grouped_gemm.py --quack: QuACK's varlen GEMMs (CPU stand-in with its documented
     semantics) on the benchmark's operands give the reference's results, GEMM for GEMM."""
