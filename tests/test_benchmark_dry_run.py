@@ -761,3 +761,48 @@ def test_ncu_target_runs_its_steps_on_the_cpu(forward):
     step = ncu_target.make_step("U", "swiglu", forward, "", "cpu")
     for _ in range(2):
         step()
+
+
+def test_probe_clocks_keeps_the_samples_inside_each_window():
+    import time
+
+    import probe_clocks
+
+    def stamp(epoch):
+        return time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(int(epoch))) + \
+            f".{int(round((epoch % 1) * 1000)):03d}"
+
+    base = float(int(time.time()))
+    lines = [f"{stamp(base + 0.5)}, 1400, 690.5, 48", f"{stamp(base + 2.25)}, 1500, 600.0, 49",
+             "garbage line", f"{stamp(base + 9)}, [N/A], 700, 50",
+             f"{stamp(base + 4)}, 1300, 695.0, 50"]
+    got = probe_clocks.samples_between(lines, base + 1, base + 5)
+    assert got == [(1500.0, 600.0, 49.0), (1300.0, 695.0, 50.0)]
+    assert probe_clocks.samples_between(lines, base, base + 0.6) == [(1400.0, 690.5, 48.0)]
+
+
+def test_probe_clocks_env_variant_runs_with_its_environment(monkeypatch):
+    import probe_clocks
+
+    seen = []
+    monkeypatch.setattr(probe_clocks, "step_fn", lambda mlp, forward, recipe: lambda: seen.append(
+        (os.environ.get("TE_SEQ_PROBE_X"), recipe)))
+    monkeypatch.delenv("TE_SEQ_PROBE_X", raising=False)
+    case = mlp_case.make_case("U", torch.device("cpu"), torch.float32, act="swiglu")
+    envs = {"x": {"TE_SEQ_PROBE_X": "7"}}
+    probe_clocks.make_step("cute:x", case, envs, backend="torch")()
+    probe_clocks.make_step("cute", case, envs, backend="torch")()
+    probe_clocks.make_step("cute:fp8", case, envs, backend="torch")()
+    assert [env for env, _ in seen] == ["7", None, None]
+    assert seen[0][1] is None and seen[2][1].fp8_wgrad is False
+    assert "TE_SEQ_PROBE_X" not in os.environ
+
+
+def test_probe_autograd_threads_times_both_settings_on_the_cpu():
+    import probe_autograd_threads as probe
+
+    rows = probe.compare("cpu smoke", probe.spin_step(50, "cpu"), bursts=2)
+    assert [threads for threads, _, _ in rows] == [True, False]
+    assert all(host > 0 and wall >= host for _, host, wall in rows)
+    assert probe._Spin.spent and min(probe._Spin.spent) > 0
+    assert torch.autograd.is_multithreading_enabled()

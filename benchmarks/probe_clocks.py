@@ -1,0 +1,157 @@
+"""SM clock and board power while a grouped MLP runs back to back: does one MLP hold the
+GPU's clocks better than another under the same work?
+
+An H200 lowers its SM clock when the board nears its power limit, so two MLPs with the same
+kernels' work can run at different speeds for how much power their kernels draw. This runs
+each variant for `--seconds` of back-to-back fwd+bwd steps (a synchronize every `--burst`
+steps, as the benchmark's bursts), after `--idle` seconds of idle GPU, while `nvidia-smi`
+samples the SM clock, the power draw and the temperature every `--sample-ms`; per variant it
+prints ms per step and the samples' median clock (MHz) and power (W) over the run (its first
+0.3 s left out), and the work per step at that clock (ms x MHz, lower is fewer cycles).
+
+  python benchmarks/probe_clocks.py --shape Q --act swiglu [--variants cute,quack,cute:fp8]
+      [--env-variant NAME:VAR=VALUE,...] [--seconds 4] [--rounds 2] [--json OUT]
+
+Under a power cap the cycles per step (ms x GHz) compare kernels better than their ms: two
+processes, or two moments of one, that run at different clocks give the same cycles for the
+same kernels, as long as the step is bound by the GPU (not by the host's launches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+from bench_grouped_mlp import _environment, parse_env_variant
+from mlp_case import ACTS, make_case
+from profile_host import build
+from profile_kernels import step_fn
+
+import te_seq
+
+_QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu"
+DENSE = 8192  # the `dense` variant: the benchmark's dense peak matmul, DENSE³ in bf16
+
+
+def make_step(variant: str, case, envs: dict[str, dict[str, str]], backend: str = "cute"):
+    """One step of `variant`: te_seq's `cute` MLP fwd+bwd, `cute:fp8` (row-wise recipe,
+    wgrads in bf16), `cute:fp8all` (row-wise, FP8 wgrads too), `quack`
+    (benchmarks/peer_quack.py), `cute:NAME`, the cute MLP with the environment of
+    `--env-variant NAME:...` set while it runs (its own module; `backend` for te_seq's), or
+    `dense`, the benchmark's dense-peak matmul."""
+    if variant == "dense":
+        a, b = (torch.randn(DENSE, DENSE, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        return lambda: torch.mm(a, b)
+    name = variant.partition(":")[2]
+    if name in envs:
+        step = make_step("cute", case, envs, backend)
+
+        def env_step():
+            with _environment(envs[name]):
+                step()
+        return env_step
+    if variant == "quack":
+        from peer_quack import QuackPeer
+
+        return QuackPeer(case, "fresh").forward_backward
+    mlp, forward = build(case, backend)
+    recipe = (te_seq.recipe.Float8RowwiseScaling(fp8_wgrad=variant == "cute:fp8all")
+              if variant in ("cute:fp8", "cute:fp8all") else None)
+    return step_fn(mlp, forward, recipe)
+
+
+def run_for(step, seconds: float, burst: int) -> tuple[float, float, float]:
+    """(start, end) wall-clock times and ms per step of back-to-back bursts for `seconds`."""
+    torch.cuda.synchronize()
+    start, steps = time.time(), 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(burst):
+            step()
+        torch.cuda.synchronize()
+        steps += burst
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    return start, time.time(), ms
+
+
+def samples_between(lines: list[str], start: float, end: float) -> list[tuple[float, float, float]]:
+    """(MHz, W, °C) of the nvidia-smi samples taken between `start` and `end` (epoch s)."""
+    out = []
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 4:
+            continue
+        try:
+            stamp = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
+            stamp += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0.0
+            values = float(parts[1]), float(parts[2]), float(parts[3])
+        except ValueError:
+            continue
+        if start <= stamp <= end:
+            out.append(values)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="Q")
+    p.add_argument("--act", default="swiglu", choices=ACTS)
+    p.add_argument("--variants", default="cute,quack,cute:fp8")
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--idle", type=float, default=2.0)
+    p.add_argument("--burst", type=int, default=10)
+    p.add_argument("--sample-ms", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=2, help="each variant this many times, in turn")
+    p.add_argument("--env-variant", action="append", default=[],
+                   help="NAME:VAR=VALUE[,VAR=VALUE...]: adds cute:NAME (bench_grouped_mlp.py's)")
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    case = make_case(args.shape, torch.device("cuda"), torch.bfloat16, act=args.act)
+    envs = dict(parse_env_variant(text) for text in args.env_variant)
+    names = args.variants.split(",") + [f"cute:{name}" for name in envs]
+    steps = {v: make_step(v, case, envs) for v in names}
+    for step in steps.values():  # compile and warm up outside the sampled windows
+        for _ in range(5):
+            step()
+    log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_QUERY}", "--format=csv,noheader,nounits",
+                            f"--loop-ms={args.sample_ms}"], stdout=log, stderr=subprocess.DEVNULL)
+    windows = []
+    try:
+        for _ in range(args.rounds):
+            for name, step in steps.items():
+                time.sleep(args.idle)
+                start, end, ms = run_for(step, args.seconds, args.burst)
+                windows.append((name, start + 0.3, end, ms))
+        time.sleep(0.5)
+    finally:
+        smi.terminate()
+        smi.wait()
+    log.seek(0)
+    lines = log.readlines()
+    rows = []
+    print(f"shape {args.shape} {args.act}, bursts of {args.burst}, {args.seconds} s each "
+          f"after {args.idle} s idle; nvidia-smi every {args.sample_ms} ms")
+    for name, start, end, ms in windows:
+        got = samples_between(lines, start, end)
+        if not got:
+            print(f"{name:10s} {ms:7.3f} ms/step   (no nvidia-smi samples in its window)")
+            continue
+        mhz, watts, temp = (statistics.median(v[i] for v in got) for i in range(3))
+        rows.append({"variant": name, "ms": ms, "mhz": mhz, "watts": watts, "temp_c": temp,
+                     "samples": len(got), "ms_x_ghz": ms * mhz / 1e3})
+        dense = f"  {2 * DENSE**3 / ms / 1e9:.0f} TFLOP/s" if name == "dense" else ""
+        print(f"{name:10s} {ms:7.3f} ms/step  SM {mhz:6.0f} MHz  {watts:5.0f} W  {temp:3.0f} C  "
+              f"{ms * mhz / 1e3:6.3f} ms·GHz  ({len(got)} samples){dense}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "act": args.act, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
