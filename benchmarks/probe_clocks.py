@@ -28,6 +28,7 @@ import time
 
 import torch
 from bench_grouped_mlp import _environment, parse_env_variant
+from grad_modes import GradState
 from mlp_case import ACTS, make_case
 from profile_host import build
 from profile_kernels import step_fn
@@ -38,18 +39,20 @@ _QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu"
 DENSE = 8192  # the `dense` variant: the benchmark's dense peak matmul, DENSE³ in bf16
 
 
-def make_step(variant: str, case, envs: dict[str, dict[str, str]], backend: str = "cute"):
+def make_step(variant: str, case, envs: dict[str, dict[str, str]], backend: str = "cute",
+              grad_mode: str = "fresh"):
     """One step of `variant`: te_seq's `cute` MLP fwd+bwd, `cute:fp8` (row-wise recipe,
     wgrads in bf16), `cute:fp8all` (row-wise, FP8 wgrads too), `quack`
     (benchmarks/peer_quack.py), `cute:NAME`, the cute MLP with the environment of
     `--env-variant NAME:...` set while it runs (its own module; `backend` for te_seq's), or
-    `dense`, the benchmark's dense-peak matmul."""
+    `dense`, the benchmark's dense-peak matmul. `grad_mode` "megatron": the benchmark's
+    Megatron mode (grad_modes.py) for te_seq's and QuACK's MLPs."""
     if variant == "dense":
         a, b = (torch.randn(DENSE, DENSE, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         return lambda: torch.mm(a, b)
     name = variant.partition(":")[2]
     if name in envs:
-        step = make_step("cute", case, envs, backend)
+        step = make_step("cute", case, envs, backend, grad_mode)
 
         def env_step():
             with _environment(envs[name]):
@@ -58,8 +61,10 @@ def make_step(variant: str, case, envs: dict[str, dict[str, str]], backend: str 
     if variant == "quack":
         from peer_quack import QuackPeer
 
-        return QuackPeer(case, "fresh").forward_backward
-    mlp, forward = build(case, backend)
+        return QuackPeer(case, grad_mode).forward_backward
+    mlp, forward = build(case, backend, main_grad=grad_mode == "megatron")
+    if grad_mode == "megatron":
+        GradState("megatron", list(mlp.parameters()))  # main_grad buffers, flag, hook
     recipe = (te_seq.recipe.Float8RowwiseScaling(fp8_wgrad=variant == "cute:fp8all")
               if variant in ("cute:fp8", "cute:fp8all") else None)
     return step_fn(mlp, forward, recipe)
@@ -109,12 +114,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="each variant this many times, in turn")
     p.add_argument("--env-variant", action="append", default=[],
                    help="NAME:VAR=VALUE[,VAR=VALUE...]: adds cute:NAME (bench_grouped_mlp.py's)")
+    p.add_argument("--grad-mode", default="fresh", choices=["fresh", "megatron"],
+                   help="megatron: fp32 main_grad, the flag and Megatron's hook")
     p.add_argument("--json", default="")
     args = p.parse_args()
     case = make_case(args.shape, torch.device("cuda"), torch.bfloat16, act=args.act)
     envs = dict(parse_env_variant(text) for text in args.env_variant)
     names = args.variants.split(",") + [f"cute:{name}" for name in envs]
-    steps = {v: make_step(v, case, envs) for v in names}
+    steps = {v: make_step(v, case, envs, grad_mode=args.grad_mode) for v in names}
     for step in steps.values():  # compile and warm up outside the sampled windows
         for _ in range(5):
             step()
@@ -135,8 +142,8 @@ def main() -> None:
     log.seek(0)
     lines = log.readlines()
     rows = []
-    print(f"shape {args.shape} {args.act}, bursts of {args.burst}, {args.seconds} s each "
-          f"after {args.idle} s idle; nvidia-smi every {args.sample_ms} ms")
+    print(f"shape {args.shape} {args.act} grads {args.grad_mode}, bursts of {args.burst}, "
+          f"{args.seconds} s each after {args.idle} s idle; nvidia-smi every {args.sample_ms} ms")
     for name, start, end, ms in windows:
         got = samples_between(lines, start, end)
         if not got:
@@ -150,7 +157,8 @@ def main() -> None:
               f"{ms * mhz / 1e3:6.3f} ms·GHz  ({len(got)} samples){dense}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "act": args.act, "rows": rows}, f, indent=1)
+            json.dump({"shape": args.shape, "act": args.act, "grad_mode": args.grad_mode,
+                   "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

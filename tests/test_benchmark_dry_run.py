@@ -806,3 +806,17 @@ def test_probe_autograd_threads_times_both_settings_on_the_cpu():
     assert all(host > 0 and wall >= host for _, host, wall in rows)
     assert probe._Spin.spent and min(probe._Spin.spent) > 0
     assert torch.autograd.is_multithreading_enabled()
+
+
+def test_probe_clocks_megatron_mode_gives_the_weights_main_grad(monkeypatch):
+    import probe_clocks
+
+    built = []
+    monkeypatch.setattr(probe_clocks, "step_fn", lambda mlp, forward, recipe: built.append(mlp))
+    case = mlp_case.make_case("U", torch.device("cpu"), torch.float32, act="swiglu")
+    probe_clocks.make_step("cute", case, {}, backend="torch", grad_mode="megatron")
+    probe_clocks.make_step("cute", case, {}, backend="torch")
+    megatron, fresh = (list(mlp.parameters()) for mlp in built)
+    assert all(p.main_grad.dtype == torch.float32 and p.main_grad.shape == p.shape
+               for p in megatron)
+    assert not any(hasattr(p, "main_grad") for p in fresh)

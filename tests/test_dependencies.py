@@ -50,6 +50,7 @@ _LOCAL = {
     "profile_launch",  # its stub kernels serve tests/kernels/test_cute_launch_plan.py
     "profile_host",  # its MLP builder (Megatron mode too): tests/test_benchmark_dry_run.py
     "ncu_stalls", "ncu_target",  # the Nsight Compute helpers: tests/test_benchmark_dry_run.py
+    "probe_clocks", "probe_autograd_threads",  # sustained-step probes: test_benchmark_dry_run.py
 }
 
 
