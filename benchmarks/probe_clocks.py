@@ -47,6 +47,9 @@ def make_step(variant: str, case, envs: dict[str, dict[str, str]], backend: str 
     `--env-variant NAME:...` set while it runs (its own module; `backend` for te_seq's), or
     `dense`, the benchmark's dense-peak matmul. `grad_mode` "megatron": the benchmark's
     Megatron mode (grad_modes.py) for te_seq's and QuACK's MLPs."""
+    known = ("cute", "cute:fp8", "cute:fp8all", "quack", "dense", *(f"cute:{n}" for n in envs))
+    if variant not in known:
+        raise ValueError(f"probe_clocks: unknown variant {variant!r}; known: {', '.join(known)}")
     if variant == "dense":
         a, b = (torch.randn(DENSE, DENSE, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         return lambda: torch.mm(a, b)

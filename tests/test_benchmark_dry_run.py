@@ -794,6 +794,8 @@ def test_probe_clocks_env_variant_runs_with_its_environment(monkeypatch):
     probe_clocks.make_step("cute", case, envs, backend="torch")()
     probe_clocks.make_step("cute:fp8", case, envs, backend="torch")()
     assert [env for env, _ in seen] == ["7", None, None]
+    with pytest.raises(ValueError, match="unknown variant 'cute:y'.*cute:x"):
+        probe_clocks.make_step("cute:y", case, envs, backend="torch")
     assert seen[0][1] is None and seen[2][1].fp8_wgrad is False
     assert "TE_SEQ_PROBE_X" not in os.environ
 
