@@ -6,8 +6,9 @@ kernels' work can run at different speeds for how much power their kernels draw.
 each variant for `--seconds` of back-to-back fwd+bwd steps (a synchronize every `--burst`
 steps, as the benchmark's bursts), after `--idle` seconds of idle GPU, while `nvidia-smi`
 samples the SM clock, the power draw and the temperature every `--sample-ms`; per variant it
-prints ms per step and the samples' median clock (MHz) and power (W) over the run (its first
-0.3 s left out), and the work per step at that clock (ms x MHz, lower is fewer cycles).
+prints ms per step, TFLOP/s (the benchmark's 18·M·H·F per fwd+bwd; FP8 counts the same FLOPs),
+the samples' median clock (MHz) and power (W) over the run (its first 0.3 s left out), and
+the cycles per step at that clock (ms x GHz).
 
   python benchmarks/probe_clocks.py --shape Q --act swiglu [--variants cute,quack,cute:fp8]
       [--env-variant NAME:VAR=VALUE,...] [--seconds 4] [--rounds 2] [--json OUT]
@@ -30,6 +31,7 @@ import torch
 from bench_grouped_mlp import _environment, parse_env_variant
 from grad_modes import GradState
 from mlp_case import ACTS, make_case
+from mlp_report import flops
 from profile_host import build
 from profile_kernels import step_fn
 
@@ -105,6 +107,27 @@ def samples_between(lines: list[str], start: float, end: float) -> list[tuple[fl
     return out
 
 
+def report(windows: list[tuple[str, float, float, float]], lines: list[str],
+           mlp_flops: float) -> list[dict]:
+    """Print and return one row per (variant, start, end, ms) window: its ms, TFLOP/s (the
+    MLP's `mlp_flops` per step, `dense`'s matmul), and the nvidia-smi samples' median clock,
+    power and temperature inside the window, with the cycles per step (ms x GHz)."""
+    rows = []
+    for name, start, end, ms in windows:
+        got = samples_between(lines, start, end)
+        if not got:
+            print(f"{name:10s} {ms:7.3f} ms/step   (no nvidia-smi samples in its window)")
+            continue
+        mhz, watts, temp = (statistics.median(v[i] for v in got) for i in range(3))
+        work = 2 * DENSE**3 if name == "dense" else mlp_flops
+        rows.append({"variant": name, "ms": ms, "tflops": work / ms / 1e9, "mhz": mhz,
+                     "watts": watts, "temp_c": temp, "samples": len(got),
+                     "ms_x_ghz": ms * mhz / 1e3})
+        print(f"{name:10s} {ms:7.3f} ms/step  {work / ms / 1e9:5.0f} TFLOP/s  SM {mhz:6.0f} MHz  "
+              f"{watts:5.0f} W  {temp:3.0f} C  {ms * mhz / 1e3:6.3f} ms·GHz  ({len(got)} samples)")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="Q")
@@ -143,21 +166,9 @@ def main() -> None:
         smi.terminate()
         smi.wait()
     log.seek(0)
-    lines = log.readlines()
-    rows = []
     print(f"shape {args.shape} {args.act} grads {args.grad_mode}, bursts of {args.burst}, "
           f"{args.seconds} s each after {args.idle} s idle; nvidia-smi every {args.sample_ms} ms")
-    for name, start, end, ms in windows:
-        got = samples_between(lines, start, end)
-        if not got:
-            print(f"{name:10s} {ms:7.3f} ms/step   (no nvidia-smi samples in its window)")
-            continue
-        mhz, watts, temp = (statistics.median(v[i] for v in got) for i in range(3))
-        rows.append({"variant": name, "ms": ms, "mhz": mhz, "watts": watts, "temp_c": temp,
-                     "samples": len(got), "ms_x_ghz": ms * mhz / 1e3})
-        dense = f"  {2 * DENSE**3 / ms / 1e9:.0f} TFLOP/s" if name == "dense" else ""
-        print(f"{name:10s} {ms:7.3f} ms/step  SM {mhz:6.0f} MHz  {watts:5.0f} W  {temp:3.0f} C  "
-              f"{ms * mhz / 1e3:6.3f} ms·GHz  ({len(got)} samples){dense}")
+    rows = report(windows, log.readlines(), flops(case.shape, "fwd+bwd"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, "act": args.act, "grad_mode": args.grad_mode,

@@ -781,6 +781,26 @@ def test_probe_clocks_keeps_the_samples_inside_each_window():
     assert probe_clocks.samples_between(lines, base, base + 0.6) == [(1400.0, 690.5, 48.0)]
 
 
+def test_probe_clocks_report_gives_rate_clock_and_cycles_per_window(capsys):
+    import time
+
+    import probe_clocks
+
+    base = float(int(time.time()))
+    stamp = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(base))
+    lines = [f"{stamp}.100, 1400, 690, 48", f"{stamp}.200, 1500, 692, 49",
+             f"{stamp}.300, 1600, 694, 50", f"{stamp}.900, 1000, 300, 40"]
+    windows = [("cute", base + 0.05, base + 0.35, 2.0), ("dense", base + 0.85, base + 0.95, 1.6),
+               ("quack", base + 5, base + 6, 1.9)]
+    rows = probe_clocks.report(windows, lines, mlp_flops=1e12)
+    assert [r["variant"] for r in rows] == ["cute", "dense"]  # quack: no samples in its window
+    cute, dense = rows
+    assert (cute["mhz"], cute["watts"], cute["samples"]) == (1500.0, 692.0, 3)
+    assert cute["tflops"] == pytest.approx(500.0) and cute["ms_x_ghz"] == pytest.approx(3.0)
+    assert dense["tflops"] == pytest.approx(2 * 8192**3 / 1.6e-3 / 1e12)
+    assert "no nvidia-smi samples" in capsys.readouterr().out
+
+
 def test_probe_clocks_env_variant_runs_with_its_environment(monkeypatch):
     import probe_clocks
 
