@@ -56,26 +56,6 @@ class _Spin(torch.autograd.Function):
         return g * 2
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def burst_host_us(step, bursts: int = 15, burst: int = 20) -> tuple[float, float]:
-    """Median host µs per step to queue a burst and device-inclusive µs per step."""
-    runs = []
-    for _ in range(bursts):
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(burst):
-            step()
-        queued = time.perf_counter()
-        _sync()
-        runs.append(((queued - t0) / burst * 1e6, (time.perf_counter() - t0) / burst * 1e6))
-    runs.sort()
-    return runs[len(runs) // 2]
-
-
 def spin_step(rounds: int, device: str = "cuda"):
     """One probe step on `device` (on the CPU autograd has no device thread: a smoke run)."""
     x = torch.randn(1024, device=device, requires_grad=True)
@@ -91,16 +71,13 @@ def spin_step(rounds: int, device: str = "cuda"):
 def compare(label: str, step, bursts: int = 15) -> list[tuple[bool, float, float]]:
     """Prints and returns (device thread?, host µs, wall µs) per setting of autograd's
     multithreading."""
+    from profile_kernels import burst_feed
+
     rows = []
     for threads in (True, False):
-        torch.autograd.set_multithreading_enabled(threads)
-        try:
-            for _ in range(5):
-                step()
-            _Spin.spent.clear()
-            host, wall = burst_host_us(step, bursts)
-        finally:
-            torch.autograd.set_multithreading_enabled(True)
+        burst_feed(step, threads, bursts=1, burst=5)  # warm-up in this setting
+        _Spin.spent.clear()
+        host, wall = burst_feed(step, threads, bursts)
         inner = f", Python work {statistics.median(_Spin.spent):.1f} us" if _Spin.spent else ""
         where = "device thread " if threads else "calling thread"
         print(f"{label:40s} backward on {where}: host {host:7.1f} us/step, "

@@ -152,28 +152,36 @@ def launch_gaps(step, iters: int) -> list[tuple[str, float, float]]:
 
 
 def host_feed(step, bursts: int = 10, burst: int = 20) -> dict[str, tuple[float, float]]:
-    """{"threads"|"calling thread": (host µs per step to queue a burst, device µs per step of
-    the burst)}, medians over `bursts` bursts of `burst` back-to-back steps, each from an idle
-    device; "calling thread" runs backward without autograd's device threads."""
-    out = {}
-    for label, threads in (("threads", True), ("calling thread", False)):
-        torch.autograd.set_multithreading_enabled(threads)
-        try:
-            runs = []
-            for _ in range(bursts):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(burst):
-                    step()
-                queued = time.perf_counter()
-                torch.cuda.synchronize()
-                done = time.perf_counter()
-                runs.append(((queued - t0) / burst * 1e6, (done - t0) / burst * 1e6))
-        finally:
-            torch.autograd.set_multithreading_enabled(True)
-        runs.sort()
-        out[label] = runs[len(runs) // 2]
-    return out
+    """{"threads"|"calling thread": `burst_feed`}: "calling thread" runs backward without
+    autograd's device threads."""
+    return {label: burst_feed(step, threads, bursts, burst)
+            for label, threads in (("threads", True), ("calling thread", False))}
+
+
+def burst_feed(step, threads: bool, bursts: int = 10, burst: int = 20) -> tuple[float, float]:
+    """(host µs per step to queue a burst, µs per step until its last kernel ends), medians
+    over `bursts` bursts of `burst` back-to-back steps, each from an idle device, with
+    autograd's device threads on or off (`threads`); on the CPU the second is the host's."""
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    torch.autograd.set_multithreading_enabled(threads)
+    try:
+        runs = []
+        for _ in range(bursts):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(burst):
+                step()
+            queued = time.perf_counter()
+            sync()
+            done = time.perf_counter()
+            runs.append(((queued - t0) / burst * 1e6, (done - t0) / burst * 1e6))
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+    runs.sort()
+    return runs[len(runs) // 2]
 
 
 def python_profile(step, iters: int, top: int) -> None:

@@ -842,3 +842,18 @@ def test_probe_clocks_megatron_mode_gives_the_weights_main_grad(monkeypatch):
     assert all(p.main_grad.dtype == torch.float32 and p.main_grad.shape == p.shape
                for p in megatron)
     assert not any(hasattr(p, "main_grad") for p in fresh)
+
+
+def test_host_feed_times_both_autograd_thread_settings_and_restores_the_default():
+    import profile_kernels
+
+    calls = []
+
+    def step():
+        calls.append(torch.autograd.is_multithreading_enabled())
+
+    feed = profile_kernels.host_feed(step, bursts=3, burst=4)
+    assert list(feed) == ["threads", "calling thread"]
+    assert calls == [True] * 12 + [False] * 12
+    assert all(wall >= host > 0 for host, wall in feed.values())
+    assert torch.autograd.is_multithreading_enabled()
