@@ -8,6 +8,13 @@ every unit of an expert costs the same. Prints each schedule's longest cluster o
 balanced time (total / G: 1.00 is perfect):
 
     python benchmarks/schedule_model.py --shape Z --units-per-expert 32,66 --clusters 66
+
+``--varlen-m`` models the varlen-M GEMMs' clusters instead (kernel README, section 23): the
+CTA tiles one n-tile column of a launch runs, with 128-row tiles in 1x2 clusters (the default:
+one m-tile, two n-tiles) or in 2x1 clusters (256-row units, two m-tiles sharing B), against
+the ideal rows / 128. A 2x1 unit whose expert has ≤ 128 rows left still occupies both CTAs.
+
+    python benchmarks/schedule_model.py --varlen-m --shape J
 """
 
 from __future__ import annotations
@@ -57,6 +64,19 @@ def spans(sizes: list[int], per_expert: int, clusters: int, epilogue: float = 2.
     }
 
 
+def varlen_m_tiles(sizes: list[int], cluster_m: int, tile_m: int = 128) -> int:
+    """CTA tiles per n-tile of a varlen-M launch: each expert's rows in units of
+    ``cluster_m`` m-tiles, every CTA of a unit running a tile whether it has rows or not."""
+    unit = tile_m * cluster_m
+    return cluster_m * sum(-(-rows // unit) for rows in sizes)
+
+
+def varlen_m_report(sizes: list[int]) -> dict[str, float]:
+    """{cluster: CTA tiles / the ideal rows / 128} for 1x2 and 2x1 clusters."""
+    ideal = sum(sizes) / 128
+    return {"1x2": varlen_m_tiles(sizes, 1) / ideal, "2x1": varlen_m_tiles(sizes, 2) / ideal}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="Z", choices=sorted(SHAPES))
@@ -64,8 +84,16 @@ def main() -> None:
                    help="units per expert of each launch (Q/Z: FC2 wgrad 32, FC1 wgrad 66)")
     p.add_argument("--clusters", type=int, default=66, help="persistent clusters (2-CTA: 66)")
     p.add_argument("--seeds", type=int, default=1, help="Zipf splits to model (skewed shapes)")
+    p.add_argument("--varlen-m", action="store_true",
+                   help="the varlen-M GEMMs' CTA tiles in 1x2 against 2x1 clusters instead")
     args = p.parse_args()
     s = SHAPES[args.shape]
+    if args.varlen_m:
+        for seed in range(args.seeds):
+            got = varlen_m_report(split_counts(s, seed))
+            print(f"{args.shape} seed {seed} CTA tiles / ideal: "
+                  + "  ".join(f"{k} {v:.3f}" for k, v in got.items()))
+        return
     for seed in range(args.seeds):
         sizes = split_counts(s, seed)
         for per_expert in (int(u) for u in args.units_per_expert.split(",")):

@@ -631,6 +631,21 @@ def test_schedule_model_shows_static_units_unbalanced_only_under_skew():
     assert all(v < 1.01 for v in uniform.values())
 
 
+def test_schedule_model_counts_the_varlen_m_tiles_of_each_cluster_shape():
+    """A 2x1 unit holds 256 rows of one expert: one with <= 128 rows left still runs both CTAs,
+    so 2x1 matches 1x2's tile count on uniform 256-row experts (Q) and runs more elsewhere."""
+    import schedule_model
+    from mlp_case import SHAPES, split_counts
+
+    assert schedule_model.varlen_m_tiles([256, 260, 100, 0], 1) == 2 + 3 + 1
+    assert schedule_model.varlen_m_tiles([256, 260, 100, 0], 2) == 2 * (1 + 2 + 1)
+    q = schedule_model.varlen_m_report(split_counts(SHAPES["Q"]))
+    assert q == {"1x2": 1.0, "2x1": 1.0}
+    for name in ("J", "Z"):
+        got = schedule_model.varlen_m_report(split_counts(SHAPES[name]))
+        assert 1.1 < got["1x2"] < got["2x1"] - 0.1
+
+
 def test_jittered_shape_splits_near_uniform():
     """Shape J (Q's widths as a balanced router splits them): every expert 0.9-1.1x the mean
     (±1 row of rounding), not all equal, summing to M; deterministic per seed."""
