@@ -53,6 +53,8 @@ def _configs() -> dict[str, object]:
         "mm128_nmajor": GemmConfig("m", bf16, bf16, "n", 128, (1, 2)),
         "mm256_fp16_2x1": GemmConfig("m", fp16, fp16, "k", 256, (2, 1)),
         "mm192_pingpong": GemmConfig("m", bf16, bf16, "k", 192, (1, 2), pingpong=True),
+        # the default ping-pong varlen-M GEMM: 2x1 with split tails (two B atoms)
+        "mm192_pp_2x1": GemmConfig("m", bf16, bf16, "k", 192, (2, 1), pingpong=True),
         # an expert's last tile with <= 64 rows runs one 64-row atom (mainloop.py)
         "mm128_pp_half": GemmConfig("m", bf16, bf16, "k", 128, (1, 2), pingpong=True,
                                     half_tiles=True),
@@ -90,6 +92,9 @@ def _configs() -> dict[str, object]:
         # ping-pong GLU epilogues (one warpgroup holds the whole 128-row tile)
         "glu_fc1_silu_probs_pp": GluConfig("fc1", bf16, "k", "silu", None, fp32, tile_n=128,
                                            pingpong=True),
+        # ... in the default 2x1 cluster (split tails)
+        "glu_fc1_silu_probs_pp_2x1": GluConfig("fc1", bf16, "k", "silu", None, fp32, (2, 1),
+                                               tile_n=128, pingpong=True),
         # a forward without backward: a only, h not stored
         "glu_fc1_silu_probs_pp_noh": GluConfig("fc1", bf16, "k", "silu", None, fp32, tile_n=128,
                                                pingpong=True, store_h=False),

@@ -13,6 +13,9 @@ the cycles per step at that clock (ms x GHz).
   python benchmarks/probe_clocks.py --shape Q --act swiglu [--variants cute,quack,cute:fp8]
       [--env-variant NAME:VAR=VALUE,...] [--seconds 4] [--rounds 2] [--json OUT]
 
+An env variant NAME adds `cute:NAME` (the bf16 MLP under NAME's settings); `cute:fp8/NAME`
+and `cute:fp8all/NAME` run the FP8 steps under them.
+
 Under a power cap the cycles per step (ms x GHz) compare kernels better than their ms: two
 processes, or two moments of one, that run at different clocks give the same cycles for the
 same kernels, as long as the step is bound by the GPU (not by the host's launches).
@@ -46,18 +49,23 @@ def make_step(variant: str, case, envs: dict[str, dict[str, str]], backend: str 
     """One step of `variant`: te_seq's `cute` MLP fwd+bwd, `cute:fp8` (row-wise recipe,
     wgrads in bf16), `cute:fp8all` (row-wise, FP8 wgrads too), `quack`
     (benchmarks/peer_quack.py), `cute:NAME`, the cute MLP with the environment of
-    `--env-variant NAME:...` set while it runs (its own module; `backend` for te_seq's), or
+    `--env-variant NAME:...` set while it runs (its own module; `backend` for te_seq's),
+    `BASE/NAME`, te_seq's variant BASE (`cute`, `cute:fp8`, `cute:fp8all`) likewise, or
     `dense`, the benchmark's dense-peak matmul. `grad_mode` "megatron": the benchmark's
     Megatron mode (grad_modes.py) for te_seq's and QuACK's MLPs."""
-    known = ("cute", "cute:fp8", "cute:fp8all", "quack", "dense", *(f"cute:{n}" for n in envs))
+    ours = ("cute", "cute:fp8", "cute:fp8all")
+    known = (*ours, "quack", "dense", *(f"cute:{n}" for n in envs),
+             *(f"{b}/{n}" for b in ours for n in envs))
     if variant not in known:
         raise ValueError(f"probe_clocks: unknown variant {variant!r}; known: {', '.join(known)}")
     if variant == "dense":
         a, b = (torch.randn(DENSE, DENSE, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         return lambda: torch.mm(a, b)
-    name = variant.partition(":")[2]
-    if name in envs:
-        step = make_step("cute", case, envs, backend, grad_mode)
+    base, _, name = variant.rpartition("/")
+    if not base and variant.partition(":")[2] in envs:
+        base, name = "cute", variant.partition(":")[2]
+    if base:
+        step = make_step(base, case, envs, backend, grad_mode)
 
         def env_step():
             with _environment(envs[name]):

@@ -12,7 +12,9 @@ balanced time (total / G: 1.00 is perfect):
 ``--varlen-m`` models the varlen-M GEMMs' clusters instead (kernel README, section 23): the
 CTA tiles one n-tile column of a launch runs, with 128-row tiles in 1x2 clusters (the default:
 one m-tile, two n-tiles) or in 2x1 clusters (256-row units, two m-tiles sharing B), against
-the ideal rows / 128. A 2x1 unit whose expert has ≤ 128 rows left still occupies both CTAs.
+the ideal rows / 128. A 2x1 unit whose expert has ≤ 128 rows left occupied both CTAs ("2x1
+whole"); the kernels now split such a tail over two n-tiles instead ("2x1", as many tiles as
+1x2).
 
     python benchmarks/schedule_model.py --varlen-m --shape J
 """
@@ -64,17 +66,29 @@ def spans(sizes: list[int], per_expert: int, clusters: int, epilogue: float = 2.
     }
 
 
-def varlen_m_tiles(sizes: list[int], cluster_m: int, tile_m: int = 128) -> int:
+def varlen_m_tiles(sizes: list[int], cluster_m: int, tile_m: int = 128,
+                   split_tail: bool = False) -> int:
     """CTA tiles per n-tile of a varlen-M launch: each expert's rows in units of
-    ``cluster_m`` m-tiles, every CTA of a unit running a tile whether it has rows or not."""
+    ``cluster_m`` m-tiles, every CTA of a unit running a tile whether it has rows or not;
+    with ``split_tail`` an expert's last unit of at most one tile's rows runs one tile per
+    n-tile (its CTAs on neighbouring n-tiles: the kernels' 2x1 scheduler)."""
     unit = tile_m * cluster_m
-    return cluster_m * sum(-(-rows // unit) for rows in sizes)
+    tiles = 0
+    for rows in sizes:
+        units = -(-rows // unit)
+        tail = rows - (units - 1) * unit if units else 0
+        short = split_tail and 0 < tail <= tile_m
+        tiles += cluster_m * units - (cluster_m - 1 if short else 0)
+    return tiles
 
 
 def varlen_m_report(sizes: list[int]) -> dict[str, float]:
-    """{cluster: CTA tiles / the ideal rows / 128} for 1x2 and 2x1 clusters."""
+    """{cluster: CTA tiles / the ideal rows / 128} for 1x2 and 2x1 clusters, 2x1 with whole
+    units only ("2x1 whole", the kernels before split tails) and with split tails."""
     ideal = sum(sizes) / 128
-    return {"1x2": varlen_m_tiles(sizes, 1) / ideal, "2x1": varlen_m_tiles(sizes, 2) / ideal}
+    return {"1x2": varlen_m_tiles(sizes, 1) / ideal,
+            "2x1 whole": varlen_m_tiles(sizes, 2) / ideal,
+            "2x1": varlen_m_tiles(sizes, 2, split_tail=True) / ideal}
 
 
 def main() -> None:

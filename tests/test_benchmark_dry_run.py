@@ -632,18 +632,22 @@ def test_schedule_model_shows_static_units_unbalanced_only_under_skew():
 
 
 def test_schedule_model_counts_the_varlen_m_tiles_of_each_cluster_shape():
-    """A 2x1 unit holds 256 rows of one expert: one with <= 128 rows left still runs both CTAs,
-    so 2x1 matches 1x2's tile count on uniform 256-row experts (Q) and runs more elsewhere."""
+    """A whole 2x1 unit holds 256 rows of one expert: one with <= 128 rows left runs both
+    CTAs, so whole units match 1x2's tile count on uniform 256-row experts (Q) and run more
+    elsewhere; split tails (the kernels' 2x1) run 1x2's count on every split."""
     import schedule_model
     from mlp_case import SHAPES, split_counts
 
-    assert schedule_model.varlen_m_tiles([256, 260, 100, 0], 1) == 2 + 3 + 1
-    assert schedule_model.varlen_m_tiles([256, 260, 100, 0], 2) == 2 * (1 + 2 + 1)
+    sizes = [256, 260, 100, 0, 129, 383, 385]
+    assert schedule_model.varlen_m_tiles(sizes, 1) == 2 + 3 + 1 + 0 + 2 + 3 + 4
+    assert schedule_model.varlen_m_tiles(sizes, 2) == 2 * (1 + 2 + 1 + 0 + 1 + 2 + 2)
+    assert schedule_model.varlen_m_tiles(sizes, 2, split_tail=True) == 2 + 3 + 1 + 0 + 2 + 3 + 4
     q = schedule_model.varlen_m_report(split_counts(SHAPES["Q"]))
-    assert q == {"1x2": 1.0, "2x1": 1.0}
+    assert q == {"1x2": 1.0, "2x1 whole": 1.0, "2x1": 1.0}
     for name in ("J", "Z"):
         got = schedule_model.varlen_m_report(split_counts(SHAPES[name]))
-        assert 1.1 < got["1x2"] < got["2x1"] - 0.1
+        assert 1.1 < got["1x2"] < got["2x1 whole"] - 0.1
+        assert got["2x1"] == got["1x2"]
 
 
 def test_jittered_shape_splits_near_uniform():
@@ -828,9 +832,12 @@ def test_probe_clocks_env_variant_runs_with_its_environment(monkeypatch):
     probe_clocks.make_step("cute:x", case, envs, backend="torch")()
     probe_clocks.make_step("cute", case, envs, backend="torch")()
     probe_clocks.make_step("cute:fp8", case, envs, backend="torch")()
-    assert [env for env, _ in seen] == ["7", None, None]
-    with pytest.raises(ValueError, match="unknown variant 'cute:y'.*cute:x"):
-        probe_clocks.make_step("cute:y", case, envs, backend="torch")
+    probe_clocks.make_step("cute:fp8/x", case, envs, backend="torch")()
+    assert [env for env, _ in seen] == ["7", None, None, "7"]
+    assert seen[3][1].fp8_wgrad is False
+    for bad in ("cute:y", "cute:fp8/y", "quack/x"):
+        with pytest.raises(ValueError, match=f"unknown variant '{bad}'.*cute:fp8/x"):
+            probe_clocks.make_step(bad, case, envs, backend="torch")
     assert seen[0][1] is None and seen[2][1].fp8_wgrad is False
     assert "TE_SEQ_PROBE_X" not in os.environ
 

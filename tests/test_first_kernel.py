@@ -122,12 +122,12 @@ def test_stubbed_forward_launches_offsets_then_fc1_then_fc2(grad):
     assert (fc1[2] is fc1[5]) == (not grad)  # without backward FC1 stores a only
     assert [_facts(a) for a in fc1] == [
         (bf, (256, 256), (256, 1), 0), (bf, (256, 256, 8), (256, 1, 65536), 0),
-        h, (i32, (8,), (1,), 0), 10, (bf, (256, 128), (128, 1), 0),
+        h, (i32, (8,), (1,), 0), 18, (bf, (256, 128), (128, 1), 0),
         (torch.float32, (256,), (1,), 0), (torch.float32, (8,), (1,), 0),
         (bf, (8, 8), (8, 1), 0), (bf, (8, 8), (8, 1), 0), (i32, (1,), (1,), 0)]
     assert [_facts(a) for a in fc2] == [
         (bf, (256, 128), (128, 1), 0), (bf, (256, 128, 8), (128, 1, 32768), 0),
-        (bf, (256, 256), (256, 1), 0), (i32, (8,), (1,), 0), 10, (i32, (1,), (1,), 0)]
+        (bf, (256, 256), (256, 1), 0), (i32, (8,), (1,), 0), 18, (i32, (1,), (1,), 0)]
     assert fc1[3] is offsets[1] and fc2[3] is offsets[1]  # both GEMMs read those offsets
     assert fc2[0] is fc1[5]  # FC2 multiplies FC1's activation
 

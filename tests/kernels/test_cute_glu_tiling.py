@@ -9,9 +9,9 @@ import pytest
 
 from te_seq.kernels.cute import Tiling
 from te_seq.kernels.cute.glu import PINGPONG_FC1_TILE_N, _glu_tiling
-from te_seq.kernels.cute.launch import PINGPONG_MAX_K
+from te_seq.kernels.cute.launch import MM_PINGPONG_CLUSTER, PINGPONG_MAX_K
 
-PINGPONG_FC1 = Tiling(PINGPONG_FC1_TILE_N, (1, 2), pingpong=True)
+PINGPONG_FC1 = Tiling(PINGPONG_FC1_TILE_N, MM_PINGPONG_CLUSTER, pingpong=True)
 
 
 @pytest.fixture(autouse=True)
@@ -59,9 +59,9 @@ def test_max_k_from_the_environment_moves_the_bound(tiling_env):
 def test_glu_fc1_width_from_the_environment(tiling_env):
     tiling_env("TE_SEQ_GLU_FC1_TILE_N", "192")
     assert _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True) == Tiling(
-        192, (1, 2), pingpong=True)
+        192, (2, 1), pingpong=True)
     narrow = _glu_tiling("fc1", 2048, False, None, 4096, plain_fc1=True)  # F = 1024: not 96s
-    assert narrow == Tiling(128, (1, 2), pingpong=True)
+    assert narrow == Tiling(128, (2, 1), pingpong=True)
     tiling_env("TE_SEQ_GLU_FC1_TILE_N", "256")
     with pytest.raises(ValueError, match=r"TE_SEQ_GLU_FC1_TILE_N must be one of \['128', '192'\]"):
         _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True)
@@ -69,9 +69,10 @@ def test_glu_fc1_width_from_the_environment(tiling_env):
 
 def test_varlen_m_cluster_from_the_environment(tiling_env):
     """TE_SEQ_MM_CLUSTER moves the ping-pong FC1's cluster (and only ping-pong tilings')."""
-    tiling_env("TE_SEQ_MM_CLUSTER", "2x1")
+    assert MM_PINGPONG_CLUSTER == (2, 1)
+    tiling_env("TE_SEQ_MM_CLUSTER", "1x2")
     assert _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True) == Tiling(
-        PINGPONG_FC1_TILE_N, (2, 1), pingpong=True)
+        PINGPONG_FC1_TILE_N, (1, 2), pingpong=True)
     assert _glu_tiling("dgrad", 768, False, None, 2048, plain_fc1=True) == Tiling(192, (1, 2))
     tiling_env("TE_SEQ_MM_CLUSTER", "2x2")
     with pytest.raises(ValueError, match=r"TE_SEQ_MM_CLUSTER must be one of \['1x2', '2x1'\]"):
@@ -83,14 +84,14 @@ def test_fp8_dgrad_runs_pingpong_for_short_k(k):
     """The row-wise FP8 GLU dgrad runs 128-wide ping-pong tiles in the ping-pong cluster; the
     16-bit dgrad stays cooperative."""
     assert _glu_tiling("dgrad", 768, False, None, k, fp8_dgrad=True) == Tiling(
-        128, (1, 2), pingpong=True)
+        128, (2, 1), pingpong=True)
     assert not _glu_tiling("dgrad", 768, False, None, k).pingpong
 
 
 def test_fp8_dgrad_pingpong_off_long_k_and_cluster(tiling_env):
     assert not _glu_tiling("dgrad", 768, False, None, PINGPONG_MAX_K + 8, fp8_dgrad=True).pingpong
-    tiling_env("TE_SEQ_MM_CLUSTER", "2x1")
+    tiling_env("TE_SEQ_MM_CLUSTER", "1x2")
     assert _glu_tiling("dgrad", 768, False, None, 2048, fp8_dgrad=True) == Tiling(
-        128, (2, 1), pingpong=True)
+        128, (1, 2), pingpong=True)
     tiling_env("TE_SEQ_PINGPONG", "0")
     assert _glu_tiling("dgrad", 768, False, None, 2048, fp8_dgrad=True) == Tiling(192, (1, 2))

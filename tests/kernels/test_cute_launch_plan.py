@@ -216,15 +216,15 @@ def test_wgrad_cluster_and_max_k_follow_the_environment(tiling_env):
 
 def test_varlen_m_cluster_follows_the_environment(tiling_env):
     """TE_SEQ_MM_CLUSTER picks the ping-pong varlen-M GEMM's cluster, and its tile width is
-    fitted to that cluster's units (N = 2048: 128 wide in 1x2, 192 in 2x1)."""
+    fitted to that cluster's units (N = 2048: 192 wide in 2x1, the default, 128 in 1x2)."""
     a, w1 = torch.randn(M, H).to(BF16), torch.randn(E, 2048, H).to(BF16)
     mm = lambda: cute.grouped_mm(a, w1.transpose(1, 2), _offs())  # noqa: E731, K = H
     with stubbed_kernels() as stubs:
         default = _launch_of(stubs, mm)[0]
-        tiling_env("TE_SEQ_MM_CLUSTER", "2x1")
-        tall = _launch_of(stubs, mm)[0]
-    assert (default.cluster_mn, default.tile_n) == ((1, 2), 128)
-    assert (tall.cluster_mn, tall.tile_n, tall.pingpong) == ((2, 1), 192, True)
+        tiling_env("TE_SEQ_MM_CLUSTER", "1x2")
+        wide = _launch_of(stubs, mm)[0]
+    assert (default.cluster_mn, default.tile_n, default.pingpong) == ((2, 1), 192, True)
+    assert (wide.cluster_mn, wide.tile_n, wide.pingpong) == ((1, 2), 128, True)
 
 
 def test_half_tiles_follow_the_environment(tiling_env):

@@ -196,6 +196,33 @@ def test_pingpong_equals_cooperative_and_reference(case, tiling):
     assert (out[m:] == 0).all()
 
 
+# Groups whose last 2x1 unit (256 rows) holds no rows (0, 256, 512), 1-128 rows (a split tail:
+# 1, 77, 128, 129 = 128 + 1, 384, 385, 640) or 129-255 rows (a whole unit: 255, 511, 200); N of
+# three 128-wide tiles, so a tail's last pair of n-tiles has its second past N.
+_TAIL_SIZES = [1, 128, 129, 255, 256, 0, 257, 384, 385, 511, 512, 640, 77, 200]
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize(("width", "n"), [(128, 384), (192, 448)], ids=str)
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "cooperative"])
+def test_2x1_split_tails_equal_1x2(width, n, pingpong):
+    """A 2x1 kernel runs each group's tail of <= 128 rows as one m-tile over two n-tiles,
+    each CTA loading its own B (tile_scheduler.py): the outputs equal the 1x2 kernel's of the
+    same tile bit for bit, near float64, zeros past offs[-1], on every kind of tail."""
+    sizes, k = _TAIL_SIZES, 320
+    torch.manual_seed(5)
+    a = torch.randn(sum(sizes) + 45, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), n, k, device="cuda", dtype=torch.bfloat16)
+    offs = _offs(sizes)
+    out = _run(a, w.transpose(1, 2), offs, (width, (2, 1)), pingpong)
+    torch.testing.assert_close(out, _run(a, w.transpose(1, 2), offs, (width, (1, 2)), pingpong),
+                               rtol=0, atol=0)
+    ref = reference.grouped_mm(a.double(), w.transpose(1, 2).double(), offs)
+    assert _rel_err(out, ref) < 1e-2
+    assert (out[sum(sizes):] == 0).all()
+
+
 @gpu
 @needs_cute
 @pytest.mark.parametrize("tiling", [(128, (1, 2)), (192, (2, 1))], ids=str)
@@ -363,12 +390,16 @@ def test_plain_gemm_default_tiling_is_pingpong_for_short_k_unless_turned_off(til
     tiling_env("TE_SEQ_PINGPONG_MAX_K", None)
     tiling_env("TE_SEQ_PINGPONG", "0")
     assert plain_mm_tiling(2048, 768) == Tiling(256, (1, 2))  # turned off: cooperative
-    tiling_env("TE_SEQ_PINGPONG", None)  # the default
+    tiling_env("TE_SEQ_PINGPONG", None)  # the default: 2x1 clusters, 192 wide within 5 %
+    assert plain_mm_tiling(2048, 768) == Tiling(192, (2, 1), True)  # 2112 columns
+    assert plain_mm_tiling(4096, 1024) == Tiling(192, (2, 1), True)  # 4224 columns
+    assert plain_mm_tiling(2048, 1536) == Tiling(192, (2, 1), True)  # Q's FC1 dgrad
+    assert plain_mm_tiling(4096, 2048) == Tiling(192, (2, 1), True)  # B's FC1 dgrad
+    assert plain_mm_tiling(1536, 4096) == Tiling(192, (2, 1), True)  # a plain FC1 of B
+    assert plain_mm_tiling(1408, 1024) == Tiling(128, (2, 1), True)  # 192 would pad to 1536
+    tiling_env("TE_SEQ_MM_CLUSTER", "1x2")
     assert plain_mm_tiling(2048, 768) == Tiling(128, (1, 2), True)  # 192 would pad to 2304
-    assert plain_mm_tiling(4096, 1024) == Tiling(192, (1, 2), True)  # 4224 columns: < 5 % more
-    assert plain_mm_tiling(2048, 1536) == Tiling(128, (1, 2), True)  # Q's FC1 dgrad
-    assert plain_mm_tiling(4096, 2048) == Tiling(192, (1, 2), True)  # B's FC1 dgrad
-    assert plain_mm_tiling(1536, 4096) == Tiling(192, (1, 2), True)  # a plain FC1 of B
+    tiling_env("TE_SEQ_MM_CLUSTER", None)
     assert plain_mm_tiling(4096, 14336) == Tiling(256, (1, 2))  # A's FC2: cooperative
     assert plain_mm_tiling(768, 4097) == Tiling(192, (1, 2))
 
@@ -394,7 +425,9 @@ def test_glu_default_tilings_stay_cooperative(tiling_env):
 # the FP8 row-wise kernels
 _NO_SPILL_CONFIGS = ("glu_dgrad_silu128_pp64", "glu_fc1_silu_probs_pp64", "glu_fc1_relu_il32_pp64",
                      # FP8 row-wise in ping-pong (each warpgroup its scale scratch)
-                     "fp8_rowwise_pp192", "fp8_glu_fc1_silu_probs_pp", "fp8_wgrad_pp192_2x1")
+                     "fp8_rowwise_pp192", "fp8_glu_fc1_silu_probs_pp", "fp8_wgrad_pp192_2x1",
+                     # the default varlen-M clusters: 2x1 with split tails (two B atoms)
+                     "mm192_pp_2x1", "glu_fc1_silu_probs_pp_2x1")
 
 
 @pytest.mark.slow  # DSL compiles and ptxas in a subprocess

@@ -17,9 +17,9 @@ varlen ``"k"``) take as they free up, the longest groups' first (``tile_schedule
 ``"m"`` a unit's group is found from the device prefix sums by a warp-cooperative scan that only
 moves forward (each warp caches the group it is in), so the grid depends on M and E alone and the
 host never reads split sizes. The CTAs of a 1×2 cluster take neighbouring n-tiles of one m-tile
-and share A by TMA multicast (2×1: neighbouring m-tiles share B). 1×2 keeps 128-row granularity
-on small groups: on one H200 (2026-11-22) it beat 2×1 by 5–20% on the varlen-M shapes A/B/Q/Z
-of benchmarks/README.md.
+and share A by TMA multicast (2×1: neighbouring m-tiles share B, and a group's tail of at most
+one tile's rows runs over two n-tiles, each CTA loading its own B: ``split_tail``, so 2×1 keeps
+128-row granularity on small groups as 1×2 does).
 
 Bounds are enforced by TMA itself through "ragged" views (``ragged._ragged_view``): the store of
 a varlen-M tile drops rows past its group, and the loads of a varlen-K tile zero-fill rows past
@@ -154,6 +154,8 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             self.epi_extra_buffers = self.extra_barriers = self._old_c_smem_blocks()
         self.cluster_m, self.cluster_n = cluster_mn
         self.cluster_size = self.cluster_m * self.cluster_n
+        # a 2x1 unit's last m-tile alone runs over two n-tiles (tile_scheduler.py)
+        self.split_tail = varlen == "m" and cluster_mn == (2, 1)
         self.tile_mnk = (tile_mn[0], tile_mn[1], 64)
         self.threads = (1 + self.num_mma_warpgroups) * self.threads_per_warpgroup
         # the threads of one tile's MMA and epilogue: both warpgroups, or one in ping-pong
@@ -315,6 +317,9 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         if const_expr(self.dynamic_units):
             routes = (route,)  # the order-and-counter tensor
         tma_b, mB = self._tma_load(b_tma_src, self.b_smem, (tn, tk), self.cluster_m)
+        tma_b = (tma_b,)
+        if const_expr(self.split_tail):  # the tail units' B, one whole tile per CTA
+            tma_b = (*tma_b, self._tma_load(b_tma_src, self.b_smem, (tn, tk), 1)[0])
         tma_c, mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
             c_tma_src,
@@ -434,7 +439,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         self,
         tma_a: cute.CopyAtom,
         mA: cute.Tensor,
-        tma_b: cute.CopyAtom,
+        tma_b: tuple,  # B's TMA atoms: multicast, and unicast with split_tail
         mB: cute.Tensor,
         tma_c: cute.CopyAtom,
         mC: cute.Tensor,
@@ -453,7 +458,8 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         if warp == 0:
             if const_expr(self.route != "gather"):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            for atom in tma_b:
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
         tm, tn, tk = self.tile_mnk
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())

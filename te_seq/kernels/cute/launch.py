@@ -110,7 +110,7 @@ PINGPONG_MAX_K = 4096
 #                              (longest group first, as clusters free up) or "static" (a
 #                              fixed stride); default WGRAD_SCHEDULE
 #   TE_SEQ_MM_CLUSTER=MxN      the cluster of the ping-pong varlen-M GEMMs, plain and GLU FC1,
-#                              1x2 or 2x1 (default: MM_TILING's 1x2)
+#                              1x2 or 2x1 (default MM_PINGPONG_CLUSTER, 2x1)
 #   TE_SEQ_HALF_TILES=0|1      whether a ping-pong varlen-M tile with <= 64 rows of its group
 #                              runs one 64-row WGMMA atom (default HALF_TILES)
 #   TE_SEQ_FC1_KEEP_H=0|1      whether a GLU FC1 asked not to write h (a forward without
@@ -216,11 +216,20 @@ def wgrad_pingpong_cluster(rows_per_group: float) -> tuple[int, int]:
     return (2, 1) if rows_per_group <= WGRAD_2X1_MAX_ROWS_PER_GROUP else (1, 2)
 
 
+# The ping-pong varlen-M GEMMs' cluster: 2x1 (two m-tiles of one group share B; an expert's
+# last tile of <= 128 rows runs over two n-tiles instead: tile_scheduler.py's split tails).
+# Sustained fwd+bwd on one H200 (2026-11-30, run "p", probe_clocks.py, SwiGLU unless said),
+# ms per step against 1x2: Q 1.920 vs 1.954 (-1.8 %), J 2.180 vs 2.201 (-1.0 %), Z 2.221 vs
+# 2.222 (level), B 8.387 vs 8.505 (-1.4 %), Q ScaledSwiGLU 1.890 vs 1.929 (-2.0 %), Z
+# ScaledSwiGLU 2.192 vs 2.200; before split tails 2x1 lost 6.7 % on J and 10.6 % on Z
+# (kernel README, sections 23-24).
+MM_PINGPONG_CLUSTER = (2, 1)
+
+
 def mm_pingpong_cluster() -> tuple[int, int]:
-    """The ping-pong varlen-M GEMMs' cluster (plain and GLU FC1): ``TE_SEQ_MM_CLUSTER``, else
-    ``MM_TILING``'s 1x2. A 2x1 cluster multicasts B to two m-tiles of one group, which only
-    pays where the groups are whole multiples of 256 rows (kernel README, section 11)."""
-    return _chosen("TE_SEQ_MM_CLUSTER", _CLUSTERS) or MM_TILING.cluster_mn
+    """The ping-pong varlen-M GEMMs' cluster (plain and GLU FC1, the FP8 row-wise dgrad):
+    ``TE_SEQ_MM_CLUSTER``, else ``MM_PINGPONG_CLUSTER``."""
+    return _chosen("TE_SEQ_MM_CLUSTER", _CLUSTERS) or MM_PINGPONG_CLUSTER
 
 
 # Half tiles: an expert's last tile with at most 64 of its rows runs its first 64-row WGMMA

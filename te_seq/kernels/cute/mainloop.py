@@ -66,21 +66,49 @@ class MainloopMixin:
         )
 
     @cute.jit
-    def _producer(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched):
-        offs, _, k_dim, _, _, cluster_coord, _ = sched
-        a_mask, b_mask = None, None
-        cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
-        if const_expr(self.cluster_n > 1):  # CTAs of one m-tile share A
-            a_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=1)
+    def _b_loads(self, tma_b, sB, gB, cluster_coord):
+        """The producer's B loads of one unit: (multicast ones, solo ones or None). With
+        ``split_tail`` a unit is loaded by one of them as ``solo`` says (``tile_scheduler``):
+        the multicast atom and mask, or ``tma_b``'s second, unicast atom for the whole tile."""
+        b_mask = None
         if const_expr(self.cluster_m > 1):  # CTAs of one n-tile share B
+            cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
             b_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0)
+        shared = (tma_b[0], *self._b_partition(tma_b[0], sB, gB, cluster_coord), b_mask)
+        if const_expr(not self.split_tail):
+            return shared, None
+        own = cute.nvgpu.cpasync.tma_partition(
+            tma_b[1], 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
+        return shared, (tma_b[1], *own, None)
+
+    @cute.jit
+    def _copy_b(self, loads, solo, k, stage, bar):
+        """Load B's k-tile ``k`` into ``stage`` through the unit's loads (``_b_loads``)."""
+        shared, own = loads
+        if const_expr(own is None):
+            _tma_copy(shared, k, stage, bar)
+        else:
+            if solo == 1:
+                _tma_copy(own, k, stage, bar)
+            else:
+                _tma_copy(shared, k, stage, bar)
+
+    @cute.jit
+    def _producer(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, sched):
+        """``tma_b``: B's TMA atoms, (multicast, unicast); the second only with
+        ``split_tail``."""
+        offs, _, k_dim, _, _, cluster_coord, _ = sched
+        a_mask = None
+        if const_expr(self.cluster_n > 1):  # CTAs of one m-tile share A
+            cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
+            a_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         cursor = self._first_cursor(sched)
         work, cursor = self._next_work(sched, cursor)
-        valid, group, m_unit, n_unit, row0, rows = work
+        valid, group, m_tile, n_tile, row0, rows, solo = work
         while valid:
-            m_tile = m_unit * self.cluster_m + cluster_coord[0]
-            n_tile = n_unit * self.cluster_n + cluster_coord[1]
             gA, gB = self._tile_tensors(mA, mB, group, m_tile, n_tile, row0, rows)
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
             tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
@@ -90,28 +118,16 @@ class MainloopMixin:
                 cute.group_modes(sA, 0, 2),
                 cute.group_modes(gA, 0, 2),
             )
-            tBsB, tBgB = self._b_partition(tma_b, sB, gB, cluster_coord)
+            b_loads = self._b_loads(tma_b, sB, gB, cluster_coord)
             for k in range(k_tiles):
                 ab_pipe.producer_acquire(state)
                 bar = ab_pipe.producer_get_barrier(state)
-                cute.copy(
-                    tma_a,
-                    tAgA[(None, k)],
-                    tAsA[(None, state.index)],
-                    tma_bar_ptr=bar,
-                    mcast_mask=a_mask,
-                )
-                cute.copy(
-                    tma_b,
-                    tBgB[(None, k)],
-                    tBsB[(None, state.index)],
-                    tma_bar_ptr=bar,
-                    mcast_mask=b_mask,
-                )
+                _tma_copy((tma_a, tAsA, tAgA, a_mask), k, state.index, bar)
+                self._copy_b(b_loads, solo, k, state.index, bar)
                 ab_pipe.producer_commit(state)
                 state.advance()
             work, cursor = self._next_work(sched, cursor)
-            valid, group, m_unit, n_unit, row0, rows = work
+            valid, group, m_tile, n_tile, row0, rows, solo = work
         ab_pipe.producer_tail(state)
 
     @cute.jit
@@ -208,17 +224,15 @@ class MainloopMixin:
     @cute.jit
     def _cooperative_tiles(self, ep, acc, tCrA, tCrB, ab_pipe, sched):
         """Both MMA warpgroups on every unit of this cluster, in the cursor's order."""
-        offs, _, k_dim, _, _, cluster_coord, _ = sched
+        offs, _, k_dim, _, _, _, _ = sched
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         epi_count = Int32(0)
         tiled_mma = ep.tiled_mma
         cursor = self._first_cursor(sched)
         work, cursor = self._next_work(sched, cursor)
-        valid, group, m_unit, n_unit, row0, rows = work
+        valid, group, m_tile, n_tile, row0, rows, _ = work
         while valid:
-            m_tile = m_unit * self.cluster_m + cluster_coord[0]
-            n_tile = n_unit * self.cluster_n + cluster_coord[1]
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
             self._before_mainloop(ep, group, m_tile, n_tile, row0, epi_count)
             read, release = self._mainloop(
@@ -227,7 +241,7 @@ class MainloopMixin:
             num_epi = self._store_tile(ep, acc, group, m_tile, n_tile, row0, rows, epi_count)
             epi_count = epi_count + num_epi
             work, cursor = self._next_work(sched, cursor)
-            valid, group, m_unit, n_unit, row0, rows = work
+            valid, group, m_tile, n_tile, row0, rows, _ = work
 
     @cute.jit
     def _pingpong_tiles(self, ep, acc, tCrA, tCrB, ab_pipe, sched, wg):
@@ -237,7 +251,7 @@ class MainloopMixin:
         mainloop once the peer has issued its last WGMMAs) and the epilogues one at a time,
         each after the peer's (which drained its TMA stores' smem reads: the store ring is
         shared), so one warpgroup's epilogue overlaps the other's mainloop."""
-        offs, _, k_dim, _, _, cluster_coord, _ = sched
+        offs, _, k_dim, _, _, _, _ = sched
         mma_turn, mma_peer = self._turn_barriers(2, wg)
         epi_turn, epi_peer = self._turn_barriers(4, wg)
         if wg == 0:  # the first turns are warpgroup 0's
@@ -250,10 +264,8 @@ class MainloopMixin:
             read, release, cursor = self._skip_unit(sched, cursor, read, release)
         epi_count = Int32(0)
         work, cursor = self._next_work(sched, cursor)
-        valid, group, m_unit, n_unit, row0, rows = work
+        valid, group, m_tile, n_tile, row0, rows, _ = work
         while valid:
-            m_tile = m_unit * self.cluster_m + cluster_coord[0]
-            n_tile = n_unit * self.cluster_n + cluster_coord[1]
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
             self._before_mainloop(ep, group, m_tile, n_tile, row0, epi_count)
             mma_turn.arrive_and_wait()
@@ -269,7 +281,7 @@ class MainloopMixin:
             epi_peer.arrive()
             read, release, cursor = self._skip_unit(sched, cursor, read, release)
             work, cursor = self._next_work(sched, cursor)
-            valid, group, m_unit, n_unit, row0, rows = work
+            valid, group, m_tile, n_tile, row0, rows, _ = work
 
     @cute.jit
     def _pingpong_mainloop(self, ep, acc, frags, ab_pipe, states, k_tiles, issued, tile_rows):
@@ -308,13 +320,21 @@ class MainloopMixin:
         """Advance the A/B read and release states past the stages of the cursor's next unit
         (the peer's); returns them and the cursor after it."""
         work, cursor = self._next_work(sched, cursor)
-        valid, group, _, _, _, rows = work
+        valid, group, _, _, _, rows, _ = work
         skip = Int32(0)
         if valid:
             skip = self._k_tiles(group, rows, sched.offs, sched.k_dim)
         read.advance(skip)
         release.advance(skip)
         return read, release, cursor
+
+
+@cute.jit
+def _tma_copy(load, k, stage, bar):
+    """One TMA load of k-tile ``k`` into smem ``stage``; ``load`` = (atom, smem partition, gmem
+    partition, multicast mask or None)."""
+    atom, smem, gmem, mask = load
+    cute.copy(atom, gmem[(None, k)], smem[(None, stage)], tma_bar_ptr=bar, mcast_mask=mask)
 
 
 def _first_m(t):

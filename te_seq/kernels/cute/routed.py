@@ -85,50 +85,35 @@ class RoutedMixin:
     @cute.jit
     def _producer_gather(self, mA, route, tma_b, mB, sA, sB, ab_pipe, sched, tidx):
         """The producer warpgroup with gathered A: every thread cp.asyncs its A chunks, warp
-        ``load_warp`` also TMA-loads B and expects its bytes on the stage's full barrier."""
-        offs, num_rows, k_dim, n_tiles, m_units_k, cluster_coord, _ = sched
+        ``load_warp`` also TMA-loads B (``tma_b``: its atoms, as ``_producer``'s) and expects
+        its bytes on the stage's full barrier."""
+        offs, _, k_dim, _, _, cluster_coord, _ = sched
         tm, tn, tk = self.tile_mnk
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        b_mask = None
-        if const_expr(self.cluster_m > 1):  # CTAs of one n-tile share B
-            cta_layout = cute.make_layout((self.cluster_m, self.cluster_n, 1))
-            b_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0)
         thr = self._gather_copy().get_slice(tidx)
         tAsA = thr.partition_D(sA)  # ((vec, 1), rows per thread, 1, stage)
         coords = thr.partition_S(cute.make_identity_tensor((tm, tk)))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-        stride = cute.arch.grid_dim()[2]
-        st = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
-        unit = cute.arch.block_idx()[2]
-        valid, group, m_unit, n_unit, row0, rows, st = self._work(
-            offs, num_rows, n_tiles, m_units_k, unit, st
-        )
+        cursor = self._first_cursor(sched)
+        work, cursor = self._next_work(sched, cursor)
+        valid, group, m_tile, n_tile, row0, rows, solo = work
         while valid:
-            m_tile = m_unit * self.cluster_m + cluster_coord[0]
-            n_tile = n_unit * self.cluster_n + cluster_coord[1]
             gB = cute.local_tile(mB[None, None, group], (tn, tk), (n_tile, None))
-            tBsB, tBgB = self._b_partition(tma_b, sB, gB, cluster_coord)
+            b_loads = self._b_loads(tma_b, sB, gB, cluster_coord)
             k_tiles = self._k_tiles(group, rows, offs, k_dim)
             src = self._gather_sources(route, coords, row0 + m_tile * tm, rows - m_tile * tm)
             for k in range(k_tiles):
                 if warp == self.load_warp:
                     ab_pipe.producer_acquire(state)
-                    cute.copy(
-                        tma_b,
-                        tBgB[(None, k)],
-                        tBsB[(None, state.index)],
-                        tma_bar_ptr=ab_pipe.producer_get_barrier(state),
-                        mcast_mask=b_mask,
-                    )
+                    bar = ab_pipe.producer_get_barrier(state)
+                    self._copy_b(b_loads, solo, k, state.index, bar)
                 else:
                     ab_pipe.sync_object_empty.wait(state.index, state.phase)
                 self._gather_a_tile(thr, mA, src, coords, tAsA, k, state.index)
                 cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(state))
                 state.advance()
-            unit = unit + stride
-            valid, group, m_unit, n_unit, row0, rows, st = self._work(
-                offs, num_rows, n_tiles, m_units_k, unit, st
-            )
+            work, cursor = self._next_work(sched, cursor)
+            valid, group, m_tile, n_tile, row0, rows, solo = work
         if warp == self.load_warp:
             ab_pipe.producer_tail(state)
 

@@ -17,6 +17,13 @@ same order through a cursor (``_first_cursor`` / ``_next_work``), one of two sou
   taking units as clusters free up, longest first, keeps them all busy to the end.
   The order and the counter come in one int32 tensor [E + 1] (``unit_order``: the groups
   sorted by rows, longest first, ties by index, then a zeroed counter).
+
+**Split tails** (varlen M in 2×1 clusters, ``split_tail``): a 2×1 unit is two m-tiles of one
+group sharing B by multicast, so a group whose last m-unit holds at most one tile's rows would
+run its second CTA on rows past the group. Such a tail is cut the other way instead: each of
+its units is the last m-tile over two neighbouring n-tiles, one per CTA, each CTA loading its
+own B (``solo``). A 2×1 kernel then runs as many tiles as a 1×2 one on any split, and B is
+multicast wherever a unit has two full tiles.
 """
 
 from __future__ import annotations
@@ -74,7 +81,6 @@ class TileSchedulerMixin:
         """
         group, first, end, nxt, nxt_first, row0, rows = st
         num_groups = cute.size(offs) + 1
-        block_m = self.tile_mnk[0] * self.cluster_m
         lane = cute.arch.lane_idx()
         while (unit >= end) & (nxt < num_groups):
             g = nxt + lane
@@ -87,7 +93,7 @@ class TileSchedulerMixin:
                     g_end = offs[g]
                 else:
                     g_end = num_rows
-            count = (g_end - g_begin + block_m - 1) // block_m * n_tiles
+            count = self._group_units(g_end - g_begin, n_tiles)
             incl = count
             for i in cutlass.range_constexpr(5):
                 up = cute.arch.shuffle_sync_up(incl, 1 << i)
@@ -108,24 +114,67 @@ class TileSchedulerMixin:
         return group, first, end, nxt, nxt_first, row0, rows
 
     @cute.jit
-    def _work(self, offs, num_rows, n_tiles, m_units_k, unit, st):
-        """Decode ``unit``: (valid, group, m-unit, n-unit, row start, rows, new scan state)."""
+    def _group_units(self, rows, n_tiles):
+        """Cluster units of a varlen-M group of ``rows`` rows: ⌈rows / block_m⌉ per n-unit;
+        with ``split_tail`` a last m-unit of at most one tile's rows is ⌈n_tiles / 2⌉ units
+        (its one m-tile over two n-tiles each) instead of ``n_tiles``."""
+        tm = self.tile_mnk[0]
+        block_m = tm * self.cluster_m
+        units = (rows + block_m - 1) // block_m * n_tiles
+        if const_expr(self.split_tail):
+            full = rows // block_m
+            tail = rows - full * block_m
+            tail_units = cutlass.select_(tail > tm, n_tiles, (n_tiles + 1) // 2)
+            units = full * n_tiles + cutlass.select_(tail > 0, tail_units, Int32(0))
+        return units
+
+    @cute.jit
+    def _unit_tile(self, local, rows, n_tiles, cluster_coord):
+        """This CTA's (m-tile, n-tile, solo) of unit ``local`` of a varlen-M group of ``rows``
+        rows: m fastest over the group's whole m-units, then (``split_tail``) the tail's
+        units, where the cluster's two CTAs take neighbouring n-tiles of the last m-tile and
+        each loads its own B (``solo`` 1; B is multicast otherwise)."""
+        block_m = self.tile_mnk[0] * self.cluster_m
+        if const_expr(not self.split_tail):
+            m_units = cutlass.max((rows + block_m - 1) // block_m, 1)
+            m_tile, n_tile = self._cta_tile(local % m_units, local // m_units, cluster_coord)
+            return m_tile, n_tile, Int32(0)
+        whole = rows // block_m  # m-units of two tiles with rows in both
+        whole = whole + cutlass.select_(rows - whole * block_m > self.tile_mnk[0], 1, 0)
+        tail = local - whole * n_tiles  # >= 0: a unit of the tail
+        m_units = cutlass.max(whole, 1)
+        m_tile, n_tile = self._cta_tile(local % m_units, local // m_units, cluster_coord)
+        solo = cutlass.select_(tail >= 0, Int32(1), Int32(0))
+        m_tile = cutlass.select_(tail >= 0, whole * self.cluster_m, m_tile)
+        n_tile = cutlass.select_(tail >= 0, tail * self.cluster_m + cluster_coord[0], n_tile)
+        return m_tile, n_tile, solo
+
+    @cute.jit
+    def _work(self, sched, unit, st):
+        """Decode ``unit`` for this CTA: (valid, group, m-tile, n-tile, row start, rows, solo,
+        new scan state); ``solo`` is 1 where B is not multicast (``_unit_tile``)."""
+        offs, num_rows, _, n_tiles, m_units_k, cluster_coord, _ = sched
         if const_expr(self.varlen == "m"):
             st = self._scan_groups(offs, num_rows, n_tiles, unit, st)
             group, first, end, _, _, row0, rows = st
             valid = unit < end
-            block_m = self.tile_mnk[0] * self.cluster_m
-            m_units = (rows + block_m - 1) // block_m
-            local = unit - first
-            m_units = cutlass.max(m_units, 1)
-            return valid, group, local % m_units, local // m_units, row0, rows, st
+            m_tile, n_tile, solo = self._unit_tile(unit - first, rows, n_tiles, cluster_coord)
+            return valid, group, m_tile, n_tile, row0, rows, solo, st
         else:
             per_group = m_units_k * n_tiles
             group = unit // per_group
             local = unit - group * per_group
             valid = group < cute.size(offs)
             row0, rows = self._group_rows(offs, group, valid)
-            return valid, group, local % m_units_k, local // m_units_k, row0, rows, st
+            m_tile, n_tile = self._cta_tile(local % m_units_k, local // m_units_k, cluster_coord)
+            return valid, group, m_tile, n_tile, row0, rows, Int32(0), st
+
+    def _cta_tile(self, m_unit, n_unit, cluster_coord):
+        """This CTA's (m-tile, n-tile) of the cluster unit (``m_unit``, ``n_unit``)."""
+        return (
+            m_unit * self.cluster_m + cluster_coord[0],
+            n_unit * self.cluster_n + cluster_coord[1],
+        )
 
     @cute.jit
     def _group_rows(self, offs, group, valid):
@@ -153,16 +202,15 @@ class TileSchedulerMixin:
     @cute.jit
     def _next_work(self, sched, cursor):
         """The next unit of this cluster's sequence and the cursor after it:
-        ((valid, group, m-unit, n-unit, row start, rows), cursor). Past the last unit every
-        call answers not valid (dynamic: without reading records the scheduler never
-        writes)."""
-        offs, num_rows, _, n_tiles, m_units_k, _, dynamic = sched
-        if const_expr(dynamic is None):
+        ((valid, group, m-tile, n-tile, row start, rows, solo), cursor), the tiles this CTA's.
+        Past the last unit every call answers not valid (dynamic: without reading records the
+        scheduler never writes)."""
+        if const_expr(sched.dynamic is None):
             unit, *st = cursor
-            valid, group, m_unit, n_unit, row0, rows, st = self._work(
-                offs, num_rows, n_tiles, m_units_k, unit, tuple(st)
+            valid, group, m_tile, n_tile, row0, rows, solo, st = self._work(
+                sched, unit, tuple(st)
             )
-            return (valid, group, m_unit, n_unit, row0, rows), (
+            return (valid, group, m_tile, n_tile, row0, rows, solo), (
                 unit + cute.arch.grid_dim()[2], *st
             )
         record, ended = cursor
@@ -170,12 +218,13 @@ class TileSchedulerMixin:
         m_unit = Int32(0)
         n_unit = Int32(0)
         if ended == 0:
-            group, m_unit, n_unit = self._read_unit(dynamic, record)
+            group, m_unit, n_unit = self._read_unit(sched.dynamic, record)
             record = record + 1
         valid = group >= 0
         ended = cutlass.select_(valid, Int32(0), Int32(1))
-        row0, rows = self._group_rows(offs, group, valid)
-        return (valid, group, m_unit, n_unit, row0, rows), (record, ended)
+        row0, rows = self._group_rows(sched.offs, group, valid)
+        m_tile, n_tile = self._cta_tile(m_unit, n_unit, sched.cluster_coord)
+        return (valid, group, m_tile, n_tile, row0, rows, Int32(0)), (record, ended)
 
     # ------------------------------------------------------------ the dynamic schedule
 
