@@ -55,6 +55,9 @@ def static_only(tiling: Tiling | None, op: str) -> Tiling | None:
 # Measured on one H200 (2026-11-22, benchmarks/bench_grouped_gemm.py, shapes A/B/Q/Z):
 # 128x256 with a 1x2 cluster was best or within 2% of best for every GEMM; 2x1 lost 5-20% on
 # varlen M (256-row cluster units waste rows of small experts), 128x128 lost up to 35% on A.
+# (That 2x1 ran whole 256-row units; split tails, tile_scheduler.py, now give 2x1 1x2's tile
+# count, and the ping-pong default below runs 2x1. The cooperative tilings, the long
+# mainloops', have not been re-measured since.)
 # The tile width is then narrowed where 256 would leave columns idle (``tile_n_for``).
 MM_TILING = Tiling(256, (1, 2))
 WGRAD_TILING = Tiling(256, (1, 2))
