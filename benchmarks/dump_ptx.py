@@ -102,6 +102,9 @@ def _configs() -> dict[str, object]:
                                           pingpong=True),
         "glu_dgrad_silu192_pp": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=192,
                                           pingpong=True),
+        # the default 16-bit GLU dgrad: ping-pong in 2x1 clusters with split tails
+        "glu_dgrad_silu_probs_pp_2x1": GluConfig("dgrad", bf16, "n", "silu", None, fp32,
+                                                 (2, 1), tile_n=128, pingpong=True),
         # ... with (64 x 32) epilogue subtiles: half the registers per subtile
         "glu_fc1_silu_probs_pp_half": GluConfig("fc1", bf16, "k", "silu", None, fp32,
                                                 tile_n=128, pingpong=True, half_tiles=True),
@@ -227,9 +230,11 @@ def ptxas_usage(ptx_file: Path) -> tuple[int, int, int, int | None]:
     cubin = ptx_file.with_suffix(".cubin")
     run = subprocess.run(
         [_ptxas_binary(), "-arch=sm_90a", "-v", str(ptx_file), "-o", str(cubin)],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True,
     )
     log = run.stdout + run.stderr
+    if run.returncode:  # e.g. "Unsupported .version": a toolkit older than the DSL's PTX
+        raise RuntimeError(f"ptxas failed on {ptx_file} (exit {run.returncode}):\n{log}")
     regs = [int(m) for m in _USED.findall(log)]
     spills = [(int(a), int(b)) for a, b in _SPILLS.findall(log)]
     if not regs or not spills:

@@ -95,3 +95,58 @@ def test_fp8_dgrad_pingpong_off_long_k_and_cluster(tiling_env):
         128, (1, 2), pingpong=True)
     tiling_env("TE_SEQ_PINGPONG", "0")
     assert _glu_tiling("dgrad", 768, False, None, 2048, fp8_dgrad=True) == Tiling(192, (1, 2))
+
+
+def test_16_bit_dgrad_runs_pingpong_unless_turned_off(tiling_env):
+    """By default (``GLU_DGRAD_PINGPONG``) the 16-bit GLU dgrad (``plain_dgrad``) with a short
+    mainloop runs like the row-wise FP8 one: 128 wide in the ping-pong cluster; gathered rows,
+    long mainloops and the block-scaled dgrad stay cooperative; TE_SEQ_GLU_DGRAD_PINGPONG=0
+    and TE_SEQ_PINGPONG=0 turn it off."""
+    from te_seq.kernels.cute.launch import GLU_DGRAD_PINGPONG
+
+    assert GLU_DGRAD_PINGPONG
+    assert _glu_tiling("dgrad", 768, False, None, 2048, plain_dgrad=True) == Tiling(
+        128, (2, 1), pingpong=True)
+    tiling_env("TE_SEQ_GLU_DGRAD_EPI_ROWS", "64")
+    assert _glu_tiling("dgrad", 768, False, None, 2048, plain_dgrad=True) == Tiling(
+        128, (2, 1), pingpong=True, epi_rows=64)
+    assert _glu_tiling("dgrad", 768, False, None, 2048, fp8_dgrad=True).epi_rows == 128
+    tiling_env("TE_SEQ_GLU_DGRAD_EPI_ROWS", None)
+    tiling_env("TE_SEQ_GLU_DGRAD_PINGPONG", "0")
+    assert _glu_tiling("dgrad", 768, False, None, 2048, plain_dgrad=True) == Tiling(192, (1, 2))
+    tiling_env("TE_SEQ_GLU_DGRAD_PINGPONG", "1")
+    tiling_env("TE_SEQ_PINGPONG", "0")
+    assert not _glu_tiling("dgrad", 768, False, None, 2048, plain_dgrad=True).pingpong
+    tiling_env("TE_SEQ_PINGPONG", None)
+    assert not _glu_tiling("dgrad", 768, True, None, 2048, plain_dgrad=True).pingpong
+    assert not _glu_tiling("dgrad", 768, False, None, PINGPONG_MAX_K + 8,
+                           plain_dgrad=True).pingpong
+    assert not _glu_tiling("dgrad", 768, False, None, 2048).pingpong  # block-scaled
+    tiling_env("TE_SEQ_MM_CLUSTER", "1x2")
+    assert _glu_tiling("dgrad", 768, False, None, 2048, plain_dgrad=True) == Tiling(
+        128, (1, 2), pingpong=True)
+    tiling_env("TE_SEQ_GLU_DGRAD_PINGPONG", "yes")
+    with pytest.raises(ValueError, match=r"TE_SEQ_GLU_DGRAD_PINGPONG must be one of \['0', '1'\]"):
+        _glu_tiling("dgrad", 768, False, None, 2048, plain_dgrad=True)
+
+
+def test_cooperative_cluster_from_the_environment(tiling_env):
+    """TE_SEQ_COOP_CLUSTER moves the cooperative tilings of rows not gathered (the 16-bit GLU
+    dgrad, the FC1 past the ping-pong bound, the plain GEMM's long mainloops), never the
+    gathered FC1's (GATHER_CLUSTER) nor the ping-pong ones."""
+    from te_seq.kernels.cute.launch import COOP_CLUSTER, GATHER_CLUSTER, plain_mm_tiling
+
+    assert COOP_CLUSTER == (1, 2)
+    long_k = PINGPONG_MAX_K + 8
+    tiling_env("TE_SEQ_COOP_CLUSTER", "2x1")
+    assert _glu_tiling("dgrad", 768, False, None, long_k, plain_dgrad=True) == Tiling(256, (2, 1))
+    assert _glu_tiling("fc1", 1536, False, None, long_k, plain_fc1=True) == Tiling(256, (2, 1))
+    assert _glu_tiling("fc1", 1536, True, None, 2048, plain_fc1=True).cluster_mn == GATHER_CLUSTER
+    assert _glu_tiling("fc1", 1536, False, None, 2048, plain_fc1=True) == PINGPONG_FC1
+    assert plain_mm_tiling(4096, long_k) == Tiling(256, (2, 1))
+    assert plain_mm_tiling(2048, 768) == Tiling(192, (2, 1), True)  # ping-pong: unchanged
+    tiling_env("TE_SEQ_COOP_CLUSTER", "1x2")
+    assert plain_mm_tiling(4096, long_k) == Tiling(256, (1, 2))
+    tiling_env("TE_SEQ_COOP_CLUSTER", "2x2")
+    with pytest.raises(ValueError, match=r"TE_SEQ_COOP_CLUSTER must be one of \['1x2', '2x1'\]"):
+        plain_mm_tiling(4096, long_k)

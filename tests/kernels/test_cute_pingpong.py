@@ -9,6 +9,7 @@ on CPU; GPU tests need sm_90+.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -375,11 +376,13 @@ def test_glu_dgrad_pingpong_equals_cooperative(case, config, epi_rows):
     same = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, tiling=Tiling(tile_n, cluster))
     torch.testing.assert_close(dh, same[0], rtol=0, atol=0)
     torch.testing.assert_close(a, same[1], rtol=0, atol=0)
+    da = reference.grouped_mm(dy.double(), w2.double(), offs)
+    p64 = None if probs is None else probs.double()
+    dh_ref, dp_ref = reference.glu_backward(h.double(), da, act, il, p64)
+    assert _rel_err(dh, dh_ref) < 1e-2  # both tilings near float64, not only alike
     if probs is None:
         assert dprobs is None
     else:  # sums of per-tile atomics: the order of the additions may differ
-        da = reference.grouped_mm(dy.double(), w2.double(), offs)
-        _, dp_ref = reference.glu_backward(h.double(), da, act, il, probs.double())
         assert _rel_err(dprobs, dp_ref) < 1e-2
         torch.testing.assert_close(dprobs.float(), same[2].float(), rtol=2e-2, atol=1e-3)
 
@@ -427,6 +430,8 @@ _NO_SPILL_CONFIGS = ("glu_dgrad_silu128_pp64", "glu_fc1_silu_probs_pp64", "glu_f
                      # FP8 row-wise in ping-pong (each warpgroup its scale scratch)
                      "fp8_rowwise_pp192", "fp8_glu_fc1_silu_probs_pp", "fp8_wgrad_pp192_2x1",
                      # the default varlen-M clusters: 2x1 with split tails (two B atoms)
+                     # (the default 16-bit GLU dgrad, glu_dgrad_silu_probs_pp_2x1, spills 36 / 64 B
+                     # at 128-row subtiles and still ran faster than 64-row ones: section 25)
                      "mm192_pp_2x1", "glu_fc1_silu_probs_pp_2x1")
 
 
@@ -438,6 +443,9 @@ def test_pingpong_glu_epilogues_do_not_spill(tmp_path):
     cmd += ["--out", str(tmp_path), "--ptxas"]
     env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    too_old = re.search(r".*Unsupported \.version.*", proc.stdout + proc.stderr)
+    if proc.returncode and too_old:  # the GPU host's CUDA 13.0 ptxas reads PTX ISA <= 9.0
+        pytest.skip(f"this ptxas cannot read the DSL's PTX: {too_old.group(0).strip()}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if "spill stores" in line]
     assert len(lines) == len(_NO_SPILL_CONFIGS), proc.stdout

@@ -27,16 +27,17 @@ from .launch import (
     available,
     b_layout,
     b_view,
+    coop_cluster,
     gathered_rows,
     no_route,
     tile_n_for,
+    tiling_settings,
     varlen_m_clusters,
     with_route,
 )
 from .launch_plan import LaunchPlan, PlanCache
 
 _ACTS = act_epilogue_activations()
-_CLUSTER = (1, 2)
 _PLANS = PlanCache()  # non-gated launches by call signature
 
 
@@ -63,7 +64,8 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, gather=
     rows = c.shape[0]
     offs = _check_offs(offs, b.shape[0], x.device)
     signature = (mode, x.dtype, x.device, b.dtype, b.shape, b.stride(), b.device, rows,
-                 None if probs is None else probs.dtype, act, gather is None)
+                 None if probs is None else probs.dtype, act, gather is None,
+                 tiling_settings())  # the cluster reads the environment
     plan = _PLANS.get(signature) or _PLANS.put(
         signature, _plan(mode, x, b, rows, probs, act, gather)
     )
@@ -78,7 +80,7 @@ def _plan(mode: str, x: Tensor, b: Tensor, rows: int, probs, act: str, gather) -
 
     groups, n = b.shape[0], b.shape[2]
     b_major, b_copy = b_layout(b)
-    cluster = _CLUSTER if gather is None else GATHER_CLUSTER
+    cluster = coop_cluster() if gather is None else GATHER_CLUSTER
     tile_n = tile_n_for(n, cluster[1])
     cfg = ActConfig(mode, x.dtype, b_major, act, None if probs is None else probs.dtype,
                     cluster, tile_n=tile_n, route=None if gather is None else "gather")

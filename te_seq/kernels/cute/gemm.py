@@ -14,7 +14,6 @@ from torch import Tensor
 from .launch import (
     _AB_DTYPES,
     GATHER_CLUSTER,
-    MM_TILING,
     PINGPONG_TILE_WIDTHS,
     Tiling,
     _check_offs,
@@ -24,7 +23,7 @@ from .launch import (
     b_layout,
     b_view,
     bias_problem,
-    default_tiling,
+    coop_tiling,
     half_tiles,
     no_route,
     plain_mm_tiling,
@@ -181,7 +180,7 @@ def _mm_plan(a: Tensor, b: Tensor, rows: int, tiling: Tiling | None, bias: Tenso
     b_major, b_copy = b_layout(b)
     if tiling is None:
         plain = bias is None and what is None
-        tiling = plain_mm_tiling(n, a.shape[1]) if plain else default_tiling(n, MM_TILING)
+        tiling = plain_mm_tiling(n, a.shape[1]) if plain else coop_tiling(n)
     t = tiling
     _check_pingpong(t, bias, what)
     cfg = GemmConfig(

@@ -28,8 +28,11 @@ from .launch import (
     b_layout,
     b_view,
     bias_problem,
+    coop_cluster,
     fc1_writes_h,
     gathered_rows,
+    glu_dgrad_epi_rows,
+    glu_dgrad_pingpong,
     glu_fc1_pingpong_tile_n,
     half_tiles,
     mm_pingpong_cluster,
@@ -46,7 +49,7 @@ from .launch_plan import LaunchPlan, PlanCache, plans_generation, tensor_signatu
 
 _PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACTS = epilogue_activations()  # the table entries with glu_epilogue=True
-_FC1_TILE_N, _CLUSTER = 256, (1, 2)
+_FC1_TILE_N = 256
 # The fused FC1 in ping-pong (128 x 128 tiles of 64 gate + 64 up columns, 1x2 cluster) against
 # cooperative 128 x 256 (bench_grouped_gemm.py --glu, ScaledSwiGLU with probs, TFLOP/s; one
 # H200, 2026-11-25, measured/h200_2026-11-25f_glu.txt; one H100 the same day,
@@ -59,8 +62,8 @@ PINGPONG_FC1_TILE_N = 128
 # expert, ms; measured/h200_2026-11-28n_fp8_glu_dgrad_tilings.txt): Q 0.172 (1x2) and 0.167
 # (2x1) vs 0.183; B's widths 0.320 and 0.300 vs 0.335; 192 wide 0.398 and 0.638. With B's 512
 # rows per expert (..._2026-11-28o_fp8_glu_dgrad_tilings.txt): 0.595 (1x2) and 0.684 (2x1) vs
-# 0.711; (64 x 32) epilogue subtiles slower (Q 0.204, B 0.639). Its 16-bit form stays
-# cooperative (it lost in ping-pong: kernel README, "Ping-pong consumers").
+# 0.711; (64 x 32) epilogue subtiles slower (Q 0.204, B 0.639). The 16-bit dgrad takes the
+# same tiles where `launch.glu_dgrad_pingpong()` (the default; measured there).
 PINGPONG_FP8_DGRAD_TILE_N = 128
 _DUMMY: dict = {}
 _MAT_DUMMY: dict = {}  # (device type, index, dtype) -> the [8, 8] placeholder in that dtype
@@ -152,29 +155,35 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
 
 
 def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int = 0,
-                plain_fc1: bool = False, fp8_dgrad: bool = False) -> Tiling:
+                plain_fc1: bool = False, fp8_dgrad: bool = False,
+                plain_dgrad: bool = False) -> Tiling:
     """The tiling of a GLU launch of N = ``n`` columns and K = ``k``: ``tiling`` if given;
     else an FC1 with a short mainloop (K <= ``pingpong_max_k()``) that is ``plain_fc1``
     (16-bit or row-wise FP8, no bias, interleave None, 32 or 64) on rows not gathered runs in
     ping-pong, 64 gate + 64 up columns per tile, while ``pingpong_by_default()``; the rest is
     cooperative:
     FC1's 128 gate + 128 up columns per tile, the dgrad's width fitted to N = F
-    (``tile_n_for``); gathered rows are never multicast (``GATHER_CLUSTER``).
+    (``tile_n_for``), in ``coop_cluster()``; gathered rows are never multicast
+    (``GATHER_CLUSTER``).
 
-    The 16-bit GLU dgrad stays cooperative: on one H100 and one H200 (2026-11-25) it lost in
-    ping-pong on Q (kernel README "Ping-pong consumers"); the row-wise FP8 one (``fp8_dgrad``)
-    with a short mainloop runs ping-pong 128 wide (``PINGPONG_FP8_DGRAD_TILE_N``)."""
+    The 16-bit GLU dgrad (``plain_dgrad``: not block-scaled) with a short mainloop on rows
+    not gathered runs ping-pong 128 wide where ``glu_dgrad_pingpong()`` (the default since
+    the 2x1 split tails: kernel README, section 25), as the row-wise FP8 one (``fp8_dgrad``)
+    does (``PINGPONG_FP8_DGRAD_TILE_N``); the rest is cooperative."""
     if tiling is not None:
         return static_only(tiling, f"cute GLU {mode}")
-    short = k <= pingpong_max_k()
-    if mode == "dgrad" and fp8_dgrad and short and pingpong_by_default():
+    short = k <= pingpong_max_k() and pingpong_by_default()
+    if mode == "dgrad" and fp8_dgrad and short:
         return Tiling(PINGPONG_FP8_DGRAD_TILE_N, mm_pingpong_cluster(), pingpong=True)
-    if mode == "fc1" and plain_fc1 and not gather and short and pingpong_by_default():
+    if mode == "dgrad" and plain_dgrad and not gather and short and glu_dgrad_pingpong():
+        return Tiling(PINGPONG_FP8_DGRAD_TILE_N, mm_pingpong_cluster(), pingpong=True,
+                      epi_rows=glu_dgrad_epi_rows())
+    if mode == "fc1" and plain_fc1 and not gather and short:
         width = glu_fc1_pingpong_tile_n(PINGPONG_FC1_TILE_N)
         if (n // 2) % (width // 2):  # F not whole tiles of width / 2 gate columns
             width = PINGPONG_FC1_TILE_N
         return Tiling(width, mm_pingpong_cluster(), pingpong=True)
-    cluster = GATHER_CLUSTER if gather else _CLUSTER
+    cluster = GATHER_CLUSTER if gather else coop_cluster()
     return Tiling(_FC1_TILE_N if mode == "fc1" else tile_n_for(n, cluster[1]), cluster)
 
 
@@ -236,7 +245,10 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
     plain_fc1 = bias is None and not block_scaled and interleave in (None, 32, 64) \
         and (scaled or x.dtype in (torch.bfloat16, torch.float16))
     fp8_dgrad = mode == "dgrad" and scaled and not block_scaled
-    t = _glu_tiling(mode, n, gather is not None, tiling, x.shape[1], plain_fc1, fp8_dgrad)
+    # two h buffer pairs (an explicit h_prefetch=2) run in the cooperative dgrad only
+    plain_dgrad = mode == "dgrad" and not scaled and not block_scaled and h_prefetch != 2
+    t = _glu_tiling(mode, n, gather is not None, tiling, x.shape[1], plain_fc1, fp8_dgrad,
+                    plain_dgrad)
     _check_fc1_halves(mode, interleave, n, t)
     store_h = fc1_writes_h(store_h)
     if h_prefetch is None:

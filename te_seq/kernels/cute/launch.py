@@ -114,6 +114,14 @@ PINGPONG_MAX_K = 4096
 #                              fixed stride); default WGRAD_SCHEDULE
 #   TE_SEQ_MM_CLUSTER=MxN      the cluster of the ping-pong varlen-M GEMMs, plain and GLU FC1,
 #                              1x2 or 2x1 (default MM_PINGPONG_CLUSTER, 2x1)
+#   TE_SEQ_COOP_CLUSTER=MxN    the cluster of the cooperative varlen-M GEMMs on rows not
+#                              gathered (long mainloops, the 16-bit GLU dgrad, the non-gated
+#                              steps), 1x2 or 2x1 (default COOP_CLUSTER, 1x2)
+#   TE_SEQ_GLU_DGRAD_PINGPONG=0|1  whether the 16-bit GLU dgrad with a short mainloop runs
+#                              ping-pong, 128 wide, in `mm_pingpong_cluster()` (default
+#                              GLU_DGRAD_PINGPONG, on)
+#   TE_SEQ_GLU_DGRAD_EPI_ROWS=R  its epilogue subtiles' rows, 128 or 64 (default
+#                              GLU_DGRAD_EPI_ROWS)
 #   TE_SEQ_HALF_TILES=0|1      whether a ping-pong varlen-M tile with <= 64 rows of its group
 #                              runs one 64-row WGMMA atom (default HALF_TILES)
 #   TE_SEQ_FC1_KEEP_H=0|1      whether a GLU FC1 asked not to write h (a forward without
@@ -122,7 +130,8 @@ PINGPONG_MAX_K = 4096
 # once, not per call: four environment lookups cost ~3 µs of host time per launch.
 TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER",
               "TE_SEQ_PINGPONG_TILE_N", "TE_SEQ_GLU_FC1_TILE_N", "TE_SEQ_WGRAD_SCHEDULE",
-              "TE_SEQ_MM_CLUSTER", "TE_SEQ_HALF_TILES", "TE_SEQ_FC1_KEEP_H")
+              "TE_SEQ_MM_CLUSTER", "TE_SEQ_HALF_TILES", "TE_SEQ_FC1_KEEP_H",
+              "TE_SEQ_COOP_CLUSTER", "TE_SEQ_GLU_DGRAD_PINGPONG", "TE_SEQ_GLU_DGRAD_EPI_ROWS")
 _SETTINGS: list = [(), {}]  # [the values in TILING_ENV order, {name: value}]
 
 
@@ -235,6 +244,30 @@ def mm_pingpong_cluster() -> tuple[int, int]:
     return _chosen("TE_SEQ_MM_CLUSTER", _CLUSTERS) or MM_PINGPONG_CLUSTER
 
 
+# The cooperative varlen-M GEMMs' cluster on rows not gathered (gathered rows are never
+# multicast: GATHER_CLUSTER). 1x2 measured best with whole 256-row 2x1 units (MM_TILING's
+# note). With split tails, sustained fwd+bwd on one H200 (2026-11-30, run "q",
+# probe_clocks.py, two rounds, ms per step, 2x1 vs 1x2): A (long mainloops: FC2, FC1 dgrad,
+# GLU dgrad) 54.53 / 54.45 vs 54.48 / 54.60, B 8.395 / 8.389 vs 8.406 / 8.418, Q 1.908 /
+# 1.906 vs 1.920 / 1.938, J and Z level (the cooperative 16-bit GLU dgrad then); with the
+# ping-pong GLU dgrad A 54.11 / 54.18 vs 54.19 / 54.27. Within the rounds' spread: 1x2 stays.
+COOP_CLUSTER = (1, 2)
+
+
+def coop_cluster() -> tuple[int, int]:
+    """The cooperative varlen-M GEMMs' cluster (plain past ``pingpong_max_k()``, the 16-bit
+    GLU FC1 past it and the 16-bit GLU dgrad, the non-gated steps): ``TE_SEQ_COOP_CLUSTER``,
+    else ``COOP_CLUSTER``."""
+    return _chosen("TE_SEQ_COOP_CLUSTER", _CLUSTERS) or COOP_CLUSTER
+
+
+def coop_tiling(n: int) -> Tiling:
+    """The cooperative varlen-M tiling of ``n`` columns: ``coop_cluster()``, its tile width
+    fitted to ``n`` (``tile_n_for``)."""
+    cluster = coop_cluster()
+    return Tiling(tile_n_for(n, cluster[1]), cluster)
+
+
 # Half tiles: an expert's last tile with at most 64 of its rows runs its first 64-row WGMMA
 # atom only (ping-pong varlen M: the plain GEMM and the GLU FC1; mainloop._pingpong_mainloop).
 # Off by default: in the MLP on one H200 (2026-11-28, bench_grouped_mlp.py --env-variant,
@@ -253,6 +286,36 @@ def half_tiles(tiling: Tiling) -> bool:
     return tiling.pingpong and (HALF_TILES if chosen is None else chosen)
 
 
+# The 16-bit GLU dgrad (FC2's dgrad with the activation's backward) with a short mainloop runs
+# ping-pong, 128 wide, in the ping-pong cluster (2x1, split tails). Sustained fwd+bwd on one
+# H200 (2026-11-30, run "q", probe_clocks.py, SwiGLU, two rounds, ms per step) against the
+# cooperative dgrad (1x2): Q 1.907 / 1.913 vs 1.920 / 1.938, J 2.160 / 2.163 vs 2.179 / 2.202,
+# Z 2.211 / 2.204 vs 2.225 / 2.223, B 8.368 / 8.386 vs 8.406 / 8.418, A 54.19 / 54.27 vs
+# 54.48 / 54.60 (0.3-1.3 %; 1.5-2 % fewer cycles). In 1x2 clusters with whole units it had
+# lost on Q (kernel README, sections 22 and 25).
+GLU_DGRAD_PINGPONG = True
+
+
+def glu_dgrad_pingpong() -> bool:
+    """Whether the 16-bit GLU dgrad with a short mainloop runs ping-pong by default:
+    ``TE_SEQ_GLU_DGRAD_PINGPONG``, else ``GLU_DGRAD_PINGPONG``."""
+    chosen = _chosen("TE_SEQ_GLU_DGRAD_PINGPONG", _SWITCH)
+    return GLU_DGRAD_PINGPONG if chosen is None else chosen
+
+
+# The ping-pong 16-bit GLU dgrad's epilogue subtiles: 128 rows (ptxas spills 20-36 B per
+# thread) or 64 (no spills; alone on an H100 level with cooperative: kernel README, "Ping-pong
+# consumers").
+GLU_DGRAD_EPI_ROWS = 128
+_EPI_ROWS = {"128": 128, "64": 64}
+
+
+def glu_dgrad_epi_rows() -> int:
+    """The rows of the ping-pong 16-bit GLU dgrad's epilogue subtiles:
+    ``TE_SEQ_GLU_DGRAD_EPI_ROWS``, else ``GLU_DGRAD_EPI_ROWS``."""
+    return _chosen("TE_SEQ_GLU_DGRAD_EPI_ROWS", _EPI_ROWS) or GLU_DGRAD_EPI_ROWS
+
+
 def fc1_writes_h(wanted: bool) -> bool:
     """Whether a GLU FC1 launch writes h: where it is ``wanted`` (a backward reads it), and
     where it is not only with ``TE_SEQ_FC1_KEEP_H=1`` (to compare both in one process)."""
@@ -262,10 +325,10 @@ def fc1_writes_h(wanted: bool) -> bool:
 def plain_mm_tiling(n: int, k: int) -> Tiling:
     """The default tiling of the plain varlen-M grouped GEMM (no bias, no routed rows) of N =
     ``n`` columns and K = ``k``: with ``pingpong_by_default()``, ping-pong for short mainloops
-    (K <= ``pingpong_max_k()``) in ``mm_pingpong_cluster()``; else cooperative ``MM_TILING``
-    fitted to ``n``."""
+    (K <= ``pingpong_max_k()``) in ``mm_pingpong_cluster()``; else cooperative
+    (``coop_tiling``)."""
     if not pingpong_by_default() or k > pingpong_max_k():
-        return default_tiling(n, MM_TILING)
+        return coop_tiling(n)
     cluster = mm_pingpong_cluster()
     return Tiling(pingpong_tile_n(n, cluster[1]), cluster, True)
 

@@ -118,15 +118,20 @@ class TileSchedulerMixin:
         """Cluster units of a varlen-M group of ``rows`` rows: ⌈rows / block_m⌉ per n-unit;
         with ``split_tail`` a last m-unit of at most one tile's rows is ⌈n_tiles / 2⌉ units
         (its one m-tile over two n-tiles each) instead of ``n_tiles``."""
-        tm = self.tile_mnk[0]
-        block_m = tm * self.cluster_m
+        block_m = self.tile_mnk[0] * self.cluster_m
         units = (rows + block_m - 1) // block_m * n_tiles
         if const_expr(self.split_tail):
-            full = rows // block_m
-            tail = rows - full * block_m
-            tail_units = cutlass.select_(tail > tm, n_tiles, (n_tiles + 1) // 2)
-            units = full * n_tiles + cutlass.select_(tail > 0, tail_units, Int32(0))
+            whole = self._whole_m_units(rows)
+            tail_units = cutlass.select_(rows > whole * block_m, (n_tiles + 1) // 2, Int32(0))
+            units = whole * n_tiles + tail_units
         return units
+
+    def _whole_m_units(self, rows):
+        """``split_tail``: the m-units of a group of ``rows`` rows with rows in both m-tiles
+        (the last may be part-filled); rows past them, at most one tile's, are its tail."""
+        block_m = self.tile_mnk[0] * self.cluster_m
+        whole = rows // block_m
+        return whole + cutlass.select_(rows - whole * block_m > self.tile_mnk[0], 1, 0)
 
     @cute.jit
     def _unit_tile(self, local, rows, n_tiles, cluster_coord):
@@ -139,8 +144,7 @@ class TileSchedulerMixin:
             m_units = cutlass.max((rows + block_m - 1) // block_m, 1)
             m_tile, n_tile = self._cta_tile(local % m_units, local // m_units, cluster_coord)
             return m_tile, n_tile, Int32(0)
-        whole = rows // block_m  # m-units of two tiles with rows in both
-        whole = whole + cutlass.select_(rows - whole * block_m > self.tile_mnk[0], 1, 0)
+        whole = self._whole_m_units(rows)
         tail = local - whole * n_tiles  # >= 0: a unit of the tail
         m_units = cutlass.max(whole, 1)
         m_tile, n_tile = self._cta_tile(local % m_units, local // m_units, cluster_coord)
