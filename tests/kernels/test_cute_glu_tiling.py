@@ -81,8 +81,8 @@ def test_varlen_m_cluster_from_the_environment(tiling_env):
 
 @pytest.mark.parametrize("k", [768, 2048, PINGPONG_MAX_K])
 def test_fp8_dgrad_runs_pingpong_for_short_k(k):
-    """The row-wise FP8 GLU dgrad runs 128-wide ping-pong tiles in the ping-pong cluster; the
-    16-bit dgrad stays cooperative."""
+    """The row-wise FP8 GLU dgrad runs 128-wide ping-pong tiles in the ping-pong cluster; a
+    dgrad that is neither (the block-scaled one) stays cooperative."""
     assert _glu_tiling("dgrad", 768, False, None, k, fp8_dgrad=True) == Tiling(
         128, (2, 1), pingpong=True)
     assert not _glu_tiling("dgrad", 768, False, None, k).pingpong
