@@ -45,6 +45,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
         GluConfig("fc1", bf16, "k", "relu", 32, None, (2, 1), tile_n=128, pingpong=True),
         GluConfig("dgrad", bf16, "n", "silu", None, fp32, (1, 2), tile_n=192, pingpong=True),
         GluConfig("dgrad", bf16, "n", "gelu", 64, bf16, (1, 2), tile_n=128, pingpong=True),
+        # the default 16-bit GLU dgrad (launch.GLU_DGRAD_PINGPONG): 2x1, split tails
+        GluConfig("dgrad", bf16, "n", "silu", None, fp32, (2, 1), tile_n=128, pingpong=True),
         GluConfig("fc1", bf16, "k", "silu", None, fp32, (1, 2), tile_n=192, pingpong=True),
         # (64 x 32) epilogue subtiles
         GluConfig("fc1", bf16, "k", "silu", None, fp32, (1, 2), tile_n=128, pingpong=True,
