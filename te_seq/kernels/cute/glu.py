@@ -64,7 +64,7 @@ PINGPONG_FC1_TILE_N = 128
 # rows per expert (..._2026-11-28o_fp8_glu_dgrad_tilings.txt): 0.595 (1x2) and 0.684 (2x1) vs
 # 0.711; (64 x 32) epilogue subtiles slower (Q 0.204, B 0.639). The 16-bit dgrad takes the
 # same tiles where `launch.glu_dgrad_pingpong()` (the default; measured there).
-PINGPONG_FP8_DGRAD_TILE_N = 128
+PINGPONG_DGRAD_TILE_N = 128
 _DUMMY: dict = {}
 _MAT_DUMMY: dict = {}  # (device type, index, dtype) -> the [8, 8] placeholder in that dtype
 _PLANS = PlanCache()  # GLU launches (16-bit and FP8) by call signature
@@ -169,15 +169,14 @@ def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int =
     The 16-bit GLU dgrad (``plain_dgrad``: not block-scaled) with a short mainloop on rows
     not gathered runs ping-pong 128 wide where ``glu_dgrad_pingpong()`` (the default since
     the 2x1 split tails: kernel README, section 25), as the row-wise FP8 one (``fp8_dgrad``)
-    does (``PINGPONG_FP8_DGRAD_TILE_N``); the rest is cooperative."""
+    does (``PINGPONG_DGRAD_TILE_N``); the rest is cooperative."""
     if tiling is not None:
         return static_only(tiling, f"cute GLU {mode}")
     short = k <= pingpong_max_k() and pingpong_by_default()
-    if mode == "dgrad" and fp8_dgrad and short:
-        return Tiling(PINGPONG_FP8_DGRAD_TILE_N, mm_pingpong_cluster(), pingpong=True)
-    if mode == "dgrad" and plain_dgrad and not gather and short and glu_dgrad_pingpong():
-        return Tiling(PINGPONG_FP8_DGRAD_TILE_N, mm_pingpong_cluster(), pingpong=True,
-                      epi_rows=glu_dgrad_epi_rows())
+    plain_pingpong = plain_dgrad and not gather and glu_dgrad_pingpong()
+    if mode == "dgrad" and short and (fp8_dgrad or plain_pingpong):
+        return Tiling(PINGPONG_DGRAD_TILE_N, mm_pingpong_cluster(), pingpong=True,
+                      epi_rows=128 if fp8_dgrad else glu_dgrad_epi_rows())
     if mode == "fc1" and plain_fc1 and not gather and short:
         width = glu_fc1_pingpong_tile_n(PINGPONG_FC1_TILE_N)
         if (n // 2) % (width // 2):  # F not whole tiles of width / 2 gate columns
