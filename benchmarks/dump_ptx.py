@@ -105,6 +105,10 @@ def _configs() -> dict[str, object]:
         # the default 16-bit GLU dgrad: ping-pong in 2x1 clusters with split tails
         "glu_dgrad_silu_probs_pp_2x1": GluConfig("dgrad", bf16, "n", "silu", None, fp32,
                                                  (2, 1), tile_n=128, pingpong=True),
+        # ... loading 2 or 4 of a tile's h subtiles ahead (TE_SEQ_GLU_DGRAD_H_PREFETCH)
+        "glu_dgrad_silu_probs_pp_2x1_pf4": GluConfig("dgrad", bf16, "n", "silu", None, fp32,
+                                                     (2, 1), tile_n=128, pingpong=True,
+                                                     h_prefetch=4),
         # ... with (64 x 32) epilogue subtiles: half the registers per subtile
         "glu_fc1_silu_probs_pp_half": GluConfig("fc1", bf16, "k", "silu", None, fp32,
                                                 tile_n=128, pingpong=True, half_tiles=True),
@@ -156,6 +160,11 @@ def _configs() -> dict[str, object]:
         "fp8_glu_dgrad_silu_probs_pp": GluConfig("dgrad", torch.float8_e4m3fn, "k", "silu",
                                                  None, fp32, tile_n=128, scaled=True,
                                                  pingpong=True),
+        # the default FP8 GLU dgrad: 2x1, two h pairs (glu.FP8_PINGPONG_DGRAD_H_PREFETCH)
+        "fp8_glu_dgrad_silu_probs_pp_2x1_pf2": GluConfig("dgrad", torch.float8_e4m3fn, "k",
+                                                         "silu", None, fp32, (2, 1),
+                                                         tile_n=128, scaled=True,
+                                                         pingpong=True, h_prefetch=2),
         "fp8_glu_dgrad_silu_probs_pp64": GluConfig("dgrad", torch.float8_e4m3fn, "k", "silu",
                                                    None, fp32, tile_n=128, scaled=True,
                                                    pingpong=True, epi_rows=64),

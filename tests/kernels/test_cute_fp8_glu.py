@@ -45,12 +45,18 @@ _COMPILE_SCRIPT = textwrap.dedent(
                   pingpong=True),
         GluConfig("dgrad", fp8, "k", "gelu", 32, bf16, tile_n=128, scaled=True,
                   pingpong=True, epi_rows=64),  # (64 x 32) epilogue subtiles
+        # the default dgrad: 2x1, two h pairs (glu.FP8_PINGPONG_DGRAD_H_PREFETCH); four
+        GluConfig("dgrad", fp8, "k", "silu", None, fp32, (2, 1), tile_n=128, scaled=True,
+                  pingpong=True, h_prefetch=2),
+        GluConfig("dgrad", fp8, "k", "gelu", 32, bf16, (2, 1), tile_n=128, scaled=True,
+                  pingpong=True, h_prefetch=4),
     ]:
         print(cfg, f"{compile_glu(cfg).compile_s:.1f}s", flush=True)
     for bad in [GluConfig("fc1", fp8, "n", "silu", None, None, scaled=True),
                 GluConfig("fc1", bf16, "k", "silu", None, None, scaled=True),
                 GluConfig("fc1", fp8, "k", "silu", None, None, bias_dtype=bf16, scaled=True),
-                GluConfig("dgrad", fp8, "k", "silu", None, None, scaled=True, h_prefetch=2)]:
+                GluConfig("dgrad", fp8, "k", "silu", None, None, scaled=True,
+                          route="gather")]:
         try:
             compile_glu(bad)
         except ValueError as exc:

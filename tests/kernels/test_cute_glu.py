@@ -334,11 +334,25 @@ def test_fc2_dgrad_h_prefetch_many_tiles_per_cta():
     torch.testing.assert_close(two[1], one[1], rtol=0, atol=0)
 
 
-def test_dgrad_h_prefetch_default():
+def test_dgrad_h_prefetch_default(tiling_env):
     from te_seq.kernels.cute import Tiling, glu
 
     assert glu._dgrad_h_prefetch(Tiling(192, (1, 2)), scaled=False) == 2
     assert glu._dgrad_h_prefetch(Tiling(128, (1, 2)), scaled=False) == 2
     assert glu._dgrad_h_prefetch(Tiling(256, (1, 2)), scaled=False) == 1  # a stage fewer
-    assert glu._dgrad_h_prefetch(Tiling(192, (1, 2)), scaled=True) == 1  # the FP8 kernel
-    assert glu._dgrad_h_prefetch(Tiling(192, (1, 2), pingpong=True), scaled=False) == 1
+    assert glu._dgrad_h_prefetch(Tiling(192, (1, 2)), scaled=True) == 1  # cooperative FP8
+    pingpong = Tiling(128, (2, 1), pingpong=True)
+    assert glu._dgrad_h_prefetch(pingpong, scaled=False) == 1  # 16-bit: level with 2
+    assert glu._dgrad_h_prefetch(pingpong, scaled=True) == glu.FP8_PINGPONG_DGRAD_H_PREFETCH == 2
+    # the setting wins where it divides the tile's subtiles (4 here; 6 at 192 wide; 12 with
+    # 64-row subtiles at 192)
+    tiling_env("TE_SEQ_GLU_DGRAD_H_PREFETCH", "4")
+    assert glu._dgrad_h_prefetch(pingpong, scaled=False) == 4
+    assert glu._dgrad_h_prefetch(Tiling(192, (1, 2), pingpong=True), scaled=True) == 2
+    assert glu._dgrad_h_prefetch(Tiling(192, (1, 2), pingpong=True, epi_rows=64),
+                                 scaled=False) == 4
+    tiling_env("TE_SEQ_GLU_DGRAD_H_PREFETCH", "1")
+    assert glu._dgrad_h_prefetch(pingpong, scaled=True) == 1
+    tiling_env("TE_SEQ_GLU_DGRAD_H_PREFETCH", "3")
+    with pytest.raises(ValueError, match=r"TE_SEQ_GLU_DGRAD_H_PREFETCH must be one of .*'3'"):
+        glu._dgrad_h_prefetch(pingpong, scaled=True)

@@ -47,6 +47,11 @@ _COMPILE_SCRIPT = textwrap.dedent(
         GluConfig("dgrad", bf16, "n", "gelu", 64, bf16, (1, 2), tile_n=128, pingpong=True),
         # the default 16-bit GLU dgrad (launch.GLU_DGRAD_PINGPONG): 2x1, split tails
         GluConfig("dgrad", bf16, "n", "silu", None, fp32, (2, 1), tile_n=128, pingpong=True),
+        # ... with 2 or 4 h pairs loaded ahead (TE_SEQ_GLU_DGRAD_H_PREFETCH)
+        GluConfig("dgrad", bf16, "n", "silu", None, fp32, (2, 1), tile_n=128, pingpong=True,
+                  h_prefetch=2),
+        GluConfig("dgrad", bf16, "n", "silu", None, fp32, (2, 1), tile_n=128, pingpong=True,
+                  h_prefetch=4),
         GluConfig("fc1", bf16, "k", "silu", None, fp32, (1, 2), tile_n=192, pingpong=True),
         # (64 x 32) epilogue subtiles
         GluConfig("fc1", bf16, "k", "silu", None, fp32, (1, 2), tile_n=128, pingpong=True,
@@ -118,6 +123,18 @@ def test_glu_kernel_pingpong_tiles():
         GluGemmKernel("dgrad", "silu", None, True, tile_n=192, epi_rows=64)
     with pytest.raises(ValueError, match="epi_rows 32 unsupported"):
         GluGemmKernel("dgrad", "silu", None, True, tile_n=192, pingpong=True, epi_rows=32)
+    # h pairs loaded ahead: 1, 2 or 4, dividing a dgrad tile's subtiles (tile_n / 32 per
+    # row block of epi_rows)
+    for width, rows, depth in [(128, 128, 4), (192, 128, 2), (192, 64, 4), (256, 128, 4)]:
+        kernel = GluGemmKernel("dgrad", "silu", None, True, tile_n=width, pingpong=width < 256,
+                               epi_rows=rows, h_prefetch=depth)
+        assert kernel.h_prefetch == depth and kernel.extra_barriers == depth
+    with pytest.raises(ValueError, match="h_prefetch 4 unsupported.*6 subtiles"):
+        GluGemmKernel("dgrad", "silu", None, True, tile_n=192, pingpong=True, h_prefetch=4)
+    with pytest.raises(ValueError, match="h_prefetch 3 unsupported"):
+        GluGemmKernel("dgrad", "silu", None, True, tile_n=192, pingpong=True, h_prefetch=3)
+    with pytest.raises(ValueError, match="h_prefetch 2 unsupported.*mode 'fc1'"):
+        GluGemmKernel("fc1", "silu", None, True, tile_n=128, pingpong=True, h_prefetch=2)
 
 
 @needs_dsl
@@ -387,6 +404,35 @@ def test_glu_dgrad_pingpong_equals_cooperative(case, config, epi_rows):
     else:  # sums of per-tile atomics: the order of the additions may differ
         assert _rel_err(dprobs, dp_ref) < 1e-2
         torch.testing.assert_close(dprobs.float(), same[2].float(), rtol=2e-2, atol=1e-3)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize(("h_prefetch", "epi_rows"), [(2, 128), (4, 128), (4, 64)])
+@pytest.mark.parametrize("config", _GLU_CONFIGS[:3], ids=str)
+@pytest.mark.parametrize("case", _GLU_CASES, ids=[c[0] for c in _GLU_CASES])
+def test_glu_dgrad_pingpong_h_prefetch_equals_one_pair(case, config, h_prefetch, epi_rows):
+    # the warpgroups' epilogues alternate over shared h pairs: with 4 pairs and 4 subtiles a
+    # tile fills each pair once, so a pair's phase parity is the warpgroup's (many_tiles and
+    # 128_experts give each CTA several tiles of each warpgroup)
+    from te_seq.kernels import cute
+
+    act, il, p_dtype, cluster, _ = config
+    x, _, w2, probs, offs = _glu_data(case, p_dtype)
+    dy = torch.randn_like(x)
+    h = torch.randn(x.shape[0], 2 * w2.shape[2], device="cuda", dtype=x.dtype)
+    tiling = Tiling(128, cluster, pingpong=True, epi_rows=epi_rows)
+    one = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, tiling=tiling, h_prefetch=1)
+    ahead = cute.glu_fc2_dgrad(dy, w2, offs, h, act, il, probs, tiling=tiling,
+                               h_prefetch=h_prefetch)
+    torch.testing.assert_close(ahead[0], one[0], rtol=0, atol=0)
+    torch.testing.assert_close(ahead[1], one[1], rtol=0, atol=0)
+    if probs is not None:  # atomics may add in another order
+        torch.testing.assert_close(ahead[2].float(), one[2].float(), rtol=2e-2, atol=1e-3)
+    dh_ref, _ = reference.glu_backward(
+        h.double(), reference.grouped_mm(dy.double(), w2.double(), offs), act, il,
+        None if probs is None else probs.double())
+    assert _rel_err(ahead[0], dh_ref) < 1e-2
 
 
 def test_plain_gemm_default_tiling_is_pingpong_for_short_k_unless_turned_off(tiling_env):

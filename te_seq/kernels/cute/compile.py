@@ -282,7 +282,7 @@ class GluConfig:
     route: str | None = None  # "gather": fc1 reads x's rows by index (routed.py)
     scaled: bool = False  # FP8 operands with row-wise dequantization scales (scaled_glu.py)
     pingpong: bool = False  # one MMA warpgroup per tile (fc1: tile_n 128; dgrad: 128 or 192)
-    h_prefetch: int = 1  # dgrad: h subtiles loaded ahead (2: two buffer pairs; cooperative)
+    h_prefetch: int = 1  # dgrad: h subtile pairs loaded ahead (1, 2 or 4; divides the subtiles)
     epi_rows: int = 128  # rows of an epilogue subtile (64: ping-pong only)
     half_tiles: bool = False  # ping-pong: a tile with <= 64 rows runs one 64-row WGMMA atom
     # the FP8 block-scaled GLU steps (``block_glu``): E4M3 operands, scales [M, HB] and
@@ -378,14 +378,14 @@ def _compile_scaled_glu(cfg: GluConfig) -> CompiledGemm:
     """The FP8 GLU GEMM (``scaled_glu``): E4M3 operands, K-major B, no bias, no route."""
     from .scaled_glu import ScaledGluGemmKernel
 
-    if (cfg.ab_dtype != torch.float8_e4m3fn or cfg.b_major != "k" or cfg.bias_dtype or cfg.route
-            or cfg.h_prefetch != 1):
-        raise ValueError(f"scaled GLU GEMMs take E4M3 operands, K-major B, no bias or route "
-                         f"and one h buffer pair: {cfg}")
+    if cfg.ab_dtype != torch.float8_e4m3fn or cfg.b_major != "k" or cfg.bias_dtype or cfg.route:
+        raise ValueError(f"scaled GLU GEMMs take E4M3 operands, K-major B, no bias or route: "
+                         f"{cfg}")
     kernel = ScaledGluGemmKernel(
         cfg.mode, cfg.act, cfg.interleave, cfg.probs_dtype is not None, cfg.cluster_mn,
         cfg.store_stages, cfg.tile_n, cfg.params, pingpong=cfg.pingpong,
         epi_rows=cfg.epi_rows, half_tiles=cfg.half_tiles, store_h=cfg.store_h,
+        h_prefetch=cfg.h_prefetch,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 

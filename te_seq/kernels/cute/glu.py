@@ -29,9 +29,11 @@ from .launch import (
     b_view,
     bias_problem,
     coop_cluster,
+    epilogue_subtiles,
     fc1_writes_h,
     gathered_rows,
     glu_dgrad_epi_rows,
+    glu_dgrad_h_prefetch_setting,
     glu_dgrad_pingpong,
     glu_fc1_pingpong_tile_n,
     half_tiles,
@@ -190,13 +192,26 @@ def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int =
 # measured/h100_2026-11-25_glu_h_prefetch_burst.json): Q 286 vs 267 TFLOP/s, Z 278 vs 265 at
 # 192-wide tiles; B's 256-wide tiles lost a mainloop stage to the extra smem (458 vs 481).
 _H_PREFETCH_MAX_TILE_N = 192
+# The FP8 (row-wise) GLU dgrad in ping-pong with two h pairs (one H200, 2026-11-30, run "r",
+# profile_kernels.py --fp8 ROWWISE --hp-wgrad, two rounds; kernel README, section 26): Q
+# 0.150-0.151 ms against 0.155-0.156 with one, Z 0.170-0.171 against 0.177-0.178. The 16-bit
+# one in ping-pong stays at one pair: level with two (Q 0.218 against 0.219 ms, Z 0.257 both),
+# slower with four (0.233, 0.275).
+FP8_PINGPONG_DGRAD_H_PREFETCH = 2
 
 
 def _dgrad_h_prefetch(t: Tiling, scaled: bool) -> int:
-    """h subtiles the dgrad loads ahead by default: 2 for cooperative 16-bit tiles up to
-    ``_H_PREFETCH_MAX_TILE_N`` wide (smem for a second pair costs them no mainloop stage),
-    else 1 (the FP8 kernel and ping-pong take one pair)."""
-    if scaled or t.pingpong or t.tile_n > _H_PREFETCH_MAX_TILE_N:
+    """h subtile pairs the dgrad loads ahead by default: ``TE_SEQ_GLU_DGRAD_H_PREFETCH``
+    where set and it divides the tile's subtiles; else in ping-pong
+    ``FP8_PINGPONG_DGRAD_H_PREFETCH`` for the FP8 kernel and 1 for the 16-bit one; else
+    (cooperative) 2 for 16-bit tiles up to ``_H_PREFETCH_MAX_TILE_N`` wide (smem for a second
+    pair costs them no mainloop stage) and 1 for the rest."""
+    chosen = glu_dgrad_h_prefetch_setting()
+    if chosen is not None and epilogue_subtiles(t.tile_n, t.epi_rows) % chosen == 0:
+        return chosen
+    if t.pingpong:
+        return FP8_PINGPONG_DGRAD_H_PREFETCH if scaled else 1
+    if scaled or t.tile_n > _H_PREFETCH_MAX_TILE_N:
         return 1
     return 2
 
@@ -250,8 +265,9 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
                     plain_dgrad)
     _check_fc1_halves(mode, interleave, n, t)
     store_h = fc1_writes_h(store_h)
-    if h_prefetch is None:
-        h_prefetch = _dgrad_h_prefetch(t, scaled) if mode == "dgrad" else 1
+    if h_prefetch is None:  # the block-scaled kernel takes one pair
+        h_prefetch = _dgrad_h_prefetch(t, scaled) if mode == "dgrad" and not block_scaled \
+            else 1
     cfg = GluConfig(
         mode, x.dtype, b_major, act, interleave, None if probs is None else probs.dtype,
         t.cluster_mn, tile_n=t.tile_n, params=params,
@@ -490,9 +506,10 @@ class _Fc2Dgrad:
         dprobs [M] (fp32 sums, in probs.dtype; None without probs); ``params`` as in
         ``glu_fc1_forward``; ``tiling``: None (fitted to F, cooperative) or a ping-pong
         ``Tiling(128 or 192, cluster, pingpong=True)`` (``epi_rows=64``: 64 x 32 epilogue
-        subtiles); ``h_prefetch``: h's subtiles loaded
-        ahead of the one being computed (1, or 2 with a cooperative tiling: one more pair of
-        smem buffers; None: ``_dgrad_h_prefetch``)."""
+        subtiles); ``h_prefetch``: pairs of smem buffers for h's subtiles, loaded ahead of
+        the one being computed (1, 2 or 4, dividing the tile's subtiles: tile_n / 32 with
+        128-row subtiles, twice that with 64-row ones; None: ``_dgrad_h_prefetch``). An
+        explicit 2 without a tiling runs the cooperative tiling."""
         ok, why = self.supports(dy, w2, act, interleave)
         if not ok:
             raise ValueError(

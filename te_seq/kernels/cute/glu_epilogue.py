@@ -46,6 +46,7 @@ from .bias_epilogue import BiasEpilogueMixin
 from .glu_h_loads import HLoadMixin
 from .glu_maths import act_and_grad, up_and_grad
 from .grouped_gemm import GroupedGemmKernel
+from .launch import epilogue_subtiles
 from .ragged import _ragged_group, _ragged_view
 from .row_values import RowValuesMixin
 
@@ -114,10 +115,13 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
             )
         if pingpong and has_bias:
             raise ValueError("GluGemmKernel: ping-pong with an fc1 bias is not supported yet")
-        if h_prefetch not in (1, 2) or (h_prefetch == 2 and (mode != "dgrad" or pingpong)):
+        subtiles = epilogue_subtiles(tile_n, epi_rows)
+        if h_prefetch not in (1, 2, 4) or (h_prefetch > 1 and (
+                mode != "dgrad" or subtiles % h_prefetch)):
             raise ValueError(
-                f"GluGemmKernel: h_prefetch {h_prefetch} unsupported (1, or 2 for a cooperative "
-                f"dgrad), mode {mode!r}, pingpong {pingpong}"
+                f"GluGemmKernel: h_prefetch {h_prefetch} unsupported (1; 2 or 4 for a dgrad "
+                f"whose {subtiles} subtiles per tile it divides), mode {mode!r}, tile_n "
+                f"{tile_n}, epi_rows {epi_rows}"
             )
         if epi_rows not in (128, 64) or (epi_rows == 64 and not pingpong):
             raise ValueError(
@@ -351,7 +355,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
         s_l, g_l = self._h_partitions(ep, tma_h, m_h, t.row_base)
         reader = self._h_reader(ep)
         depth, halves = self.h_prefetch, self._halves()
-        num_sub = self.tile_mnk[1] // 32 * halves  # subtile s: column block s // halves
+        num_sub = self._dgrad_subtiles()  # subtile s: column block s // halves
         for d in cutlass.range_constexpr(min(depth, num_sub)):
             self._issue_h(ep, tma_h, s_l, g_l, n_tile, f_dim, d)
         count = count0

@@ -2,9 +2,10 @@
 
 Per dgrad epilogue subtile (``epi_rows`` x 32 columns of dA), the gate and up columns of h
 that the subtile's maths needs are TMA-loaded into a pair of smem buffers behind the store
-ring, one mbarrier per pair (``h_prefetch`` pairs: the subtile after next is loaded while one
-is computed). `HLoadMixin` holds the column mapping, the buffers' barriers and phases and the
-loads; ``GluGemmKernel._dgrad_epilogue`` drives them.
+ring, one mbarrier per pair (``h_prefetch`` pairs, 1, 2 or 4: a tile's first ``h_prefetch``
+subtiles are loaded as its epilogue starts, each later one as soon as its pair is read).
+`HLoadMixin` holds the column mapping, the buffers' barriers and phases and the loads;
+``GluGemmKernel._dgrad_epilogue`` drives them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
+
+from .launch import epilogue_subtiles
 
 
 class HLoadMixin:
@@ -44,13 +47,25 @@ class HLoadMixin:
         return ep.extra_bar if pair == 0 else ep.extra_bar + pair
 
     def _h_parity(self, count0, e: int):
-        """The mbarrier phase parity of dgrad subtile ``e``'s h pair. One pair (``h_prefetch``
-        1): a tile's subtile count (4, 6 or 8) is even, so it is e % 2 on every tile. Two pairs:
-        pair e % 2 has been filled once per two earlier subtiles of this CTA (``count0`` / 3 of
-        them before the tile: three stores each), so the parity comes from that running count."""
-        if self.h_prefetch == 1:
+        """The mbarrier phase parity of dgrad subtile ``e``'s h pair. Pair p is filled for
+        the subtiles p, p + d, ... (d = ``h_prefetch``, which divides a tile's subtile count
+        n), n / d times per tile, so its parity is (subtiles of this CTA before the tile + e)
+        // d % 2. One pair: n is even (4, 6 or 8; twice that with 64-row subtiles), so that is
+        e % 2 on every tile. Cooperative: ``count0`` / 3 subtiles before the tile (three
+        stores each). Ping-pong: the warpgroups' epilogues alternate, warpgroup 0 first, and
+        share the pairs; ``count0`` counts this warpgroup's own, so 2 count0 / 3 + wg · n."""
+        depth = self.h_prefetch
+        if depth == 1:
             return e % 2
-        return ((count0 // 3 + e) // 2) % 2
+        before = count0 // 3
+        if self.pingpong:
+            wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
+            before = 2 * before + wg * self._dgrad_subtiles()
+        return ((before + e) // depth) % 2
+
+    def _dgrad_subtiles(self) -> int:
+        """Epilogue subtiles of one dgrad tile (`launch.epilogue_subtiles`)."""
+        return epilogue_subtiles(self.tile_mnk[1], self.epi_rows)
 
     @cute.jit
     def _issue_h(self, ep, tma_h, s_l, g_l, n_tile, f_dim, e: int):

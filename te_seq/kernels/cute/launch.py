@@ -131,7 +131,8 @@ PINGPONG_MAX_K = 4096
 TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER",
               "TE_SEQ_PINGPONG_TILE_N", "TE_SEQ_GLU_FC1_TILE_N", "TE_SEQ_WGRAD_SCHEDULE",
               "TE_SEQ_MM_CLUSTER", "TE_SEQ_HALF_TILES", "TE_SEQ_FC1_KEEP_H",
-              "TE_SEQ_COOP_CLUSTER", "TE_SEQ_GLU_DGRAD_PINGPONG", "TE_SEQ_GLU_DGRAD_EPI_ROWS")
+              "TE_SEQ_COOP_CLUSTER", "TE_SEQ_GLU_DGRAD_PINGPONG", "TE_SEQ_GLU_DGRAD_EPI_ROWS",
+              "TE_SEQ_GLU_DGRAD_H_PREFETCH")
 _SETTINGS: list = [(), {}]  # [the values in TILING_ENV order, {name: value}]
 
 
@@ -314,6 +315,22 @@ def glu_dgrad_epi_rows() -> int:
     """The rows of the ping-pong 16-bit GLU dgrad's epilogue subtiles:
     ``TE_SEQ_GLU_DGRAD_EPI_ROWS``, else ``GLU_DGRAD_EPI_ROWS``."""
     return _chosen("TE_SEQ_GLU_DGRAD_EPI_ROWS", _EPI_ROWS) or GLU_DGRAD_EPI_ROWS
+
+
+_H_PREFETCH = {"1": 1, "2": 2, "4": 4}
+
+
+def epilogue_subtiles(tile_n: int, epi_rows: int) -> int:
+    """Epilogue subtiles of one 128-row tile ``tile_n`` wide: 32 columns each, in row blocks
+    of ``epi_rows`` (the GLU dgrad's h loads come in as many)."""
+    return tile_n // 32 * (128 // epi_rows)
+
+
+def glu_dgrad_h_prefetch_setting() -> int | None:
+    """``TE_SEQ_GLU_DGRAD_H_PREFETCH`` (1, 2 or 4: the GLU dgrad's h subtile pairs loaded
+    ahead, where it divides the tile's subtiles), None where unset (``glu._dgrad_h_prefetch``
+    decides)."""
+    return _chosen("TE_SEQ_GLU_DGRAD_H_PREFETCH", _H_PREFETCH)
 
 
 def fc1_writes_h(wanted: bool) -> bool:

@@ -52,10 +52,11 @@ class ScaledGluGemmKernel(ScaleScratchMixin, GluGemmKernel):
         epi_rows: int = 128,
         half_tiles: bool = False,
         store_h: bool = True,
+        h_prefetch: int = 1,
     ):
         super().__init__(mode, act, interleave, has_probs, cluster_mn, store_stages, tile_n, params,
-                         pingpong=pingpong, epi_rows=epi_rows, half_tiles=half_tiles,
-                         store_h=store_h)
+                         pingpong=pingpong, h_prefetch=h_prefetch, epi_rows=epi_rows,
+                         half_tiles=half_tiles, store_h=store_h)
 
     @cute.jit
     def __call__(
