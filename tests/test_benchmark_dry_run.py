@@ -650,6 +650,62 @@ def test_schedule_model_counts_the_varlen_m_tiles_of_each_cluster_shape():
         assert got["2x1"] == got["1x2"]
 
 
+def test_step_roofline_counts_every_gemm_once_and_each_tensor_it_moves():
+    """benchmarks/step_roofline.py: the kernels of a step do the benchmark's 18·M·H·F FLOPs in
+    every precision; bf16 moves 2·(6 [M, H] + 14 [M, F] + 3 W1 + 3 W2) bytes (x, y, dy, dx,
+    and dy and x again for the wgrads; h, dh five times and a four times; each weight read
+    twice and its gradient written once); FP8 moves less on Q, its all-FP8 form more than with
+    bf16 wgrads (the token-major passes)."""
+    import step_roofline
+    from mlp_case import SHAPES
+    from mlp_report import flops
+
+    for name in ("A", "B", "Q", "U"):
+        shape = SHAPES[name]
+        for precision in step_roofline.PRECISIONS:
+            kernels = step_roofline.step_kernels(shape, precision)
+            assert sum(k.flops for k in kernels) == flops(shape, "fwd+bwd")
+            assert all(k.read > 0 and k.written > 0 for k in kernels)
+    q = SHAPES["Q"]
+    x, a = q.M * q.H, q.M * q.F
+    w1, w2 = q.E * 2 * q.F * q.H, q.E * q.H * q.F
+    moved = {p: sum(k.bytes for k in step_roofline.step_kernels(q, p))
+             for p in step_roofline.PRECISIONS}
+    assert moved["bf16"] == 2 * (6 * x + 14 * a + 3 * w1 + 3 * w2)
+    assert moved["fp8"] < moved["fp8all"] < moved["bf16"]
+    with pytest.raises(ValueError, match="precision must be one of"):
+        step_roofline.step_kernels(q, "fp16")
+
+
+def test_step_roofline_bound_takes_each_kernels_slower_limit():
+    """A kernel's bound is the larger of its bytes at the copy rate and its FLOPs at its
+    precision's peak; the step's is their sum. On Q every bf16 GEMM's two limits lie within
+    40 % of each other (near the machine's balance) and the GLU dgrad is bound by its bytes."""
+    import step_roofline
+    from mlp_case import SHAPES
+
+    rates = step_roofline.Rates(bandwidth=1e12, bf16=1e15, fp8=2e15)
+    gemm = step_roofline.Kernel("g", 3e9, 1e9, 4e15, fp8=True)
+    assert rates.memory_s(gemm) == 4e-3 and rates.compute_s(gemm) == 2.0
+    assert rates.bound_s(gemm) == 2.0
+    copy = step_roofline.Kernel("c", 3e9, 1e9, 0)
+    assert step_roofline.step_bound_s([gemm, copy], rates) == 2.0 + 4e-3
+    h200 = step_roofline.Rates()
+    q = {k.name: k for k in step_roofline.step_kernels(SHAPES["Q"], "bf16")}
+    for k in q.values():
+        assert 1 / 1.4 < h200.memory_s(k) / h200.compute_s(k) < 1.4, k.name
+    assert h200.memory_s(q["GLU dgrad"]) > 1.3 * h200.compute_s(q["GLU dgrad"])
+
+
+def test_step_roofline_prints_each_shape(capsys, monkeypatch):
+    import step_roofline
+
+    monkeypatch.setattr(sys, "argv", ["step_roofline.py", "--shapes", "Q", "--kernels"])
+    step_roofline.main()
+    out = capsys.readouterr().out
+    assert "Q bf16" in out and "GLU dgrad" in out and "Q bound bf16 / FP8: 1.18x" in out
+
+
 def test_jittered_shape_splits_near_uniform():
     """Shape J (Q's widths as a balanced router splits them): every expert 0.9-1.1x the mean
     (±1 row of rounding), not all equal, summing to M; deterministic per seed."""

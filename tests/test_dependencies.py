@@ -47,6 +47,7 @@ _LOCAL = {
     "bench_grouped_mlp",  # its env variant: tests/test_benchmark_dry_run.py
     "bench_grouped_gemm",  # its QuACK GEMMs: tests/test_benchmark_dry_run.py
     "schedule_model",  # the wgrad unit schedules: tests/test_benchmark_dry_run.py
+    "step_roofline",  # the per-kernel roofline: tests/test_benchmark_dry_run.py
     "profile_launch",  # its stub kernels serve tests/kernels/test_cute_launch_plan.py
     "profile_host",  # its MLP builder (Megatron mode too): tests/test_benchmark_dry_run.py
     "ncu_stalls", "ncu_target",  # the Nsight Compute helpers: tests/test_benchmark_dry_run.py
