@@ -334,6 +334,32 @@ def test_fc2_dgrad_h_prefetch_many_tiles_per_cta():
     torch.testing.assert_close(two[1], one[1], rtol=0, atol=0)
 
 
+@needs_dsl
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_h_pair_parity_follows_every_fill_of_each_pair(pingpong):
+    # replays the fills of the h pairs over a CTA's tiles: cooperative, every tile is the
+    # CTA's; ping-pong, the warpgroups take alternate tiles, warpgroup 0 first. Subtile e of
+    # a tile must wait for the parity of its pair's fill count (0 for its first fill, 1 for
+    # its second, ...), computed from what the kernel knows: its own earlier subtiles and its
+    # warpgroup index.
+    from te_seq.kernels.cute.glu_h_loads import h_pair_parity
+
+    for n in (4, 6, 8, 12, 16):  # subtiles per tile: 128/192/256 wide, 128 or 64 rows
+        for depth in (d for d in (1, 2, 4) if n % d == 0):
+            fills = [0] * depth
+            own = [0, 0]  # subtiles each warpgroup ran before its current tile
+            for tile in range(11):
+                wg = tile % 2 if pingpong else None
+                before = own[wg] if pingpong else tile * n
+                for e in range(n):
+                    want = fills[e % depth] % 2
+                    got = h_pair_parity(before, e, depth, n, wg)
+                    assert got == want, (n, depth, pingpong, tile, e)
+                    fills[e % depth] += 1
+                if pingpong:
+                    own[wg] += n
+
+
 def test_dgrad_h_prefetch_default(tiling_env):
     from te_seq.kernels.cute import Tiling, glu
 

@@ -17,6 +17,22 @@ from cutlass import Float32, const_expr
 from .launch import epilogue_subtiles
 
 
+def h_pair_parity(own_before, e: int, depth: int, subtiles: int, wg=None):
+    """The phase parity that dgrad subtile ``e`` of a tile waits for on its h pair (e % d, d =
+    ``depth`` pairs dividing the tile's ``subtiles`` n): pair p is filled for the subtiles p,
+    p + d, ..., n / d times per tile, so the fill that subtile e waits for is the pair's
+    (subtiles of the CTA before the tile + e) // d-th, and its parity that count % 2.
+    ``own_before``: the subtiles this warpgroup's earlier tiles ran; ``wg`` (ping-pong): its
+    index, the warpgroups' epilogues alternating over the shared pairs, warpgroup 0 first, so
+    the CTA ran 2 own_before + wg n before the tile; None: cooperative (own_before is the
+    CTA's). One pair: n is even (4, 6 or 8; twice that with 64-row subtiles), so e % 2. Plain
+    ints or the kernel's Int32 values alike."""
+    if depth == 1:
+        return e % 2
+    before = own_before if wg is None else 2 * own_before + wg * subtiles
+    return ((before + e) // depth) % 2
+
+
 class HLoadMixin:
     """h's subtile loads for the GLU dgrad epilogue (module docstring)."""
 
@@ -47,21 +63,13 @@ class HLoadMixin:
         return ep.extra_bar if pair == 0 else ep.extra_bar + pair
 
     def _h_parity(self, count0, e: int):
-        """The mbarrier phase parity of dgrad subtile ``e``'s h pair. Pair p is filled for
-        the subtiles p, p + d, ... (d = ``h_prefetch``, which divides a tile's subtile count
-        n), n / d times per tile, so its parity is (subtiles of this CTA before the tile + e)
-        // d % 2. One pair: n is even (4, 6 or 8; twice that with 64-row subtiles), so that is
-        e % 2 on every tile. Cooperative: ``count0`` / 3 subtiles before the tile (three
-        stores each). Ping-pong: the warpgroups' epilogues alternate, warpgroup 0 first, and
-        share the pairs; ``count0`` counts this warpgroup's own, so 2 count0 / 3 + wg · n."""
-        depth = self.h_prefetch
-        if depth == 1:
-            return e % 2
-        before = count0 // 3
-        if self.pingpong:
+        """The mbarrier phase parity of dgrad subtile ``e``'s h pair (`h_pair_parity`): this
+        warpgroup's subtiles before the tile are ``count0`` / 3 (three stores each); in
+        ping-pong its warpgroup index too."""
+        wg = None
+        if self.pingpong and self.h_prefetch > 1:
             wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
-            before = 2 * before + wg * self._dgrad_subtiles()
-        return ((before + e) // depth) % 2
+        return h_pair_parity(count0 // 3, e, self.h_prefetch, self._dgrad_subtiles(), wg)
 
     def _dgrad_subtiles(self) -> int:
         """Epilogue subtiles of one dgrad tile (`launch.epilogue_subtiles`)."""
