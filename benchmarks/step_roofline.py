@@ -22,7 +22,10 @@ probs: their 4-12 bytes a row are below 0.1 %):
   two passes each (maxima, then cast, row-wise forms of dy and dh written by the same pair).
 
     python benchmarks/step_roofline.py [--shapes A,B,Q,Z] [--bandwidth 4.2] [--bf16-peak 766]
-        [--fp8-peak 1336] [--kernels]
+        [--fp8-peak 1336] [--kernels] [--grad-mode fresh|accumulate|megatron]
+
+``--grad-mode`` as the benchmark's: the wgrads write new bf16 gradients (fresh), read and
+write bf16 ``.grad`` (accumulate) or the fp32 ``main_grad`` (megatron).
 
 Defaults: one H200 (copy 4.2 TB/s, the dense 8192³ bf16 matmul in bursts 766 TFLOP/s, dense
 FP8 1336: benchmarks/README.md). Z has Q's totals (the same rows, widths and experts).
@@ -31,11 +34,14 @@ FP8 1336: benchmarks/README.md). Z has Q's totals (the same rows, widths and exp
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mlp_case import SHAPES, Shape
 
 PRECISIONS = ("bf16", "fp8", "fp8all")
+# how the wgrads meet their gradients, as bench_grouped_mlp.py's --grad-mode: bytes per weight
+# element (read, written): new bf16 tensors, bf16 .grad read and written, the fp32 main_grad
+GRAD_MODES = {"fresh": (0, 2), "accumulate": (2, 2), "megatron": (4, 4)}
 _SCALE = 4  # bytes of one fp32 scale
 
 
@@ -72,11 +78,21 @@ class Rates:
         return max(self.memory_s(k), self.compute_s(k))
 
 
-def step_kernels(shape: Shape, precision: str) -> list[Kernel]:
-    """The step's kernels under ``precision`` (one of `PRECISIONS`), in launch order."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"step_roofline: precision must be one of {PRECISIONS}, "
-                         f"got {precision!r}")
+def step_kernels(shape: Shape, precision: str, grad_mode: str = "fresh") -> list[Kernel]:
+    """The step's kernels under ``precision`` (one of `PRECISIONS`), in launch order; the
+    wgrads write their gradients in ``grad_mode`` (`GRAD_MODES`)."""
+    if precision not in PRECISIONS or grad_mode not in GRAD_MODES:
+        raise ValueError(f"step_roofline: precision must be one of {PRECISIONS} and grad_mode "
+                         f"one of {tuple(GRAD_MODES)}, got {precision!r}, {grad_mode!r}")
+    w2 = shape.E * shape.H * shape.F
+    weights = {"FC2 wgrad": w2, "FC1 wgrad": 2 * w2}  # the gradient each wgrad meets
+    read, written = GRAD_MODES[grad_mode]
+    return [replace(k, read=k.read + read * weights[k.name], written=written * weights[k.name])
+            if k.name in weights else k for k in _kernels(shape, precision)]
+
+
+def _kernels(shape: Shape, precision: str) -> list[Kernel]:
+    """`step_kernels` with fresh bf16 gradients."""
     m, h, f, e = shape.M, shape.H, shape.F, shape.E
     x, a, w1, w2 = m * h, m * f, e * 2 * f * h, e * h * f  # elements (h and dh: 2a)
     gemm1, gemm2 = 2 * m * 2 * f * h, 2 * m * h * f  # FC1-sized and FC2-sized GEMMs
@@ -137,15 +153,17 @@ def main() -> None:
     p.add_argument("--bf16-peak", type=float, default=766.0, help="TFLOP/s")
     p.add_argument("--fp8-peak", type=float, default=1336.0, help="TFLOP/s")
     p.add_argument("--kernels", action="store_true", help="each kernel's figures too")
+    p.add_argument("--grad-mode", default="fresh", choices=sorted(GRAD_MODES))
     args = p.parse_args()
     rates = Rates(args.bandwidth * 1e12, args.bf16_peak * 1e12, args.fp8_peak * 1e12)
     print(f"copy {args.bandwidth} TB/s, bf16 {args.bf16_peak:.0f} and FP8 {args.fp8_peak:.0f} "
-          f"TFLOP/s; per step: GB, GFLOP, ms at the copy rate / the peak, bound ms")
+          f"TFLOP/s, gradients {args.grad_mode}; per step: GB, GFLOP, ms at the copy rate / "
+          f"the peak, bound ms")
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         bounds = {}
         for precision in PRECISIONS:
-            kernels = step_kernels(shape, precision)
+            kernels = step_kernels(shape, precision, args.grad_mode)
             bounds[precision] = step_bound_s(kernels, rates)
             nbytes, flops = sum(k.bytes for k in kernels), sum(k.flops for k in kernels)
             print(f"{name} {precision:7s} {nbytes / 1e9:7.2f} GB {flops / 1e9:8.0f} GFLOP "

@@ -673,8 +673,17 @@ def test_step_roofline_counts_every_gemm_once_and_each_tensor_it_moves():
              for p in step_roofline.PRECISIONS}
     assert moved["bf16"] == 2 * (6 * x + 14 * a + 3 * w1 + 3 * w2)
     assert moved["fp8"] < moved["fp8all"] < moved["bf16"]
+    # the wgrads' gradients: bf16 .grad read as well (accumulate), fp32 main_grad read and
+    # written instead (megatron); nothing else changes
+    for precision in step_roofline.PRECISIONS:
+        for mode, extra in (("accumulate", 2), ("megatron", 6)):
+            kernels = step_roofline.step_kernels(q, precision, mode)
+            assert sum(k.bytes for k in kernels) == moved[precision] + extra * (w1 + w2)
+            assert sum(k.flops for k in kernels) == flops(q, "fwd+bwd")
     with pytest.raises(ValueError, match="precision must be one of"):
         step_roofline.step_kernels(q, "fp16")
+    with pytest.raises(ValueError, match="grad_mode one of"):
+        step_roofline.step_kernels(q, "bf16", "fp32")
 
 
 def test_step_roofline_bound_takes_each_kernels_slower_limit():
@@ -704,6 +713,11 @@ def test_step_roofline_prints_each_shape(capsys, monkeypatch):
     step_roofline.main()
     out = capsys.readouterr().out
     assert "Q bf16" in out and "GLU dgrad" in out and "Q bound bf16 / FP8: 1.18x" in out
+    monkeypatch.setattr(sys, "argv", ["step_roofline.py", "--shapes", "Q", "--grad-mode",
+                                      "megatron"])
+    step_roofline.main()
+    out = capsys.readouterr().out
+    assert "gradients megatron" in out and "Q bf16       8.76 GB" in out
 
 
 def test_jittered_shape_splits_near_uniform():
