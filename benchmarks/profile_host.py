@@ -16,6 +16,15 @@ forward written as plain torch ops (the floor no wrapper can beat):
 
   python benchmarks/profile_host.py --device cpu [--backend reference] [--iters 2000]
 
+`--stages` prints, instead, the inclusive host time of each layer of a forward (with `--step`,
+of a forward+backward too; `--fp8 ... [--hp-wgrad]` under a recipe): te_seq's functions on
+the way (`_stage_steps`: the fuser, the fused op, the FP8 GEMM and quantization calls,
+torch.empty, Tensor.backward) each wrapped by a timer, µs per call and entries per call, from
+an idle device each call. cProfile's own cost per call inflates every layer 2-3x on the GPU
+host; these timers add ~1 µs per entry:
+
+  python benchmarks/profile_host.py --stages --step [--fp8 Float8RowwiseScaling --hp-wgrad]
+
 `--timeline` prints, instead, when one forward call reaches each step on its way to the first
 GEMM (µs after the call starts, median of calls each from an idle device; each step is timed by a
 thin wrapper, ~0.3 µs apiece): where the host time before the first kernel goes.
@@ -167,6 +176,23 @@ def _timeline_steps():
 
 
 @contextlib.contextmanager
+def _wrapped(steps, wrap):
+    """Each (label, owner, attribute) of `steps` replaced by ``wrap(label, original)`` inside
+    the block; the originals back after (an inherited one by deleting the shadowing wrapper)."""
+    restore = [(owner, name, owner.__dict__.get(name)) for _, owner, name in steps]
+    for label, owner, name in steps:
+        setattr(owner, name, wrap(label, getattr(owner, name)))
+    try:
+        yield
+    finally:
+        for owner, name, original in restore:
+            if original is None:  # inherited: the wrapper shadowed it
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+@contextlib.contextmanager
 def _stamped_steps(mlp, marks: list):
     """`_timeline_steps` and the grouped MLP's prepared offsets and FC1 launches wrapped so
     that each appends (label, ns) to `marks` on entry and return; the originals back after.
@@ -183,23 +209,91 @@ def _stamped_steps(mlp, marks: list):
             return out
         return run
 
-    restore = [(owner, name, owner.__dict__.get(name)) for _, owner, name in _timeline_steps()]
-    for label, owner, name in _timeline_steps():
-        setattr(owner, name, stamped(label, getattr(owner, name)))
     steady = grouped_mlp._Steady
-    grouped_mlp._Steady = lambda offsets, fc1: steady(stamped("offsets (prepared)", offsets),
-                                                      stamped("FC1 (prepared launch)", fc1))
+    grouped_mlp._Steady = lambda offsets, fc1: steady(
+        stamped("offsets (prepared)", offsets),
+        None if fc1 is None else stamped("FC1 (prepared launch)", fc1))
     for op in mlp.basic_ops():
         op.training = op.training  # a new op state: the next call prepares its launches again
     try:
-        yield
+        with _wrapped(_timeline_steps(), stamped):
+            yield
     finally:
         grouped_mlp._Steady = steady
-        for owner, name, original in restore:
-            if original is None:  # inherited: the wrapper shadowed it
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
+
+
+# (label, owner, attribute): the layers of a fused-MLP step, bf16 and FP8, whose inclusive host
+# time `stage_times` reports (plain functions and methods: the cute functionals are objects)
+def _stage_steps():
+    from te_seq.core import fp8, fp8_gemm
+    from te_seq.kernels import fp8_cute, fp8_quantize
+    from te_seq.ops.basic.grouped_linear import GroupedLinear
+    from te_seq.ops.fused import _grouped_mlp_fp8 as mlp_fp8
+    from te_seq.ops.fused.grouped_mlp import GroupedMLP
+    from te_seq.run import fuser, sequential
+
+    return [("Tensor.backward", torch.Tensor, "backward"),
+            ("Sequential.forward", sequential.Sequential, "forward"),
+            ("call_signature", fuser.fast_path, "call_signature"),
+            ("fuser._run_backward", fuser, "_run_backward"),
+            ("GroupedMLP.fuser_forward", GroupedMLP, "fuser_forward"),
+            ("GroupedMLP.fuser_backward", GroupedMLP, "fuser_backward"),
+            ("GroupedLinear.offsets", GroupedLinear, "offsets"),
+            ("GroupedLinear.saved_record", GroupedLinear, "saved_record"),
+            ("GroupedLinear.weight_grads", GroupedLinear, "weight_grads"),
+            ("FP8 forward (_grouped_mlp_fp8)", mlp_fp8, "forward"),
+            ("FP8 backward (_grouped_mlp_fp8)", mlp_fp8, "backward"),
+            ("fp8_gemm.grouped_forward", fp8_gemm, "grouped_forward"),
+            ("GroupedGrads() (dY quantized)", fp8_gemm.GroupedGrads, "__init__"),
+            ("GroupedGrads.dgrad", fp8_gemm.GroupedGrads, "dgrad"),
+            ("fp8.cached_weights", fp8, "cached_weights"),
+            ("fp8_quantize.rows", fp8_quantize, "rows"),
+            ("fp8_cute.glu_fc1", fp8_cute, "glu_fc1"),
+            ("fp8_cute.glu_dgrad", fp8_cute, "glu_dgrad"),
+            ("fp8_cute.scaled_grouped_mm", fp8_cute, "scaled_grouped_mm"),
+            ("torch.empty", torch, "empty"),
+            ("torch._assert_async", torch, "_assert_async")]
+
+
+def stage_times(fn, device, iters: int) -> dict[str, tuple[float, float]]:
+    """{label: (inclusive µs per call of `fn`, entries per call)} for each `_stage_steps`
+    layer that `iters` calls of `fn`, each from an idle device, entered (after 3 warm-up
+    calls). A stage inside another counts in both; each timer adds ~1 µs to its callers. What
+    cProfile cannot give on the GPU host: its own cost per Python call inflates every layer
+    2-3x there (the run "s" data, benchmarks/README.md)."""
+    totals: dict[str, int] = {}
+    counts: dict[str, int] = {}
+
+    def timed(label, fn_):
+        @functools.wraps(fn_)
+        def run(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn_(*args, **kwargs)
+            finally:
+                totals[label] = totals.get(label, 0) + time.perf_counter_ns() - t0
+                counts[label] = counts.get(label, 0) + 1
+        return run
+
+    with _wrapped(_stage_steps(), timed):
+        for _ in range(3):
+            fn()
+        totals.clear()
+        counts.clear()
+        for _ in range(iters):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            fn()
+    return {label: (totals[label] / iters / 1e3, counts[label] / iters) for label in totals}
+
+
+def print_stages(title: str, fn, device, iters: int) -> None:
+    """`stage_times` of `fn`, slowest first, under `title` (with fn's unwrapped host time)."""
+    host = time_host(fn, iters, device) * 1e3
+    print(f"{title}: host {host:.1f} us per call unwrapped; inclusive us per call (entries):")
+    for label, (us, entries) in sorted(stage_times(fn, device, iters).items(),
+                                       key=lambda kv: -kv[1][0]):
+        print(f"  {label:34s} {us:8.1f} us  x{entries:g}")
 
 
 def timeline(mlp, forward, device, iters: int) -> None:
@@ -253,6 +347,19 @@ def main_cpu(args) -> None:
     profile(forward, args.iters, args.top)
 
 
+def fresh_step(forward, leaves):
+    """A forward+backward step with fresh grads (the benchmark's default grad mode): the
+    `leaves`' .grad dropped first, then forward().backward(dy) with one fixed random dy."""
+    dy = torch.randn_like(forward())
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        forward().backward(dy)
+
+    return step
+
+
 def _under_recipe(forward, recipe):
     def fp8_forward():
         with te_seq.autocast(recipe=recipe):
@@ -276,6 +383,9 @@ def main() -> None:
                    help="when the forward reaches each step before its first GEMM (see above)")
     p.add_argument("--hp-wgrad", action="store_true",
                    help="with --fp8: the recipe with fp8_wgrad=False")
+    p.add_argument("--stages", action="store_true",
+                   help="inclusive host time of each layer of the forward (with --step: and "
+                        "of the step) instead (see above)")
     args = p.parse_args()
     cpu = args.device == "cpu"
     args.shape = args.shape or ("U" if cpu else "Q")
@@ -284,6 +394,13 @@ def main() -> None:
     if cpu and args.timeline:
         case = make_case(args.shape, torch.device("cpu"), torch.float32)
         timeline(*build(case, args.backend), case.x.device, args.iters)
+        return
+    if cpu and args.stages:
+        case = make_case(args.shape, torch.device("cpu"), torch.float32)
+        mlp, forward = build(case, args.backend)
+        print_stages("forward+backward", fresh_step(forward, [*mlp.parameters(),
+                                                              *forward.inputs]),
+                     case.x.device, args.iters)
         return
     if cpu:
         main_cpu(args)
@@ -302,6 +419,12 @@ def main_cuda(args) -> None:
         forward = _under_recipe(forward, getattr(te_seq.recipe, args.fp8)(**options))
     for _ in range(5):
         forward()
+    if args.stages:
+        print_stages("eager forward", forward, device, args.iters)
+        if args.step:
+            print_stages("eager forward+backward", fresh_step(forward, leaves), device,
+                         args.iters)
+        return
     if args.timeline:  # the unwrapped host time around it: what the wrappers add
         for _ in range(2):
             print(f"host time {time_host(forward, args.iters, device) * 1e3:.1f} us")
@@ -318,12 +441,7 @@ def main_cuda(args) -> None:
     print(f"eager forward (no_grad) host time: {host:.1f} us")
     profile(forward, args.iters, args.top)
     if args.step:
-        def step():  # fresh grads, as the benchmark's default grad mode
-            for t in leaves:
-                t.grad = None
-            forward().backward(dy)
-
-        dy = torch.randn_like(forward())
+        step = fresh_step(forward, leaves)
         host = time_host(step, args.iters, device) * 1e3
         print(f"eager forward+backward host time: {host:.1f} us")
         profile(step, args.iters, args.top)

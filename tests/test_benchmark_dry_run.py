@@ -949,3 +949,39 @@ def test_host_feed_times_both_autograd_thread_settings_and_restores_the_default(
     assert calls == [True] * 12 + [False] * 12
     assert all(wall >= host > 0 for host, wall in feed.values())
     assert torch.autograd.is_multithreading_enabled()
+
+
+def test_host_stage_times_count_each_layer_and_unwrap_them():
+    """profile_host.stage_times on the CPU: per call of a fresh-grads step, the Sequential,
+    the fused op's forward and backward and Tensor.backward are each entered once, the two
+    weight gradients twice; a layer's inclusive time holds the layers inside it; under an FP8
+    recipe the FP8 forward runs once and its two grouped GEMMs; every wrapped function is the
+    original again afterwards."""
+    import profile_host
+
+    import te_seq
+
+    cpu = torch.device("cpu")
+    case = mlp_case.make_case("U", cpu, torch.float32)
+    mlp, forward = profile_host.build(case, "torch")
+    originals = [(owner, name, getattr(owner, name))
+                 for _, owner, name in profile_host._stage_steps()]
+    step = profile_host.fresh_step(forward, [*mlp.parameters(), *forward.inputs])
+    stages = profile_host.stage_times(step, cpu, iters=4)
+    entries = {label: n for label, (_, n) in stages.items()}
+    assert entries["Sequential.forward"] == entries["Tensor.backward"] == 1
+    assert entries["GroupedMLP.fuser_forward"] == entries["GroupedMLP.fuser_backward"] == 1
+    assert entries["GroupedLinear.weight_grads"] == 2
+    assert "FP8 forward (_grouped_mlp_fp8)" not in entries  # bf16: no FP8 layer entered
+    assert stages["Sequential.forward"][0] >= stages["GroupedMLP.fuser_forward"][0] > 0
+    assert stages["Tensor.backward"][0] >= stages["GroupedMLP.fuser_backward"][0] > 0
+
+    def fp8_forward():
+        with te_seq.autocast(recipe=te_seq.recipe.Float8RowwiseScaling(fp8_wgrad=False)):
+            return forward()
+
+    fp8 = profile_host.stage_times(fp8_forward, cpu, iters=2)
+    assert fp8["FP8 forward (_grouped_mlp_fp8)"][1] == 1
+    assert fp8["fp8_gemm.grouped_forward"][1] == 2  # FC1 and FC2
+    for owner, name, original in originals:
+        assert getattr(owner, name) == original, name

@@ -183,6 +183,52 @@ def test_steady_forward_asserts_the_offsets_right_after_the_fc1_launch(grad):
             assert (ops.index("_assert_async") < at) == (not steady)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_fp8_steady_forward_takes_its_prepared_offsets(grad, monkeypatch):
+    """Under an FP8 recipe the signature's first call prepares the offsets' launch alone: the
+    calls after it take the offsets without `GroupedLinear.offsets` and issue their
+    device-side check once, after the FP8 FC1's launch; the first call checks before it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from te_seq.ops.basic.grouped_linear import GroupedLinear
+
+    pl = _harness()
+    through_op = []
+    original = GroupedLinear.offsets
+
+    def counted(self, *args, **kwargs):
+        through_op.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GroupedLinear, "offsets", counted)
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with pl.stubbed_step() as stubs, torch.set_grad_enabled(grad):
+        forward = pl.mlp_forward(256, "Float8RowwiseScaling", e=8, h=256, f=128,
+                                 fp8_wgrad=False)
+        forward()  # compiles (stubs) the kernels
+        fc1 = pl.fc1_stub(stubs, store_h=grad)
+        assert fc1.config.scaled  # the row-wise FP8 FC1
+        for steady in (False, True, True):
+            if not steady:  # an attribute write: the next call is a signature's first again
+                for op in forward.parts[0].basic_ops():
+                    op.training = op.training
+            through_op.clear()
+            ops: list[str] = []
+            fc1.on_launch = lambda ops=ops: ops.append("FC1")
+            with Log():
+                forward()
+            fc1.on_launch = None
+            assert len(through_op) == (0 if steady else 1)
+            assert ops.count("_assert_async") == 1
+            assert (ops.index("_assert_async") > ops.index("FC1")) == steady
+    assert forward.parts[0]._runs[0].fast_calls >= 2
+
+
 def _fc1_facts(stubs):
     """The last FC1 launch's arguments as facts (tensors: dtype, shape, strides, offset)."""
     from te_seq.kernels.cute.compile import GluConfig

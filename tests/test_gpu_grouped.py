@@ -328,12 +328,15 @@ def test_grouped_mlp_steady_calls_equal_the_first_call():
         assert all(torch.equal(a, b) for a, b in zip(results[0], later))
 
 
-def test_bad_device_split_sizes_fail_a_device_check_on_a_steady_call():
+@pytest.mark.parametrize("recipe", ["None", "te_seq.recipe.Float8RowwiseScaling()"],
+                         ids=["bf16", "fp8"])
+def test_bad_device_split_sizes_fail_a_device_check_on_a_steady_call(recipe):
     """A bad device split given on a steady call (same signature as two good calls before)
-    still trips the device-side check of the prepared offsets launch (own process)."""
+    still trips the device-side check of the prepared offsets launch (own process), in bf16
+    and under an FP8 recipe (whose steady calls prepare the offsets alone)."""
     script = textwrap.dedent(
-        """
-        import torch, te_seq
+        f"""
+        import contextlib, torch, te_seq
         from te_seq import ops
         kw = dict(bias=False, single_grouped_weight=True, device="cuda", dtype=torch.bfloat16)
         mlp = te_seq.Sequential(ops.GroupedLinear(3, 128, 256, **kw), ops.ScaledSwiGLU(),
@@ -341,7 +344,9 @@ def test_bad_device_split_sizes_fail_a_device_check_on_a_steady_call():
         x = torch.randn(10, 128, device="cuda", dtype=torch.bfloat16)
         probs = torch.rand(10, device="cuda")
         good = torch.tensor([3, 3, 4], device="cuda")
-        with te_seq.backend("cute"):
+        recipe = {recipe}
+        fp8 = contextlib.nullcontext() if recipe is None else te_seq.autocast(recipe=recipe)
+        with te_seq.backend("cute"), fp8:
             for _ in range(2):
                 mlp(x, good, probs, good)
             torch.cuda.synchronize()

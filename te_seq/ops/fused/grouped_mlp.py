@@ -189,17 +189,16 @@ class GroupedMLP(FusedOperation):
         # writing h (a forward-only call: no_grad, inference).
         with_backward = any(c.requires_grad for c in basic_op_ctxs)
         steady = ctx.steady.get(self) if ctx.signature_checked and ctx.steady else None
+        if ctx.recipe is not None:
+            y = self._fp8_forward(basic_op_ctxs, input_, x, w1, extras, basic_op_extra_inputs,
+                                  with_backward, steady)
+            return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
         if steady is not None:  # this signature's launches, prepared by its first call
             offs, check_offsets = steady.offsets(extras.splits)
             h, a = steady.fc1(x, w1, offs, _row_values(extras.probs))  # [T, 2F], [T, F]
             check_offsets()  # after FC1's launch: bad split sizes gave it only empty groups
         else:
             offs = self.fc1.offsets(extras.splits, input_, ctx.backend)
-            if ctx.recipe is not None:
-                w2 = self.fc2.operands(basic_op_ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
-                y = _grouped_mlp_fp8.forward(self, basic_op_ctxs, input_, x, w1, w2, offs,
-                                             extras, basic_op_extra_inputs, with_backward)
-                return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
             # FC1 is launched before FC2's operands are made (a cast under torch.autocast):
             # only what its launch needs runs before it, the GPU starts sooner
             h, a = self.fc1_rows(ctx, x, w1, offs, extras, inner_extra, need_h=with_backward)
@@ -215,6 +214,36 @@ class GroupedMLP(FusedOperation):
             fc2_shape = torch.Size((*input_.shape[:-1], self.fc2.in_features))  # a's, unflattened
             basic_op_ctxs[2].saved = self.fc2.saved_record(a, x.dtype, shape=fc2_shape)
         return y.reshape(*input_.shape[:-1], self.fc2.out_features), [(), (), ()]
+
+    def _fp8_forward(self, ctxs, input_: Tensor, x: Tensor, w1: Tensor, extras: _Extras,
+                     extra_inputs, with_backward: bool, steady: _Steady | None) -> Tensor:
+        """y [T, H] under ctxs[0].recipe (`_grouped_mlp_fp8.forward`). Its offsets are the
+        ones the signature's first call prepared where the backend can (`_Steady` without an
+        FC1: the FP8 GEMMs are not prepared), their device-side check issued after the
+        GEMMs' launches (bad split sizes gave them only empty groups)."""
+        ctx = ctxs[0]
+        if steady is not None:
+            offs, check_offsets = steady.offsets(extras.splits)
+        else:
+            offs, check_offsets = self.fc1.offsets(extras.splits, input_, ctx.backend), None
+            if ctx.steady is not None and not ctx.signature_checked:
+                self._prepare_steady_offsets(ctx, x, extras)
+        w2 = self.fc2.operands(ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
+        y = _grouped_mlp_fp8.forward(self, ctxs, input_, x, w1, w2, offs, extras, extra_inputs,
+                                     with_backward)
+        if check_offsets is not None:
+            check_offsets()
+        return y
+
+    def _prepare_steady_offsets(self, ctx: OperationContext, x: Tensor,
+                                extras: _Extras) -> None:
+        """Keep in `ctx.steady` the offsets' launch alone (an FP8 call's: `_fp8_forward`),
+        where the backend prepares it (the offsets kernel of device split sizes)."""
+        prepare_offsets = getattr(ctx.backend, "prepare_group_offsets", None)
+        offsets = None if prepare_offsets is None else \
+            prepare_offsets(extras.splits, x.shape[0], x.device)
+        if offsets is not None:
+            ctx.steady[self] = _Steady(offsets, None)
 
     def _prepare_steady(self, ctx: OperationContext, x: Tensor, w1: Tensor,
                         extras: _Extras, need_h: bool = True) -> None:
@@ -327,10 +356,11 @@ class _Steady:
     ones (`OperationContext.steady`): offsets(splits) -> (offs [G], check), and fc1(x, w1,
     offs, probs) -> (h [T, 2F], a [T, F]), equal to the backend's `group_offsets` (whose
     device-side check is `check()`, issued after FC1's launch) and `glu_fc1_forward` for
-    those operands (h None where the signature runs no backward and the backend skips it)."""
+    those operands (h None where the signature runs no backward and the backend skips it).
+    Under an FP8 recipe fc1 is None: only the offsets are prepared."""
 
     offsets: Callable[[Tensor], tuple[Tensor, Callable[[], None]]]
-    fc1: Callable[..., tuple[Tensor, Tensor]]
+    fc1: Callable[..., tuple[Tensor, Tensor]] | None
 
 
 # (FC1 kernel, FC2-dgrad kernel) with the activation in their epilogues, by `Activation.gated`
