@@ -226,24 +226,16 @@ class GroupedMLP(FusedOperation):
             offs, check_offsets = steady.offsets(extras.splits)
         else:
             offs, check_offsets = self.fc1.offsets(extras.splits, input_, ctx.backend), None
-            if ctx.steady is not None and not ctx.signature_checked:
-                self._prepare_steady_offsets(ctx, x, extras)
+            offsets = _prepared_offsets(ctx, x, extras) \
+                if ctx.steady is not None and not ctx.signature_checked else None
+            if offsets is not None:
+                ctx.steady[self] = _Steady(offsets, None)
         w2 = self.fc2.operands(ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
         y = _grouped_mlp_fp8.forward(self, ctxs, input_, x, w1, w2, offs, extras, extra_inputs,
                                      with_backward)
         if check_offsets is not None:
             check_offsets()
         return y
-
-    def _prepare_steady_offsets(self, ctx: OperationContext, x: Tensor,
-                                extras: _Extras) -> None:
-        """Keep in `ctx.steady` the offsets' launch alone (an FP8 call's: `_fp8_forward`),
-        where the backend prepares it (the offsets kernel of device split sizes)."""
-        prepare_offsets = getattr(ctx.backend, "prepare_group_offsets", None)
-        offsets = None if prepare_offsets is None else \
-            prepare_offsets(extras.splits, x.shape[0], x.device)
-        if offsets is not None:
-            ctx.steady[self] = _Steady(offsets, None)
 
     def _prepare_steady(self, ctx: OperationContext, x: Tensor, w1: Tensor,
                         extras: _Extras, need_h: bool = True) -> None:
@@ -254,13 +246,12 @@ class GroupedMLP(FusedOperation):
         signature, the offsets kernel of device split sizes."""
         backend, op = ctx.backend, self.activation
         prepare_fc1 = getattr(backend, "prepare_glu_fc1_forward", None)
-        prepare_offsets = getattr(backend, "prepare_group_offsets", None)
-        if (prepare_fc1 is None or prepare_offsets is None or ctx.autocast is not None
+        if (prepare_fc1 is None or ctx.autocast is not None
                 or not op.gated or self.fc1.has_bias or not self.fc1.single_grouped_weight
                 or not op.checks_read_only_signature()
                 or not self.epilogue_status(backend, x.dtype, x.device)[0]):
             return
-        offsets = prepare_offsets(extras.splits, x.shape[0], x.device)
+        offsets = _prepared_offsets(ctx, x, extras)
         if offsets is not None:
             fc1 = prepare_fc1(x, w1, op.glu_spec, _row_values(extras.probs),
                               **_h_option(backend, need_h))
@@ -368,6 +359,14 @@ _EPILOGUE_KERNELS = {
     True: ("glu_fc1_forward", "glu_fc2_dgrad"),
     False: ("act_fc1_forward", "act_fc2_dgrad"),
 }
+
+
+def _prepared_offsets(ctx: OperationContext, x: Tensor, extras: _Extras) -> Callable | None:
+    """The offsets' launch prepared for the later calls of ctx's signature
+    (`Backend.prepare_group_offsets`: the offsets kernel of device split sizes), or None where
+    the backend prepares none."""
+    prepare = getattr(ctx.backend, "prepare_group_offsets", None)
+    return None if prepare is None else prepare(extras.splits, x.shape[0], x.device)
 
 
 def _row_values(values: Tensor | None) -> Tensor | None:
