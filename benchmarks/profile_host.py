@@ -210,9 +210,9 @@ def _stamped_steps(mlp, marks: list):
         return run
 
     steady = grouped_mlp._Steady
-    grouped_mlp._Steady = lambda offsets, fc1: steady(
+    grouped_mlp._Steady = lambda offsets, fc1, fp8=None: steady(
         stamped("offsets (prepared)", offsets),
-        None if fc1 is None else stamped("FC1 (prepared launch)", fc1))
+        None if fc1 is None else stamped("FC1 (prepared launch)", fc1), fp8)
     for op in mlp.basic_ops():
         op.training = op.training  # a new op state: the next call prepares its launches again
     try:
@@ -251,6 +251,7 @@ def _stage_steps():
             ("fp8_cute.glu_fc1", fp8_cute, "glu_fc1"),
             ("fp8_cute.glu_dgrad", fp8_cute, "glu_dgrad"),
             ("fp8_cute.scaled_grouped_mm", fp8_cute, "scaled_grouped_mm"),
+            ("prepared FP8 GEMM launch", fp8_cute._RowwiseLaunch, "__call__"),
             ("torch.empty", torch, "empty"),
             ("torch._assert_async", torch, "_assert_async")]
 

@@ -229,6 +229,76 @@ def test_fp8_steady_forward_takes_its_prepared_offsets(grad, monkeypatch):
     assert forward.parts[0]._runs[0].fast_calls >= 2
 
 
+def _fp8_forward_launches(stubs) -> dict:
+    """The last forward's FP8 FC1 (GLU) and FC2 launches' arguments as facts, by name."""
+    from te_seq.kernels.cute.compile import GemmConfig, GluConfig
+
+    found = {}
+    for cfg, stub in stubs.items():
+        if isinstance(cfg, GluConfig) and cfg.mode == "fc1" and stub.calls:
+            found["fc1"] = [_facts(a) for a in stub.calls[-1]]
+        elif isinstance(cfg, GemmConfig) and cfg.varlen == "m" and stub.calls:
+            found["fc2"] = [_facts(a) for a in stub.calls[-1]]
+    return found
+
+
+@pytest.mark.parametrize("recipe", ["Float8RowwiseScaling", "Float8BlockScaling"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_fp8_steady_calls_launch_the_gemms_their_first_call_prepared(recipe, grad, monkeypatch):
+    """Row-wise: the calls after a signature's first one launch FC1's GLU kernel and FC2's
+    GEMM as prepared by that first call (no call through `fp8_cute.glu_fc1` or
+    `fp8_cute.scaled_grouped_mm`), with the first call's arguments. Block scales prepare
+    none: every call goes through the functionals, launching the same."""
+    from te_seq.kernels import fp8_cute
+
+    pl = _harness()
+    through = []
+    for name in ("glu_fc1", "scaled_grouped_mm"):
+        original = getattr(fp8_cute, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            through.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(fp8_cute, name, counted)
+    rowwise = recipe == "Float8RowwiseScaling"
+    with pl.stubbed_step(record=True) as stubs, torch.set_grad_enabled(grad):
+        forward = pl.mlp_forward(256, recipe, e=8, h=256, f=128, fp8_wgrad=False)
+        facts = []
+        for call in range(3):
+            through.clear()
+            forward()
+            facts.append(_fp8_forward_launches(stubs))
+            first = call == 0
+            assert sorted(through) == (["glu_fc1", "scaled_grouped_mm"]
+                                       if first or not rowwise else [])
+    assert set(facts[0]) == {"fc1", "fc2"}
+    assert facts[0] == facts[1] == facts[2]
+    assert forward.parts[0]._runs[0].fast_calls == 2
+
+
+def test_a_rowwise_launch_runs_unprepared_where_the_operands_strides_changed():
+    """`fp8_cute`'s prepared row-wise launch checks the FP8 data's strides on each call: the
+    ones it was prepared for launch it, others go through the unprepared functional."""
+    from te_seq.kernels import fp8_cute
+    from te_seq.kernels.fp8_reference import ROWWISE, QuantizedTensor, ScaleRule
+
+    calls = []
+    launch = fp8_cute._RowwiseLaunch(lambda *a: calls.append("prepared"),
+                                     lambda *a: calls.append("unprepared"),
+                                     QuantizedTensor(torch.zeros(4, 32), torch.ones(4, 1),
+                                                     ROWWISE, ScaleRule("E4M3")),
+                                     torch.zeros(2, 16, 32))
+    rule = ScaleRule("E4M3")
+    same = QuantizedTensor(torch.zeros(4, 32), torch.ones(4, 1), ROWWISE, rule)
+    strided = QuantizedTensor(torch.zeros(32, 4).t(), torch.ones(4, 1), ROWWISE, rule)
+    offs, w, ws = torch.tensor([1, 4]), torch.zeros(2, 16, 32), torch.ones(2, 16, 1)
+    launch(same, w, ws, offs, torch.bfloat16)
+    launch(strided, w, ws, offs, torch.bfloat16)
+    launch(same, torch.zeros(2, 32, 16).transpose(1, 2), ws, offs, torch.bfloat16)
+    assert calls == ["prepared", "unprepared", "unprepared"]
+
+
 def _fc1_facts(stubs):
     """The last FC1 launch's arguments as facts (tensors: dtype, shape, strides, offset)."""
     from te_seq.kernels.cute.compile import GluConfig

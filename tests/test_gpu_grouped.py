@@ -9,6 +9,7 @@ non-contiguous input.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import subprocess
@@ -304,28 +305,50 @@ def _single_weight_mlp(dtype):
     return model
 
 
+_STEADY_RECIPES = {  # id -> a recipe (None: bf16) and whether it prepares the FP8 GEMMs
+    "bf16": (None, False),
+    "fp8_rowwise_hp_wgrad": (functools.partial(te_seq.recipe.Float8RowwiseScaling,
+                                               fp8_wgrad=False), True),
+    "fp8_rowwise": (te_seq.recipe.Float8RowwiseScaling, True),
+    "fp8_block": (te_seq.recipe.Float8BlockScaling, False),
+}
+
+
 @pytest.mark.skipif("cute" not in GPU_BACKENDS, reason="needs the cute backend (sm_90 + DSL)")
-def test_grouped_mlp_steady_calls_equal_the_first_call():
-    """A signature's later calls run the offsets and FC1 launches its first call prepared
-    (ops/fused/grouped_mlp.py `_Steady`): outputs and gradients bit-identical to the first
-    call's."""
+@pytest.mark.parametrize("case", list(_STEADY_RECIPES))
+def test_grouped_mlp_steady_calls_equal_a_first_call(case):
+    """A signature's later calls run the launches its first call prepared (ops/fused/
+    grouped_mlp.py `_Steady`: the offsets and FC1 in bf16; the offsets and, under row-wise
+    scales, the FP8 GEMMs): on new data their outputs and gradients equal bit for bit a fresh
+    copy's first call on that data, and the first data again gives the first results."""
     dtype = torch.bfloat16
     sizes = torch.tensor([0, 37, 128, 3, 0, 91, 250, 7], device="cuda")
     rows = int(sizes.sum())
     model = _single_weight_mlp(dtype)
-    x = torch.randn(rows, 128, device="cuda", dtype=dtype)
-    probs = torch.rand(rows, device="cuda", dtype=torch.float32)
-    grad_out = torch.randn(rows, 128, device="cuda", dtype=dtype)
-    results = []
-    for _ in range(3):
-        model.zero_grad(set_to_none=True)
-        y, grads, _ = _run(model, x, [sizes, probs, sizes], "cute", grad_out)
-        results.append([y, *grads])
+    twin = copy.deepcopy(model)  # its first call decides afresh: no prepared launch
+    make_recipe, prepares_fp8 = _STEADY_RECIPES[case]
+    fp8 = te_seq.autocast(recipe=make_recipe()) if make_recipe else contextlib.nullcontext()
+
+    def step(mlp, seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(rows, 128, device="cuda", dtype=dtype, generator=gen)
+        probs = torch.rand(rows, device="cuda", dtype=torch.float32, generator=gen)
+        grad_out = torch.randn(rows, 128, device="cuda", dtype=dtype, generator=gen)
+        mlp.zero_grad(set_to_none=True)
+        with fp8:
+            y, grads, _ = _run(mlp, x, [sizes, probs, sizes], "cute", grad_out)
+        return [y, *grads]
+
+    results = [step(model, seed) for seed in (0, 1, 0)]
+    fresh = step(twin, 1)
     fuser = model._runs[0]
     assert fuser.fast_calls == 2
-    assert len(fuser._fast.templates[0]["steady"]) == 1  # the grouped MLP's launches
-    for later in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], later))
+    (steady,) = fuser._fast.templates[0]["steady"].values()  # the grouped MLP's launches
+    if prepares_fp8:
+        assert steady.fp8.fc1 is not None and steady.fp8.fc2 is not None
+    for got, want in ((results[1], fresh), (results[2], results[0])):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(results[0][0], results[1][0])
 
 
 @pytest.mark.parametrize("recipe", ["None", "te_seq.recipe.Float8RowwiseScaling()"],

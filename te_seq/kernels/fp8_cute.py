@@ -221,3 +221,64 @@ def glu_dgrad(dy: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Te
     scale_a, scale_b = row_scales(dy, w_scale_inv, w_data.shape[1])
     return cute.scaled_glu_fc2_dgrad(
         dy.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32), *args)
+
+
+# ---------------------------------------------------------------- launches prepared once
+
+
+class _RowwiseLaunch:
+    """A row-wise-scaled FP8 GEMM call prepared for later calls (`prepare_glu_fc1`,
+    `prepare_scaled_grouped_mm`): with the unprepared kernel's arguments (x a QuantizedTensor,
+    w_data, w_scale_inv, offs, out_dtype, its options), it launches the prepared kernel where
+    x's and W's data have the strides they had (the rest the caller's signature vouches for:
+    dtypes, shapes, devices, options), else runs the unprepared kernel, which checks
+    everything."""
+
+    def __init__(self, launch, unprepared, x: QuantizedTensor, w_data: Tensor) -> None:
+        self._launch, self._unprepared = launch, unprepared
+        self._strides = (x.data.stride(), w_data.stride())
+
+    def __call__(self, x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
+                 out_dtype: torch.dtype, **options):
+        if (x.data.stride(), w_data.stride()) != self._strides:
+            return self._unprepared(x, w_data, w_scale_inv, offs, out_dtype, **options)
+        scale_a, scale_b = row_scales(x, w_scale_inv, w_data.shape[1])
+        return self._launch(x.data, w_data, scale_a, scale_b, offs, **options)
+
+
+def _rowwise(x: QuantizedTensor) -> bool:
+    """Whether x's scales are per row or per tensor (not 1x128 blocks)."""
+    return (x.block.rows, x.block.cols) != _TILES
+
+
+def prepare_glu_fc1(x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
+                    out_dtype: torch.dtype, *, glu: GluSpec, probs: Tensor | None,
+                    store_h: bool = True):
+    """``run(x, w_data, w_scale_inv, offs, out_dtype, probs=probs) -> (h, a)``, equal to
+    ``glu_fc1(..., glu=glu, probs=probs, store_h=store_h)`` for later calls whose operands
+    have these ones' facts (`_RowwiseLaunch`), checked and planned once, here
+    (``cute.scaled_glu_fc1_forward.launch_for``); None under 1x128 block scales (the caller
+    calls ``glu_fc1``)."""
+    if not _rowwise(x):
+        return None
+    scale_a, scale_b = row_scales(x, w_scale_inv, w_data.shape[1])
+    launch = cute.scaled_glu_fc1_forward.launch_for(
+        x.data, w_data, scale_a, scale_b, glu.act, glu.glu_interleave_size, probs, glu.params,
+        store_h)
+    # glu and store_h were fixed here: the later calls' signature vouches they are unchanged
+    return _RowwiseLaunch(lambda *a, probs, **fixed: launch(*a, probs), glu_fc1, x, w_data)
+
+
+def prepare_scaled_grouped_mm(x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor,
+                              offs: Tensor, out_dtype: torch.dtype):
+    """``run(x, w_data, w_scale_inv, offs, out_dtype) -> y``, equal to ``scaled_grouped_mm``
+    of those arguments for later calls whose operands have these ones' facts
+    (`_RowwiseLaunch`), checked and planned once, here (``cute.scaled_mm_launch``); None
+    under 1x128 block scales (the caller calls ``scaled_grouped_mm``)."""
+    if not _rowwise(x):
+        return None
+    scale_a, scale_b = row_scales(x, w_scale_inv, w_data.shape[1])
+    launch = cute.scaled_mm_launch(x.data, w_data, scale_a, scale_b, offs.to(torch.int32),
+                                   out_dtype)
+    return _RowwiseLaunch(lambda a, b, sa, sb, offs: launch(a, b, sa, sb, offs.to(torch.int32)),
+                          scaled_grouped_mm, x, w_data)

@@ -375,6 +375,69 @@ def test_fc1_launch_refuses_what_the_functional_refuses():
         cute.glu_fc1_forward.launch_for(x, w1, "tanh", None, None)
 
 
+def _fp8_operands(n: int, strided_w: bool = False) -> tuple:
+    """(x [M, H] E4M3, w [E, n, H] E4M3 (``strided_w``: an H-major copy's [E, n, H] view),
+    x_scale [M], w_scale [E, n]) on the CPU (the stubs never read them)."""
+    fp8 = torch.float8_e4m3fn
+    x = torch.randn(M, H).to(fp8)
+    w = torch.randn(E, H, n).to(fp8).transpose(1, 2) if strided_w else \
+        torch.randn(E, n, H).to(fp8)
+    return x, w, torch.rand(M), torch.rand(E, n)
+
+
+@pytest.mark.parametrize("store_h", [True, False])
+@pytest.mark.parametrize("strided_w", [False, True])
+def test_scaled_fc1_launch_launches_what_the_functional_launches(store_h, strided_w):
+    """`scaled_glu_fc1_forward.launch_for` launches the functional's kernel with the same
+    arguments (W1 copied the same way where its layout needs it); after `clear_plans` it plans
+    anew and launches the same again."""
+    x, w1, xs, ws = _fp8_operands(2 * F, strided_w)
+    probs = torch.rand(M)
+    with stubbed_kernels() as stubs:
+        launch = cute.scaled_glu_fc1_forward.launch_for(x, w1, xs, ws, "silu", None, probs,
+                                                        store_h=store_h)
+        cfg1, direct = _launch_of(stubs, lambda: cute.scaled_glu_fc1_forward(
+            x, w1, xs, ws, _offs(), "silu", None, probs, store_h=store_h))
+        cfg2, launched = _launch_of(stubs, lambda: launch(x, w1, xs, ws, _offs(), probs))
+        clear_plans()
+        cfg3, again = _launch_of(stubs, lambda: launch(x, w1, xs, ws, _offs(), probs))
+        h, a = launch(x, w1, xs, ws, _offs(), probs)
+    assert cfg1 == cfg2 == cfg3 and cfg1.scaled and cfg1.store_h == store_h
+    assert _inputs_of(launched) == _inputs_of(direct) == _inputs_of(again)
+    assert launched[0].data_ptr() == x.data_ptr()
+    assert (launched[1].data_ptr() == w1.data_ptr()) == (not strided_w)  # copied K-major
+    assert (h is None) == (not store_h) and a.shape == (M, F)
+
+
+def test_scaled_mm_launch_launches_what_the_functional_launches():
+    """`scaled_mm_launch` launches `scaled_grouped_mm`'s kernel with the same arguments, also
+    after `clear_plans`; a zero-row call launches nothing and returns zero rows."""
+    x, w, xs, ws = _fp8_operands(F)
+    with stubbed_kernels() as stubs:
+        launch = cute.scaled_mm_launch(x, w, xs, ws, _offs())
+        cfg1, direct = _launch_of(stubs, lambda: cute.scaled_grouped_mm(x, w, xs, ws, _offs()))
+        cfg2, launched = _launch_of(stubs, lambda: launch(x, w, xs, ws, _offs()))
+        clear_plans()
+        cfg3, again = _launch_of(stubs, lambda: launch(x, w, xs, ws, _offs()))
+        empty, none = x[:0], xs[:0]
+        launched_before = sum(len(stub.calls) for stub in stubs.values())
+        out = cute.scaled_mm_launch(empty, w, none, ws, _offs(0))(empty, w, none, ws, _offs(0))
+        assert sum(len(stub.calls) for stub in stubs.values()) == launched_before
+    assert cfg1 == cfg2 == cfg3 and cfg1.scaled
+    assert _inputs_of(launched) == _inputs_of(direct) == _inputs_of(again)
+    assert launched[0].data_ptr() == x.data_ptr() and launched[1].data_ptr() == w.data_ptr()
+    assert out.shape == (0, F)
+
+
+def test_fp8_launches_refuse_what_the_functionals_refuse():
+    x, w1, xs, ws = _fp8_operands(2 * F)
+    with stubbed_kernels():
+        with pytest.raises(ValueError, match="scaled_glu_fc1_forward.*no fused epilogue"):
+            cute.scaled_glu_fc1_forward.launch_for(x, w1, xs, ws, "tanh", None)
+        with pytest.raises(ValueError, match="scaled_grouped_mm.*a_scale must be float32"):
+            cute.scaled_mm_launch(x, w1, xs[:5], ws, _offs())
+
+
 def test_fc1_without_h_only_where_checked_on_a_gpu():
     """`glu_fc1_forward(store_h=False)`: the plain call and the gathered one launch the h-less
     kernel with a as its h operand and return no h; with a bias (a kernel not yet checked on a

@@ -14,10 +14,12 @@ the persistent grid), ``gemm`` (``grouped_mm`` / ``grouped_wgrad``), ``glu`` (th
 steps, each with a ``.supports(x, w, act, interleave)``), ``act`` (the fused non-gated
 activation steps ``act_fc1_forward`` / ``act_fc2_dgrad``, each with a ``.supports(x, w, act)``),
 ``fp8`` (the FP8 grouped GEMMs ``scaled_grouped_mm`` and ``scaled_grouped_wgrad`` with row-wise
-scales, ``supports_scaled`` / ``supports_scaled_wgrad``), ``fp8_glu`` (the fused FP8 GLU
+scales, ``supports_scaled`` / ``supports_scaled_wgrad``; ``scaled_mm_launch`` prepares a
+``scaled_grouped_mm`` call for later ones), ``fp8_glu`` (the fused FP8 GLU
 steps ``scaled_glu_fc1_forward`` / ``scaled_glu_fc2_dgrad`` and, under block scales,
 ``block_scaled_glu_fc1_forward`` / ``block_scaled_glu_fc2_dgrad``, each with a
-``.supports``), ``block_fp8`` (the FP8 block-scaled grouped GEMM ``block_scaled_grouped_mm``,
+``.supports``; ``scaled_glu_fc1_forward.launch_for`` prepares a call), ``block_fp8`` (the
+FP8 block-scaled grouped GEMM ``block_scaled_grouped_mm``,
 ``supports_block_scaled``), ``block_fp8_wgrad`` (its varlen-K weight gradient
 ``block_scaled_grouped_wgrad``, ``supports_block_scaled_wgrad``),
 ``offsets`` (``group_offsets``: the checked group offsets in one launch, ``offsets_problem``),
@@ -32,7 +34,13 @@ re-exports.
 from .act import act_fc1_forward, act_fc2_dgrad
 from .block_fp8 import block_scaled_grouped_mm, supports_block_scaled
 from .block_fp8_wgrad import block_scaled_grouped_wgrad, supports_block_scaled_wgrad
-from .fp8 import scaled_grouped_mm, scaled_grouped_wgrad, supports_scaled, supports_scaled_wgrad
+from .fp8 import (
+    scaled_grouped_mm,
+    scaled_grouped_wgrad,
+    scaled_mm_launch,
+    supports_scaled,
+    supports_scaled_wgrad,
+)
 from .fp8_glu import (
     block_scaled_glu_fc1_forward,
     block_scaled_glu_fc2_dgrad,
@@ -89,6 +97,7 @@ __all__ = [
     "act_fc1_forward",
     "act_fc2_dgrad",
     "scaled_grouped_mm",
+    "scaled_mm_launch",
     "supports_scaled",
     "scaled_grouped_wgrad",
     "supports_scaled_wgrad",

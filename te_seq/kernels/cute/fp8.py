@@ -40,7 +40,7 @@ from .launch import (
     varlen_m_clusters,
     wgrad_tiling,
 )
-from .launch_plan import PlanCache
+from .launch_plan import PlanCache, plans_generation
 
 # FP8 launches by call signature: a plan exists only for a signature whose checks passed
 _MM_PLANS = PlanCache()  # scaled_grouped_mm and block_scaled_grouped_mm
@@ -141,7 +141,15 @@ def scaled_grouped_mm(
     a_scale: float32 [M], b_scale: float32 [E, N], offs: int32 [E] cumulative row ends
     -> out [M, N] bf16 (fp32 accumulation, one rounding). Rows past ``offs[-1]`` are zeros.
     Sync-free and CUDA-graph capturable. Raises ValueError when ``supports_scaled`` is False.
+    `scaled_mm_launch` prepares a call for later ones of the same operand facts.
     """
+    return run_scaled_mm(_OP, *_scaled_mm_rules(a, b, a_scale, b_scale, out_dtype, tiling), a,
+                         b, a_scale, b_scale, offs, out_dtype, tiling)
+
+
+def _scaled_mm_rules(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
+                     out_dtype: torch.dtype, tiling: Tiling | None) -> tuple:
+    """(check, config) of a ``scaled_grouped_mm`` call, as `run_scaled_mm` takes them."""
     def config(n: int):
         from .compile import GemmConfig
 
@@ -149,8 +157,41 @@ def scaled_grouped_mm(
         return GemmConfig("m", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, scaled=True,
                           a_dtype=_a_dtype(a), pingpong=t.pingpong, half_tiles=half_tiles(t))
 
-    return run_scaled_mm(_OP, lambda: supports_scaled(a, b, a_scale, b_scale, out_dtype),
-                         config, a, b, a_scale, b_scale, offs, out_dtype, tiling)
+    return lambda: supports_scaled(a, b, a_scale, b_scale, out_dtype), config
+
+
+class ScaledMmLaunch:
+    """``scaled_grouped_mm(a, b, a_scale, b_scale, offs, out_dtype)`` for calls whose operands
+    have the dtypes, shapes, strides and devices of the ones it was made from
+    (`scaled_mm_launch`): checked and planned once, at its making, so a call runs only its
+    per-call work (out, the operands' 16-byte alignment, the launch). A caller that cannot
+    vouch for those facts calls ``scaled_grouped_mm``. After ``clear_plans`` or a change of
+    the tiling settings it plans anew. Holds no tensor."""
+
+    def __init__(self, a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16) -> None:
+        self._out_dtype = out_dtype
+        self._plan = self._make_plan(a, b, a_scale, b_scale, offs)
+
+    def _make_plan(self, a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
+                   offs: Tensor) -> MmPlan:
+        self._generation, self._settings = plans_generation(), tiling_settings()
+        rules = _scaled_mm_rules(a, b, a_scale, b_scale, self._out_dtype, None)
+        return scaled_mm_plan(_OP, *rules, a, b, a_scale, b_scale, offs, self._out_dtype)
+
+    def __call__(self, a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
+                 offs: Tensor) -> Tensor:
+        plan = self._plan
+        if self._generation != plans_generation() or self._settings != tiling_settings():
+            plan = self._plan = self._make_plan(a, b, a_scale, b_scale, offs)
+        return run_mm_plan(plan, a, b, a_scale, b_scale, offs, self._out_dtype)
+
+
+def scaled_mm_launch(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
+                     out_dtype: torch.dtype = torch.bfloat16) -> ScaledMmLaunch:
+    """A `ScaledMmLaunch`: this ``scaled_grouped_mm`` call (default tiling) for later calls
+    with operands of these facts; ValueError as the call where the kernel cannot take them."""
+    return ScaledMmLaunch(a, b, a_scale, b_scale, offs, out_dtype)
 
 
 class MmPlan(NamedTuple):
@@ -173,17 +214,31 @@ def run_scaled_mm(op: str, check, config, a: Tensor, b: Tensor, a_scale: Tensor,
     """Launch an FP8 varlen-M grouped GEMM (row-wise or block scales): raise ValueError with
     ``check()``'s reason when it is (False, why), or `_check_offs`' where offs do not fit;
     else allocate out [M, N], compile ``config(N)`` (a ``GemmConfig``) and launch it over the
-    rows with the scales as given. The checks, the config, the grid and the operands' copies
-    are decided once per call signature (``launch_plan``: the operands' dtypes, shapes,
-    strides and devices, ``out_dtype``, and ``tiling``: every option ``config`` reads besides
-    those); a refused signature is never planned, so it is refused on every call."""
+    rows with the scales as given (`scaled_mm_plan`, `run_mm_plan`)."""
+    plan = scaled_mm_plan(op, check, config, a, b, a_scale, b_scale, offs, out_dtype, tiling)
+    return run_mm_plan(plan, a, b, a_scale, b_scale, offs, out_dtype)
+
+
+def scaled_mm_plan(op: str, check, config, a: Tensor, b: Tensor, a_scale: Tensor,
+                   b_scale: Tensor, offs: Tensor, out_dtype: torch.dtype,
+                   tiling=None) -> MmPlan:
+    """The `MmPlan` of `run_scaled_mm`'s launch: the checks, the config, the grid and the
+    operands' copies decided once per call signature (``launch_plan``: the operands' dtypes,
+    shapes, strides and devices, ``out_dtype``, and ``tiling``: every option ``config`` reads
+    besides those); a refused signature is never planned, so it is refused on every call."""
     signature = (op, a.dtype, a.shape, a.stride(), a.device, b.dtype, b.shape, b.stride(),
                  b.device, a_scale.dtype, a_scale.shape, a_scale.stride(), a_scale.device,
                  b_scale.dtype, b_scale.shape, b_scale.stride(), b_scale.device, offs.dtype,
                  offs.shape, offs.stride(), offs.device, out_dtype, tiling,
                  tiling is None and tiling_settings())  # the default tiling reads the environment
-    plan = _MM_PLANS.get(signature) or _MM_PLANS.put(
+    return _MM_PLANS.get(signature) or _MM_PLANS.put(
         signature, _plan_mm(op, check(), config, a, b, a_scale, b_scale, offs))
+
+
+def run_mm_plan(plan: MmPlan, a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
+                offs: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """out [M, N] of an FP8 varlen-M `plan` on operands of its signature (copied where it
+    says their layout needs it, or where their data is not 16-byte aligned)."""
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     if plan.kernel is None:  # no rows
         return out

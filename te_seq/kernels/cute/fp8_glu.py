@@ -28,9 +28,9 @@ from torch import Tensor
 
 from .block_fp8 import BLOCK, _scale_problem
 from .fp8 import FP8_DTYPE, _device_problem, geometry_problem, k_major
-from .glu import _ACTS, _check_probs, _launch, layout_problem, run_dgrad
-from .launch import Tiling, _row_major, aligned_16, available
-from .launch_plan import PlanCache
+from .glu import _ACTS, _check_probs, _launch, glu_plan, layout_problem, run_dgrad, run_glu_plan
+from .launch import Tiling, _check_offs, _row_major, aligned_16, available, tiling_settings
+from .launch_plan import LaunchPlan, PlanCache, plans_generation
 
 _ALIGN = 16  # H in elements: 16-byte TMA rows of 1-byte data
 # the block-scaled FC1's tile: 64 gate + 64 up columns, cooperative (block_glu.py)
@@ -139,15 +139,21 @@ def _run_fc1(op: str, x: Tensor, w1: Tensor, offs: Tensor, act: str, interleave:
     `launch.fc1_writes_h` keeps it) and a [M, F] in bf16, probs checked, and (where x
     has rows) the kernel launched on ``operands()`` = (x, w1 as [E, H, 2F], scales) with
     ``launch``'s options (tiling, block_scaled)."""
-    rows, f = x.shape[0], w1.shape[1] // 2
-    probs = _check_probs(probs, rows, op)
-    h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=x.device) if store_h else None
-    a = torch.empty(rows, f, dtype=torch.bfloat16, device=x.device)
-    if rows:
+    probs, h, a = _fc1_outputs(op, x, w1.shape[1] // 2, probs, store_h)
+    if x.shape[0]:
         x, w1t, scales = operands()
         h = _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params,
                     scales=scales, **launch)
     return h, a
+
+
+def _fc1_outputs(op: str, x: Tensor, f: int, probs: Tensor | None, store_h: bool) -> tuple:
+    """(probs as the kernel reads them, h [M, 2F] bf16 (None unless ``store_h``), a [M, F]
+    bf16) of an FP8 FC1 on x's M rows."""
+    rows = x.shape[0]
+    probs = _check_probs(probs, rows, op)
+    h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=x.device) if store_h else None
+    return probs, h, torch.empty(rows, f, dtype=torch.bfloat16, device=x.device)
 
 
 class _ScaledFc1Forward:
@@ -168,6 +174,15 @@ class _ScaledFc1Forward:
         if gather:
             return False, "the FP8 GLU kernel reads no gathered rows"
         return _supports(x, w1, x_scale, w1_scale, act, interleave, fc1=True)
+
+    @staticmethod
+    def launch_for(x: Tensor, w1: Tensor, x_scale: Tensor, w1_scale: Tensor, act: str,
+                   interleave: int | None, probs: Tensor | None = None,
+                   params: tuple[float, ...] = (), store_h: bool = True) -> ScaledFc1Launch:
+        """A `ScaledFc1Launch`: this call (default tiling) for later calls with operands of
+        these facts; ValueError as the call where the kernel cannot take them."""
+        return ScaledFc1Launch(x, w1, x_scale, w1_scale, act, interleave, probs, tuple(params),
+                               store_h)
 
     def __call__(
         self,
@@ -193,13 +208,58 @@ class _ScaledFc1Forward:
         zeros in h and a. ``store_h=False`` (no backward reads h): h not written (None;
         `launch.fc1_writes_h`), a the same bit for bit. Raises ValueError when ``supports``
         is False."""
-        op = "scaled_glu_fc1_forward"
+        op = _FC1_OP
         checked, why = _checked(x, w1, x_scale, w1_scale, act, interleave, True)
         if checked is None:
             raise _refused(op, ("x", x), ("w1", w1), why)
         return _run_fc1(op, x, w1, offs, act, interleave, probs, params,
                         lambda: _kernel_operands(x, w1, x_scale, w1_scale, checked),
                         store_h, tiling=tiling)
+
+
+_FC1_OP = "scaled_glu_fc1_forward"
+
+
+class ScaledFc1Launch:
+    """``scaled_glu_fc1_forward(x, w1, x_scale, w1_scale, offs, act, interleave, probs, params,
+    store_h=store_h)`` for calls whose x, w1, scales and probs have the dtypes, shapes, strides
+    and devices of the ones it was made from (``scaled_glu_fc1_forward.launch_for``; probs'
+    layout may vary): the checks and the plan are found once, at its making, so a call runs
+    only its per-call work (probs' layout, h and a, the operands' 16-byte alignment, the
+    launch). A caller that cannot vouch for those facts calls ``scaled_glu_fc1_forward``.
+    After ``clear_plans`` or a change of the tiling settings it plans anew. Holds no tensor."""
+
+    def __init__(self, x: Tensor, w1: Tensor, x_scale: Tensor, w1_scale: Tensor, act: str,
+                 interleave: int | None, probs: Tensor | None, params: tuple,
+                 store_h: bool = True) -> None:
+        checked, why = _checked(x, w1, x_scale, w1_scale, act, interleave, True)
+        if checked is None:
+            raise _refused(_FC1_OP, ("x", x), ("w1", w1), why)
+        self._checked, self._args, self._store_h = checked, (act, interleave, params), store_h
+        self._groups, self._f = w1.shape[0], w1.shape[1] // 2
+        self._plan = self._make_plan(x, w1, x_scale, w1_scale, probs)
+
+    def _make_plan(self, x: Tensor, w1: Tensor, x_scale: Tensor, w1_scale: Tensor,
+                   probs: Tensor | None) -> LaunchPlan | None:
+        """The GLU plan of these operands in the kernel's layout (None without rows)."""
+        self._generation, self._settings = plans_generation(), tiling_settings()
+        if not x.shape[0]:
+            return None
+        x, w1t, _ = _kernel_operands(x, w1, x_scale, w1_scale, self._checked)
+        return glu_plan("fc1", x, w1t, x.shape[0], _check_probs(probs, x.shape[0], _FC1_OP),
+                        *self._args, scaled=True, store_h=self._store_h)
+
+    def __call__(self, x: Tensor, w1: Tensor, x_scale: Tensor, w1_scale: Tensor, offs: Tensor,
+                 probs: Tensor | None) -> tuple[Tensor | None, Tensor]:
+        plan = self._plan
+        if self._generation != plans_generation() or self._settings != tiling_settings():
+            plan = self._plan = self._make_plan(x, w1, x_scale, w1_scale, probs)
+        probs, h, a = _fc1_outputs(_FC1_OP, x, self._f, probs, self._store_h)
+        if plan is not None:
+            offs = _check_offs(offs, self._groups, x.device)
+            x, w1t, scales = _kernel_operands(x, w1, x_scale, w1_scale, self._checked)
+            h = run_glu_plan(plan, x, w1t, h, offs, a, probs, None, None, scales=scales)
+        return h, a
 
 
 class _ScaledFc2Dgrad:

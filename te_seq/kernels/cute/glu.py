@@ -225,22 +225,38 @@ def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interle
     [E, 2F/128, HB] of the block-scaled FC1, ``block_glu``; ``tiling``: ``_glu_tiling``;
     ``h_prefetch``: the dgrad's, None for ``_dgrad_h_prefetch``; c None: an fc1 whose h is
     not wanted, ``launch.fc1_writes_h`` decides), its kernel and grid planned (and compiled)
-    once per call signature (``launch_plan``). Returns c (None where the fc1 wrote no h)."""
-    rows = act_out.shape[0]
+    once per call signature (`glu_plan`). Returns c (None where the fc1 wrote no h)."""
     offs = _check_offs(offs, b.shape[0], x.device)
+    plan = glu_plan(mode, x, b, act_out.shape[0], probs, act, interleave, params, bias, gather,
+                    bool(scales), tiling, h_prefetch, block_scaled, c is not None)
+    return run_glu_plan(plan, x, b, c, offs, act_out, probs, dprobs, h_in, bias, scales, gather)
+
+
+def glu_plan(mode: str, x, b, rows: int, probs, act, interleave, params, bias=None, gather=None,
+             scaled: bool = False, tiling=None, h_prefetch=None, block_scaled: bool = False,
+             store_h: bool = True) -> LaunchPlan:
+    """The `LaunchPlan` of a GLU launch over ``rows`` rows with `_launch`'s operands
+    (``scaled``: FP8 scales given; ``store_h``: h wanted), made once per call signature."""
     signature = (
         mode, x.dtype, x.device, b.dtype, b.shape, b.stride(), b.device, rows,
         None if probs is None else probs.dtype, act, interleave, tuple(params),
-        None if bias is None else bias.dtype, gather is None, bool(scales), tiling, h_prefetch,
+        None if bias is None else bias.dtype, gather is None, scaled, tiling, h_prefetch,
         tiling is None and tiling_settings(),  # the default tiling reads the environment
-        block_scaled, c is None,
+        block_scaled, not store_h,
     )
-    plan = _PLANS.get(signature) or _PLANS.put(
+    return _PLANS.get(signature) or _PLANS.put(
         signature, _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather,
-                         bool(scales), tiling, h_prefetch, block_scaled, c is not None)
+                         scaled, tiling, h_prefetch, block_scaled, store_h)
     )
+
+
+def run_glu_plan(plan: LaunchPlan, x, b, c, offs, act_out, probs, dprobs, h_in, bias=None,
+                 scales=(), gather=None) -> Tensor | None:
+    """Launch a GLU `plan` on `_launch`'s operands (offs checked); returns c, made here where
+    h was not wanted but the plan writes it anyway (None where the fc1 wrote no h)."""
     if c is None and plan.writes_c:  # h not wanted, but this tiling writes it anyway
-        c = torch.empty(rows, b.shape[2], dtype=act_out.dtype, device=act_out.device)
+        c = torch.empty(act_out.shape[0], b.shape[2], dtype=act_out.dtype,
+                        device=act_out.device)
     plan.kernel(
         _row_major(x), b_view(b, plan.b_copy), act_out if c is None else c, offs,
         plan.clusters, *epilogue_args(x, act_out, probs, dprobs, h_in, bias), *scales,

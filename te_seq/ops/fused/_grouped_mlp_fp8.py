@@ -32,11 +32,11 @@ def _params(fc: GroupedLinear) -> list[Tensor]:
 
 
 def _gemm(fc: GroupedLinear, ctx, input_: Tensor, x: Tensor, w: Tensor, offs, bounds, scales,
-          need_wgrad: bool = True):
-    """As GroupedLinear's forward (core/fp8_gemm.py: real FP8 or emulated), + bias:
-    (y in x's dtype, the backward's `fp8.GradOperands`)."""
+          need_wgrad: bool = True, gemm=None):
+    """As GroupedLinear's forward (core/fp8_gemm.py: real FP8 or emulated; `gemm` as its), +
+    bias: (y in x's dtype, the backward's `fp8.GradOperands`)."""
     y, operands = fp8_gemm.grouped_forward(fc, ctx, input_, x, w, _params(fc), offs, bounds,
-                                           need_wgrad)
+                                           need_wgrad, gemm)
     bias = fc.bias_rows(offs, y.shape[0], scales, x.dtype)
     return (y if bias is None else y + bias), operands
 
@@ -95,27 +95,77 @@ def _activation(mlp, h: Tensor, probs, backend) -> Tensor:
     return backend.act_forward(h, op.act)
 
 
+class Launches:
+    """The fused forward's FP8 GEMM launches for one call signature on the cute backend
+    (`forward`'s `launches`, kept in the signature's steady record): FC1's (with the
+    activation in its epilogue, or plain) and FC2's, prepared by the signature's first call as
+    its GEMMs run (`fp8_cute.prepare_glu_fc1` / `prepare_scaled_grouped_mm`; None where they
+    prepare none: block scales, or an emulated GEMM; that GEMM then runs unprepared) and run
+    by its next calls. Holds no tensor."""
+
+    __slots__ = ("fc1", "fc2", "prepared")
+
+    def __init__(self) -> None:
+        self.fc1 = self.fc2 = None
+        self.prepared = False  # set once the first call's forward has run
+
+    @staticmethod
+    def for_call(ctx) -> Launches | None:
+        """New (empty) launches for a signature's first call where its backend's FP8 GEMMs
+        can be prepared (cute), else None."""
+        return Launches() if ctx.backend.name == "cute" else None
+
+
+def _gemm_kernel(launches: Launches | None, name: str, kernel, prepare, **options):
+    """A GEMM kernel with `fp8_cute.scaled_grouped_mm`'s arguments (`fp8_gemm.grouped_forward`'s
+    `gemm`) for `launches`' GEMM `name`: its prepared launch on a signature's later call, else
+    `kernel` with `options`; on the signature's first call `kernel` prepares that launch too
+    (`prepare` on the same arguments, after the kernel's own checks passed)."""
+    run = functools.partial(kernel, **options)
+    if launches is None:
+        return run
+    if launches.prepared:
+        launch = getattr(launches, name)
+        return run if launch is None else functools.partial(launch, **options)
+
+    def run_and_prepare(*args):
+        out = run(*args)
+        setattr(launches, name, prepare(*args, **options))
+        return out
+
+    return run_and_prepare
+
+
 def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
-            extras, extra_inputs, with_backward: bool = True) -> Tensor:
+            extras, extra_inputs, with_backward: bool = True,
+            launches: Launches | None = None) -> Tensor:
     """y [T, H] of the fused op under ctxs[0].recipe; fills the contexts for `backward` where
-    `with_backward` (else FC1's fused epilogue may skip writing h)."""
+    `with_backward` (else FC1's fused epilogue may skip writing h). `launches`: the call
+    signature's FP8 GEMM launches (`Launches`; prepared here on its first call), or None."""
     ctx, recipe, backend = ctxs[0], ctxs[0].recipe, ctxs[0].backend
     bounds, dtype = LazyGroupBounds(offs), x.dtype
     probs = None if extras.probs is None else extras.probs.reshape(-1)  # [T]
     fp8.check_operands(mlp.fc1, recipe, x, w1, w1.shape[-1], w1.shape[-2])
     _activation_checks(mlp, ctx, x, extra_inputs[1])
     if not epilogue_reasons(mlp, backend.name, recipe, dtype, x.device)[0]:
-        glu = functools.partial(fp8_cute.glu_fc1, glu=mlp.activation.glu_spec, probs=probs,
-                                store_h=with_backward)
+        glu = _gemm_kernel(launches, "fc1", fp8_cute.glu_fc1, fp8_cute.prepare_glu_fc1,
+                           glu=mlp.activation.glu_spec, probs=probs, store_h=with_backward)
         (h, a), ops1 = fp8_gemm.grouped_forward(mlp.fc1, ctx, input_, x, w1, _params(mlp.fc1),
                                                 offs, bounds, gemm=glu)
     else:
-        h, ops1 = _gemm(mlp.fc1, ctx, input_, x, w1, offs, bounds, extras.fc1_scales)  # [T, 2F]
+        gemm1 = _gemm_kernel(launches, "fc1", fp8_cute.scaled_grouped_mm,
+                             fp8_cute.prepare_scaled_grouped_mm) if launches else None
+        h, ops1 = _gemm(mlp.fc1, ctx, input_, x, w1, offs, bounds, extras.fc1_scales,
+                        gemm=gemm1)  # [T, 2F]
         a = _activation(mlp, h, probs, backend)  # [T, F]
     mlp.fc2.forward_checks(a, extra_inputs[2], ctx.signature_checked)
     # FC2's wgrad operand is recomputed from h in backward: not quantized along tokens here
+    gemm2 = _gemm_kernel(launches, "fc2", fp8_cute.scaled_grouped_mm,
+                         fp8_cute.prepare_scaled_grouped_mm) if launches else None
     y, ops2 = _gemm(mlp.fc2, ctx, a, a, w2, offs, bounds, extras.fc2_scales,
-                       need_wgrad=False)  # [T, H]
+                    need_wgrad=False, gemm=gemm2)  # [T, H]
+    if launches is not None:
+        launches.prepared = True
     if with_backward:
         ctx.save_for_backward(h, offs, extras.probs, extras.fc1_scales, extras.fc2_scales,
                               *ops1.tensors(), *ops2.tensors())
@@ -201,4 +251,4 @@ def _extra(fc: GroupedLinear, dscales: Tensor | None) -> tuple:
     return (None, dscales) if fc.num_extra_inputs == 2 else (None,)
 
 
-__all__ = ["backward", "forward"]
+__all__ = ["Launches", "backward", "forward"]

@@ -217,24 +217,26 @@ class GroupedMLP(FusedOperation):
 
     def _fp8_forward(self, ctxs, input_: Tensor, x: Tensor, w1: Tensor, extras: _Extras,
                      extra_inputs, with_backward: bool, steady: _Steady | None) -> Tensor:
-        """y [T, H] under ctxs[0].recipe (`_grouped_mlp_fp8.forward`). Its offsets are the
-        ones the signature's first call prepared where the backend can (`_Steady` without an
-        FC1: the FP8 GEMMs are not prepared), their device-side check issued after the
-        GEMMs' launches (bad split sizes gave them only empty groups)."""
+        """y [T, H] under ctxs[0].recipe (`_grouped_mlp_fp8.forward`). Its offsets and FP8
+        GEMM launches are the ones the signature's first call prepared where the backend can
+        (`_Steady` with `fp8` launches, without a bf16 FC1), the offsets' device-side check
+        issued after the GEMMs' launches (bad split sizes gave them only empty groups)."""
         ctx = ctxs[0]
         if steady is not None:
             offs, check_offsets = steady.offsets(extras.splits)
+            launches, offsets = steady.fp8, None
         else:
             offs, check_offsets = self.fc1.offsets(extras.splits, input_, ctx.backend), None
             offsets = _prepared_offsets(ctx, x, extras) \
                 if ctx.steady is not None and not ctx.signature_checked else None
-            if offsets is not None:
-                ctx.steady[self] = _Steady(offsets, None)
+            launches = None if offsets is None else _grouped_mlp_fp8.Launches.for_call(ctx)
         w2 = self.fc2.operands(ctxs[2], x)[1]  # w1 [G, 2F, H], w2 [G, H, F]
         y = _grouped_mlp_fp8.forward(self, ctxs, input_, x, w1, w2, offs, extras, extra_inputs,
-                                     with_backward)
+                                     with_backward, launches)
         if check_offsets is not None:
             check_offsets()
+        if offsets is not None:  # kept once this first call ran (its launches prepared)
+            ctx.steady[self] = _Steady(offsets, None, launches)
         return y
 
     def _prepare_steady(self, ctx: OperationContext, x: Tensor, w1: Tensor,
@@ -348,10 +350,12 @@ class _Steady:
     offs, probs) -> (h [T, 2F], a [T, F]), equal to the backend's `group_offsets` (whose
     device-side check is `check()`, issued after FC1's launch) and `glu_fc1_forward` for
     those operands (h None where the signature runs no backward and the backend skips it).
-    Under an FP8 recipe fc1 is None: only the offsets are prepared."""
+    Under an FP8 recipe fc1 is None and `fp8` holds the FP8 GEMMs' launches
+    (`_grouped_mlp_fp8.Launches`, or None where the backend prepares none)."""
 
     offsets: Callable[[Tensor], tuple[Tensor, Callable[[], None]]]
     fc1: Callable[..., tuple[Tensor, Tensor]] | None
+    fp8: _grouped_mlp_fp8.Launches | None = None
 
 
 # (FC1 kernel, FC2-dgrad kernel) with the activation in their epilogues, by `Activation.gated`
