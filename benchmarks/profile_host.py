@@ -30,6 +30,15 @@ GEMM (µs after the call starts, median of calls each from an idle device; each 
 thin wrapper, ~0.3 µs apiece): where the host time before the first kernel goes.
 
   python benchmarks/profile_host.py --timeline [--device cpu]
+
+`--prepared-ab --fp8 R [--hp-wgrad]` compares, in one process on the GPU host, the FP8 MLP with
+the FP8 GEMM launches its signature's first call prepares (the default) and without them
+(`unprepared_fp8_launches`: every call through the FP8 functionals, as before they were
+prepared), in interleaved rounds: host time of a forward and of a fresh-grads step from an idle
+device, and the host and wall time per step of a burst of 20 (µs; median and best of the
+rounds):
+
+  python benchmarks/profile_host.py --prepared-ab --fp8 Float8RowwiseScaling --hp-wgrad
 """
 
 from __future__ import annotations
@@ -213,8 +222,7 @@ def _stamped_steps(mlp, marks: list):
     grouped_mlp._Steady = lambda offsets, fc1, fp8=None: steady(
         stamped("offsets (prepared)", offsets),
         None if fc1 is None else stamped("FC1 (prepared launch)", fc1), fp8)
-    for op in mlp.basic_ops():
-        op.training = op.training  # a new op state: the next call prepares its launches again
+    _new_signature(mlp)  # the next call prepares its launches again
     try:
         with _wrapped(_timeline_steps(), stamped):
             yield
@@ -318,6 +326,59 @@ def timeline(mlp, forward, device, iters: int) -> None:
         print(f"{statistics.median(times):8.1f} us  {label}")
 
 
+@contextlib.contextmanager
+def unprepared_fp8_launches(mlp):
+    """Inside the block the fused MLP prepares no FP8 GEMM launch (each call goes through the
+    FP8 functionals); `mlp`'s next call, inside and after, is a signature's first again."""
+    from te_seq.ops.fused import _grouped_mlp_fp8
+
+    for_call = _grouped_mlp_fp8.Launches.__dict__["for_call"]
+    _grouped_mlp_fp8.Launches.for_call = staticmethod(lambda ctx: None)
+    _new_signature(mlp)
+    try:
+        yield
+    finally:
+        _grouped_mlp_fp8.Launches.for_call = for_call
+        _new_signature(mlp)
+
+
+def _new_signature(mlp) -> None:
+    for op in mlp.basic_ops():
+        op.training = op.training  # a new op state: the next call takes the full path
+
+
+def _burst_us(fn, device, calls: int = 20) -> tuple[float, float]:
+    """(host µs per call while queueing `calls` back-to-back calls, wall µs per call)."""
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    queued = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize(device)
+    return queued, (time.perf_counter() - t0) / calls * 1e6
+
+
+def prepared_ab(mlp, forward, step, device, rounds: int = 6, iters: int = 50) -> None:
+    """Print `--prepared-ab`'s table: prepared FP8 launches against none, interleaved."""
+    found: dict[str, dict[str, list[float]]] = {}
+    for _ in range(rounds):
+        for mode in ("prepared", "unprepared"):
+            context = unprepared_fp8_launches(mlp) if mode == "unprepared" \
+                else contextlib.nullcontext()
+            with context:
+                for _ in range(3):  # the signature's first call prepares (or not)
+                    step()
+                times = found.setdefault(mode, {})
+                times.setdefault("forward", []).append(time_host(forward, iters, device) * 1e3)
+                times.setdefault("step", []).append(time_host(step, iters, device) * 1e3)
+                queued, wall = _burst_us(step, device)
+                times.setdefault("burst host", []).append(queued)
+                times.setdefault("burst wall", []).append(wall)
+    for mode, times in found.items():
+        print(f"{mode:10s} " + "  ".join(
+            f"{name} {statistics.median(v):.1f} ({min(v):.1f})" for name, v in times.items()))
+
+
 def main_cpu(args) -> None:
     """The CPU proxy of the host time (module docstring)."""
     torch.set_num_threads(1)  # one thread: steady kernel times on a shared machine
@@ -384,6 +445,8 @@ def main() -> None:
                    help="when the forward reaches each step before its first GEMM (see above)")
     p.add_argument("--hp-wgrad", action="store_true",
                    help="with --fp8: the recipe with fp8_wgrad=False")
+    p.add_argument("--prepared-ab", action="store_true",
+                   help="with --fp8: prepared FP8 launches against none, one process (cuda)")
     p.add_argument("--stages", action="store_true",
                    help="inclusive host time of each layer of the forward (with --step: and "
                         "of the step) instead (see above)")
@@ -420,6 +483,11 @@ def main_cuda(args) -> None:
         forward = _under_recipe(forward, getattr(te_seq.recipe, args.fp8)(**options))
     for _ in range(5):
         forward()
+    if args.prepared_ab:
+        print(f"{torch.cuda.get_device_name(device)}, shape {args.shape}, {args.fp8}"
+              f"{' (fp8_wgrad=False)' if args.hp_wgrad else ''}: µs, median (best) of rounds")
+        prepared_ab(mlp, forward, fresh_step(forward, leaves), device)
+        return
     if args.stages:
         print_stages("eager forward", forward, device, args.iters)
         if args.step:

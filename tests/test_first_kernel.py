@@ -229,31 +229,32 @@ def test_fp8_steady_forward_takes_its_prepared_offsets(grad, monkeypatch):
     assert forward.parts[0]._runs[0].fast_calls >= 2
 
 
-def _fp8_forward_launches(stubs) -> dict:
-    """The last forward's FP8 FC1 (GLU) and FC2 launches' arguments as facts, by name."""
+def _gemm_launches_during(stubs, call) -> dict:
+    """{GEMM kernel config: the facts of each launch of it} that ``call()`` makes (the
+    weights' quantization, once per weight version, left out)."""
     from te_seq.kernels.cute.compile import GemmConfig, GluConfig
 
-    found = {}
-    for cfg, stub in stubs.items():
-        if isinstance(cfg, GluConfig) and cfg.mode == "fc1" and stub.calls:
-            found["fc1"] = [_facts(a) for a in stub.calls[-1]]
-        elif isinstance(cfg, GemmConfig) and cfg.varlen == "m" and stub.calls:
-            found["fc2"] = [_facts(a) for a in stub.calls[-1]]
-    return found
+    before = {cfg: len(stub.calls) for cfg, stub in stubs.items()}
+    call()
+    return {repr(cfg): [[_facts(a) for a in args] for args in stub.calls[before.get(cfg, 0):]]
+            for cfg, stub in stubs.items()
+            if isinstance(cfg, (GemmConfig, GluConfig)) and len(stub.calls) > before.get(cfg, 0)}
 
 
 @pytest.mark.parametrize("recipe", ["Float8RowwiseScaling", "Float8BlockScaling"])
 @pytest.mark.parametrize("grad", [True, False])
 def test_fp8_steady_calls_launch_the_gemms_their_first_call_prepared(recipe, grad, monkeypatch):
-    """Row-wise: the calls after a signature's first one launch FC1's GLU kernel and FC2's
-    GEMM as prepared by that first call (no call through `fp8_cute.glu_fc1` or
-    `fp8_cute.scaled_grouped_mm`), with the first call's arguments. Block scales prepare
-    none: every call goes through the functionals, launching the same."""
+    """Row-wise: the calls after a signature's first one launch the four FP8 GEMMs (FC1 with
+    the activation in its epilogue, FC2, FC2's dgrad with the activation's backward, FC1's
+    dgrad) as that first call prepared them (no call through `fp8_cute.glu_fc1`,
+    `glu_dgrad` or `scaled_grouped_mm`), with the first call's arguments; every launch of
+    the step is the same. Block scales prepare none: every call goes through the
+    functionals, launching the same."""
     from te_seq.kernels import fp8_cute
 
     pl = _harness()
     through = []
-    for name in ("glu_fc1", "scaled_grouped_mm"):
+    for name in ("glu_fc1", "glu_dgrad", "scaled_grouped_mm"):
         original = getattr(fp8_cute, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
@@ -264,17 +265,59 @@ def test_fp8_steady_calls_launch_the_gemms_their_first_call_prepared(recipe, gra
     rowwise = recipe == "Float8RowwiseScaling"
     with pl.stubbed_step(record=True) as stubs, torch.set_grad_enabled(grad):
         forward = pl.mlp_forward(256, recipe, e=8, h=256, f=128, fp8_wgrad=False)
+        mlp, x, probs = forward.parts
+        dy = torch.randn(256, 256, dtype=torch.bfloat16)
+
+        def step():
+            y = forward()
+            if grad:
+                y.backward(dy)
+                mlp.zero_grad(set_to_none=True)
+
         facts = []
         for call in range(3):
             through.clear()
-            forward()
-            facts.append(_fp8_forward_launches(stubs))
-            first = call == 0
-            assert sorted(through) == (["glu_fc1", "scaled_grouped_mm"]
-                                       if first or not rowwise else [])
-    assert set(facts[0]) == {"fc1", "fc2"}
+            facts.append(_gemm_launches_during(stubs, step))
+            gemms = ["glu_fc1", "scaled_grouped_mm"]
+            if grad:
+                gemms += ["glu_dgrad", "scaled_grouped_mm"]
+            assert sorted(through) == (sorted(gemms) if call == 0 or not rowwise else [])
     assert facts[0] == facts[1] == facts[2]
-    assert forward.parts[0]._runs[0].fast_calls == 2
+    assert sum(len(calls) for calls in facts[0].values()) == (6 if grad else 2)
+    assert mlp._runs[0].fast_calls == 2
+
+
+def test_the_host_profiler_can_run_the_fp8_mlp_without_prepared_launches(monkeypatch):
+    """`profile_host.unprepared_fp8_launches` (its --prepared-ab): inside it every call goes
+    through the FP8 functionals, after it the steady calls launch prepared ones again."""
+    from te_seq.kernels import fp8_cute
+    from te_seq.ops.fused import _grouped_mlp_fp8
+
+    pl = _harness()
+    import profile_host
+
+    through = []
+    original = fp8_cute.glu_fc1
+    monkeypatch.setattr(fp8_cute, "glu_fc1",
+                        lambda *a, **k: through.append(1) or original(*a, **k))
+    for_call = _grouped_mlp_fp8.Launches.for_call
+    with pl.stubbed_step(), torch.no_grad():
+        forward = pl.mlp_forward(256, "Float8RowwiseScaling", e=8, h=256, f=128)
+        mlp = forward.parts[0]
+        for _ in range(2):
+            forward()
+        through.clear()
+        forward()
+        assert through == []  # steady: prepared
+        with profile_host.unprepared_fp8_launches(mlp):
+            for _ in range(3):
+                forward()
+            assert len(through) == 3
+        through.clear()
+        forward()  # a signature's first call again: prepares
+        forward()
+        assert len(through) == 1
+    assert _grouped_mlp_fp8.Launches.for_call == for_call
 
 
 def test_a_rowwise_launch_runs_unprepared_where_the_operands_strides_changed():

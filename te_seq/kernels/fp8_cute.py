@@ -282,3 +282,19 @@ def prepare_scaled_grouped_mm(x: QuantizedTensor, w_data: Tensor, w_scale_inv: T
                                    out_dtype)
     return _RowwiseLaunch(lambda a, b, sa, sb, offs: launch(a, b, sa, sb, offs.to(torch.int32)),
                           scaled_grouped_mm, x, w_data)
+
+
+def prepare_glu_dgrad(dy: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
+                      out_dtype: torch.dtype, *, h: Tensor, glu: GluSpec, probs: Tensor | None):
+    """``run(dy, w_data, w_scale_inv, offs, out_dtype, h=h, probs=probs) -> (dh, a,
+    dprobs)``, equal to ``glu_dgrad(..., h=h, glu=glu, probs=probs)`` for later calls whose
+    operands have these ones' facts (`_RowwiseLaunch`), checked and planned once, here
+    (``cute.scaled_glu_fc2_dgrad.launch_for``); None under 1x128 block scales."""
+    if not _rowwise(dy):
+        return None
+    scale_a, scale_b = row_scales(dy, w_scale_inv, w_data.shape[1])
+    launch = cute.scaled_glu_fc2_dgrad.launch_for(
+        dy.data, w_data, scale_a, scale_b, glu.act, glu.glu_interleave_size, probs, glu.params)
+    # glu was fixed here: the later calls' signature vouches it is unchanged
+    return _RowwiseLaunch(lambda *a, h, probs, **fixed: launch(*a, h, probs), glu_dgrad, dy,
+                          w_data)

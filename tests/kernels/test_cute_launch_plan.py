@@ -409,6 +409,27 @@ def test_scaled_fc1_launch_launches_what_the_functional_launches(store_h, stride
     assert (h is None) == (not store_h) and a.shape == (M, F)
 
 
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_scaled_dgrad_launch_launches_what_the_functional_launches(with_probs):
+    """`scaled_glu_fc2_dgrad.launch_for` launches the functional's kernel with the same
+    arguments (h, probs and dprobs included), also after `clear_plans`."""
+    dy, w2t, dys, ws = _fp8_operands(F)  # dy [M, H], W2ᵀ [E, F, H]
+    h = torch.randn(M, 2 * F).to(BF16)
+    probs = torch.rand(M) if with_probs else None
+    with stubbed_kernels() as stubs:
+        launch = cute.scaled_glu_fc2_dgrad.launch_for(dy, w2t, dys, ws, "silu", None, probs)
+        cfg1, direct = _launch_of(stubs, lambda: cute.scaled_glu_fc2_dgrad(
+            dy, w2t, dys, ws, _offs(), h, "silu", None, probs))
+        cfg2, launched = _launch_of(stubs, lambda: launch(dy, w2t, dys, ws, _offs(), h, probs))
+        clear_plans()
+        cfg3, again = _launch_of(stubs, lambda: launch(dy, w2t, dys, ws, _offs(), h, probs))
+        dh, a, dprobs = launch(dy, w2t, dys, ws, _offs(), h, probs)
+    assert cfg1 == cfg2 == cfg3 and cfg1.scaled and cfg1.mode == "dgrad"
+    assert _inputs_of(launched) == _inputs_of(direct) == _inputs_of(again)
+    assert launched[0].data_ptr() == dy.data_ptr()
+    assert dh.shape == (M, 2 * F) and a.shape == (M, F) and (dprobs is None) == (not with_probs)
+
+
 def test_scaled_mm_launch_launches_what_the_functional_launches():
     """`scaled_mm_launch` launches `scaled_grouped_mm`'s kernel with the same arguments, also
     after `clear_plans`; a zero-row call launches nothing and returns zero rows."""
@@ -436,6 +457,8 @@ def test_fp8_launches_refuse_what_the_functionals_refuse():
             cute.scaled_glu_fc1_forward.launch_for(x, w1, xs, ws, "tanh", None)
         with pytest.raises(ValueError, match="scaled_grouped_mm.*a_scale must be float32"):
             cute.scaled_mm_launch(x, w1, xs[:5], ws, _offs())
+        with pytest.raises(ValueError, match="scaled_glu_fc2_dgrad.*float8_e4m3fn operands"):
+            cute.scaled_glu_fc2_dgrad.launch_for(x.to(BF16), w1, xs, ws, "silu", None)
 
 
 def test_fc1_without_h_only_where_checked_on_a_gpu():

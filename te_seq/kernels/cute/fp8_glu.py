@@ -218,6 +218,7 @@ class _ScaledFc1Forward:
 
 
 _FC1_OP = "scaled_glu_fc1_forward"
+_DGRAD_OP = "scaled_glu_fc2_dgrad"
 
 
 class ScaledFc1Launch:
@@ -277,6 +278,15 @@ class _ScaledFc2Dgrad:
         sm_90 GPU."""
         return _supports(dy, w2t, dy_scale, w2t_scale, act, interleave, fc1=False)
 
+    @staticmethod
+    def launch_for(dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor, act: str,
+                   interleave: int | None, probs: Tensor | None = None,
+                   params: tuple[float, ...] = ()) -> ScaledFc2DgradLaunch:
+        """A `ScaledFc2DgradLaunch`: this call (default tiling) for later calls with operands
+        of these facts; ValueError as the call where the kernel cannot take them."""
+        return ScaledFc2DgradLaunch(dy, w2t, dy_scale, w2t_scale, act, interleave, probs,
+                                    tuple(params))
+
     def __call__(
         self,
         dy: Tensor,
@@ -301,10 +311,48 @@ class _ScaledFc2Dgrad:
         ``supports`` is False or h has the wrong shape or dtype."""
         checked, why = _checked(dy, w2t, dy_scale, w2t_scale, act, interleave, False)
         if checked is None:
-            raise _refused("scaled_glu_fc2_dgrad", ("dy", dy), ("w2t", w2t), why)
+            raise _refused(_DGRAD_OP, ("dy", dy), ("w2t", w2t), why)
         dy, w2, scales = _kernel_operands(dy, w2t, dy_scale, w2t_scale, checked)
-        return run_dgrad("scaled_glu_fc2_dgrad", dy, w2, offs, h, act, interleave, probs,
+        return run_dgrad(_DGRAD_OP, dy, w2, offs, h, act, interleave, probs,
                          params, torch.bfloat16, scales, tiling)
+
+
+class ScaledFc2DgradLaunch:
+    """``scaled_glu_fc2_dgrad(dy, w2t, dy_scale, w2t_scale, offs, h, act, interleave, probs,
+    params)`` (default tiling) for calls whose dy, w2t, scales and probs have the dtypes,
+    shapes, strides and devices of the ones it was made from (``scaled_glu_fc2_dgrad
+    .launch_for``; h's and probs' layouts may vary): checked and planned once, at its making,
+    as `ScaledFc1Launch`. Holds no tensor."""
+
+    def __init__(self, dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor, act: str,
+                 interleave: int | None, probs: Tensor | None, params: tuple) -> None:
+        checked, why = _checked(dy, w2t, dy_scale, w2t_scale, act, interleave, False)
+        if checked is None:
+            raise _refused(_DGRAD_OP, ("dy", dy), ("w2t", w2t), why)
+        self._checked, self._args = checked, (act, interleave, params)
+        self._plan = self._make_plan(dy, w2t, dy_scale, w2t_scale, probs)
+
+    def _make_plan(self, dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor,
+                   probs: Tensor | None) -> LaunchPlan | None:
+        """The GLU dgrad plan of these operands in the kernel's layout (None without rows)."""
+        self._generation, self._settings = plans_generation(), tiling_settings()
+        rows = dy.shape[0]
+        if not rows:
+            return None
+        dy, w2, _ = _kernel_operands(dy, w2t, dy_scale, w2t_scale, self._checked)
+        return glu_plan("dgrad", dy, w2, rows, _check_probs(probs, rows, _DGRAD_OP),
+                        *self._args, scaled=True)
+
+    def __call__(self, dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor,
+                 offs: Tensor, h: Tensor, probs: Tensor | None
+                 ) -> tuple[Tensor, Tensor, Tensor | None]:
+        plan = self._plan
+        if self._generation != plans_generation() or self._settings != tiling_settings():
+            plan = self._plan = self._make_plan(dy, w2t, dy_scale, w2t_scale, probs)
+        dy, w2, scales = _kernel_operands(dy, w2t, dy_scale, w2t_scale, self._checked)
+        act, interleave, params = self._args
+        return run_dgrad(_DGRAD_OP, dy, w2, offs, h, act, interleave, probs, params,
+                         torch.bfloat16, scales, plan=plan)
 
 
 scaled_glu_fc1_forward = _ScaledFc1Forward()

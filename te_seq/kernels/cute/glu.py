@@ -539,11 +539,12 @@ def run_dgrad(op: str, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str
               interleave: int | None, probs: Tensor | None, params: tuple[float, ...],
               out_dtype: torch.dtype, scales: tuple = (), tiling: Tiling | None = None,
               h_prefetch: int | None = None, block_scaled: bool = False,
-              ) -> tuple[Tensor, Tensor, Tensor | None]:
+              plan: LaunchPlan | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The dgrad GLU kernel on checked operands (dy [M, H], w2 [E, H, F] in the kernel's
     view; ``scales``: the FP8 kernel's, block scales where ``block_scaled``): h checked
     against dy's rows and F, (dh, a, dprobs) allocated in ``out_dtype``, the kernel launched
-    over the rows, dprobs in probs' dtype."""
+    over the rows, dprobs in probs' dtype. ``plan``: the call's `glu_plan`, found by a
+    prepared launch (else looked up here by the call's signature)."""
     rows, f = dy.shape[0], w2.shape[2]
     if h.shape != (rows, 2 * f) or h.dtype != out_dtype:
         raise ValueError(
@@ -554,10 +555,13 @@ def run_dgrad(op: str, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str
     dh = torch.empty(rows, 2 * f, dtype=out_dtype, device=dy.device)
     a = torch.empty(rows, f, dtype=out_dtype, device=dy.device)
     dprobs = None if probs is None else torch.zeros(rows, dtype=torch.float32, device=dy.device)
-    if rows:
+    if rows and plan is None:
         _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h.contiguous(), act, interleave,
                 params, scales=scales, tiling=tiling, h_prefetch=h_prefetch,
                 block_scaled=block_scaled)
+    elif rows:
+        run_glu_plan(plan, dy, w2, dh, _check_offs(offs, w2.shape[0], dy.device), a, probs,
+                     dprobs, h.contiguous(), scales=scales)
     if dprobs is not None and probs_dtype != torch.float32:
         dprobs = dprobs.to(probs_dtype)
     return dh, a, dprobs

@@ -96,37 +96,40 @@ def _activation(mlp, h: Tensor, probs, backend) -> Tensor:
 
 
 class Launches:
-    """The fused forward's FP8 GEMM launches for one call signature on the cute backend
-    (`forward`'s `launches`, kept in the signature's steady record): FC1's (with the
-    activation in its epilogue, or plain) and FC2's, prepared by the signature's first call as
-    its GEMMs run (`fp8_cute.prepare_glu_fc1` / `prepare_scaled_grouped_mm`; None where they
-    prepare none: block scales, or an emulated GEMM; that GEMM then runs unprepared) and run
-    by its next calls. Holds no tensor."""
+    """The fused op's FP8 GEMM launches for one call signature on the cute backend (kept in
+    the signature's steady record): FC1's (with the activation in its epilogue, or plain),
+    FC2's, FC2's dgrad (with the activation's backward, or plain) and FC1's dgrad. Each is
+    prepared by the first call that runs its GEMM (`fp8_cute.prepare_glu_fc1`,
+    `prepare_scaled_grouped_mm`, `prepare_glu_dgrad`; None where they prepare none: block
+    scales; that GEMM then runs unprepared) and run by the signature's later calls. Holds no
+    tensor."""
 
-    __slots__ = ("fc1", "fc2", "prepared")
+    __slots__ = ("fc1", "fc2", "fc2_dgrad", "fc1_dgrad")
 
     def __init__(self) -> None:
-        self.fc1 = self.fc2 = None
-        self.prepared = False  # set once the first call's forward has run
+        self.fc1 = self.fc2 = self.fc2_dgrad = self.fc1_dgrad = _UNPREPARED
 
     @staticmethod
     def for_call(ctx) -> Launches | None:
-        """New (empty) launches for a signature's first call where its backend's FP8 GEMMs
-        can be prepared (cute), else None."""
+        """New (unprepared) launches for a signature's first call where its backend's FP8
+        GEMMs can be prepared (cute), else None."""
         return Launches() if ctx.backend.name == "cute" else None
 
 
+_UNPREPARED = object()  # a `Launches` slot whose GEMM has not run yet
+
+
 def _gemm_kernel(launches: Launches | None, name: str, kernel, prepare, **options):
-    """A GEMM kernel with `fp8_cute.scaled_grouped_mm`'s arguments (`fp8_gemm.grouped_forward`'s
-    `gemm`) for `launches`' GEMM `name`: its prepared launch on a signature's later call, else
-    `kernel` with `options`; on the signature's first call `kernel` prepares that launch too
-    (`prepare` on the same arguments, after the kernel's own checks passed)."""
+    """A GEMM kernel with `fp8_cute.scaled_grouped_mm`'s arguments (the `gemm` of
+    `fp8_gemm.grouped_forward` and `GroupedGrads.dgrad`) for `launches`' GEMM `name`: its
+    prepared launch, else `kernel` with `options`, which where the slot is still unprepared
+    prepares it too (`prepare` on the same arguments, after the kernel's own checks passed)."""
     run = functools.partial(kernel, **options)
-    if launches is None:
+    launch = None if launches is None else getattr(launches, name)
+    if launch is None:
         return run
-    if launches.prepared:
-        launch = getattr(launches, name)
-        return run if launch is None else functools.partial(launch, **options)
+    if launch is not _UNPREPARED:
+        return functools.partial(launch, **options)
 
     def run_and_prepare(*args):
         out = run(*args)
@@ -134,6 +137,15 @@ def _gemm_kernel(launches: Launches | None, name: str, kernel, prepare, **option
         return out
 
     return run_and_prepare
+
+
+def _plain_kernel(launches: Launches | None, name: str):
+    """`_gemm_kernel` of the plain FP8 GEMM (`fp8_cute.scaled_grouped_mm`) for `launches`'
+    GEMM `name`, or None (the backend's own) without launches."""
+    if launches is None:
+        return None
+    return _gemm_kernel(launches, name, fp8_cute.scaled_grouped_mm,
+                        fp8_cute.prepare_scaled_grouped_mm)
 
 
 def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
@@ -153,19 +165,13 @@ def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: 
         (h, a), ops1 = fp8_gemm.grouped_forward(mlp.fc1, ctx, input_, x, w1, _params(mlp.fc1),
                                                 offs, bounds, gemm=glu)
     else:
-        gemm1 = _gemm_kernel(launches, "fc1", fp8_cute.scaled_grouped_mm,
-                             fp8_cute.prepare_scaled_grouped_mm) if launches else None
         h, ops1 = _gemm(mlp.fc1, ctx, input_, x, w1, offs, bounds, extras.fc1_scales,
-                        gemm=gemm1)  # [T, 2F]
+                        gemm=_plain_kernel(launches, "fc1"))  # [T, 2F]
         a = _activation(mlp, h, probs, backend)  # [T, F]
     mlp.fc2.forward_checks(a, extra_inputs[2], ctx.signature_checked)
     # FC2's wgrad operand is recomputed from h in backward: not quantized along tokens here
-    gemm2 = _gemm_kernel(launches, "fc2", fp8_cute.scaled_grouped_mm,
-                         fp8_cute.prepare_scaled_grouped_mm) if launches else None
     y, ops2 = _gemm(mlp.fc2, ctx, a, a, w2, offs, bounds, extras.fc2_scales,
-                    need_wgrad=False, gemm=gemm2)  # [T, H]
-    if launches is not None:
-        launches.prepared = True
+                    need_wgrad=False, gemm=_plain_kernel(launches, "fc2"))  # [T, H]
     if with_backward:
         ctx.save_for_backward(h, offs, extras.probs, extras.fc1_scales, extras.fc2_scales,
                               *ops1.tensors(), *ops2.tensors())
@@ -184,8 +190,10 @@ def _activation_checks(mlp, ctx, x: Tensor, extra: tuple) -> None:
         mlp.activation.forward_checks(h_like, extra, seen)
 
 
-def backward(mlp, ctxs, grad_output: Tensor):
-    """(dx, param grads per op, extra grads per op) of `forward`, as the unfused chain's."""
+def backward(mlp, ctxs, grad_output: Tensor, launches: Launches | None = None):
+    """(dx, param grads per op, extra grads per op) of `forward`, as the unfused chain's.
+    `launches`: the call signature's FP8 GEMM launches (`Launches`; its dgrads prepared
+    here on the signature's first backward), or None."""
     ctx1, _, ctx2 = ctxs
     recipe, backend = ctx1.recipe, ctx1.backend
     h, offs, probs_in, s1, s2, *operands = ctx1.saved_tensors
@@ -193,7 +201,7 @@ def backward(mlp, ctxs, grad_output: Tensor):
     bounds, probs = LazyGroupBounds(offs), None if probs_in is None else probs_in.reshape(-1)
     dy = mlp.fc2.grad_rows(ctx2, grad_output)  # [T, H]
     fc2 = fp8_gemm.GroupedGrads(ctx1, dy, ops2, offs, bounds, ctx2.weight_requires_grad)
-    dh, a, dprobs = _fc2_dgrad(mlp, ctx1, fc2, h, probs)
+    dh, a, dprobs = _fc2_dgrad(mlp, ctx1, fc2, h, probs, launches)
     fc2.with_input(_fc2_wgrad_input(recipe, a, offs, bounds, fc2.native_wgrad, backend.name))
     fc2_grads, ds2 = _grads(mlp.fc2, ctx2, dy, fc2, offs, s2)
     fc1_grads, ds1, dx = [], None, None
@@ -201,23 +209,25 @@ def backward(mlp, ctxs, grad_output: Tensor):
         fc1 = fp8_gemm.GroupedGrads(ctx1, dh, ops1, offs, bounds, ctx1.weight_requires_grad)
         fc1_grads, ds1 = _grads(mlp.fc1, ctx1, dh, fc1, offs, s1)
         if ctx1.input_requires_grad:  # dX = dH W1
-            dx = mlp.fc1.input_grad(ctx1, fc1.dgrad())
+            dx = mlp.fc1.input_grad(ctx1, fc1.dgrad(gemm=_plain_kernel(launches,
+                                                                       "fc1_dgrad")))
     act_extra = () if probs_in is None else (dprobs.reshape(probs_in.shape),)
     extra = [_extra(mlp.fc1, ds1), act_extra, _extra(mlp.fc2, ds2)]
     return dx, [fc1_grads, [], fc2_grads], extra
 
 
-def _fc2_dgrad(mlp, ctx, fc2: fp8_gemm.GroupedGrads, h: Tensor, probs):
+def _fc2_dgrad(mlp, ctx, fc2: fp8_gemm.GroupedGrads, h: Tensor, probs, launches=None):
     """(dh [T, 2F], a [T, F] recomputed for FC2's wgrad, dprobs): in FC2's FP8 dgrad epilogue
     where `epilogue_reasons` allows it, else dA = FC2's dgrad, then the activation's backward
-    and forward."""
+    and forward (`launches` as `backward`'s)."""
     backend = ctx.backend
     why = epilogue_reasons(mlp, backend.name, ctx.recipe, h.dtype, h.device)[1]
     if not why and fc2.operands.native:
-        glu = functools.partial(fp8_cute.glu_dgrad, h=h, glu=mlp.activation.glu_spec,
-                                probs=probs)
+        glu = _gemm_kernel(launches, "fc2_dgrad", fp8_cute.glu_dgrad,
+                           fp8_cute.prepare_glu_dgrad, h=h, glu=mlp.activation.glu_spec,
+                           probs=probs)
         return fc2.dgrad(gemm=glu)
-    da = amp.cast(fc2.dgrad(), h.dtype)  # [T, F], as FC2's dX
+    da = amp.cast(fc2.dgrad(gemm=_plain_kernel(launches, "fc2_dgrad")), h.dtype)  # [T, F]
     dh, dprobs = _activation_backward(mlp, h, da, probs, backend)  # [T, 2F]
     return dh, _activation(mlp, h, probs, backend), dprobs
 

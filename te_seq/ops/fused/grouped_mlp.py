@@ -294,7 +294,9 @@ class GroupedMLP(FusedOperation):
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx1, ctx_act, ctx2 = basic_op_ctxs
         if ctx1.recipe is not None:
-            return _grouped_mlp_fp8.backward(self, basic_op_ctxs, grad_output)
+            steady = ctx1.steady.get(self) if ctx1.steady else None
+            return _grouped_mlp_fp8.backward(self, basic_op_ctxs, grad_output,
+                                             None if steady is None else steady.fp8)
         x, h, w1, w2, offs, probs_in, s1, s2 = ctx1.saved_tensors
         dy = self.fc2.grad_rows(ctx2, grad_output)  # [T, H] in the GEMMs' compute dtype
         g = self.backward_rows(basic_op_ctxs, dy, lambda: x, w2, offs, h, probs_in, (s1, s2))
