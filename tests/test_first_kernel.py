@@ -241,15 +241,18 @@ def _gemm_launches_during(stubs, call) -> dict:
             if isinstance(cfg, (GemmConfig, GluConfig)) and len(stub.calls) > before.get(cfg, 0)}
 
 
-@pytest.mark.parametrize("recipe", ["Float8RowwiseScaling", "Float8BlockScaling"])
+@pytest.mark.parametrize("recipe", ["Float8RowwiseScaling", "Float8CurrentScaling",
+                                    "Float8BlockScaling"])
 @pytest.mark.parametrize("grad", [True, False])
 def test_fp8_steady_calls_launch_the_gemms_their_first_call_prepared(recipe, grad, monkeypatch):
-    """Row-wise: the calls after a signature's first one launch the four FP8 GEMMs (FC1 with
-    the activation in its epilogue, FC2, FC2's dgrad with the activation's backward, FC1's
-    dgrad) as that first call prepared them (no call through `fp8_cute.glu_fc1`,
-    `glu_dgrad` or `scaled_grouped_mm`), with the first call's arguments; every launch of
-    the step is the same. Block scales prepare none: every call goes through the
-    functionals, launching the same."""
+    """Row-wise and per-tensor scales: the calls after a signature's first one launch the four
+    FP8 GEMMs (FC1 with the activation in its epilogue, FC2, FC2's dgrad (with the
+    activation's backward where dy is E4M3; per-tensor's default HYBRID format has E5M2
+    gradients: the plain dgrad, then the activation's backward), FC1's dgrad) as that first
+    call prepared them (no call through `fp8_cute.glu_fc1`, `glu_dgrad` or
+    `scaled_grouped_mm`), with the first call's arguments; every GEMM launch of the step is
+    the same. Block scales prepare none: every call goes through the functionals, launching
+    the same."""
     from te_seq.kernels import fp8_cute
 
     pl = _harness()
@@ -262,7 +265,8 @@ def test_fp8_steady_calls_launch_the_gemms_their_first_call_prepared(recipe, gra
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(fp8_cute, name, counted)
-    rowwise = recipe == "Float8RowwiseScaling"
+    prepares = recipe != "Float8BlockScaling"
+    fused_dgrad = recipe != "Float8CurrentScaling"  # E4M3 gradients
     with pl.stubbed_step(record=True) as stubs, torch.set_grad_enabled(grad):
         forward = pl.mlp_forward(256, recipe, e=8, h=256, f=128, fp8_wgrad=False)
         mlp, x, probs = forward.parts
@@ -280,8 +284,9 @@ def test_fp8_steady_calls_launch_the_gemms_their_first_call_prepared(recipe, gra
             facts.append(_gemm_launches_during(stubs, step))
             gemms = ["glu_fc1", "scaled_grouped_mm"]
             if grad:
-                gemms += ["glu_dgrad", "scaled_grouped_mm"]
-            assert sorted(through) == (sorted(gemms) if call == 0 or not rowwise else [])
+                gemms += ["glu_dgrad" if fused_dgrad else "scaled_grouped_mm",
+                          "scaled_grouped_mm"]
+            assert sorted(through) == (sorted(gemms) if call == 0 or not prepares else [])
     assert facts[0] == facts[1] == facts[2]
     assert sum(len(calls) for calls in facts[0].values()) == (6 if grad else 2)
     assert mlp._runs[0].fast_calls == 2

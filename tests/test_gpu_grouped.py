@@ -310,6 +310,7 @@ _STEADY_RECIPES = {  # id -> a recipe (None: bf16) and whether it prepares the F
     "fp8_rowwise_hp_wgrad": (functools.partial(te_seq.recipe.Float8RowwiseScaling,
                                                fp8_wgrad=False), True),
     "fp8_rowwise": (te_seq.recipe.Float8RowwiseScaling, True),
+    "fp8_per_tensor_hybrid": (te_seq.recipe.Float8CurrentScaling, True),  # E5M2 gradients
     "fp8_block": (te_seq.recipe.Float8BlockScaling, False),
 }
 
