@@ -40,7 +40,7 @@ from .launch import (
     varlen_m_clusters,
     wgrad_tiling,
 )
-from .launch_plan import PlanCache, plans_generation
+from .launch_plan import PlanCache, PreparedLaunch
 
 # FP8 launches by call signature: a plan exists only for a signature whose checks passed
 _MM_PLANS = PlanCache()  # scaled_grouped_mm and block_scaled_grouped_mm
@@ -160,30 +160,27 @@ def _scaled_mm_rules(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
     return lambda: supports_scaled(a, b, a_scale, b_scale, out_dtype), config
 
 
-class ScaledMmLaunch:
+class ScaledMmLaunch(PreparedLaunch):
     """``scaled_grouped_mm(a, b, a_scale, b_scale, offs, out_dtype)`` for calls whose operands
     have the dtypes, shapes, strides and devices of the ones it was made from
     (`scaled_mm_launch`): checked and planned once, at its making, so a call runs only its
     per-call work (out, the operands' 16-byte alignment, the launch). A caller that cannot
-    vouch for those facts calls ``scaled_grouped_mm``. After ``clear_plans`` or a change of
-    the tiling settings it plans anew. Holds no tensor."""
+    vouch for those facts calls ``scaled_grouped_mm``. Planned anew as every
+    `PreparedLaunch`. Holds no tensor."""
 
     def __init__(self, a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
                  out_dtype: torch.dtype = torch.bfloat16) -> None:
         self._out_dtype = out_dtype
-        self._plan = self._make_plan(a, b, a_scale, b_scale, offs)
+        self._planned(a, b, a_scale, b_scale, offs)
 
     def _make_plan(self, a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
                    offs: Tensor) -> MmPlan:
-        self._generation, self._settings = plans_generation(), tiling_settings()
         rules = _scaled_mm_rules(a, b, a_scale, b_scale, self._out_dtype, None)
         return scaled_mm_plan(_OP, *rules, a, b, a_scale, b_scale, offs, self._out_dtype)
 
     def __call__(self, a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
                  offs: Tensor) -> Tensor:
-        plan = self._plan
-        if self._generation != plans_generation() or self._settings != tiling_settings():
-            plan = self._plan = self._make_plan(a, b, a_scale, b_scale, offs)
+        plan = self._current(a, b, a_scale, b_scale, offs)
         return run_mm_plan(plan, a, b, a_scale, b_scale, offs, self._out_dtype)
 
 

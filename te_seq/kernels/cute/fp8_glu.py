@@ -29,8 +29,8 @@ from torch import Tensor
 from .block_fp8 import BLOCK, _scale_problem
 from .fp8 import FP8_DTYPE, _device_problem, geometry_problem, k_major
 from .glu import _ACTS, _check_probs, _launch, glu_plan, layout_problem, run_dgrad, run_glu_plan
-from .launch import Tiling, _check_offs, _row_major, aligned_16, available, tiling_settings
-from .launch_plan import LaunchPlan, PlanCache, plans_generation
+from .launch import Tiling, _check_offs, _row_major, aligned_16, available
+from .launch_plan import LaunchPlan, PlanCache, PreparedLaunch
 
 _ALIGN = 16  # H in elements: 16-byte TMA rows of 1-byte data
 # the block-scaled FC1's tile: 64 gate + 64 up columns, cooperative (block_glu.py)
@@ -221,14 +221,14 @@ _FC1_OP = "scaled_glu_fc1_forward"
 _DGRAD_OP = "scaled_glu_fc2_dgrad"
 
 
-class ScaledFc1Launch:
+class ScaledFc1Launch(PreparedLaunch):
     """``scaled_glu_fc1_forward(x, w1, x_scale, w1_scale, offs, act, interleave, probs, params,
     store_h=store_h)`` for calls whose x, w1, scales and probs have the dtypes, shapes, strides
     and devices of the ones it was made from (``scaled_glu_fc1_forward.launch_for``; probs'
     layout may vary): the checks and the plan are found once, at its making, so a call runs
     only its per-call work (probs' layout, h and a, the operands' 16-byte alignment, the
     launch). A caller that cannot vouch for those facts calls ``scaled_glu_fc1_forward``.
-    After ``clear_plans`` or a change of the tiling settings it plans anew. Holds no tensor."""
+    Planned anew as every `PreparedLaunch`. Holds no tensor."""
 
     def __init__(self, x: Tensor, w1: Tensor, x_scale: Tensor, w1_scale: Tensor, act: str,
                  interleave: int | None, probs: Tensor | None, params: tuple,
@@ -238,12 +238,11 @@ class ScaledFc1Launch:
             raise _refused(_FC1_OP, ("x", x), ("w1", w1), why)
         self._checked, self._args, self._store_h = checked, (act, interleave, params), store_h
         self._groups, self._f = w1.shape[0], w1.shape[1] // 2
-        self._plan = self._make_plan(x, w1, x_scale, w1_scale, probs)
+        self._planned(x, w1, x_scale, w1_scale, probs)
 
     def _make_plan(self, x: Tensor, w1: Tensor, x_scale: Tensor, w1_scale: Tensor,
                    probs: Tensor | None) -> LaunchPlan | None:
         """The GLU plan of these operands in the kernel's layout (None without rows)."""
-        self._generation, self._settings = plans_generation(), tiling_settings()
         if not x.shape[0]:
             return None
         x, w1t, _ = _kernel_operands(x, w1, x_scale, w1_scale, self._checked)
@@ -252,9 +251,7 @@ class ScaledFc1Launch:
 
     def __call__(self, x: Tensor, w1: Tensor, x_scale: Tensor, w1_scale: Tensor, offs: Tensor,
                  probs: Tensor | None) -> tuple[Tensor | None, Tensor]:
-        plan = self._plan
-        if self._generation != plans_generation() or self._settings != tiling_settings():
-            plan = self._plan = self._make_plan(x, w1, x_scale, w1_scale, probs)
+        plan = self._current(x, w1, x_scale, w1_scale, probs)
         probs, h, a = _fc1_outputs(_FC1_OP, x, self._f, probs, self._store_h)
         if plan is not None:
             offs = _check_offs(offs, self._groups, x.device)
@@ -317,12 +314,12 @@ class _ScaledFc2Dgrad:
                          params, torch.bfloat16, scales, tiling)
 
 
-class ScaledFc2DgradLaunch:
+class ScaledFc2DgradLaunch(PreparedLaunch):
     """``scaled_glu_fc2_dgrad(dy, w2t, dy_scale, w2t_scale, offs, h, act, interleave, probs,
     params)`` (default tiling) for calls whose dy, w2t, scales and probs have the dtypes,
     shapes, strides and devices of the ones it was made from (``scaled_glu_fc2_dgrad
-    .launch_for``; h's and probs' layouts may vary): checked and planned once, at its making,
-    as `ScaledFc1Launch`. Holds no tensor."""
+    .launch_for``; h's and probs' layouts may vary): checked and planned once, at its making
+    (anew as every `PreparedLaunch`), as `ScaledFc1Launch`. Holds no tensor."""
 
     def __init__(self, dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor, act: str,
                  interleave: int | None, probs: Tensor | None, params: tuple) -> None:
@@ -330,12 +327,11 @@ class ScaledFc2DgradLaunch:
         if checked is None:
             raise _refused(_DGRAD_OP, ("dy", dy), ("w2t", w2t), why)
         self._checked, self._args = checked, (act, interleave, params)
-        self._plan = self._make_plan(dy, w2t, dy_scale, w2t_scale, probs)
+        self._planned(dy, w2t, dy_scale, w2t_scale, probs)
 
     def _make_plan(self, dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor,
                    probs: Tensor | None) -> LaunchPlan | None:
         """The GLU dgrad plan of these operands in the kernel's layout (None without rows)."""
-        self._generation, self._settings = plans_generation(), tiling_settings()
         rows = dy.shape[0]
         if not rows:
             return None
@@ -346,9 +342,7 @@ class ScaledFc2DgradLaunch:
     def __call__(self, dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor,
                  offs: Tensor, h: Tensor, probs: Tensor | None
                  ) -> tuple[Tensor, Tensor, Tensor | None]:
-        plan = self._plan
-        if self._generation != plans_generation() or self._settings != tiling_settings():
-            plan = self._plan = self._make_plan(dy, w2t, dy_scale, w2t_scale, probs)
+        plan = self._current(dy, w2t, dy_scale, w2t_scale, probs)
         dy, w2, scales = _kernel_operands(dy, w2t, dy_scale, w2t_scale, self._checked)
         act, interleave, params = self._args
         return run_dgrad(_DGRAD_OP, dy, w2, offs, h, act, interleave, probs, params,

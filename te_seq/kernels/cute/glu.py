@@ -47,7 +47,7 @@ from .launch import (
     varlen_m_clusters,
     with_route,
 )
-from .launch_plan import LaunchPlan, PlanCache, plans_generation, tensor_signature
+from .launch_plan import LaunchPlan, PlanCache, PreparedLaunch, tensor_signature
 
 _PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACTS = epilogue_activations()  # the table entries with glu_epilogue=True
@@ -459,7 +459,7 @@ def _fc1_kernel(checked: _CheckedFc1, x: Tensor, b: Tensor, h: Tensor | None, a:
     )
 
 
-class Fc1Launch:
+class Fc1Launch(PreparedLaunch):
     """``glu_fc1_forward(x, w1.transpose(1, 2), offs, act, interleave, probs, params,
     store_h=store_h)`` for calls whose x, w1 [E, 2F, H] and probs have the dtypes, shapes,
     strides and devices of the
@@ -467,26 +467,23 @@ class Fc1Launch:
     the checks and the plan are found once, at its making, so a call runs only its per-call
     work, and the kernel's view of B is read straight off W1 (one view, not a transpose and
     then a permute). A caller that cannot vouch for those facts calls ``glu_fc1_forward``.
-    After ``clear_plans`` (compile entries swapped) or a change of the tiling settings
-    (``launch.tiling_settings``, read from the environment) it checks and plans anew."""
+    Checked and planned anew as every `PreparedLaunch`."""
 
     def __init__(self, x: Tensor, w1: Tensor, act: str, interleave: int | None,
                  probs: Tensor | None, params: tuple, store_h: bool = True) -> None:
         self._args = (act, interleave, params)
         self._groups, self._f, self._store_h = w1.shape[0], w1.shape[1] // 2, store_h
-        self._checked = self._plan(x, w1.transpose(1, 2), probs)  # w1t [E, H, 2F]
+        self._planned(x, w1, probs)
 
-    def _plan(self, x: Tensor, w1t: Tensor, probs: Tensor | None) -> _CheckedFc1:
-        self._generation, self._settings = plans_generation(), tiling_settings()
+    def _make_plan(self, x: Tensor, w1: Tensor, probs: Tensor | None) -> _CheckedFc1:
+        w1t = w1.transpose(1, 2)  # [E, H, 2F]
         signature = _fc1_signature(x, w1t, probs, *self._args, None, None, self._store_h)
         return _FC1_CHECKED.get(signature) or _checked_fc1(
             signature, x, w1t, probs, *self._args, None, None, self._store_h)
 
     def __call__(self, x: Tensor, w1: Tensor, offs: Tensor,
                  probs: Tensor | None) -> tuple[Tensor | None, Tensor]:
-        checked = self._checked
-        if self._generation != plans_generation() or self._settings != tiling_settings():
-            checked = self._checked = self._plan(x, w1.transpose(1, 2), probs)
+        checked = self._current(x, w1, probs)
         probs, h, a = _fc1_outputs(x, self._f, probs, checked.plan.writes_c)
         if x.shape[0]:
             # w1t.permute(2, 1, 0) is w1.permute(1, 2, 0): (N, K, E)

@@ -10,7 +10,8 @@ are never part of a signature (nothing is read on the host, no sync). Per-call w
 depends on data stays per call (copies, placeholders for absent tensors).
 
 ``clear_plans()`` empties every cache (after swapping compile entries, as tests and the host
-profiler do).
+profiler do). ``PreparedLaunch`` is the base of a call prepared once, outside the caches, for
+later calls of the same operand facts (the fused grouped MLP's steady launches).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from typing import NamedTuple
 
 from torch import Tensor
 
+from .launch import tiling_settings
+
 _CACHES: list[PlanCache] = []
-_GENERATION = [0]  # bumped by every `clear_plans` (see `plans_generation`)
+_GENERATION = [0]  # bumped by every `clear_plans` (see `PreparedLaunch`)
 _MAX_PLANS = 256  # distinct signatures per functional; a full cache starts over
 
 
@@ -70,7 +73,27 @@ def clear_plans() -> None:
         cache._plans.clear()
 
 
-def plans_generation() -> int:
-    """How many times `clear_plans` ran: a plan held outside the caches (``glu.Fc1Launch``)
-    is current while this is unchanged."""
-    return _GENERATION[0]
+class PreparedLaunch:
+    """A functional's call prepared once for later calls with the same operand facts
+    (``glu.Fc1Launch``, ``fp8_glu.ScaledFc1Launch`` / ``ScaledFc2DgradLaunch``,
+    ``fp8.ScaledMmLaunch``): its plan is the subclass's ``_make_plan(*operands)``, made by
+    `_planned` at its making and again by `_current` after `clear_plans` (compile entries
+    swapped) or a change of the tiling settings (``launch.tiling_settings``, read from the
+    environment)."""
+
+    _plan: object
+
+    def _planned(self, *operands):
+        """The plan of these operands, made now (and the moment it was made)."""
+        self._generation, self._settings = _GENERATION[0], tiling_settings()
+        self._plan = self._make_plan(*operands)
+        return self._plan
+
+    def _current(self, *operands):
+        """The plan, made anew from the call's operands where it is out of date."""
+        if self._generation != _GENERATION[0] or self._settings != tiling_settings():
+            return self._planned(*operands)
+        return self._plan
+
+    def _make_plan(self, *operands):
+        raise NotImplementedError
