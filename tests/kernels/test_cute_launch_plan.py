@@ -483,3 +483,28 @@ def test_fc1_without_h_only_where_checked_on_a_gpu():
             assert (args[2] is args[5]) == (name != "bias"), name
             assert (cfg.route == "gather") == (name == "gather"), name
             assert a.shape == (M, F)
+
+
+def test_a_prepared_launch_plans_again_only_when_its_plan_is_out_of_date(tiling_env):
+    """`PreparedLaunch` (the steady launches' one staleness rule): the plan made at its making
+    serves every call until `clear_plans` or a change of the tiling settings, after which
+    the next call plans again from that call's operands, once."""
+    from te_seq.kernels.cute.launch_plan import PreparedLaunch
+
+    class Counted(PreparedLaunch):
+        def __init__(self, operand):
+            self.made = []
+            self._planned(operand)
+
+        def _make_plan(self, operand):
+            self.made.append(operand)
+            return f"plan of {operand}"
+
+    tiling_env("TE_SEQ_PINGPONG", None)
+    launch = Counted("first")
+    assert [launch._current("second") for _ in range(3)] == ["plan of first"] * 3
+    clear_plans()
+    assert launch._current("third") == launch._current("fourth") == "plan of third"
+    tiling_env("TE_SEQ_PINGPONG", "0")
+    assert launch._current("fifth") == launch._current("sixth") == "plan of fifth"
+    assert launch.made == ["first", "third", "fifth"]
