@@ -229,16 +229,21 @@ def test_fp8_steady_forward_takes_its_prepared_offsets(grad, monkeypatch):
     assert forward.parts[0]._runs[0].fast_calls >= 2
 
 
-def _gemm_launches_during(stubs, call) -> dict:
-    """{GEMM kernel config: the facts of each launch of it} that ``call()`` makes (the
-    weights' quantization, once per weight version, left out)."""
+def _step_launches_during(stubs, call) -> dict:
+    """{kernel config: the facts of each launch of it} of the GEMMs and the operands' row
+    quantizations that ``call()`` makes (the weights' quantization, once per weight version,
+    left out)."""
     from te_seq.kernels.cute.compile import GemmConfig, GluConfig
+    from te_seq.kernels.cute.compile_quant import QuantConfig
+
+    def kept(cfg) -> bool:
+        return isinstance(cfg, (GemmConfig, GluConfig)) or \
+            (isinstance(cfg, QuantConfig) and cfg.kind == "rows")
 
     before = {cfg: len(stub.calls) for cfg, stub in stubs.items()}
     call()
     return {repr(cfg): [[_facts(a) for a in args] for args in stub.calls[before.get(cfg, 0):]]
-            for cfg, stub in stubs.items()
-            if isinstance(cfg, (GemmConfig, GluConfig)) and len(stub.calls) > before.get(cfg, 0)}
+            for cfg, stub in stubs.items() if kept(cfg) and len(stub.calls) > before.get(cfg, 0)}
 
 
 @pytest.mark.parametrize("recipe", ["Float8RowwiseScaling", "Float8CurrentScaling",
@@ -250,21 +255,24 @@ def test_fp8_steady_calls_launch_the_gemms_their_first_call_prepared(recipe, gra
     activation's backward where dy is E4M3; per-tensor's default HYBRID format has E5M2
     gradients: the plain dgrad, then the activation's backward), FC1's dgrad) as that first
     call prepared them (no call through `fp8_cute.glu_fc1`, `glu_dgrad` or
-    `scaled_grouped_mm`), with the first call's arguments; every GEMM launch of the step is
-    the same. Block scales prepare none: every call goes through the functionals, launching
-    the same."""
-    from te_seq.kernels import fp8_cute
+    `scaled_grouped_mm`), and under row-wise scales the row quantizations of x, a, dy and dh
+    too (none through `fp8_quantize.rows`; per-tensor scales quantize with torch ops), with
+    the first call's arguments; every GEMM and row-quantization launch of the step is the
+    same. Block scales prepare none: every call goes through the functionals, launching the
+    same."""
+    from te_seq.kernels import fp8_cute, fp8_quantize
 
     pl = _harness()
     through = []
-    for name in ("glu_fc1", "glu_dgrad", "scaled_grouped_mm"):
-        original = getattr(fp8_cute, name)
+    for module, name in ((fp8_cute, "glu_fc1"), (fp8_cute, "glu_dgrad"),
+                         (fp8_cute, "scaled_grouped_mm"), (fp8_quantize, "rows")):
+        original = getattr(module, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
             through.append(_name)
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(fp8_cute, name, counted)
+        monkeypatch.setattr(module, name, counted)
     prepares = recipe != "Float8BlockScaling"
     fused_dgrad = recipe != "Float8CurrentScaling"  # E4M3 gradients
     with pl.stubbed_step(record=True) as stubs, torch.set_grad_enabled(grad):
@@ -281,14 +289,17 @@ def test_fp8_steady_calls_launch_the_gemms_their_first_call_prepared(recipe, gra
         facts = []
         for call in range(3):
             through.clear()
-            facts.append(_gemm_launches_during(stubs, step))
-            gemms = ["glu_fc1", "scaled_grouped_mm"]
+            facts.append(_step_launches_during(stubs, step))
+            gemms = ["glu_fc1", "scaled_grouped_mm"] + ["rows"] * 2
             if grad:
                 gemms += ["glu_dgrad" if fused_dgrad else "scaled_grouped_mm",
-                          "scaled_grouped_mm"]
-            assert sorted(through) == (sorted(gemms) if call == 0 or not prepares else [])
+                          "scaled_grouped_mm"] + ["rows"] * 2
+            unprepared = [] if recipe == "Float8RowwiseScaling" else \
+                [g for g in gemms if g == "rows" or not prepares]
+            assert sorted(through) == sorted(gemms if call == 0 else unprepared)
     assert facts[0] == facts[1] == facts[2]
-    assert sum(len(calls) for calls in facts[0].values()) == (6 if grad else 2)
+    row_kernels = 0 if recipe == "Float8CurrentScaling" else (4 if grad else 2)
+    assert sum(len(calls) for calls in facts[0].values()) == (6 if grad else 2) + row_kernels
     assert mlp._runs[0].fast_calls == 2
 
 
@@ -323,6 +334,36 @@ def test_the_host_profiler_can_run_the_fp8_mlp_without_prepared_launches(monkeyp
         forward()
         assert len(through) == 1
     assert _grouped_mlp_fp8.Launches.for_call == for_call
+
+
+def test_a_prepared_row_quantization_follows_a_new_input_layout(monkeypatch):
+    """The input's strides are not part of a call signature: a steady call whose x is laid out
+    anew (same shape and values, column-major) quantizes it through `fp8_quantize.rows`, not
+    the prepared launch, and the row kernel reads a row-major copy of it; a, laid out as
+    before, takes its prepared launch."""
+    from te_seq.kernels import fp8_quantize
+    from te_seq.kernels.cute.compile_quant import QuantConfig
+
+    pl = _harness()
+    strides = []
+    original = fp8_quantize.rows
+    monkeypatch.setattr(fp8_quantize, "rows",
+                        lambda t, *a: strides.append(t.stride()) or original(t, *a))
+    with pl.stubbed_step(record=True) as stubs, torch.no_grad():
+        forward = pl.mlp_forward(256, "Float8RowwiseScaling", e=8, h=256, f=128)
+        x = forward.parts[1]
+        forward()
+        forward()
+        strides.clear()
+        x.data = x.data.t().contiguous().t()  # [T, H] with T contiguous
+        forward()
+        (row_kernel,) = [s for c, s in stubs.items()
+                         if isinstance(c, QuantConfig) and c.kind == "rows"]
+        quantized_x = next(args[0] for args in reversed(row_kernel.calls)
+                           if args[0].shape == x.shape)
+    assert strides == [(1, 256)]
+    assert quantized_x.stride() == (256, 1) and torch.equal(quantized_x, x)
+    assert forward.parts[0]._runs[0].fast_calls == 2
 
 
 def test_a_rowwise_launch_runs_unprepared_where_the_operands_strides_changed():

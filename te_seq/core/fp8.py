@@ -221,16 +221,17 @@ def _along_tokens(recipe: Recipe, role: str, t: Tensor, bounds, along_k) -> Tens
     return ref.qdq_columns_per_group(t, bounds, block, recipe.rule(role))
 
 
-def input_quantized(recipe: Recipe, input_: Tensor, x: Tensor,
-                    backend_name: str = "torch") -> ref.QuantizedTensor:
+def input_quantized(recipe: Recipe, input_: Tensor, x: Tensor, backend_name: str = "torch",
+                    rows=None) -> ref.QuantizedTensor:
     """x [T, K] quantized along K as the forward GEMM's operand: as `ops.Quantize` made it when
     `input_` is its output (never quantized twice), else quantized here (by the kernels
-    `fp8_quantize` picks for `backend_name`)."""
+    `fp8_quantize` picks for `backend_name`; `rows`: a quantizer with `fp8_quantize.rows`'
+    arguments in its place, a prepared one, None for that one)."""
     marker = _marker(recipe, input_)
     if marker is not None:
         return marker.forward
     x_scaling = scaling(recipe, "input")
-    return fp8_quantize.rows(x, x_scaling.block, x_scaling.rule, backend_name)
+    return (rows or fp8_quantize.rows)(x, x_scaling.block, x_scaling.rule, backend_name)
 
 
 def input_wgrad(recipe: Recipe, input_: Tensor, x: Tensor, bounds,
@@ -324,10 +325,12 @@ def grad_both(recipe: Recipe, dy: Tensor, offs: Tensor, backend_name: str
     return along_n, grad_token_major(recipe, dy, offs, along_n, backend_name)
 
 
-def grad_quantized(recipe: Recipe, dy: Tensor, backend_name: str = "torch") -> ref.QuantizedTensor:
-    """dy [T, N] quantized along N as the dgrad GEMM's operand."""
+def grad_quantized(recipe: Recipe, dy: Tensor, backend_name: str = "torch",
+                   rows=None) -> ref.QuantizedTensor:
+    """dy [T, N] quantized along N as the dgrad GEMM's operand (`rows` as
+    `input_quantized`'s)."""
     dy_scaling = scaling(recipe, "grad")
-    return fp8_quantize.rows(dy, dy_scaling.block, dy_scaling.rule, backend_name)
+    return (rows or fp8_quantize.rows)(dy, dy_scaling.block, dy_scaling.rule, backend_name)
 
 
 @dataclass

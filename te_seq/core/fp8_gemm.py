@@ -260,13 +260,15 @@ def linear_forward(op, ctx, input_: Tensor, x: Tensor, w: Tensor, params: list[T
 def grouped_forward(
     op, ctx, input_: Tensor, x: Tensor, w: Tensor, params: list[Tensor], offs: Tensor,
     bounds: list[tuple[int, int]], need_wgrad: bool = True, gemm=None,
+    rows=None,
 ) -> tuple[Tensor, fp8.GradOperands]:
     """Rows of group g: y = Q(x) Q(W_g)ᵀ under ctx.recipe, without bias: (y [T, N] in x's
     dtype, what the backward reads: x along T (None unless `need_wgrad`) and W along N, in
     fp32 for the emulated backward, FP8 for the native one; see `fp8.GradOperands`). `offs`
     [G] group ends, `bounds` their (start, end) rows. `gemm` (real FP8 only): a kernel with
     `fp8_cute.scaled_grouped_mm`'s arguments in place of the backend's (a fused epilogue:
-    `fp8_cute.glu_fc1`); its result is returned as y."""
+    `fp8_cute.glu_fc1`); its result is returned as y. `rows` (real FP8 only): the quantizer
+    of x where only its forward form is made (`fp8.input_quantized`'s)."""
     recipe = ctx.recipe
     need_wgrad = need_wgrad and ctx.weight_requires_grad  # frozen weights, no_grad: no wgrad
     fp8.check_operands(op, recipe, x, w, w.shape[-1], w.shape[-2])
@@ -284,7 +286,7 @@ def grouped_forward(
     elif token_major:  # x itself kept for a token-major operand made in backward (default)
         x_q, x_tm = fp8.input_deferred(recipe, input_, x, offs, ctx.backend.name)
     else:
-        x_q, x_tm = fp8.input_quantized(recipe, input_, x, ctx.backend.name), None
+        x_q, x_tm = fp8.input_quantized(recipe, input_, x, ctx.backend.name, rows), None
     w_data, w_scale_inv = weights.fp8
     y = (gemm or _scaled_grouped_mm(ctx.backend.name))(x_q, w_data, w_scale_inv, offs, x.dtype)
     if token_major:
@@ -303,15 +305,16 @@ class GroupedGrads:
     `fp8.grad_operands` on the backend's grouped GEMMs."""
 
     def __init__(self, ctx, dy: Tensor, operands: fp8.GradOperands, offs: Tensor,
-                 bounds: list[tuple[int, int]], need_wgrad: bool = True):
+                 bounds: list[tuple[int, int]], need_wgrad: bool = True,
+                 rows=None):
         self.ctx, self.dy, self.operands, self.offs = ctx, dy, operands, offs
         recipe, self.dy_tm, self.dy_w = ctx.recipe, None, None
         # the wgrad runs on FP8 token-major operands (else on fp32 ones: `wgrad_reason`)
         self.native_wgrad = operands.native and not wgrad_reason(recipe)
         if self.native_wgrad and need_wgrad:  # both forms of dy in one pass pair if possible
             self.dy_q, self.dy_tm = fp8.grad_both(recipe, dy, offs, ctx.backend.name)
-        elif operands.native:
-            self.dy_q = fp8.grad_quantized(recipe, dy, ctx.backend.name)
+        elif operands.native:  # `rows`: the quantizer of dy's dgrad form (`grad_quantized`'s)
+            self.dy_q = fp8.grad_quantized(recipe, dy, ctx.backend.name, rows)
             if need_wgrad and not self.native_wgrad:
                 self.dy_w = fp8.grad_along_tokens(recipe, dy, bounds, self.dy_q)
         else:

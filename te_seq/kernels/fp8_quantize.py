@@ -96,6 +96,26 @@ def rows(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule,
     return ref.QuantizedTensor(data, scale_inv, block, rule)
 
 
+def prepare_rows(t: Tensor, block: ref.QuantBlock, rule: ref.ScaleRule, backend_name: str):
+    """``run(t, block, rule, backend_name) -> QuantizedTensor``, equal to `rows` of those
+    arguments for later calls whose t has this one's dtype, shape and device and whose block,
+    rule and backend are these (the caller vouches for them): the cute row kernel's launch
+    prepared once (``cute.quantize_rows_launch``) where t has this one's strides too (an
+    input's layout may change between calls), `rows` otherwise; None where `rows` does not
+    launch that kernel (1 x bc blocks, the torch quantizer, an empty t)."""
+    if ref.splits_rows(t, block) or reason(t, block, rule, backend_name) or not t.numel():
+        return None
+    launch, strides = cute.quantize_rows_launch(t, rule.power_of_two, rule.dtype), t.stride()
+
+    def run(t: Tensor, *fixed) -> ref.QuantizedTensor:
+        if t.stride() != strides:
+            return rows(t, block, rule, backend_name)
+        data, scale_inv = launch(t)
+        return ref.QuantizedTensor(data, scale_inv, block, rule)
+
+    return run
+
+
 def token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule,
                 backend_name: str) -> fp8_wgrad.TokenMajor:
     """t [T, C] quantized along the tokens of each group (`offs` int32 [G] row ends), one scale

@@ -280,3 +280,34 @@ def test_row_quantization_plans_copy_strided_inputs(kind):
         assert len(quant._QUANT_PLANS) == 2
         call(torch.randn(M, K + 16).to(torch.bfloat16))
         assert len(quant._QUANT_PLANS) == 3
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_a_prepared_row_quantization_launches_what_the_functional_launches(strided):
+    """`quant.quantize_rows_launch` launches `quantize_rows`' kernel with the same arguments
+    (a strided t copied row-major the same way), also after `clear_plans`; an empty t
+    launches nothing."""
+    from te_seq.kernels.cute import quant
+    from te_seq.kernels.cute.launch_plan import clear_plans
+
+    t = torch.randn(M, K).to(torch.bfloat16)
+    if strided:
+        t = torch.cat([t, t], 1)[:, :K]
+    with stubbed_step(record=True) as stubs:
+        launch = quant.quantize_rows_launch(t)
+        quant.quantize_rows(t)
+        (stub,) = [s for s in stubs.values() if s.calls]
+        direct = stub.calls[-1]
+        data, scale_inv = launch(t)
+        prepared = stub.calls[-1]
+        clear_plans()
+        launch(t)
+        again = stub.calls[-1]
+        empty = t[:0]
+        launched = len(stub.calls)
+        none_data, none_scales = quant.quantize_rows_launch(empty)(empty)
+        assert len(stub.calls) == launched
+    assert _facts(direct) == _facts(prepared) == _facts(again)
+    assert all(torch.equal(a, b) for a, b in zip(direct[:1], prepared[:1]))
+    assert data.shape == (M, K) and data.dtype == torch.float8_e4m3fn
+    assert scale_inv.shape == (M, 1) and none_data.shape == (0, K) and none_scales.shape == (0, 1)

@@ -23,7 +23,8 @@ FP8 block-scaled grouped GEMM ``block_scaled_grouped_mm``,
 ``supports_block_scaled``), ``block_fp8_wgrad`` (its varlen-K weight gradient
 ``block_scaled_grouped_wgrad``, ``supports_block_scaled_wgrad``),
 ``offsets`` (``group_offsets``: the checked group offsets in one launch, ``offsets_problem``),
-``quant`` (the FP8 quantization kernels ``quantize_rows`` / ``quantize_spans`` /
+``quant`` (the FP8 quantization kernels ``quantize_rows`` (``quantize_rows_launch`` prepares a
+call) / ``quantize_spans`` /
 ``quantize_span_blocks``, ``quantize_rows_and_group_amax`` / ``quantize_spans_from_group_amax``,
 ``quant_problem``),
 ``compile`` and ``disk_cache`` (compiling and caching), and the kernels (``grouped_gemm``,
@@ -72,6 +73,7 @@ from .quant import (
     quantize_rows,
     quantize_rows_and_group_amax,
     quantize_rows_and_spans,
+    quantize_rows_launch,
     quantize_span_blocks,
     quantize_spans,
     quantize_spans_from_group_amax,
@@ -109,6 +111,7 @@ __all__ = [
     "offsets_problem",
     "quant_problem",
     "quantize_rows",
+    "quantize_rows_launch",
     "quantize_row_blocks",
     "quantize_spans",
     "quantize_rows_and_spans",

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .fp8 import A_DTYPES, FP8_DTYPE, _device_problem
 from .launch import _row_major, aligned_16, available
-from .launch_plan import LaunchPlan, PlanCache
+from .launch_plan import LaunchPlan, PlanCache, PreparedLaunch
 
 SPAN_BLOCK = 128  # tokens per padded block (fp8_wgrad.WGRAD_PAD)
 _IN_DTYPES = (torch.bfloat16, torch.float16)
@@ -69,16 +69,51 @@ def quantize_rows(t: Tensor, power_of_two: bool = False,
                   fp8_dtype: torch.dtype = FP8_DTYPE) -> tuple[Tensor, Tensor]:
     """t [R, C] quantized to `fp8_dtype` (E4M3 or E5M2) with one scale per row: (data [R, C],
     scale_inv fp32 [R, 1]), `fp8_reference.quantize(t, QuantBlock(1, None), ScaleRule(fmt, 0,
-    power_of_two))`. The kernel and t's copy are decided once per call signature."""
+    power_of_two))`. The kernel and t's copy are decided once per call signature;
+    `quantize_rows_launch` prepares a call for later ones."""
+    plan = _rows_plan(t, power_of_two, fp8_dtype) if t.numel() else None
+    return _run_rows(plan, t, fp8_dtype)
+
+
+def _rows_plan(t: Tensor, power_of_two: bool, fp8_dtype: torch.dtype) -> _QuantPlan:
+    """The `_QuantPlan` of a `quantize_rows` call on t (not empty), once per call signature."""
+    signature = ("rows", t.dtype, t.shape, t.stride(), t.device, power_of_two, fp8_dtype)
+    return _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
+        (_kernel("rows", t, power_of_two, False, fp8_dtype, _row_lane_vecs(t.shape[1])),),
+        _row_major(t) is not t))
+
+
+def _run_rows(plan: _QuantPlan | None, t: Tensor, fp8_dtype: torch.dtype) -> tuple:
+    """`quantize_rows`' outputs, its kernel launched on t where `plan` (None: t is empty)."""
     data = torch.empty(t.shape, dtype=fp8_dtype, device=t.device)
     scale_inv = torch.empty(t.shape[0], dtype=torch.float32, device=t.device)
-    if t.numel():
-        signature = ("rows", t.dtype, t.shape, t.stride(), t.device, power_of_two, fp8_dtype)
-        plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
-            (_kernel("rows", t, power_of_two, False, fp8_dtype, _row_lane_vecs(t.shape[1])),),
-            _row_major(t) is not t))
+    if plan is not None:
         plan.kernels[0](aligned_16(t, plan.t_copy), data, scale_inv)
     return data, scale_inv[:, None]
+
+
+class RowQuantLaunch(PreparedLaunch):
+    """``quantize_rows(t, power_of_two, fp8_dtype)`` for calls whose t has the dtype, shape,
+    strides and device of the one it was made from (`quantize_rows_launch`): the kernel found
+    once, so a call runs only its outputs' allocation, t's 16-byte alignment and the launch.
+    Planned anew as every `PreparedLaunch`. Holds no tensor."""
+
+    def __init__(self, t: Tensor, power_of_two: bool, fp8_dtype: torch.dtype) -> None:
+        self._options = (power_of_two, fp8_dtype)
+        self._planned(t)
+
+    def _make_plan(self, t: Tensor) -> _QuantPlan | None:
+        return _rows_plan(t, *self._options) if t.numel() else None
+
+    def __call__(self, t: Tensor) -> tuple[Tensor, Tensor]:
+        return _run_rows(self._current(t), t, self._options[1])
+
+
+def quantize_rows_launch(t: Tensor, power_of_two: bool = False,
+                         fp8_dtype: torch.dtype = FP8_DTYPE) -> RowQuantLaunch:
+    """A `RowQuantLaunch`: this ``quantize_rows`` call for later calls with a t of these
+    facts (the caller checked `quant_problem` first, as for ``quantize_rows``)."""
+    return RowQuantLaunch(t, power_of_two, fp8_dtype)
 
 
 def _row_lane_vecs(cols: int) -> int:

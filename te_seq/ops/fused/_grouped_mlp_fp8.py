@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from te_seq.core import amp, fp8, fp8_gemm
-from te_seq.kernels import fp8_cute, fp8_torch
+from te_seq.kernels import fp8_cute, fp8_quantize, fp8_torch
 from te_seq.kernels.reference import LazyGroupBounds
 from te_seq.ops.basic.grouped_linear import GroupedLinear
 
@@ -32,11 +32,11 @@ def _params(fc: GroupedLinear) -> list[Tensor]:
 
 
 def _gemm(fc: GroupedLinear, ctx, input_: Tensor, x: Tensor, w: Tensor, offs, bounds, scales,
-          need_wgrad: bool = True, gemm=None):
-    """As GroupedLinear's forward (core/fp8_gemm.py: real FP8 or emulated; `gemm` as its), +
-    bias: (y in x's dtype, the backward's `fp8.GradOperands`)."""
+          need_wgrad: bool = True, gemm=None, rows=None):
+    """As GroupedLinear's forward (core/fp8_gemm.py: real FP8 or emulated; `gemm` and `rows` as
+    its), + bias: (y in x's dtype, the backward's `fp8.GradOperands`)."""
     y, operands = fp8_gemm.grouped_forward(fc, ctx, input_, x, w, _params(fc), offs, bounds,
-                                           need_wgrad, gemm)
+                                           need_wgrad, gemm, rows)
     bias = fc.bias_rows(offs, y.shape[0], scales, x.dtype)
     return (y if bias is None else y + bias), operands
 
@@ -96,18 +96,21 @@ def _activation(mlp, h: Tensor, probs, backend) -> Tensor:
 
 
 class Launches:
-    """The fused op's FP8 GEMM launches for one call signature on the cute backend (kept in
-    the signature's steady record): FC1's (with the activation in its epilogue, or plain),
-    FC2's, FC2's dgrad (with the activation's backward, or plain) and FC1's dgrad. Each is
-    prepared by the first call that runs its GEMM (`fp8_cute.prepare_glu_fc1`,
-    `prepare_scaled_grouped_mm`, `prepare_glu_dgrad`; None where they prepare none: block
-    scales; that GEMM then runs unprepared) and run by the signature's later calls. Holds no
-    tensor."""
+    """The fused op's FP8 launches for one call signature on the cute backend (kept in the
+    signature's steady record): the GEMMs, FC1's (with the activation in its epilogue, or
+    plain), FC2's, FC2's dgrad (with the activation's backward, or plain) and FC1's dgrad, and
+    the row quantizations of their operands x, a, dy and dh. Each is prepared by the first
+    call that runs it (`fp8_cute.prepare_glu_fc1`, `prepare_scaled_grouped_mm`,
+    `prepare_glu_dgrad`, `fp8_quantize.prepare_rows`; None where they prepare none: block
+    scales, the torch quantizer; it then runs unprepared) and run by the signature's later
+    calls. Holds no tensor."""
 
-    __slots__ = ("fc1", "fc2", "fc2_dgrad", "fc1_dgrad")
+    __slots__ = ("fc1", "fc2", "fc2_dgrad", "fc1_dgrad", "x_rows", "a_rows", "dy_rows",
+                 "dh_rows")
 
     def __init__(self) -> None:
-        self.fc1 = self.fc2 = self.fc2_dgrad = self.fc1_dgrad = _UNPREPARED
+        for name in self.__slots__:
+            setattr(self, name, _UNPREPARED)
 
     @staticmethod
     def for_call(ctx) -> Launches | None:
@@ -119,11 +122,13 @@ class Launches:
 _UNPREPARED = object()  # a `Launches` slot whose GEMM has not run yet
 
 
-def _gemm_kernel(launches: Launches | None, name: str, kernel, prepare, **options):
-    """A GEMM kernel with `fp8_cute.scaled_grouped_mm`'s arguments (the `gemm` of
-    `fp8_gemm.grouped_forward` and `GroupedGrads.dgrad`) for `launches`' GEMM `name`: its
-    prepared launch, else `kernel` with `options`, which where the slot is still unprepared
-    prepares it too (`prepare` on the same arguments, after the kernel's own checks passed)."""
+def _kernel_for(launches: Launches | None, name: str, kernel, prepare, **options):
+    """`kernel` (with `options`) for `launches`' slot `name`: its prepared launch (with
+    `options`, which it was prepared with), else `kernel`, which where the slot is still
+    unprepared prepares it too (`prepare` on the same arguments, after the kernel's own
+    checks passed). The GEMMs' kernels have `fp8_cute.scaled_grouped_mm`'s arguments (the
+    `gemm` of `fp8_gemm.grouped_forward` and `GroupedGrads.dgrad`), the quantizers
+    `fp8_quantize.rows`' (their `rows`)."""
     run = functools.partial(kernel, **options)
     launch = None if launches is None else getattr(launches, name)
     if launch is None:
@@ -140,12 +145,20 @@ def _gemm_kernel(launches: Launches | None, name: str, kernel, prepare, **option
 
 
 def _plain_kernel(launches: Launches | None, name: str):
-    """`_gemm_kernel` of the plain FP8 GEMM (`fp8_cute.scaled_grouped_mm`) for `launches`'
+    """`_kernel_for` of the plain FP8 GEMM (`fp8_cute.scaled_grouped_mm`) for `launches`'
     GEMM `name`, or None (the backend's own) without launches."""
     if launches is None:
         return None
-    return _gemm_kernel(launches, name, fp8_cute.scaled_grouped_mm,
-                        fp8_cute.prepare_scaled_grouped_mm)
+    return _kernel_for(launches, name, fp8_cute.scaled_grouped_mm,
+                       fp8_cute.prepare_scaled_grouped_mm)
+
+
+def _row_quantizer(launches: Launches | None, name: str):
+    """`_kernel_for` of the row quantization (`fp8_quantize.rows`) for `launches`' operand
+    `name`, or None (the default) without launches."""
+    if launches is None:
+        return None
+    return _kernel_for(launches, name, fp8_quantize.rows, fp8_quantize.prepare_rows)
 
 
 def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
@@ -160,18 +173,21 @@ def forward(mlp, ctxs, input_: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: 
     fp8.check_operands(mlp.fc1, recipe, x, w1, w1.shape[-1], w1.shape[-2])
     _activation_checks(mlp, ctx, x, extra_inputs[1])
     if not epilogue_reasons(mlp, backend.name, recipe, dtype, x.device)[0]:
-        glu = _gemm_kernel(launches, "fc1", fp8_cute.glu_fc1, fp8_cute.prepare_glu_fc1,
+        glu = _kernel_for(launches, "fc1", fp8_cute.glu_fc1, fp8_cute.prepare_glu_fc1,
                            glu=mlp.activation.glu_spec, probs=probs, store_h=with_backward)
         (h, a), ops1 = fp8_gemm.grouped_forward(mlp.fc1, ctx, input_, x, w1, _params(mlp.fc1),
-                                                offs, bounds, gemm=glu)
+                                                offs, bounds, gemm=glu,
+                                                rows=_row_quantizer(launches, "x_rows"))
     else:
         h, ops1 = _gemm(mlp.fc1, ctx, input_, x, w1, offs, bounds, extras.fc1_scales,
-                        gemm=_plain_kernel(launches, "fc1"))  # [T, 2F]
+                        gemm=_plain_kernel(launches, "fc1"),
+                        rows=_row_quantizer(launches, "x_rows"))  # [T, 2F]
         a = _activation(mlp, h, probs, backend)  # [T, F]
     mlp.fc2.forward_checks(a, extra_inputs[2], ctx.signature_checked)
     # FC2's wgrad operand is recomputed from h in backward: not quantized along tokens here
     y, ops2 = _gemm(mlp.fc2, ctx, a, a, w2, offs, bounds, extras.fc2_scales,
-                    need_wgrad=False, gemm=_plain_kernel(launches, "fc2"))  # [T, H]
+                    need_wgrad=False, gemm=_plain_kernel(launches, "fc2"),
+                    rows=_row_quantizer(launches, "a_rows"))  # [T, H]
     if with_backward:
         ctx.save_for_backward(h, offs, extras.probs, extras.fc1_scales, extras.fc2_scales,
                               *ops1.tensors(), *ops2.tensors())
@@ -200,13 +216,15 @@ def backward(mlp, ctxs, grad_output: Tensor, launches: Launches | None = None):
     ops1, ops2 = fp8.GradOperands.load(operands[:5]), fp8.GradOperands.load(operands[5:])
     bounds, probs = LazyGroupBounds(offs), None if probs_in is None else probs_in.reshape(-1)
     dy = mlp.fc2.grad_rows(ctx2, grad_output)  # [T, H]
-    fc2 = fp8_gemm.GroupedGrads(ctx1, dy, ops2, offs, bounds, ctx2.weight_requires_grad)
+    fc2 = fp8_gemm.GroupedGrads(ctx1, dy, ops2, offs, bounds, ctx2.weight_requires_grad,
+                                rows=_row_quantizer(launches, "dy_rows"))
     dh, a, dprobs = _fc2_dgrad(mlp, ctx1, fc2, h, probs, launches)
     fc2.with_input(_fc2_wgrad_input(recipe, a, offs, bounds, fc2.native_wgrad, backend.name))
     fc2_grads, ds2 = _grads(mlp.fc2, ctx2, dy, fc2, offs, s2)
     fc1_grads, ds1, dx = [], None, None
     if ctx1.requires_grad:
-        fc1 = fp8_gemm.GroupedGrads(ctx1, dh, ops1, offs, bounds, ctx1.weight_requires_grad)
+        fc1 = fp8_gemm.GroupedGrads(ctx1, dh, ops1, offs, bounds, ctx1.weight_requires_grad,
+                                    rows=_row_quantizer(launches, "dh_rows"))
         fc1_grads, ds1 = _grads(mlp.fc1, ctx1, dh, fc1, offs, s1)
         if ctx1.input_requires_grad:  # dX = dH W1
             dx = mlp.fc1.input_grad(ctx1, fc1.dgrad(gemm=_plain_kernel(launches,
@@ -223,7 +241,7 @@ def _fc2_dgrad(mlp, ctx, fc2: fp8_gemm.GroupedGrads, h: Tensor, probs, launches=
     backend = ctx.backend
     why = epilogue_reasons(mlp, backend.name, ctx.recipe, h.dtype, h.device)[1]
     if not why and fc2.operands.native:
-        glu = _gemm_kernel(launches, "fc2_dgrad", fp8_cute.glu_dgrad,
+        glu = _kernel_for(launches, "fc2_dgrad", fp8_cute.glu_dgrad,
                            fp8_cute.prepare_glu_dgrad, h=h, glu=mlp.activation.glu_spec,
                            probs=probs)
         return fc2.dgrad(gemm=glu)
