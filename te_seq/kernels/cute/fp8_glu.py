@@ -28,7 +28,16 @@ from torch import Tensor
 
 from .block_fp8 import BLOCK, _scale_problem
 from .fp8 import FP8_DTYPE, _device_problem, geometry_problem, k_major
-from .glu import _ACTS, _check_probs, _launch, glu_plan, layout_problem, run_dgrad, run_glu_plan
+from .glu import (
+    _ACTS,
+    _check_probs,
+    _launch,
+    fc1_outputs,
+    glu_plan,
+    layout_problem,
+    run_dgrad,
+    run_glu_plan,
+)
 from .launch import Tiling, _check_offs, _row_major, aligned_16, available
 from .launch_plan import LaunchPlan, PlanCache, PreparedLaunch
 
@@ -139,21 +148,12 @@ def _run_fc1(op: str, x: Tensor, w1: Tensor, offs: Tensor, act: str, interleave:
     `launch.fc1_writes_h` keeps it) and a [M, F] in bf16, probs checked, and (where x
     has rows) the kernel launched on ``operands()`` = (x, w1 as [E, H, 2F], scales) with
     ``launch``'s options (tiling, block_scaled)."""
-    probs, h, a = _fc1_outputs(op, x, w1.shape[1] // 2, probs, store_h)
+    probs, h, a = fc1_outputs(x, w1.shape[1] // 2, probs, store_h, op, torch.bfloat16)
     if x.shape[0]:
         x, w1t, scales = operands()
         h = _launch("fc1", x, w1t, h, offs, a, probs, None, None, act, interleave, params,
                     scales=scales, **launch)
     return h, a
-
-
-def _fc1_outputs(op: str, x: Tensor, f: int, probs: Tensor | None, store_h: bool) -> tuple:
-    """(probs as the kernel reads them, h [M, 2F] bf16 (None unless ``store_h``), a [M, F]
-    bf16) of an FP8 FC1 on x's M rows."""
-    rows = x.shape[0]
-    probs = _check_probs(probs, rows, op)
-    h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device=x.device) if store_h else None
-    return probs, h, torch.empty(rows, f, dtype=torch.bfloat16, device=x.device)
 
 
 class _ScaledFc1Forward:
@@ -252,7 +252,8 @@ class ScaledFc1Launch(PreparedLaunch):
     def __call__(self, x: Tensor, w1: Tensor, x_scale: Tensor, w1_scale: Tensor, offs: Tensor,
                  probs: Tensor | None) -> tuple[Tensor | None, Tensor]:
         plan = self._current(x, w1, x_scale, w1_scale, probs)
-        probs, h, a = _fc1_outputs(_FC1_OP, x, self._f, probs, self._store_h)
+        probs, h, a = fc1_outputs(x, self._f, probs, self._store_h, _FC1_OP,
+                                  torch.bfloat16)
         if plan is not None:
             offs = _check_offs(offs, self._groups, x.device)
             x, w1t, scales = _kernel_operands(x, w1, x_scale, w1_scale, self._checked)

@@ -429,18 +429,20 @@ def _fc1_direct(x: Tensor, w1t: Tensor, offs: Tensor, act: str, interleave: int 
     signature = _fc1_signature(x, w1t, probs, act, interleave, params, bias, tiling, store_h)
     checked = _FC1_CHECKED.get(signature) or _checked_fc1(
         signature, x, w1t, probs, act, interleave, params, bias, tiling, store_h)
-    probs, h, a = _fc1_outputs(x, w1t.shape[2] // 2, probs, checked.plan.writes_c)
+    probs, h, a = fc1_outputs(x, w1t.shape[2] // 2, probs, checked.plan.writes_c)
     if x.shape[0]:
         _fc1_kernel(checked, x, b_view(w1t, checked.plan.b_copy), h, a, offs, w1t.shape[0],
                     probs, None if bias is None else bias.contiguous())
     return h, a
 
 
-def _fc1_outputs(x: Tensor, f: int, probs: Tensor | None, store_h: bool = True) -> tuple:
+def fc1_outputs(x: Tensor, f: int, probs: Tensor | None, store_h: bool = True,
+                op: str = "glu_fc1_forward", dtype: torch.dtype | None = None) -> tuple:
     """(probs as the kernel reads them, h [M, 2F] (None unless `store_h`), a [M, F]) of an
-    FC1 call on rows x."""
-    rows, dtype, device = x.shape[0], x.dtype, x.device
-    probs = _check_probs(probs, rows, "glu_fc1_forward")
+    FC1 call (`op`, for the probs' error) on rows x, in `dtype` (None: x's; the FP8 FC1s'
+    bf16)."""
+    rows, dtype, device = x.shape[0], dtype or x.dtype, x.device
+    probs = _check_probs(probs, rows, op)
     h = torch.empty(rows, 2 * f, dtype=dtype, device=device) if store_h else None  # [M, 2F]
     a = torch.empty(rows, f, dtype=dtype, device=device)  # [M, F]
     return probs, h, a
@@ -484,7 +486,7 @@ class Fc1Launch(PreparedLaunch):
     def __call__(self, x: Tensor, w1: Tensor, offs: Tensor,
                  probs: Tensor | None) -> tuple[Tensor | None, Tensor]:
         checked = self._current(x, w1, probs)
-        probs, h, a = _fc1_outputs(x, self._f, probs, checked.plan.writes_c)
+        probs, h, a = fc1_outputs(x, self._f, probs, checked.plan.writes_c)
         if x.shape[0]:
             # w1t.permute(2, 1, 0) is w1.permute(1, 2, 0): (N, K, E)
             b = w1.transpose(1, 2).contiguous().permute(2, 1, 0) if checked.plan.b_copy \
