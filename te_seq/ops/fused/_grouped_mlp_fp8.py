@@ -129,12 +129,12 @@ def _kernel_for(launches: Launches | None, name: str, kernel, prepare, **options
     checks passed). The GEMMs' kernels have `fp8_cute.scaled_grouped_mm`'s arguments (the
     `gemm` of `fp8_gemm.grouped_forward` and `GroupedGrads.dgrad`), the quantizers
     `fp8_quantize.rows`' (their `rows`)."""
-    run = functools.partial(kernel, **options)
     launch = None if launches is None else getattr(launches, name)
+    if launch is not None and launch is not _UNPREPARED:  # a steady call: nothing else made
+        return functools.partial(launch, **options) if options else launch
+    run = functools.partial(kernel, **options)
     if launch is None:
         return run
-    if launch is not _UNPREPARED:
-        return functools.partial(launch, **options)
 
     def run_and_prepare(*args):
         out = run(*args)
