@@ -985,3 +985,25 @@ def test_host_stage_times_count_each_layer_and_unwrap_them():
     assert fp8["fp8_gemm.grouped_forward"][1] == 2  # FC1 and FC2
     for owner, name, original in originals:
         assert getattr(owner, name) == original, name
+
+
+def test_bench_expert_parallel_dry_run(tmp_path):
+    """The expert-parallel benchmark on 2 CPU ranks (gloo, torchrun --standalone): te_seq's EP
+    block in both modes equals the plain PyTorch block, and the tensor-parallel linears' overlap
+    equals the plain collective + GEMM; every variant timed."""
+    out = tmp_path / "ep.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "benchmarks/bench_expert_parallel.py", "--device", "cpu", "--dry-run",
+           "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    got = {(r["shape"], r["mode"], r["variant"]) for r in results if r["status"] == "ok"}
+    for shape in ("T", "U"):
+        for variant in ("torch", "te_seq", "te_seq:capacity1.25"):
+            assert (shape, "fwd+bwd", variant) in got
+    for shape, mode in (("tp column", "fwd"), ("tp row", "fwd"), ("tp mlp", "fwd+bwd")):
+        assert {(shape, mode, "overlap"), (shape, mode, "plain")} <= got
+    for r in results:
+        assert r["max_rel_err"] < 1e-5 and r["ms"] > 0, r

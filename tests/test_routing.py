@@ -186,3 +186,25 @@ def test_row_scale_block_scales_tokens_before_fc1() -> None:
         want.append((F.silu(gate) * up) @ getattr(fc2, f"weight{e}").T)
     torch.testing.assert_close(y, torch.stack(want), rtol=1e-12, atol=1e-12)
     assert "GroupedMLP" in [s.name for s in block.fusion_plan().forward]
+
+
+@pytest.mark.parametrize("n", [0, 1, 17])
+def test_invert_permutation(n: int) -> None:
+    from te_seq.kernels.routing import invert_permutation
+
+    perm = torch.randperm(n)
+    inv = invert_permutation(perm)
+    assert torch.equal(inv[perm], torch.arange(n)) and torch.equal(perm[inv], torch.arange(n))
+
+
+@pytest.mark.parametrize("tokens,k", [(0, 2), (1, 1), (7, 3)])
+def test_combine_backward_gathers_what_the_indexed_store_wrote(tokens: int, k: int) -> None:
+    """d rows[row_of_slot[t, j]] = dy[t]: the gather equals the definition's indexed store."""
+    from te_seq.kernels.routing import sort_slots, unpermute_rows_backward
+
+    _, row_of_slot = sort_slots(torch.randint(0, 3, (tokens * k,)))
+    row_of_slot = row_of_slot.reshape(tokens, k)
+    dy = torch.randn(tokens, 5, dtype=DT)
+    expected = torch.empty(tokens * k, 5, dtype=DT)
+    expected[row_of_slot.reshape(-1)] = dy.repeat_interleave(k, dim=0)
+    assert torch.equal(unpermute_rows_backward(dy, row_of_slot), expected)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from te_seq.distributed.collectives import all_gather_rows, group_size
+from te_seq.kernels.routing import invert_permutation
 
 
 def _check_layout(op: str, x: Tensor, counts: Tensor, num_local: int, ep: int) -> None:
@@ -81,13 +82,14 @@ class ExchangePlan:
     """One dispatch's layout, reused by combine and both backwards.
 
     send_splits / recv_splits: host row counts per peer rank (from the one host sync);
-    order: the device permutation sorting received rows by local expert; local_splits [L]:
-    rows per local expert on this rank (device)."""
+    order: the device permutation sorting received rows by local expert, unorder its inverse;
+    local_splits [L]: rows per local expert on this rank (device)."""
 
     group: object
     send_splits: list[int]
     recv_splits: list[int]
     order: Tensor
+    unorder: Tensor
     local_splits: Tensor
 
     def dispatch(self, x: Tensor) -> Tensor:
@@ -109,7 +111,7 @@ def dispatch_plan(x: Tensor, counts: Tensor, num_local_experts: int,
         raise ValueError(f"expert dispatch: counts sum to {sum(send)} but x has {x.shape[0]} "
                          "rows")
     order = local_expert_order(received, sum(recv))
-    return ExchangePlan(group, send, recv, order, received.sum(0))
+    return ExchangePlan(group, send, recv, order, invert_permutation(order), received.sum(0))
 
 
 def dispatch_rows(x: Tensor, plan: ExchangePlan) -> Tensor:
@@ -122,8 +124,7 @@ def dispatch_rows(x: Tensor, plan: ExchangePlan) -> Tensor:
 
 def combine_rows(y: Tensor, plan: ExchangePlan) -> Tensor:
     """The inverse of dispatch_rows: y [R, H'] sorted by local expert -> [N, H'] in x's order."""
-    unsorted = torch.empty_like(y)
-    unsorted[plan.order] = y
+    unsorted = y.index_select(0, plan.unorder)
     out = y.new_empty((sum(plan.send_splits), *y.shape[1:]))
     dist.all_to_all_single(out, unsorted.contiguous(), plan.send_splits, plan.recv_splits,
                            group=plan.group)
@@ -149,13 +150,14 @@ class CapacityPlan:
 
     slots [N]: each row's send slot (destination * capacity + position), ep * capacity for a
     dropped row; order [ep * capacity]: the sort of received slots by local expert, padding
-    last; local_splits [L]: rows per local expert, the padding counted in the last (they sum to
-    ep * capacity: static)."""
+    last, unorder its inverse; local_splits [L]: rows per local expert, the padding counted in
+    the last (they sum to ep * capacity: static)."""
 
     group: object
     capacity: int
     slots: Tensor
     order: Tensor
+    unorder: Tensor
     local_splits: Tensor
     stats: CapacityStats
 
@@ -168,8 +170,7 @@ class CapacityPlan:
         return received[self.order]
 
     def combine(self, y: Tensor) -> Tensor:
-        unsorted = torch.empty_like(y)
-        unsorted[self.order] = y
+        unsorted = y.index_select(0, self.unorder)
         back = torch.empty_like(unsorted)
         dist.all_to_all_single(back, unsorted, group=self.group)
         back = torch.cat([back, back.new_zeros((1, *back.shape[1:]))])  # dropped rows read 0
@@ -211,7 +212,7 @@ def capacity_plan(x: Tensor, counts: Tensor, num_local_experts: int, capacity: i
     local_splits[-1] += ep * capacity - valid
     stats = CapacityStats(dropped=counts.sum() - kept.sum(), padded=ep * capacity - valid)
     return CapacityPlan(group, capacity, _send_slots(counts, ep, capacity, x.shape[0]), order,
-                        local_splits, stats)
+                        invert_permutation(order), local_splits, stats)
 
 
 # --- autograd: each exchange's backward is the other one ---------------------------------

@@ -22,9 +22,16 @@ def sort_slots(expert_of_slot: Tensor) -> tuple[Tensor, Tensor]:
     order (token, then choice), so the order is stable and deterministic. `row_of_slot` is the
     inverse permutation: row_of_slot[order[r]] = r."""
     order = torch.sort(expert_of_slot, stable=True).indices  # [N]
-    row_of_slot = torch.empty_like(order)
-    row_of_slot[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    return order, row_of_slot
+    return order, invert_permutation(order)
+
+
+def invert_permutation(perm: Tensor) -> Tensor:
+    """inv with inv[perm[i]] = i, for a permutation `perm` [N] of 0 .. N-1 (one integer
+    scatter: with it, moving H-wide rows by the inverse is a gather, `rows.index_select(0,
+    inv)`, rather than an indexed store, `out[perm] = rows`, which is ~3x slower on CUDA)."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
+    return inv
 
 
 def count_rows(expert_of_slot: Tensor, num_experts: int) -> Tensor:
@@ -55,12 +62,11 @@ def unpermute_rows(rows: Tensor, row_of_slot: Tensor) -> Tensor:
 def unpermute_rows_backward(grad: Tensor, row_of_slot: Tensor) -> Tensor:
     """The adjoint of `unpermute_rows`: d rows[row_of_slot[t, j]] = dy[t]  ([T, H] -> [N, H]).
 
-    `row_of_slot` is a permutation of the rows, so every row is written exactly once."""
-    T, k = row_of_slot.shape
-    H = grad.shape[-1]
-    src = grad.reshape(T, 1, H).expand(T, k, H).reshape(T * k, H)  # [N, H] in slot order
-    out = torch.empty_like(src)
-    return out.index_copy_(0, row_of_slot.reshape(-1), src)
+    `row_of_slot` is a permutation of the rows, so row r is dy of the token of the slot that
+    maps to it: one gather of dy (no [N, H] copy in slot order, no indexed store)."""
+    k = row_of_slot.shape[1]
+    slot_of_row = invert_permutation(row_of_slot.reshape(-1))  # [N]
+    return grad.index_select(0, torch.div(slot_of_row, k, rounding_mode="floor"))
 
 
 def permute_rows_backward(grad_rows: Tensor, row_of_slot: Tensor) -> Tensor:
