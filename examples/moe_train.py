@@ -13,6 +13,7 @@ random teacher MoE of the same shape (a regression target), so its loss must fal
     python examples/moe_train.py --fp8 block --hidden 128   # FP8 vs the same run without
     python examples/moe_train.py --fp8 rowwise --fp8-hp-wgrad   # weight gradients in bf16
     torchrun --nproc-per-node 2 examples/moe_train.py --ep 2 --device cpu --steps 40
+    torchrun --nproc-per-node 2 examples/moe_train.py --ep 2 --fp8 rowwise   # on 2 GPUs
 
 With --ep n (under torchrun, n processes) the experts are expert-parallel: rank r holds
 experts r·E/n .. (r+1)·E/n - 1 and ExpertDispatch / ExpertCombine exchange the rows over the
@@ -115,6 +116,8 @@ def init_expert_parallel(args: argparse.Namespace):
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
+    if dist.is_initialized():  # --fp8 trains a second time in the same processes
+        return dist.group.WORLD, device
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if dist.get_world_size() != args.ep:
         sys.exit(f"--ep {args.ep} but torchrun started {dist.get_world_size()} processes")
@@ -177,8 +180,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"got {args.hidden} and {args.ffn}")
     if args.ep < 1 or args.experts % args.ep:
         p.error(f"--experts {args.experts} must be divisible by --ep {args.ep} (>= 1)")
-    if args.ep > 1 and args.fp8:
-        p.error("--fp8 with --ep is not supported by this example")
     if args.fp8_hp_wgrad and not args.fp8:
         p.error("--fp8-hp-wgrad needs --fp8 {block,rowwise,tensor}")
     if args.dtype is None:
@@ -230,7 +231,7 @@ def train(
     args: argparse.Namespace, fp8: recipe.Recipe | None = None
 ) -> tuple[list[float], te_seq.FusionPlan | None]:
     """Train the student (under the FP8 recipe `fp8` if given); the losses and the MLP's plan."""
-    group, device = init_expert_parallel(args)  # --ep with --fp8 is refused: once
+    group, device = init_expert_parallel(args)  # the group is made on the first call
     ep_rank = 0 if group is None else group.rank()
     dtype = DTYPES[args.dtype]
     if device.type == "cpu":

@@ -58,7 +58,12 @@ def _worker(rank: int, world_size: int, port: int, checks: Sequence[Callable], o
 def run_on_ranks(checks: Sequence[Callable], world_size: int, timeout_s: float = 240,
                  backend: str = "gloo") -> dict[str, str | None]:
     """{check name: None or the first rank's error}; a check no rank finished reports that.
-    backend "nccl": rank r runs on GPU r with it as the default device."""
+    backend "nccl": rank r runs on GPU r with it as the default device. Check names must be
+    distinct (results are keyed by them)."""
+    names = [check.__name__ for check in checks]
+    clashes = sorted({name for name in names if names.count(name) > 1})
+    if clashes:
+        raise ValueError(f"run_on_ranks: check names must be distinct, repeated: {clashes}")
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.spawn(_worker, args=(world_size, free_port(), list(checks), out_dir, backend),
                        nprocs=world_size, join=False)

@@ -160,15 +160,20 @@ def test_readme_quickstart_runs(capsys):
 
 
 @pytest.mark.slow
-def test_moe_train_expert_parallel_under_torchrun():
-    # --ep 2: two CPU processes (gloo) started by torchrun, each holding 4 of the 8 experts.
+@pytest.mark.parametrize("fp8", [None, "rowwise"])
+def test_moe_train_expert_parallel_under_torchrun(fp8):
+    # --ep 2: two CPU processes (gloo) started by torchrun, each holding 4 of the 8 experts;
+    # with --fp8 the same processes train a second time under the recipe.
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "examples/moe_train.py", "--ep", "2", "--device", "cpu", "--steps", "40",
-         "--dtype", "float32"],
+         "--dtype", "float32", *(["--fp8", fp8] if fp8 else [])],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep +
                        os.environ.get("PYTHONPATH", "")},
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, _describe(proc)
     assert "expert parallel: 2 ranks (gloo), 4 of 8 experts per rank" in proc.stdout
     _check_moe_train(proc.stdout, expert_parallel=True)
+    if fp8:
+        assert "fp8=Float8RowwiseScaling" in proc.stdout and "fp8 loss within the margin" in \
+            proc.stdout, proc.stdout[-2000:]

@@ -5,6 +5,8 @@ loads; capacity mode with its drops reported; bad configurations as clear errors
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -101,7 +103,7 @@ def _check_against_reference(rank, n, tokens, indices=None, capacity=None, keep_
     return block
 
 
-def check_uneven_loads(rank, n):
+def check_block_uneven_loads(rank, n):
     block = _check_against_reference(rank, n, [7, 4])
     assert block[0].capacity_stats is None  # exact mode drops nothing
 
@@ -184,8 +186,84 @@ def check_bad_configurations(rank, n):
         local_dispatch_ep_combine(x, idx, p)
 
 
-CHECKS = [check_uneven_loads, check_empty_experts_and_rank, check_second_step_reuses_agreement,
-          check_capacity_mode_reports_drops, check_bad_configurations]
+def _realistic_problem(device, dtype):
+    """Wider experts than the float64 checks (the cute kernels' alignment: H, F multiples of
+    16), 8 experts, top-2, uneven token counts per rank; same on every rank (same seed)."""
+    h, f, experts, tokens = 64, 48, 8, [40, 24]
+    xs = [torch.randn(t, h, device=device).to(dtype) for t in tokens]
+    indices = [torch.rand(t, experts, device=device).topk(K, dim=-1).indices for t in tokens]
+    probs = [(torch.rand(t, K, device=device) + 0.1).to(dtype) for t in tokens]
+    grads = [torch.randn(t, h, device=device).to(dtype) for t in tokens]
+    w1 = (torch.randn(experts, 2 * f, h, device=device) / h ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, h, f, device=device) / f ** 0.5).to(dtype)
+    return xs, indices, probs, grads, w1, w2
+
+
+def _grouped_block(w1, w2, experts, **dispatch_kw):
+    """The MoE block with single grouped weights copied from w1 [G, 2F, H], w2 [G, H, F]."""
+    groups, f2, h = w1.shape
+    kw = {"bias": False, "dtype": w1.dtype, "device": w1.device, "single_grouped_weight": True}
+    fc1, fc2 = ops.GroupedLinear(groups, h, f2, **kw), ops.GroupedLinear(groups, f2 // 2, h, **kw)
+    with torch.no_grad():
+        fc1.weight.copy_(w1)
+        fc2.weight.copy_(w2)
+    return te_seq.Sequential(ops.ExpertDispatch(experts, **dispatch_kw), fc1, ops.ScaledSwiGLU(),
+                             fc2, ops.ExpertCombine(ep_group=dispatch_kw.get("ep_group")))
+
+
+def _step(block, x, idx, p, g, recipe):
+    x, p = x.clone().requires_grad_(True), p.clone().requires_grad_(True)
+    with te_seq.autocast(recipe=recipe) if recipe else contextlib.nullcontext():
+        out = block(x, idx, p)
+    out.backward(g)
+    return out.detach(), x.grad, p.grad, block[1].weight.grad, block[3].weight.grad
+
+
+def _check_like_one_process(rank, n, recipe):
+    """The expert-parallel block in the run's working precision (bf16 on the cute kernels
+    with NCCL, float32 on the CPU) against one process holding all experts on the same
+    device, fed all ranks' tokens in rank order: per row the same GEMMs (the received rows
+    keep source-rank order within an expert), so the two agree to the dtype's rounding."""
+    cuda = dist.get_backend() == "nccl"
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    xs, indices, probs, grads, w1, w2 = _realistic_problem(device, dtype)
+    experts, local = w1.shape[0], w1.shape[0] // n
+    whole = _grouped_block(w1, w2, experts)
+    ref = _step(whole, torch.cat(xs), torch.cat(indices), torch.cat(probs), torch.cat(grads),
+                recipe)
+    mine = slice(rank * local, (rank + 1) * local)
+    block = _grouped_block(w1[mine], w2[mine], experts, ep_group=dist.group.WORLD)
+    got = _step(block, xs[rank], indices[rank], probs[rank], grads[rank], recipe)
+    rows = slice(sum(len(x) for x in xs[:rank]), sum(len(x) for x in xs[:rank + 1]))
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5,
+                                                                        "atol": 1e-5}
+    for what, a, b in zip(("forward", "dx", "dprobs"), got[:3], ref[:3]):
+        torch.testing.assert_close(a, b[rows], **tol, msg=lambda m, w=what: f"{w}: {m}")
+    for what, a, b in zip(("dW1", "dW2"), got[3:], ref[3:]):
+        torch.testing.assert_close(a, b[mine], **tol, msg=lambda m, w=what: f"{w}: {m}")
+    plan = str(block.fusion_plan())
+    assert "GroupedMLP[1, 2, 3]" in plan, plan
+    if cuda:
+        assert "[cute]" in plan, plan
+    return block, got[0], (xs[rank], indices[rank], probs[rank], grads[rank])
+
+
+def check_working_precision_like_one_process(rank, n):
+    _check_like_one_process(rank, n, None)
+
+
+def check_fp8_rowwise_like_one_process(rank, n):
+    """Under FP8 (row-wise scales): every scale is per row or per (expert, column) over the
+    expert's rows, which the exchange keeps together, so EP equals the one-process FP8 block."""
+    block, out, inputs = _check_like_one_process(rank, n, te_seq.recipe.Float8RowwiseScaling())
+    plain = _step(block, *inputs, None)[0]  # the same block outside FP8: other values
+    assert not torch.equal(out, plain), "the FP8 recipe changed nothing"
+
+
+CHECKS = [check_block_uneven_loads, check_empty_experts_and_rank,
+          check_second_step_reuses_agreement, check_capacity_mode_reports_drops,
+          check_bad_configurations,
+          check_working_precision_like_one_process, check_fp8_rowwise_like_one_process]
 
 
 @pytest.fixture(scope="module")
