@@ -21,7 +21,9 @@ rows). Variants, all on the same tokens, routing and weights:
 - ``torch``: what a user writes with torch.distributed and ``torch._grouped_mm``: argsort of the
   rows by expert, ``all_to_all_single`` of the counts (one ``.tolist()``) and of the rows and
   probs (``torch.distributed.nn.functional``, autograd), a stable sort by local expert, the
-  grouped-MM SwiGLU MLP with probs (autograd), the inverse exchange, ``index_add`` per token.
+  grouped-MM SwiGLU MLP with probs (autograd), the inverse exchange, ``index_add`` per token;
+- ``torch:compiled`` (CUDA only): the same with its expert MLP ``torch.compile``d (fullgraph;
+  the exchange stays eager: its sizes come from the host).
 
 ``--parts tp``: the sequence-parallel linears' forward with te_seq's overlap on and off
 (``te_seq.config.set_tensor_parallel_overlap``): a column-parallel BasicLinear (all-gather of
@@ -54,7 +56,8 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for te_seq
 from _common import Result, rel_err, summarize, time_once, write_json  # noqa: E402
-from mlp_case import SHAPES, swiglu  # noqa: E402
+from mlp_case import SHAPES  # noqa: E402
+from peers import grouped_mm_mlp  # noqa: E402
 
 import te_seq  # noqa: E402
 from te_seq import ops  # noqa: E402
@@ -128,11 +131,14 @@ def te_seq_block(case: MoeCase, group, capacity: int | None) -> te_seq.Sequentia
 class TorchBlock(torch.nn.Module):
     """The expert-parallel SwiGLU MoE block in plain PyTorch (see the module): one host sync."""
 
-    def __init__(self, case: MoeCase, group) -> None:
+    def __init__(self, case: MoeCase, group, compiled: bool = False) -> None:
         super().__init__()
         self.w1 = torch.nn.Parameter(case.w1.clone())
         self.w2 = torch.nn.Parameter(case.w2.clone())
         self.group, self.experts = group, case.experts
+        # the expert MLP between the exchanges, eager or torch.compile'd (the exchange's host
+        # sizes and autograd all-to-alls stay eager, as a user would compile it)
+        self.mlp = torch.compile(grouped_mm_mlp, fullgraph=True) if compiled else grouped_mm_mlp
 
     def forward(self, x: Tensor, indices: Tensor, probs: Tensor) -> Tensor:
         n, local = dist.get_world_size(self.group), self.w1.shape[0]
@@ -152,8 +158,7 @@ class TorchBlock(torch.nn.Module):
             output_size=sum(recv_sizes))  # local expert of each received row
         perm = torch.argsort(expert, stable=True)
         offs = recv_counts.view(n, local).sum(0).cumsum(0).to(torch.int32)
-        h = torch._grouped_mm(rows[perm], self.w1.transpose(1, 2), offs=offs)
-        y = torch._grouped_mm(swiglu(h, row_probs[perm]), self.w2.transpose(1, 2), offs=offs)
+        y = self.mlp(rows[perm], self.w1, self.w2, row_probs[perm], offs)
         back = self._exchange(y[torch.argsort(perm)], send_sizes, recv_sizes)
         return x.new_zeros(x.shape).index_add(0, token, back)
 
@@ -182,8 +187,11 @@ def received_rows(case: MoeCase, group) -> int:
 def run_moe(case: MoeCase, group, args, device) -> list[Result]:
     n = dist.get_world_size(group)
     cap = capacity_rows(case, args.capacity_factor, n)
-    blocks = {"torch": TorchBlock(case, group), "te_seq": te_seq_block(case, group, None),
-              f"te_seq:capacity{args.capacity_factor:g}": te_seq_block(case, group, cap)}
+    blocks = {"torch": TorchBlock(case, group)}
+    if device.type == "cuda":  # torch.compile of _grouped_mm takes bf16 (not the CPU's fp32)
+        blocks["torch:compiled"] = TorchBlock(case, group, compiled=True)
+    blocks |= {"te_seq": te_seq_block(case, group, None),
+               f"te_seq:capacity{args.capacity_factor:g}": te_seq_block(case, group, cap)}
     x = case.x.detach().clone().requires_grad_()
     checks = {name: _step(block, case, x) for name, block in blocks.items()}
     fns = {name: (lambda b=block: _step(b, case, x)) for name, block in blocks.items()}
@@ -195,7 +203,7 @@ def run_moe(case: MoeCase, group, args, device) -> list[Result]:
     out = []
     for name in blocks:
         err = max(rel_err(a.float(), b.float()) for a, b in zip(checks[name], checks["torch"]))
-        r = Result(case.name, "fwd+bwd", name, status="ok", is_peer=name == "torch")
+        r = Result(case.name, "fwd+bwd", name, status="ok", is_peer=name.startswith("torch"))
         summarize(r, runs[name], 18 * mean_rows * case.hidden * case.ffn, 0.0)
         r.max_rel_err = max_over_ranks(err, group)
         if name != "torch" and r.max_rel_err > BF16_TOL and case.x.dtype == torch.bfloat16:
