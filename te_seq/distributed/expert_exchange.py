@@ -149,32 +149,52 @@ class CapacityPlan:
     """A capacity-mode exchange: `capacity` rows per (source, destination) rank pair.
 
     slots [N]: each row's send slot (destination * capacity + position), ep * capacity for a
-    dropped row; order [ep * capacity]: the sort of received slots by local expert, padding
-    last, unorder its inverse; local_splits [L]: rows per local expert, the padding counted in
-    the last (they sum to ep * capacity: static)."""
+    dropped row; sources [ep * capacity]: the row each send slot holds, N for a free one, and
+    free [ep * capacity] those slots; order [ep * capacity]: the
+    sort of received slots by local expert, padding last, unorder its inverse; local_splits
+    [L]: rows per local expert, the padding counted in the last (they sum to ep * capacity:
+    static). Rows move by gathers (`_gather_rows`), never by indexed stores."""
 
     group: object
     capacity: int
     slots: Tensor
+    sources: Tensor
+    free: Tensor
     order: Tensor
     unorder: Tensor
     local_splits: Tensor
     stats: CapacityStats
 
     def dispatch(self, x: Tensor) -> Tensor:
-        ep = group_size(self.group)
-        send = x.new_zeros((ep * self.capacity + 1, *x.shape[1:]))  # + a slot for dropped rows
-        send[self.slots] = x
-        received = torch.empty_like(send[:-1])
-        dist.all_to_all_single(received, send[:-1], group=self.group)
+        send = _gather_rows(x, self.sources, self.free)  # free slots: zero padding
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=self.group)
         return received[self.order]
 
     def combine(self, y: Tensor) -> Tensor:
         unsorted = y.index_select(0, self.unorder)
-        back = torch.empty_like(unsorted)
-        dist.all_to_all_single(back, unsorted, group=self.group)
-        back = torch.cat([back, back.new_zeros((1, *back.shape[1:]))])  # dropped rows read 0
-        return back[self.slots]
+        back = unsorted.new_empty((unsorted.shape[0] + 1, *unsorted.shape[1:]))
+        back[-1].zero_()  # the row dropped rows read (their slot is ep * capacity)
+        dist.all_to_all_single(back[:-1], unsorted, group=self.group)
+        return back.index_select(0, self.slots)
+
+
+def _gather_rows(t: Tensor, index: Tensor, empty: Tensor) -> Tensor:
+    """out[i] = t[index[i]], zero where empty[i] (whose index may lie past t's rows): one
+    gather and one masked fill, no indexed store and no padded copy of t."""
+    if t.shape[0] == 0:  # a rank with no rows sends only padding
+        return t.new_zeros((index.shape[0], *t.shape[1:]))
+    rows = t.index_select(0, index.clamp(max=t.shape[0] - 1))
+    return rows.masked_fill_(empty.view(-1, *([1] * (t.dim() - 1))), 0)
+
+
+def _slot_sources(slots: Tensor, num_slots: int) -> Tensor:
+    """The row each of `num_slots` send slots holds (N for a free slot), from each row's slot
+    (num_slots for a dropped row: those all land in one extra slot, cut off)."""
+    rows = slots.shape[0]
+    sources = torch.full((num_slots + 1,), rows, dtype=slots.dtype, device=slots.device)
+    sources[slots] = torch.arange(rows, dtype=slots.dtype, device=slots.device)
+    return sources[:num_slots]
 
 
 def _send_slots(counts: Tensor, ep: int, capacity: int, rows: int) -> Tensor:
@@ -211,7 +231,9 @@ def capacity_plan(x: Tensor, counts: Tensor, num_local_experts: int, capacity: i
     local_splits = received.sum(0)
     local_splits[-1] += ep * capacity - valid
     stats = CapacityStats(dropped=counts.sum() - kept.sum(), padded=ep * capacity - valid)
-    return CapacityPlan(group, capacity, _send_slots(counts, ep, capacity, x.shape[0]), order,
+    slots = _send_slots(counts, ep, capacity, x.shape[0])
+    sources = _slot_sources(slots, ep * capacity)
+    return CapacityPlan(group, capacity, slots, sources, sources == x.shape[0], order,
                         invert_permutation(order), local_splits, stats)
 
 
