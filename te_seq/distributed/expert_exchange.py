@@ -150,10 +150,10 @@ class CapacityPlan:
 
     slots [N]: each row's send slot (destination * capacity + position), ep * capacity for a
     dropped row; sources [ep * capacity]: the row each send slot holds, N for a free one, and
-    free [ep * capacity] those slots; order [ep * capacity]: the
-    sort of received slots by local expert, padding last, unorder its inverse; local_splits
-    [L]: rows per local expert, the padding counted in the last (they sum to ep * capacity:
-    static). Rows move by gathers (`_gather_rows`), never by indexed stores."""
+    free [ep * capacity] those slots; order [ep * capacity]: the sort of received slots by
+    local expert, padding last, unorder its inverse; local_splits [L]: rows per local expert,
+    the padding counted in the last (they sum to ep * capacity: static). Rows move by
+    gathers, never by indexed stores."""
 
     group: object
     capacity: int
