@@ -55,9 +55,11 @@ def global_problem(tokens, indices=None):
     return xs, indices, probs, grads, w1, w2
 
 
-def run(block, x, idx, p, g):
+def run(block, x, idx, p, g, call=None):
+    """(output, dx, dprobs, dW1, dW2) of one step of `block` (through `call`, e.g. its compiled
+    form, where given)."""
     x, p = x.clone().requires_grad_(True), p.clone().requires_grad_(True)
-    out = block(x, idx, p)
+    out = (call or block)(x, idx, p)
     (out * g).sum().backward()
     fc1, fc2 = block[1], block[3]
     dw1 = torch.stack([getattr(fc1, f"weight{e}").grad for e in range(fc1.num_groups)])
@@ -260,10 +262,24 @@ def check_fp8_rowwise_like_one_process(rank, n):
     assert not torch.equal(out, plain), "the FP8 recipe changed nothing"
 
 
+def check_compiled_block_like_eager(rank, n):
+    """torch.compile of the expert-parallel block (exact mode: its host sync and the plan on the
+    routing map run as graph breaks) gives the eager block's output and gradients."""
+    xs, indices, probs, grads, w1, w2 = global_problem([7, 4])
+    mine = slice(rank * (E // n), (rank + 1) * (E // n))
+    eager = run(make_block(w1[mine], w2[mine], ep_group=dist.group.WORLD), xs[rank],
+                indices[rank], probs[rank], grads[rank])
+    block = make_block(w1[mine], w2[mine], ep_group=dist.group.WORLD)
+    got = run(block, xs[rank], indices[rank], probs[rank], grads[rank], torch.compile(block))
+    for what, a, b in zip(("forward", "dx", "dprobs", "dW1", "dW2"), got, eager):
+        close(a, b, f"compiled {what}")
+
+
 CHECKS = [check_block_uneven_loads, check_empty_experts_and_rank,
           check_second_step_reuses_agreement, check_capacity_mode_reports_drops,
           check_bad_configurations,
-          check_working_precision_like_one_process, check_fp8_rowwise_like_one_process]
+          check_working_precision_like_one_process, check_fp8_rowwise_like_one_process,
+          check_compiled_block_like_eager]
 
 
 @pytest.fixture(scope="module")
