@@ -345,3 +345,11 @@ def test_non_parallel_linear_unchanged():
     lin = ops.BasicLinear(4, 6)
     assert lin.tensor_parallel_mode is None and lin.local_out_features == 6
     assert lin.weight.shape == (6, 4)
+
+
+def test_the_rank_harness_refuses_repeated_check_names():
+    """Results are keyed by check name: a repeated name could hide one check's failure behind
+    the other's pass, so the harness refuses it before starting any rank."""
+    with pytest.raises(ValueError, match=r"check names must be distinct, repeated: "
+                                         r"\['check_all_gather'\]"):
+        run_on_ranks([check_all_gather, check_all_gather], 2)
