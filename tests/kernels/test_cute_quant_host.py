@@ -138,3 +138,41 @@ def test_row_blocks_are_the_rows_kernel_on_views_of_their_final_outputs(monkeypa
     assert got.data.shape == (40, 384) and got.scale_inv.shape == (40, 3)
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(got.scale_inv, want.scale_inv) and got.block == block
+
+
+def _bank_words(addresses) -> dict[int, set[int]]:
+    """The 4-byte shared-memory words that byte ``addresses`` touch, by bank (32 banks)."""
+    banks: dict[int, set[int]] = {}
+    for address in addresses:
+        banks.setdefault(address // 4 % 32, set()).add(address // 4)
+    return banks
+
+
+def test_span_cast_staging_is_one_to_one_and_free_of_bank_conflicts():
+    """The span cast kernels' FP8 staging (span_kernels._staged_byte): every (column, token) of
+    a tile has its own byte; each byte-store instruction of a warp touches one word per bank
+    (lanes sharing a word write its different bytes); each quarter-warp's 16-byte reads of the
+    store passes cover the 32 banks once. A mutated swizzle or lane mapping fails here."""
+    from te_seq.kernels.cute import span_kernels as sk
+
+    cells = {sk._staged_byte(c, r) for c in range(sk.SPAN_COLS) for r in range(sk.SPAN_BLOCK)}
+    assert cells == set(range(sk.SPAN_COLS * sk.SPAN_BLOCK))
+    values = [(v * sk.VEC + k, row0 + i * sk.ROWS_PER_PASS)
+              for v, row0 in map(sk._stage_coords, range(sk.THREADS))
+              for i in range(sk.PASSES) for k in range(sk.VEC)]
+    assert sorted(values) == [(c, r) for c in range(sk.SPAN_COLS) for r in range(sk.SPAN_BLOCK)]
+    for warp in range(sk.WARPS):
+        lanes = [sk._stage_coords(32 * warp + lane) for lane in range(32)]
+        for i in range(sk.PASSES):
+            for k in range(sk.VEC):
+                touched = _bank_words(sk._staged_byte(v * sk.VEC + k, row0 + i * sk.ROWS_PER_PASS)
+                                      for v, row0 in lanes)
+                assert all(len(words) == 1 for words in touched.values()), (warp, i, k)
+    for p in range(sk.STORE_PASSES):
+        for first in range(0, sk.THREADS, 8):
+            quarter = range(first, first + 8)
+            chunks = [sk._staged_chunk(*sk._store_coords(tid, p)) for tid in quarter]
+            touched = _bank_words(16 * chunk + b for chunk in chunks for b in range(0, 16, 4))
+            assert sorted(touched) == list(range(32)), (p, first)
+    stored = {sk._store_coords(tid, p) for tid in range(sk.THREADS) for p in range(sk.STORE_PASSES)}
+    assert stored == {(c, j) for c in range(sk.SPAN_COLS) for j in range(sk.STORES_PER_COLUMN)}

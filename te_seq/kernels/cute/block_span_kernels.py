@@ -44,7 +44,7 @@ class SpanBlockCastKernel(SpanCastKernel):
         block, chunk, tidx, col, row0 = self._coords()
         first_row, valid = table[block, 0], table[block, 1]
         allocator = memory.SmemAllocator()
-        staged = allocator.allocate_tensor(Float32, _staged_layout(), 16)
+        staged = allocator.allocate_tensor(self.fp8_dtype, _staged_layout(), 16)
         partial = allocator.allocate_tensor(
             Float32, cute.make_layout((WARPS, SPAN_COLS), stride=(SPAN_COLS, 1)), 16)
         scales = allocator.allocate_tensor(Float32, cute.make_layout(SPAN_COLS), 16)
@@ -53,12 +53,11 @@ class SpanBlockCastKernel(SpanCastKernel):
         if valid > 0:  # uniform over the CTA; blocks past the last span stay zeros (scale 1)
             self._load_tile(t, first_row, valid, col, row0, tile)
         self._block_maxima(tile, tidx, partial)
-        self._stage(tile, tidx, staged)
         cute.arch.sync_threads()
         if tidx < SPAN_COLS:
             self._block_scale(partial, scales, scale_inv, block, chunk, tidx)
         cute.arch.sync_threads()
-        self._store_token_major(staged, scales, data, block, chunk, tidx)
+        self._cast_and_store(tile, scales, staged, data, block, chunk, tidx)
 
     @cute.jit
     def _block_scale(self, partial: cute.Tensor, scales: cute.Tensor, scale_inv: cute.Tensor,

@@ -22,11 +22,14 @@ maxima. Inside the same branch it reduces the maxima of its group's blocks per c
 threads per column, a stride-4 walk over the blocks, 4 loads into distinct registers per
 step, then shared memory) into the chunk's 64 scales while the tile is in flight; only then is
 the tile converted (a CTA used to wait for its tile, then for the table, the extent and each
-block maximum in turn). It stages the tile's
-raw values transposed in shared memory (fp32, 129 words a column and 4 more between the two
-halves of 32 columns: the writes and the reads are free of bank conflicts), and each thread then
-scales, casts and writes 32 consecutive tokens of one column: two 16-byte stores along the
-token-major rows. It writes scale_inv for every group: its group's (on the group's first block)
+block maximum in turn). Each thread then scales and casts its own values (one load pass at a
+time, straight from the raw registers) and writes the FP8 bytes transposed into shared memory
+(8 KB, XOR-swizzled: ``_staged_byte``); after one barrier, 8 consecutive lanes write one
+column's 128 tokens with 16-byte stores, so every store instruction of a warp fills four whole
+128-byte lines of the token-major rows (writing 32 tokens of a column per thread, as before
+2026-11-30, left half of each 32-byte sector to the next instruction: the kernel ran at ~2.6
+TB/s, L2-bound, against ~3.6 now on an H200). Last, once nothing of the tile is live, it
+writes scale_inv for every group: its group's (on the group's first block)
 and 1 for the groups without tokens that lie before it (after the previous block's group) or, on
 the last block, after it. With ``rows`` both kernels also quantize each row of a group row-wise:
 the amax kernel takes each row's max over its 64 columns (8 lanes, shuffles) into ``row_amax``
@@ -54,9 +57,9 @@ VECS_PER_ROW = SPAN_COLS // VEC  # 8 threads share a tile row
 ROWS_PER_PASS = THREADS // VECS_PER_ROW  # 32 tile rows per load pass
 PASSES = SPAN_BLOCK // ROWS_PER_PASS  # 4 loads per thread
 WARPS = THREADS // 32
-STAGE_STRIDE = SPAN_BLOCK + 1  # fp32 words per staged column: odd, see _staged_layout
-STAGE_SKEW = 4  # words between the staged columns 0..31 and 32..63, see _staged_layout
-TOKENS_PER_STORE = 32  # consecutive tokens of one column per thread
+STORE_BYTES = 16  # FP8 tokens of one column per 16-byte token-major store
+STORES_PER_COLUMN = SPAN_BLOCK // STORE_BYTES  # 8 lanes write a column's 128 bytes
+STORE_PASSES = SPAN_COLS * STORES_PER_COLUMN // THREADS  # 2 stores per thread
 SCALE_PARTS = THREADS // SPAN_COLS  # threads per column in the scale reduction
 WALK_LOADS = 4  # block maxima loads in flight per thread in that reduction
 
@@ -83,8 +86,8 @@ class _SpanTileKernel:
         """(block, chunk, thread, this thread's first column, its first tile row)."""
         tidx, _, _ = cute.arch.thread_idx()
         block, chunk, _ = cute.arch.block_idx()
-        col = chunk * SPAN_COLS + (tidx % VECS_PER_ROW) * VEC
-        return block, chunk, tidx, col, tidx // VECS_PER_ROW
+        v, row0 = _stage_coords(tidx)
+        return block, chunk, tidx, chunk * SPAN_COLS + v * VEC, row0
 
     @cute.jit
     def _load_tile(self, t: cute.Tensor, first_row, valid, col, row0, tile: list):
@@ -126,12 +129,38 @@ class _SpanTileKernel:
 
 
 def _staged_layout():
-    """The cast kernel's transposed tile: column c, token r at word 129 c + 4 (c // 32) + r.
-    Bank conflict-free both ways: a warp's writes (lanes = 8 column vectors v x 4 tokens q; each
-    store k touches column 8 v + k) hit banks 8 v + k + 4 (v // 4) + q, 32 distinct; its reads
-    (lanes = 32 consecutive columns of one half, one token each) hit banks c + const."""
-    return cute.make_layout(((32, SPAN_COLS // 32), SPAN_BLOCK),
-                            stride=((STAGE_STRIDE, 32 * STAGE_STRIDE + STAGE_SKEW), 1))
+    """The cast tiles' FP8 bytes, token-major: column c's 128 tokens are 8 chunks of 16 bytes,
+    chunk j of column c at chunk (j ^ (c // 8) % 8) of its 128 bytes (``_staged_byte``)."""
+    return cute.make_layout(SPAN_COLS * SPAN_BLOCK)
+
+
+def _stage_coords(tidx):
+    """Traced inline (or plain Python on ints): (v, row0) of a thread's tile values: columns
+    8 v .. 8 v + 8 of tile rows row0 + 32 i (the loads' layout, ``_coords``)."""
+    return tidx % VECS_PER_ROW, tidx // VECS_PER_ROW
+
+
+def _store_coords(tidx, p):
+    """Traced inline (or plain Python on ints): (column c, chunk j) that thread ``tidx``
+    writes in store pass p: 8 consecutive lanes per column."""
+    return (p * (THREADS // STORES_PER_COLUMN) + tidx // STORES_PER_COLUMN,
+            tidx % STORES_PER_COLUMN)
+
+
+def _staged_chunk(c, j):
+    """Traced inline (or plain Python on ints): the staged 16-byte chunk that holds tokens
+    16 j .. 16 j + 16 of column c."""
+    return c * STORES_PER_COLUMN + (j ^ ((c // VEC) % STORES_PER_COLUMN))
+
+
+def _staged_byte(c, r):
+    """Traced inline (or plain Python on ints): the staged byte of (column c, token r). The
+    XOR swizzle keeps shared memory free of bank conflicts both ways: a warp's byte writes
+    (lanes = 8 column vectors v x 4 tokens q of one word; store k touches column 8 v + k, chunk
+    (r // 16) ^ v) hit 8 distinct words in 8 distinct banks, and each quarter-warp's 16-byte
+    reads (one column, chunks 0..7) cover all 32 banks (tests/kernels/test_cute_quant_host.py
+    checks both on every access)."""
+    return _staged_chunk(c, r // STORE_BYTES) * STORE_BYTES + r % STORE_BYTES
 
 
 def _fmax(a: Float32, b: Float32) -> Float32:
@@ -233,7 +262,7 @@ class SpanCastKernel(_SpanTileKernel):
         block, chunk, tidx, col, row0 = self._coords()
         row = _TableRow(table, block)
         allocator = memory.SmemAllocator()
-        staged = allocator.allocate_tensor(Float32, _staged_layout(), 16)
+        staged = allocator.allocate_tensor(self.fp8_dtype, _staged_layout(), 16)
         parts = allocator.allocate_tensor(
             Float32, cute.make_layout((SCALE_PARTS, SPAN_COLS), stride=(SPAN_COLS, 1)), 16)
         scales = allocator.allocate_tensor(Float32, cute.make_layout(SPAN_COLS), 16)
@@ -253,18 +282,21 @@ class SpanCastKernel(_SpanTileKernel):
             group_amax = self._group_amax(block_amax, row.group, extent, extents.shape[0],
                                           chunk, tidx)
         parts[tidx // SPAN_COLS, tidx % SPAN_COLS] = group_amax
-        tile = self._new_tile()
-        self._convert_tile(raw, row.valid, col, row0, t.shape[1], tile)
+        cute.arch.sync_threads()
+        if tidx < SPAN_COLS:
+            self._chunk_scale(parts, scales, tidx)
+        cute.arch.sync_threads()
+        # converted only now, one load pass at a time: the raw 16-bit tile holds half the
+        # registers over the barriers, and no more than a pass is live in fp32
+        tile = _RawTile(raw, row.valid, col, row0, t.shape[1])
         if const_expr(self.rows):
             if row.valid > 0:
                 self._store_rows(tile, row.first_row, row.valid, row0, col, chunk, row_maxima,
                                  row_data, row_scale_inv)
-        self._stage(tile, tidx, staged)
-        cute.arch.sync_threads()
-        if tidx < SPAN_COLS:
-            self._chunk_scale(row, parts, scales, scale_inv, block, chunk, tidx, table.shape[0])
-        cute.arch.sync_threads()
-        self._store_token_major(staged, scales, data, block, chunk, tidx)
+        self._cast_and_store(tile, scales, staged, data, block, chunk, tidx)
+        if tidx < SPAN_COLS:  # last: nothing of the tile is live any more
+            self._write_scale_inv(row, scales[tidx], scale_inv, block, chunk, tidx,
+                                  table.shape[0])
 
     @cute.jit
     def _issue_tile_loads(self, t: cute.Tensor, first_row, valid, col, row0, raw: list):
@@ -278,23 +310,33 @@ class SpanCastKernel(_SpanTileKernel):
             raw[i].store(src[(None, vector)].load())
 
     @cute.jit
-    def _convert_tile(self, raw: list, valid, col, row0, cols, tile: list):
-        """tile[i][k] = raw[i][k] in fp32, 0 past the ``valid`` rows or past the last column:
-        ``_load_tile``'s values."""
-        for i in cutlass.range_constexpr(PASSES):
-            r = row0 + i * ROWS_PER_PASS
-            values = raw[i].load().to(Float32)
-            for k in cutlass.range_constexpr(VEC):
-                kept = cutlass.select_(r < valid, values[k], Float32(0.0))
-                tile[i][k] = cutlass.select_(col < cols, kept, Float32(0.0))
+    def _cast_and_store(self, tile: list, scales: cute.Tensor, staged: cute.Tensor,
+                        data: cute.Tensor, block, chunk, tidx):
+        """The tile scaled by its columns' ``scales`` (visible to every thread), cast to FP8,
+        transposed through shared memory and written token-major: data[column, this block's
+        tokens]. Ends with the stores issued."""
+        self._stage(tile, scales, tidx, staged)
+        cute.arch.sync_threads()
+        self._store_token_major(staged, data, block, chunk, tidx)
 
     @cute.jit
-    def _stage(self, tile: list, tidx, staged: cute.Tensor):
-        """staged[c, r] = the tile's raw value at (token r, column c): the transpose."""
-        c0, row0 = (tidx % VECS_PER_ROW) * VEC, tidx // VECS_PER_ROW
+    def _stage(self, tile: list, scales: cute.Tensor, tidx, staged: cute.Tensor):
+        """staged byte (c, r) = fp8(tile value at (token r, column c) x scales[c]): the cast,
+        then the transpose one byte at a time (``_staged_byte``)."""
+        v, row0 = _stage_coords(tidx)
+        column_scales = [scales[v * VEC + k] for k in range(VEC)]
+        scaled = cute.make_rmem_tensor((VEC,), Float32)
+        cast = cute.make_rmem_tensor((VEC,), self.fp8_dtype)
+        cast_bytes = cute.recast_tensor(cast, cutlass.Uint8)
+        staged_bytes = cute.recast_tensor(staged, cutlass.Uint8)
         for i in cutlass.range_constexpr(PASSES):
+            values = tile[i]
             for k in cutlass.range_constexpr(VEC):
-                staged[c0 + k, row0 + i * ROWS_PER_PASS] = tile[i][k]
+                scaled[k] = values[k] * column_scales[k]
+            cast.store(scaled.load().to(self.fp8_dtype))
+            first = _staged_byte(v * VEC, row0 + i * ROWS_PER_PASS)
+            for k in cutlass.range_constexpr(VEC):  # column v * VEC + k: same chunk swizzle
+                staged_bytes[first + k * SPAN_BLOCK] = cast_bytes[k]
 
     @cute.jit
     def _group_amax(self, block_amax: cute.Tensor, group, extent, groups, chunk, tidx):
@@ -318,16 +360,18 @@ class SpanCastKernel(_SpanTileKernel):
         return amax
 
     @cute.jit
-    def _chunk_scale(self, row, parts: cute.Tensor, scales: cute.Tensor,
-                     scale_inv: cute.Tensor, block, chunk, c, blocks):
-        """scales[c] from the group's maximum of column c; scale_inv of this chunk's column c:
-        the group's (on its first block), 1 for the groups without tokens next to it. The
-        table's values were read at the kernel's start: no load between the barriers."""
+    def _chunk_scale(self, parts: cute.Tensor, scales: cute.Tensor, c):
+        """scales[c] from the group's maximum of column c (the max of its parts)."""
         amax = parts[0, c]
         for p in cutlass.range_constexpr(1, SCALE_PARTS):
             amax = cute.arch.fmax(amax, parts[p, c])
-        scale = scale_from_amax(amax, self.fp8_max, self.power_of_two)
-        scales[c] = scale
+        scales[c] = scale_from_amax(amax, self.fp8_max, self.power_of_two)
+
+    @cute.jit
+    def _write_scale_inv(self, row, scale, scale_inv: cute.Tensor, block, chunk, c, blocks):
+        """scale_inv of this chunk's column c: the group's (on its first block), 1 for the
+        groups without tokens next to it (the table's values were read at the kernel's
+        start)."""
         column, groups = chunk * SPAN_COLS + c, scale_inv.shape[0]
         group = row.group
         if column < scale_inv.shape[1]:
@@ -340,19 +384,18 @@ class SpanCastKernel(_SpanTileKernel):
                     scale_inv[g, column] = Float32(1.0)
 
     @cute.jit
-    def _store_token_major(self, staged: cute.Tensor, scales: cute.Tensor, data: cute.Tensor,
-                           block, chunk, tidx):
-        """data[column c, this block's tokens 32 s .. 32 s + 32] = fp8(staged[c, ...] x
-        scales[c]) for thread (c = tid % 64, s = tid // 64): consecutive lanes read
-        consecutive staged columns (distinct banks: _staged_layout)."""
-        c, segment = tidx % SPAN_COLS, tidx // SPAN_COLS
-        column = chunk * SPAN_COLS + c
-        if column < data.shape[0]:
-            src = cute.zipped_divide(staged[c, None], (TOKENS_PER_STORE,))
-            values = src[(None, segment)].load() * scales[c]
-            dst = cute.zipped_divide(data[column, None], (TOKENS_PER_STORE,))
-            segments = SPAN_BLOCK // TOKENS_PER_STORE  # per block
-            dst[(None, block * segments + segment)].store(values.to(self.fp8_dtype))
+    def _store_token_major(self, staged: cute.Tensor, data: cute.Tensor, block, chunk, tidx):
+        """data[column c, this block's tokens 16 j .. 16 j + 16] = staged chunk (c, j) for
+        thread (c = 32 p + tid // 8, j = tid % 8) in the two passes p: 8 consecutive lanes write
+        one column's 128 bytes, so every 16-byte store of a warp fills four whole lines."""
+        chunks = cute.zipped_divide(staged, (STORE_BYTES,))
+        for p in cutlass.range_constexpr(STORE_PASSES):
+            c, j = _store_coords(tidx, p)
+            column = chunk * SPAN_COLS + c
+            if column < data.shape[0]:
+                values = chunks[(None, _staged_chunk(c, j))].load()
+                dst = cute.zipped_divide(data[column, None], (STORE_BYTES,))
+                dst[(None, block * STORES_PER_COLUMN + j)].store(values)
 
     @cute.jit
     def _store_rows(self, tile: list, first_row, valid, row0, col, chunk, row_maxima: cute.Tensor,
@@ -370,6 +413,24 @@ class SpanCastKernel(_SpanTileKernel):
                     out[(None, col // VEC)].store((tile[i].load() * scale).to(self.fp8_dtype))
                 if chunk == 0 and col == 0:
                     row_scale_inv[row] = Float32(1.0) / scale
+
+
+class _RawTile:
+    """Traced inline: the tile as ``_load_tile`` would hold it, converted from the raw loads
+    one pass at a time: ``tile[i]`` is pass i's fp32 fragment (0 past the block's ``valid``
+    rows or past the last column)."""
+
+    def __init__(self, raw: list, valid, col, row0, cols):
+        self.raw, self.valid, self.col, self.row0, self.cols = raw, valid, col, row0, cols
+
+    def __getitem__(self, i: int):
+        values = self.raw[i].load().to(Float32)
+        converted = cute.make_rmem_tensor((VEC,), Float32)
+        keep_row = self.row0 + i * ROWS_PER_PASS < self.valid
+        for k in range(VEC):
+            kept = cutlass.select_(keep_row, values[k], Float32(0.0))
+            converted[k] = cutlass.select_(self.col < self.cols, kept, Float32(0.0))
+        return converted
 
 
 class _TableRow:
