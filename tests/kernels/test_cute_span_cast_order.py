@@ -1,8 +1,13 @@
 """The span cast kernel's load order and registers, checked on the CPU from its PTX (sm_90a,
 ``benchmarks/dump_ptx.py``): the tile's 16-byte loads and the group's block-maxima loads are
 all issued before the tile is converted, so the maxima's round trips overlap the tile's, and
-the kernel fits in 48 registers a thread (5 CTAs of 256 threads per SM, as the block kernel).
-The GPU tests in test_cute_quant.py check its outputs bit for bit."""
+the kernel fits in 64 registers a thread without spills (4 CTAs of 256 threads per SM). Since
+2026-11-30 (run "v") the cast keeps the raw tile in registers through the scale reduction and
+stages 8 KB of FP8 bytes instead of 33 KB of fp32: 62-64 registers, 4 CTAs per SM, 25-30 %
+faster on an H200 than the 48-register kernel that fitted 5 (te_seq/kernels/cute/README.md,
+"Whole-line stores"); capping it at 64 by launch bounds when it took 80 spilled and ran 30-50 %
+slower, so the bound checked here is the one it meets without a cap. The GPU tests in
+test_cute_quant.py check its outputs bit for bit."""
 
 from __future__ import annotations
 
@@ -50,9 +55,10 @@ def test_span_cast_issues_the_tile_and_group_maxima_loads_before_converting(tmp_
 @pytest.mark.slow  # DSL compiles and ptxas in a subprocess
 @needs_dsl
 @needs_ptxas
-def test_span_cast_fits_five_ctas_per_sm(tmp_path):
+def test_span_cast_fits_four_ctas_per_sm(tmp_path):
     out = _dump(tmp_path, ptxas=True)
-    line = next(x for x in out.splitlines() if x.startswith("quant_span_cast "))
-    regs = int(re.search(r"regs\s+(\d+)", line).group(1))
-    assert regs <= 48, line  # 65536 registers / (256 threads x 48) = 5 CTAs per SM
-    assert "spill stores     0 B loads     0 B" in line, line
+    for name in _CONFIGS:
+        line = next(x for x in out.splitlines() if x.startswith(f"{name} "))
+        regs = int(re.search(r"regs\s+(\d+)", line).group(1))
+        assert regs <= 64, line  # 65536 registers / (256 threads x 64) = 4 CTAs per SM
+        assert "spill stores     0 B loads     0 B" in line, line
