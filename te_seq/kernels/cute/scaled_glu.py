@@ -113,9 +113,9 @@ class ColumnMaximaGluKernel(ScaledGluGemmKernel):
     Per 32-column subtile each thread takes, per distinct column it holds, the max over its
     rows of the tile that lie in the expert (the rows past the expert's end are not its
     values); the lanes that share columns (lane bits 2-4 in a WGMMA accumulator) combine by
-    shuffles, and lanes 0-3 of each warp raise the column's entry with ``red.global.max`` on
-    the fp32 bits (non-negative floats order as their bits). Rows of the virtual group E
-    (past the last expert) and subtiles past F add nothing."""
+    shuffles, and lanes 0-3 of each warp raise the column's entry with an atomic max on the
+    fp32 bits (non-negative floats order as their bits). Rows of the virtual group E (past
+    the last expert) and subtiles past F add nothing."""
 
     amax_epi_index = ScaledGluGemmKernel.scale_epi_index + 2  # after the scales
 
@@ -160,6 +160,7 @@ class ColumnMaximaGluKernel(ScaledGluGemmKernel):
 
     @cute.jit
     def _column_maxima(self, ep, t, outs, cols, col_ok, e: int):
+        """The subtile's (dgate, dup, a) maxima per column into amax_dh and amax_a."""
         amax_dh, amax_a = ep.epi[self.amax_epi_index], ep.epi[self.amax_epi_index + 1]
         lane = cute.arch.lane_idx()
         first_col = 32 * (e // self._halves())  # the subtile's first column in the tile
