@@ -33,6 +33,7 @@ from .glu_epilogue import GluGemmKernel, _GluTile
 from .quant_kernels import _nan_to_inf
 from .row_values import _static_offsets
 from .scale_epilogue import ScaleScratchMixin, ScaleTile
+from .span_kernels import _fmax, _shuffle_max
 
 
 class ScaledGluGemmKernel(ScaleScratchMixin, GluGemmKernel):
@@ -177,11 +178,8 @@ class ColumnMaximaGluKernel(ScaledGluGemmKernel):
                 for v in members:
                     inside = t.coords[self._sub_index(ep, e, v)][0] < t.valid_rows
                     magnitude = cute.math.abs(values[v])
-                    amax = cute.arch.fmax(amax, cutlass.select_(inside, magnitude, Float32(0.0)),
-                                          nan=True)
-                for offset in (4, 8, 16):  # the lanes holding the same columns
-                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset),
-                                          nan=True)
+                    amax = _fmax(amax, cutlass.select_(inside, magnitude, Float32(0.0)))
+                amax = _shuffle_max(amax, (4, 8, 16))  # the lanes holding the same columns
                 if live & in_f & (lane < 4):
                     entry = t.group * dst.shape[1] + col0 + c
                     cute.arch.atomic_fmax(dst.iterator + entry, _nan_to_inf(amax),
