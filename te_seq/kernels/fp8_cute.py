@@ -249,8 +249,8 @@ class _RowwiseLaunch:
 
     def __call__(self, x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
                  out_dtype: torch.dtype, **options):
-        if (x.data.stride(), w_data.stride()) != self._strides or any(
-                options.get(name, False) != value for name, value in self._fixed.items()):
+        if (x.data.stride(), w_data.stride()) != self._strides or (self._fixed and any(
+                options.get(name, False) != value for name, value in self._fixed.items())):
             return self._unprepared(x, w_data, w_scale_inv, offs, out_dtype, **options)
         scale_a, scale_b = row_scales(x, w_scale_inv, w_data.shape[1])
         return self._launch(x.data, w_data, scale_a, scale_b, offs, **options)
