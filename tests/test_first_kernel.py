@@ -388,28 +388,6 @@ def test_a_rowwise_launch_runs_unprepared_where_the_operands_strides_changed():
     assert calls == ["prepared", "unprepared", "unprepared"]
 
 
-@pytest.mark.parametrize("prepared_with", [False, True])
-def test_a_rowwise_launch_runs_unprepared_where_a_fixed_option_differs(prepared_with):
-    """A launch prepared with a boolean option (the GLU dgrad's ``col_amax``) launches calls
-    asking the same (an omitted option counts as False) and sends the others through the
-    unprepared functional, which makes what they ask for."""
-    from te_seq.kernels import fp8_cute
-    from te_seq.kernels.fp8_reference import ROWWISE, QuantizedTensor, ScaleRule
-
-    calls = []
-    x = QuantizedTensor(torch.zeros(4, 32), torch.ones(4, 1), ROWWISE, ScaleRule("E4M3"))
-    w = torch.zeros(2, 16, 32)
-    launch = fp8_cute._RowwiseLaunch(lambda *a, **o: calls.append("prepared"),
-                                     lambda *a, **o: calls.append("unprepared"), x, w,
-                                     {"col_amax": prepared_with})
-    offs, ws = torch.tensor([1, 4]), torch.ones(2, 16, 1)
-    for options in ({}, {"col_amax": False}, {"col_amax": True}):
-        launch(x, w, ws, offs, torch.bfloat16, **options)
-    same = "prepared" if not prepared_with else "unprepared"
-    other = "unprepared" if not prepared_with else "prepared"
-    assert calls == [same, same, other]
-
-
 def _fc1_facts(stubs):
     """The last FC1 launch's arguments as facts (tensors: dtype, shape, strides, offset)."""
     from te_seq.kernels.cute.compile import GluConfig
@@ -577,50 +555,3 @@ def test_moe_block_without_backward_launches_its_gathered_fc1_without_h(case):
     (args,) = stub.calls  # (x [T, H], b, c, offs, clusters, a [T k, F], ...)
     assert args[0].shape == (t, h) and args[5].shape == (t * k, f)
     assert (args[2] is args[5]) == (not backward)
-
-
-def _stubbed_fp8_step(pl):
-    """One all-FP8 row-wise fwd+bwd step of the stubbed MLP (8 experts, H 256, F 128): the
-    stubs' records."""
-    with pl.stubbed_step(record=True) as stubs:
-        forward = pl.mlp_forward(256, "Float8RowwiseScaling", e=8, h=256, f=128)
-        forward().backward(torch.randn(256, 256, dtype=torch.bfloat16))
-    return stubs
-
-
-def test_dgrad_maxima_setting_feeds_the_token_major_casts(tiling_env):
-    """``TE_SEQ_FP8_DGRAD_MAXIMA=1``: the FP8 GLU dgrad is the column-maxima kernel, launched
-    with zero-filled amax_dh [E, 2F] and amax_a [E, F] (16-byte aligned, contiguous, one
-    buffer); the activation's and dh's token-major casts read those maxima, so the backward
-    runs one maxima pass over memory (dy's) instead of three; dh's row-wise form comes from
-    the row kernel. Off (the default): the kernel and passes as before."""
-    pl = _harness()
-    from te_seq.kernels.cute.compile import GluConfig
-    from te_seq.kernels.cute.compile_quant import QuantConfig
-
-    def launches(stubs, kind):
-        return [args for cfg, stub in stubs.items()
-                if isinstance(cfg, QuantConfig) and cfg.kind == kind for args in stub.calls]
-
-    def dgrads(stubs):
-        return [(cfg, args) for cfg, stub in stubs.items()
-                if isinstance(cfg, GluConfig) and cfg.mode == "dgrad" for args in stub.calls]
-
-    tiling_env("TE_SEQ_FP8_DGRAD_MAXIMA", None)
-    off = _stubbed_fp8_step(pl)
-    (cfg_off, args_off), = dgrads(off)
-    assert not cfg_off.col_amax and len(args_off) == 13
-    assert len(launches(off, "span_amax")) == 3  # dy, the activation, dh
-    tiling_env("TE_SEQ_FP8_DGRAD_MAXIMA", "1")
-    on = _stubbed_fp8_step(pl)
-    (cfg_on, args_on), = dgrads(on)
-    assert cfg_on.col_amax and len(args_on) == 15
-    amax_dh, amax_a = args_on[12:14]
-    for amax, width in ((amax_dh, 256), (amax_a, 128)):
-        assert amax.shape == (8, width) and amax.dtype == torch.float32
-        assert amax.is_contiguous() and amax.data_ptr() % 16 == 0
-    assert amax_a.data_ptr() == amax_dh.data_ptr() + amax_dh.numel() * 4  # one buffer
-    assert len(launches(on, "span_amax")) == 1  # dy's only
-    cast_maxima = [args[2] for args in launches(on, "span_cast")]
-    assert any(m is amax_a for m in cast_maxima) and any(m is amax_dh for m in cast_maxima)
-    assert len(launches(on, "rows")) == len(launches(off, "rows")) + 1  # dh's row-wise form

@@ -111,24 +111,6 @@ def test_token_major_input_in_forward_or_backward_gives_the_same_bits(case, r):
             assert torch.equal(got, want), i
 
 
-@pytest.mark.parametrize("r", RECIPES, ids=IDS)
-def test_column_maxima_from_the_dgrad_give_the_same_bits(tiling_env, r):
-    """``TE_SEQ_FP8_DGRAD_MAXIMA=1``: the FP8 GLU dgrad's per-(expert, column) maxima make the
-    activation's and dh's token-major wgrad operands instead of maxima passes over them: the
-    same operands, so the same bits, d(probs) aside (fp32 atomic adds: summation order).
-    Under HYBRID (E5M2 gradients) the fused dgrad does not run and nothing changes."""
-    results = {}
-    for setting in ("0", "1"):
-        tiling_env("TE_SEQ_FP8_DGRAD_MAXIMA", setting)
-        torch.manual_seed(5)  # the same data: the case draws it when made
-        results[setting] = on_backends(*gpu_mlp_case(r), ("cute",))["cute"]
-    for i, (got, want) in enumerate(zip(results["1"], results["0"])):
-        if i == 2:  # d(probs)
-            assert rel_err(got, want) < 1e-5
-        else:
-            assert torch.equal(got, want), i
-
-
 @pytest.mark.parametrize("r", [*RECIPES, recipe.Float8BlockScaling()], ids=[*IDS, "block"])
 @pytest.mark.parametrize("case", [gpu_linear_case, gpu_mlp_case], ids=["linear", "mlp"])
 def test_high_precision_wgrad_keeps_the_fp8_forward_and_dgrad(case, r):

@@ -305,14 +305,6 @@ def _token_major(recipe: Recipe, role: str, t: Tensor, offs: Tensor, backend_nam
     return fp8_quantize.token_major(t, offs, t_scaling.rule, backend_name)
 
 
-def token_major_from_maxima(recipe: Recipe, role: str, t: Tensor, offs: Tensor,
-                            group_amax: Tensor) -> fp8_wgrad.TokenMajor:
-    """`input_token_major` (role "input") or `grad_token_major` ("grad") of t [T, C] from its
-    max |t| per (group, column) [G, C] made elsewhere (the FP8 GLU dgrad's epilogue): one
-    cast pass, bitwise the same (per-(group, column) scales; the cute backend's kernels)."""
-    return fp8_quantize.token_major_from_amax(t, offs, group_amax, scaling(recipe, role).rule)
-
-
 def input_both(recipe: Recipe, input_: Tensor, x: Tensor, offs: Tensor, backend_name: str
                ) -> tuple[ref.QuantizedTensor, fp8_wgrad.TokenMajor]:
     """(`input_quantized`, `input_token_major`) of x, made together where one pass pair can

@@ -306,16 +306,12 @@ class GroupedGrads:
 
     def __init__(self, ctx, dy: Tensor, operands: fp8.GradOperands, offs: Tensor,
                  bounds: list[tuple[int, int]], need_wgrad: bool = True,
-                 rows=None, group_amax: Tensor | None = None):
+                 rows=None):
         self.ctx, self.dy, self.operands, self.offs = ctx, dy, operands, offs
         recipe, self.dy_tm, self.dy_w = ctx.recipe, None, None
         # the wgrad runs on FP8 token-major operands (else on fp32 ones: `wgrad_reason`)
         self.native_wgrad = operands.native and not wgrad_reason(recipe)
-        if self.native_wgrad and need_wgrad and group_amax is not None:
-            # dy's maxima per (group, column) came with it (the FP8 GLU dgrad's): no maxima pass
-            self.dy_q = fp8.grad_quantized(recipe, dy, ctx.backend.name, rows)
-            self.dy_tm = fp8.token_major_from_maxima(recipe, "grad", dy, offs, group_amax)
-        elif self.native_wgrad and need_wgrad:  # both forms of dy in one pass pair if possible
+        if self.native_wgrad and need_wgrad:  # both forms of dy in one pass pair if possible
             self.dy_q, self.dy_tm = fp8.grad_both(recipe, dy, offs, ctx.backend.name)
         elif operands.native:  # `rows`: the quantizer of dy's dgrad form (`grad_quantized`'s)
             self.dy_q = fp8.grad_quantized(recipe, dy, ctx.backend.name, rows)

@@ -208,24 +208,19 @@ def glu_fc1(x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tenso
 
 
 def glu_dgrad(dy: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
-              out_dtype: torch.dtype, *, h: Tensor, glu: GluSpec, probs: Tensor | None,
-              col_amax: bool = False) -> tuple:
+              out_dtype: torch.dtype, *, h: Tensor, glu: GluSpec, probs: Tensor | None
+              ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dh [M, 2F], a [M, F], dprobs [M] or None): FC2's FP8 dgrad (dy [M, H], W2ᵀ [G, F, H]
     quantized along H) with the gated activation's backward from h [M, 2F] in its epilogue:
-    `block_scaled_glu_fc2_dgrad` for 1x128 / 128x128 blocks, else `scaled_glu_fc2_dgrad`.
-    ``col_amax`` (row-wise scales only): also dh's and a's per-(expert, column) maxima
-    (`scaled_glu_fc2_dgrad`'s), appended."""
+    `block_scaled_glu_fc2_dgrad` for 1x128 / 128x128 blocks, else `scaled_glu_fc2_dgrad`."""
     args = (h, glu.act, glu.glu_interleave_size, probs, glu.params)
     if (dy.block.rows, dy.block.cols) == _TILES:  # 1x128 (tuples: no dataclass comparison)
-        if col_amax:
-            raise ValueError("glu_dgrad: column maxima are taken under row-wise scales only")
         scale_a, scale_b = block_scales(dy, w_scale_inv, w_data.shape[1])
         return cute.block_scaled_glu_fc2_dgrad(
             dy.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32), *args)
     scale_a, scale_b = row_scales(dy, w_scale_inv, w_data.shape[1])
-    maxima = {"col_amax": True} if col_amax else {}  # a call without asks as before
     return cute.scaled_glu_fc2_dgrad(
-        dy.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32), *args, **maxima)
+        dy.data.contiguous(), w_data, scale_a, scale_b, offs.to(torch.int32), *args)
 
 
 # ---------------------------------------------------------------- launches prepared once
@@ -239,18 +234,13 @@ class _RowwiseLaunch:
     dtypes, shapes, devices, options), else runs the unprepared kernel, which checks
     everything."""
 
-    def __init__(self, launch, unprepared, x: QuantizedTensor, w_data: Tensor,
-                 fixed: dict | None = None) -> None:
+    def __init__(self, launch, unprepared, x: QuantizedTensor, w_data: Tensor) -> None:
         self._launch, self._unprepared = launch, unprepared
         self._strides = (x.data.stride(), w_data.stride())
-        # boolean options the launch was prepared with (False where a call omits one): a call
-        # that asks otherwise runs unprepared
-        self._fixed = fixed or {}
 
     def __call__(self, x: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
                  out_dtype: torch.dtype, **options):
-        if (x.data.stride(), w_data.stride()) != self._strides or (self._fixed and any(
-                options.get(name, False) != value for name, value in self._fixed.items())):
+        if (x.data.stride(), w_data.stride()) != self._strides:
             return self._unprepared(x, w_data, w_scale_inv, offs, out_dtype, **options)
         scale_a, scale_b = row_scales(x, w_scale_inv, w_data.shape[1])
         return self._launch(x.data, w_data, scale_a, scale_b, offs, **options)
@@ -295,19 +285,16 @@ def prepare_scaled_grouped_mm(x: QuantizedTensor, w_data: Tensor, w_scale_inv: T
 
 
 def prepare_glu_dgrad(dy: QuantizedTensor, w_data: Tensor, w_scale_inv: Tensor, offs: Tensor,
-                      out_dtype: torch.dtype, *, h: Tensor, glu: GluSpec, probs: Tensor | None,
-                      col_amax: bool = False):
+                      out_dtype: torch.dtype, *, h: Tensor, glu: GluSpec, probs: Tensor | None):
     """``run(dy, w_data, w_scale_inv, offs, out_dtype, h=h, probs=probs) -> (dh, a,
-    dprobs[, amax_dh, amax_a])``, equal to ``glu_dgrad(..., h=h, glu=glu, probs=probs,
-    col_amax=col_amax)`` for later calls whose operands have these ones' facts and the same
-    ``col_amax`` (`_RowwiseLaunch`), checked and planned once, here
+    dprobs)``, equal to ``glu_dgrad(..., h=h, glu=glu, probs=probs)`` for later calls whose
+    operands have these ones' facts (`_RowwiseLaunch`), checked and planned once, here
     (``cute.scaled_glu_fc2_dgrad.launch_for``); None under 1x128 block scales."""
     if not _rowwise(dy):
         return None
     scale_a, scale_b = row_scales(dy, w_scale_inv, w_data.shape[1])
     launch = cute.scaled_glu_fc2_dgrad.launch_for(
-        dy.data, w_data, scale_a, scale_b, glu.act, glu.glu_interleave_size, probs, glu.params,
-        col_amax)
+        dy.data, w_data, scale_a, scale_b, glu.act, glu.glu_interleave_size, probs, glu.params)
     # glu was fixed here: the later calls' signature vouches it is unchanged
     return _RowwiseLaunch(lambda *a, h, probs, **fixed: launch(*a, h, probs), glu_dgrad, dy,
-                          w_data, {"col_amax": col_amax})
+                          w_data)

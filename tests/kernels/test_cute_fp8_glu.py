@@ -50,18 +50,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
                   pingpong=True, h_prefetch=2),
         GluConfig("dgrad", fp8, "k", "gelu", 32, bf16, (2, 1), tile_n=128, scaled=True,
                   pingpong=True, h_prefetch=4),
-        # dgrads raising dh's and a's column maxima (scaled_glu.ColumnMaximaGluKernel)
-        GluConfig("dgrad", fp8, "k", "silu", None, fp32, (2, 1), tile_n=128, scaled=True,
-                  pingpong=True, h_prefetch=2, col_amax=True),
-        GluConfig("dgrad", fp8, "k", "gelu", 32, None, scaled=True, col_amax=True),
     ]:
         print(cfg, f"{compile_glu(cfg).compile_s:.1f}s", flush=True)
-    try:
-        compile_glu(GluConfig("fc1", fp8, "k", "silu", None, None, scaled=True, col_amax=True))
-    except ValueError as exc:
-        assert "column maxima are a dgrad option" in str(exc), exc
-    else:
-        raise AssertionError("an fc1 with column maxima compiled")
     for bad in [GluConfig("fc1", fp8, "n", "silu", None, None, scaled=True),
                 GluConfig("fc1", bf16, "k", "silu", None, None, scaled=True),
                 GluConfig("fc1", fp8, "k", "silu", None, None, bias_dtype=bf16, scaled=True),
@@ -269,55 +259,6 @@ def test_scaled_fc2_dgrad_matches_float64(case, config):
         assert dprobs.dtype == probs.dtype and dprobs.shape == (m,)
         assert _max_rel(dprobs, dp_ref) < 1e-2
         assert (dprobs[end:] == 0).all()
-
-
-def _group_maxima(t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """max |t| over each group's rows per column, fp32 [G, C], nan counted as inf (0 for an
-    empty group): what the FP8 GLU dgrad's column maxima must equal."""
-    mags = t.float().abs()
-    mags = torch.where(torch.isnan(mags), torch.full_like(mags, float("inf")), mags)
-    out = torch.zeros(len(sizes), t.shape[1], device=t.device)
-    start = 0
-    for g, size in enumerate(sizes):
-        if size:
-            out[g] = mags[start:start + size].amax(0)
-        start += size
-    return out
-
-
-@gpu
-@needs_cute
-@pytest.mark.parametrize("tiling", [None, "cooperative"])
-@pytest.mark.parametrize("config", _CONFIGS, ids=str)
-@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
-def test_scaled_fc2_dgrad_column_maxima_equal_the_written_values(tiling_env, case, config,
-                                                                 tiling):
-    """``col_amax=True``: dh, a and dprobs bit for bit those of the call without, and
-    (amax_dh, amax_a) exactly max |v| per (expert, column) of the dh and a written, over the
-    expert's rows only (rows past the end hold a computed from h there: excluded), inf where a
-    value is not finite; the default ping-pong tiling and the cooperative one."""
-    _, sizes, extra, h_dim, f = case
-    act, il, p_dtype, params = config
-    if tiling == "cooperative":
-        tiling_env("TE_SEQ_PINGPONG", "0")
-    m = sum(sizes) + extra
-    dy, sdy, _ = _quantized_rows(_spread_rows(m, h_dim))
-    w2t, sw2, _ = _quantized_rows(_spread_rows(len(sizes), f, h_dim) / h_dim**0.5)
-    h = torch.randn(m, 2 * f, device="cuda").to(torch.bfloat16)  # rows past the end too
-    h[m - 1, 0] = float("inf")  # past the end where extra > 0: must not count
-    first = next(i for i, size in enumerate(sizes) if size)
-    h[sum(sizes[:first]), f - 1] = float("inf")  # a non-finite dh / a in the first expert
-    probs = None if p_dtype is None else torch.rand(m, device="cuda").to(p_dtype)
-    fn, offs = cute.scaled_glu_fc2_dgrad, _offs(sizes)
-    plain = fn(dy, w2t, sdy, sw2, offs, h, act, il, probs, params)
-    dh, a, dprobs, amax_dh, amax_a = fn(dy, w2t, sdy, sw2, offs, h, act, il, probs, params,
-                                        col_amax=True)
-    assert torch.equal(dh, plain[0]) and torch.equal(a, plain[1])
-    assert (dprobs is None and plain[2] is None) or torch.equal(dprobs, plain[2])
-    assert amax_dh.shape == (len(sizes), 2 * f) and amax_a.shape == (len(sizes), f)
-    assert torch.equal(amax_dh, _group_maxima(dh, sizes))
-    assert torch.equal(amax_a, _group_maxima(a, sizes))
-    assert torch.isinf(amax_dh[first]).any() or torch.isinf(amax_a[first]).any()
 
 
 @gpu

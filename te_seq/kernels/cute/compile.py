@@ -289,9 +289,6 @@ class GluConfig:
     # [E, NB, HB] promoted in the main loop; out of the repr (cached as "block_glu")
     block_scaled: bool = field(default=False, repr=False)
     store_h: bool = True  # fc1: False writes a only (no backward reads h)
-    # the FP8 dgrad also raises dh's and a's per-(expert, column) maxima
-    # (``scaled_glu.ColumnMaximaGluKernel``); out of the repr (cached as "glu_col_amax")
-    col_amax: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", param_values(self.act, self.params))
@@ -325,8 +322,6 @@ def _fake_glu_args(cfg: GluConfig) -> tuple:
     scales = (_fake_scales(1), _fake_scales(2)) if getattr(cfg, "scaled", False) else ()
     if getattr(cfg, "block_scaled", False):  # 1x128 blocks of x, 128x128 blocks of W1
         scales = (_fake_scales(2), _fake_scales(3))
-    if getattr(cfg, "col_amax", False):  # amax_dh [E, 2F], amax_a [E, F]
-        scales = (*scales, _fake_scales(2), _fake_scales(2))
     return (a, b, c, offs, cutlass.Int32(1), act_out, probs, dprobs, h_in, bias, *scales, route,
             stream)
 
@@ -381,19 +376,18 @@ def _compile_block_scaled_glu(cfg: GluConfig) -> CompiledGemm:
 
 def _compile_scaled_glu(cfg: GluConfig) -> CompiledGemm:
     """The FP8 GLU GEMM (``scaled_glu``): E4M3 operands, K-major B, no bias, no route."""
-    from .scaled_glu import ColumnMaximaGluKernel, ScaledGluGemmKernel
+    from .scaled_glu import ScaledGluGemmKernel
 
     if cfg.ab_dtype != torch.float8_e4m3fn or cfg.b_major != "k" or cfg.bias_dtype or cfg.route:
         raise ValueError(f"scaled GLU GEMMs take E4M3 operands, K-major B, no bias or route: "
                          f"{cfg}")
-    kind = ColumnMaximaGluKernel if cfg.col_amax else ScaledGluGemmKernel
-    kernel = kind(
+    kernel = ScaledGluGemmKernel(
         cfg.mode, cfg.act, cfg.interleave, cfg.probs_dtype is not None, cfg.cluster_mn,
         cfg.store_stages, cfg.tile_n, cfg.params, pingpong=cfg.pingpong,
         epi_rows=cfg.epi_rows, half_tiles=cfg.half_tiles, store_h=cfg.store_h,
         h_prefetch=cfg.h_prefetch,
     )
-    return _compile("glu_col_amax" if cfg.col_amax else "glu", cfg, kernel, _fake_glu_args(cfg))
+    return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 
 
 # ---------------------------------------------------------------- fused non-gated epilogues

@@ -279,12 +279,11 @@ class _ScaledFc2Dgrad:
     @staticmethod
     def launch_for(dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor, act: str,
                    interleave: int | None, probs: Tensor | None = None,
-                   params: tuple[float, ...] = (), col_amax: bool = False
-                   ) -> ScaledFc2DgradLaunch:
+                   params: tuple[float, ...] = ()) -> ScaledFc2DgradLaunch:
         """A `ScaledFc2DgradLaunch`: this call (default tiling) for later calls with operands
         of these facts; ValueError as the call where the kernel cannot take them."""
         return ScaledFc2DgradLaunch(dy, w2t, dy_scale, w2t_scale, act, interleave, probs,
-                                    tuple(params), col_amax)
+                                    tuple(params))
 
     def __call__(
         self,
@@ -300,34 +299,20 @@ class _ScaledFc2Dgrad:
         params: tuple[float, ...] = (),
         *,
         tiling: Tiling | None = None,
-        col_amax: bool = False,
-    ) -> tuple:
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """dA [M, F] = diag(dy_scale) (dY_e W2_e) diag(w2t_scale[e]) (w2t = W2ᵀ [E, F, H]
         float8_e4m3fn, dy [M, H] float8_e4m3fn) stays in fp32 registers; dh [M, 2F] bf16 =
         ``reference.glu_backward(h, dA, ...)``, a [M, F] bf16 = ``reference.glu_forward(h,
         ...)`` and dprobs [M] (fp32 sums, in probs.dtype; None without probs). h [M, 2F] bf16;
         ``tiling`` as the 16-bit ``glu_fc2_dgrad``'s (None: the default, cooperative).
-        Rows past ``offs[-1]`` get dA = 0 (dh and dprobs zero there). ``col_amax``: also
-        (amax_dh [E, 2F], amax_a [E, F]) fp32, max |v| over each expert's rows per column of
-        the dh and a returned (nan as inf; `_maxima`), appended to the result. Raises
-        ValueError when ``supports`` is False or h has the wrong shape or dtype."""
+        Rows past ``offs[-1]`` get dA = 0 (dh and dprobs zero there). Raises ValueError when
+        ``supports`` is False or h has the wrong shape or dtype."""
         checked, why = _checked(dy, w2t, dy_scale, w2t_scale, act, interleave, False)
         if checked is None:
             raise _refused(_DGRAD_OP, ("dy", dy), ("w2t", w2t), why)
         dy, w2, scales = _kernel_operands(dy, w2t, dy_scale, w2t_scale, checked)
-        maxima = _maxima(w2t, col_amax)
         return run_dgrad(_DGRAD_OP, dy, w2, offs, h, act, interleave, probs,
-                         params, torch.bfloat16, scales, tiling, maxima=maxima) + maxima
-
-
-def _maxima(w2t: Tensor, col_amax: bool) -> tuple:
-    """(amax_dh [E, 2F], amax_a [E, F]) fp32 zeros in one buffer (one fill) where
-    ``col_amax``, else (); E, F from w2t [E, F, H]."""
-    if not col_amax:
-        return ()
-    groups, f = w2t.shape[0], w2t.shape[1]
-    buffer = torch.zeros(groups * 3 * f, dtype=torch.float32, device=w2t.device)
-    return buffer[:groups * 2 * f].view(groups, 2 * f), buffer[groups * 2 * f:].view(groups, f)
+                         params, torch.bfloat16, scales, tiling)
 
 
 class ScaledFc2DgradLaunch(PreparedLaunch):
@@ -338,12 +323,11 @@ class ScaledFc2DgradLaunch(PreparedLaunch):
     (anew as every `PreparedLaunch`), as `ScaledFc1Launch`. Holds no tensor."""
 
     def __init__(self, dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor, act: str,
-                 interleave: int | None, probs: Tensor | None, params: tuple,
-                 col_amax: bool = False) -> None:
+                 interleave: int | None, probs: Tensor | None, params: tuple) -> None:
         checked, why = _checked(dy, w2t, dy_scale, w2t_scale, act, interleave, False)
         if checked is None:
             raise _refused(_DGRAD_OP, ("dy", dy), ("w2t", w2t), why)
-        self._checked, self._args, self.col_amax = checked, (act, interleave, params), col_amax
+        self._checked, self._args = checked, (act, interleave, params)
         self._planned(dy, w2t, dy_scale, w2t_scale, probs)
 
     def _make_plan(self, dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor,
@@ -354,16 +338,16 @@ class ScaledFc2DgradLaunch(PreparedLaunch):
             return None
         dy, w2, _ = _kernel_operands(dy, w2t, dy_scale, w2t_scale, self._checked)
         return glu_plan("dgrad", dy, w2, rows, _check_probs(probs, rows, _DGRAD_OP),
-                        *self._args, scaled=True, col_amax=self.col_amax)
+                        *self._args, scaled=True)
 
     def __call__(self, dy: Tensor, w2t: Tensor, dy_scale: Tensor, w2t_scale: Tensor,
-                 offs: Tensor, h: Tensor, probs: Tensor | None) -> tuple:
+                 offs: Tensor, h: Tensor, probs: Tensor | None
+                 ) -> tuple[Tensor, Tensor, Tensor | None]:
         plan = self._current(dy, w2t, dy_scale, w2t_scale, probs)
         dy, w2, scales = _kernel_operands(dy, w2t, dy_scale, w2t_scale, self._checked)
         act, interleave, params = self._args
-        maxima = _maxima(w2t, self.col_amax)
         return run_dgrad(_DGRAD_OP, dy, w2, offs, h, act, interleave, probs, params,
-                         torch.bfloat16, scales, plan=plan, maxima=maxima) + maxima
+                         torch.bfloat16, scales, plan=plan)
 
 
 scaled_glu_fc1_forward = _ScaledFc1Forward()

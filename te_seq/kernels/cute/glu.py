@@ -218,39 +218,35 @@ def _dgrad_h_prefetch(t: Tiling, scaled: bool) -> int:
 
 def _launch(mode: str, x, b, c, offs, act_out, probs, dprobs, h_in, act, interleave, params,
             bias=None, gather=None, scales=(), tiling=None, h_prefetch=None,
-            block_scaled=False, maxima=()) -> Tensor | None:
+            block_scaled=False) -> Tensor | None:
     """Launch the GLU kernel over a's M rows (``gather``: int32 [M], x's row of each GEMM
     row; x is then the [T, H] token matrix; ``scales``: the FP8 kernel's fp32 (scale_a [M],
     scale_b [E, N]), ``fp8_glu``; ``block_scaled``: they are the block scales [M, HB] and
     [E, 2F/128, HB] of the block-scaled FC1, ``block_glu``; ``tiling``: ``_glu_tiling``;
     ``h_prefetch``: the dgrad's, None for ``_dgrad_h_prefetch``; c None: an fc1 whose h is
-    not wanted, ``launch.fc1_writes_h`` decides; ``maxima``: the FP8 dgrad's zero-filled
-    (amax_dh [E, 2F], amax_a [E, F]) to raise, ``scaled_glu.ColumnMaximaGluKernel``), its
-    kernel and grid planned (and compiled) once per call signature (`glu_plan`). Returns c
-    (None where the fc1 wrote no h)."""
+    not wanted, ``launch.fc1_writes_h`` decides), its kernel and grid planned (and compiled)
+    once per call signature (`glu_plan`). Returns c (None where the fc1 wrote no h)."""
     offs = _check_offs(offs, b.shape[0], x.device)
     plan = glu_plan(mode, x, b, act_out.shape[0], probs, act, interleave, params, bias, gather,
-                    bool(scales), tiling, h_prefetch, block_scaled, c is not None, bool(maxima))
-    return run_glu_plan(plan, x, b, c, offs, act_out, probs, dprobs, h_in, bias,
-                        (*scales, *maxima), gather)
+                    bool(scales), tiling, h_prefetch, block_scaled, c is not None)
+    return run_glu_plan(plan, x, b, c, offs, act_out, probs, dprobs, h_in, bias, scales, gather)
 
 
 def glu_plan(mode: str, x, b, rows: int, probs, act, interleave, params, bias=None, gather=None,
              scaled: bool = False, tiling=None, h_prefetch=None, block_scaled: bool = False,
-             store_h: bool = True, col_amax: bool = False) -> LaunchPlan:
+             store_h: bool = True) -> LaunchPlan:
     """The `LaunchPlan` of a GLU launch over ``rows`` rows with `_launch`'s operands
-    (``scaled``: FP8 scales given; ``store_h``: h wanted; ``col_amax``: the FP8 dgrad raises
-    dh's and a's column maxima), made once per call signature."""
+    (``scaled``: FP8 scales given; ``store_h``: h wanted), made once per call signature."""
     signature = (
         mode, x.dtype, x.device, b.dtype, b.shape, b.stride(), b.device, rows,
         None if probs is None else probs.dtype, act, interleave, tuple(params),
         None if bias is None else bias.dtype, gather is None, scaled, tiling, h_prefetch,
         tiling is None and tiling_settings(),  # the default tiling reads the environment
-        block_scaled, not store_h, col_amax,
+        block_scaled, not store_h,
     )
     return _PLANS.get(signature) or _PLANS.put(
         signature, _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather,
-                         scaled, tiling, h_prefetch, block_scaled, store_h, col_amax)
+                         scaled, tiling, h_prefetch, block_scaled, store_h)
     )
 
 
@@ -270,7 +266,7 @@ def run_glu_plan(plan: LaunchPlan, x, b, c, offs, act_out, probs, dprobs, h_in, 
 
 
 def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled, tiling,
-          h_prefetch, block_scaled=False, store_h=True, col_amax=False):
+          h_prefetch, block_scaled=False, store_h=True):
     """The `LaunchPlan` of a GLU launch: its config compiled (once per config), the grid."""
     from .compile import GluConfig, compile_glu
 
@@ -279,9 +275,6 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
     plain_fc1 = bias is None and not block_scaled and interleave in (None, 32, 64) \
         and (scaled or x.dtype in (torch.bfloat16, torch.float16))
     fp8_dgrad = mode == "dgrad" and scaled and not block_scaled
-    if col_amax and not fp8_dgrad:
-        raise ValueError(f"cute GLU {mode}: column maxima are an option of the FP8 row-wise "
-                         f"dgrad (scaled {scaled}, block scaled {block_scaled})")
     # two h buffer pairs (an explicit h_prefetch=2) run in the cooperative dgrad only
     plain_dgrad = mode == "dgrad" and not scaled and not block_scaled and h_prefetch != 2
     t = _glu_tiling(mode, n, gather is not None, tiling, x.shape[1], plain_fc1, fp8_dgrad,
@@ -298,7 +291,6 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
         route=None if gather is None else "gather", scaled=scaled and not block_scaled,
         pingpong=t.pingpong, h_prefetch=h_prefetch, epi_rows=t.epi_rows,
         half_tiles=half_tiles(t), block_scaled=block_scaled, store_h=store_h,
-        col_amax=col_amax,
     )
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)
@@ -546,14 +538,12 @@ def run_dgrad(op: str, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str
               interleave: int | None, probs: Tensor | None, params: tuple[float, ...],
               out_dtype: torch.dtype, scales: tuple = (), tiling: Tiling | None = None,
               h_prefetch: int | None = None, block_scaled: bool = False,
-              plan: LaunchPlan | None = None, maxima: tuple = ()
-              ) -> tuple[Tensor, Tensor, Tensor | None]:
+              plan: LaunchPlan | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The dgrad GLU kernel on checked operands (dy [M, H], w2 [E, H, F] in the kernel's
     view; ``scales``: the FP8 kernel's, block scales where ``block_scaled``): h checked
     against dy's rows and F, (dh, a, dprobs) allocated in ``out_dtype``, the kernel launched
     over the rows, dprobs in probs' dtype. ``plan``: the call's `glu_plan`, found by a
-    prepared launch (else looked up here by the call's signature; made with ``col_amax`` where
-    ``maxima``, the zero-filled (amax_dh, amax_a) the FP8 dgrad raises, are given)."""
+    prepared launch (else looked up here by the call's signature)."""
     rows, f = dy.shape[0], w2.shape[2]
     if h.shape != (rows, 2 * f) or h.dtype != out_dtype:
         raise ValueError(
@@ -567,10 +557,10 @@ def run_dgrad(op: str, dy: Tensor, w2: Tensor, offs: Tensor, h: Tensor, act: str
     if rows and plan is None:
         _launch("dgrad", dy, w2, dh, offs, a, probs, dprobs, h.contiguous(), act, interleave,
                 params, scales=scales, tiling=tiling, h_prefetch=h_prefetch,
-                block_scaled=block_scaled, maxima=maxima)
+                block_scaled=block_scaled)
     elif rows:
         run_glu_plan(plan, dy, w2, dh, _check_offs(offs, w2.shape[0], dy.device), a, probs,
-                     dprobs, h.contiguous(), scales=(*scales, *maxima))
+                     dprobs, h.contiguous(), scales=scales)
     if dprobs is not None and probs_dtype != torch.float32:
         dprobs = dprobs.to(probs_dtype)
     return dh, a, dprobs

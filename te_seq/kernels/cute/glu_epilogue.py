@@ -66,8 +66,6 @@ class _GluTile(NamedTuple):
     a_out: tuple  # (TMA atom, smem, gmem) of a's stores
     scales: object = None  # the FP8 kernel's dequantization-scale context (``scaled_glu``)
     slots: object = None  # the values' row slots (``row_values.RowSlots``)
-    valid_rows: object = None  # rows of this tile inside its group (may exceed the tile)
-    group: object = None  # the tile's group (expert); E for rows past the last group
 
 
 class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKernel):
@@ -269,8 +267,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
         h_out = self._partition(ep.tma_c, ep.mC, ep.sC, row0, rows)
         a_out = (tma_o, *self._partition(tma_o, m_o, ep.sC, row0, rows))
         scales = self._scale_tile(ep, group, tRS_c)
-        t = _GluTile(m_tile, n_tile, f_dim, row_base, tRS_c, r_p, h_out, a_out, scales, slots,
-                     rows_here, group)
+        t = _GluTile(m_tile, n_tile, f_dim, row_base, tRS_c, r_p, h_out, a_out, scales, slots)
         if const_expr(self.mode == "fc1"):
             bt = None
             if const_expr(self.has_bias):
@@ -382,13 +379,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
             outs = (ep.rD_out, r_du_out, r_a_out)
             self._store_glu(ep, t, outs, (g_blk, u_blk, j_blk), count, e % halves)
             count = count + 3
-            self._column_maxima(ep, t, outs, (g_col, u_col, j0), col_ok, e)
         return count - count0
-
-    def _column_maxima(self, ep, t, outs, cols, col_ok, e: int) -> None:
-        """Hook (plain Python, inlined while tracing): the dgrad's (dgate, dup, a) subtile
-        ``e`` in ``outs``, written at first columns ``cols`` of dh, dh and a. Nothing here
-        (``scaled_glu.ColumnMaximaGluKernel`` takes their per-(expert, column) maxima)."""
 
     @cute.jit
     def _dglu(self, ep, t, ins, r_s, outs):

@@ -126,16 +126,13 @@ PINGPONG_MAX_K = 4096
 #                              runs one 64-row WGMMA atom (default HALF_TILES)
 #   TE_SEQ_FC1_KEEP_H=0|1      whether a GLU FC1 asked not to write h (a forward without
 #                              backward) writes it all the same (default 0: it skips h)
-#   TE_SEQ_FP8_DGRAD_MAXIMA=0|1  whether the FP8 MLP's GLU dgrad also takes dh's and a's
-#                              per-(expert, column) maxima for their token-major forms
-#                              (default FP8_DGRAD_MAXIMA)
 # They exist to compare tilings inside one process (bench_grouped_mlp.py --env-variant). Read
 # once, not per call: four environment lookups cost ~3 µs of host time per launch.
 TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER",
               "TE_SEQ_PINGPONG_TILE_N", "TE_SEQ_GLU_FC1_TILE_N", "TE_SEQ_WGRAD_SCHEDULE",
               "TE_SEQ_MM_CLUSTER", "TE_SEQ_HALF_TILES", "TE_SEQ_FC1_KEEP_H",
               "TE_SEQ_COOP_CLUSTER", "TE_SEQ_GLU_DGRAD_PINGPONG", "TE_SEQ_GLU_DGRAD_EPI_ROWS",
-              "TE_SEQ_GLU_DGRAD_H_PREFETCH", "TE_SEQ_FP8_DGRAD_MAXIMA")
+              "TE_SEQ_GLU_DGRAD_H_PREFETCH")
 _SETTINGS: list = [(), {}]  # [the values in TILING_ENV order, {name: value}]
 
 
@@ -298,20 +295,6 @@ def half_tiles(tiling: Tiling) -> bool:
 # 54.48 / 54.60 (0.3-1.3 %; 1.5-2 % fewer cycles). In 1x2 clusters with whole units it had
 # lost on Q (kernel README, sections 22 and 25).
 GLU_DGRAD_PINGPONG = True
-
-
-# The FP8 row-wise GLU dgrad raising dh's and a's per-(expert, column) maxima, so that the
-# all-FP8 backward casts their token-major forms without a maxima pass over memory
-# (scaled_glu.ColumnMaximaGluKernel). Off until measured on a GPU: written on 2026-11-30
-# with no GPU time left to run it (docs/fp8.md, "Column maxima from the FP8 GLU dgrad").
-FP8_DGRAD_MAXIMA = False
-
-
-def fp8_dgrad_maxima() -> bool:
-    """Whether the FP8 MLP's GLU dgrad takes dh's and a's column maxima:
-    ``TE_SEQ_FP8_DGRAD_MAXIMA``, else ``FP8_DGRAD_MAXIMA``."""
-    chosen = _chosen("TE_SEQ_FP8_DGRAD_MAXIMA", _SWITCH)
-    return FP8_DGRAD_MAXIMA if chosen is None else chosen
 
 
 def glu_dgrad_pingpong() -> bool:

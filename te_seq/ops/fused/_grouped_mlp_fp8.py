@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from te_seq.core import amp, fp8, fp8_gemm
-from te_seq.kernels import cute, fp8_cute, fp8_quantize, fp8_torch
+from te_seq.kernels import fp8_cute, fp8_quantize, fp8_torch
 from te_seq.kernels.reference import LazyGroupBounds
 from te_seq.ops.basic.grouped_linear import GroupedLinear
 
@@ -218,16 +218,13 @@ def backward(mlp, ctxs, grad_output: Tensor, launches: Launches | None = None):
     dy = mlp.fc2.grad_rows(ctx2, grad_output)  # [T, H]
     fc2 = fp8_gemm.GroupedGrads(ctx1, dy, ops2, offs, bounds, ctx2.weight_requires_grad,
                                 rows=_row_quantizer(launches, "dy_rows"))
-    dh, a, dprobs, *maxima = _fc2_dgrad(mlp, ctx1, fc2, h, probs, launches)
-    amax_dh, amax_a = maxima or (None, None)
-    fc2.with_input(_fc2_wgrad_input(recipe, a, offs, bounds, fc2.native_wgrad, backend.name,
-                                    amax_a))
+    dh, a, dprobs = _fc2_dgrad(mlp, ctx1, fc2, h, probs, launches)
+    fc2.with_input(_fc2_wgrad_input(recipe, a, offs, bounds, fc2.native_wgrad, backend.name))
     fc2_grads, ds2 = _grads(mlp.fc2, ctx2, dy, fc2, offs, s2)
     fc1_grads, ds1, dx = [], None, None
     if ctx1.requires_grad:
         fc1 = fp8_gemm.GroupedGrads(ctx1, dh, ops1, offs, bounds, ctx1.weight_requires_grad,
-                                    rows=_row_quantizer(launches, "dh_rows"),
-                                    group_amax=amax_dh)
+                                    rows=_row_quantizer(launches, "dh_rows"))
         fc1_grads, ds1 = _grads(mlp.fc1, ctx1, dh, fc1, offs, s1)
         if ctx1.input_requires_grad:  # dX = dH W1
             dx = mlp.fc1.input_grad(ctx1, fc1.dgrad(gemm=_plain_kernel(launches,
@@ -238,40 +235,19 @@ def backward(mlp, ctxs, grad_output: Tensor, launches: Launches | None = None):
 
 
 def _fc2_dgrad(mlp, ctx, fc2: fp8_gemm.GroupedGrads, h: Tensor, probs, launches=None):
-    """(dh [T, 2F], a [T, F] recomputed for FC2's wgrad, dprobs[, amax_dh, amax_a]): in FC2's
-    FP8 dgrad epilogue where `epilogue_reasons` allows it (with dh's and a's per-(expert,
-    column) maxima where `_dgrad_maxima` says so), else dA = FC2's dgrad, then the
-    activation's backward and forward (`launches` as `backward`'s)."""
+    """(dh [T, 2F], a [T, F] recomputed for FC2's wgrad, dprobs): in FC2's FP8 dgrad epilogue
+    where `epilogue_reasons` allows it, else dA = FC2's dgrad, then the activation's backward
+    and forward (`launches` as `backward`'s)."""
     backend = ctx.backend
     why = epilogue_reasons(mlp, backend.name, ctx.recipe, h.dtype, h.device)[1]
     if not why and fc2.operands.native:
         glu = _kernel_for(launches, "fc2_dgrad", fp8_cute.glu_dgrad,
                            fp8_cute.prepare_glu_dgrad, h=h, glu=mlp.activation.glu_spec,
-                           probs=probs, col_amax=_dgrad_maxima(ctx.recipe, fc2, h))
+                           probs=probs)
         return fc2.dgrad(gemm=glu)
     da = amp.cast(fc2.dgrad(gemm=_plain_kernel(launches, "fc2_dgrad")), h.dtype)  # [T, F]
     dh, dprobs = _activation_backward(mlp, h, da, probs, backend)  # [T, 2F]
     return dh, _activation(mlp, h, probs, backend), dprobs
-
-
-def _dgrad_maxima(recipe, fc2: fp8_gemm.GroupedGrads, h: Tensor) -> bool:
-    """Whether FC2's FP8 GLU dgrad also takes dh's and a's per-(expert, column) maxima
-    (`cute.scaled_glu_fc2_dgrad`'s ``col_amax``), so that their token-major wgrad operands are
-    cast without a maxima pass: the setting (`cute.fp8_dgrad_maxima`) on, the wgrads in FP8,
-    row-wise scales along the tokens, and the cute cast able to take h's dtype under both
-    rules."""
-    if not (fc2.native_wgrad and cute.fp8_dgrad_maxima()):
-        return False
-    key = ("dgrad maxima", recipe, h.dtype, h.shape[-1], h.device)
-    return fp8_gemm.decided(key, lambda: _maxima_castable(recipe, h))
-
-
-def _maxima_castable(recipe, h: Tensor) -> bool:
-    roles = [fp8.scaling(recipe, role) for role in ("grad", "input")]
-    half = h[:0, :h.shape[-1] // 2]  # a's width (dh's is h's)
-    return not any(r.tiles for r in roles) and not any(
-        fp8_quantize.reason(t, fp8_torch.ROWWISE, r.rule, "cute")
-        for t, r in zip((h[:0], half), roles))
 
 
 def _activation_backward(mlp, h: Tensor, da: Tensor, probs, backend):
@@ -281,18 +257,14 @@ def _activation_backward(mlp, h: Tensor, da: Tensor, probs, backend):
     return backend.act_backward(h, da, op.act), None
 
 
-def _fc2_wgrad_input(recipe, a: Tensor, offs: Tensor, bounds, native: bool, backend_name: str,
-                     amax: Tensor | None = None):
+def _fc2_wgrad_input(recipe, a: Tensor, offs: Tensor, bounds, native: bool, backend_name: str):
     """FC2's wgrad operand from the recomputed activation a [T, F]: token-major FP8 (`native`:
-    the wgrad runs in FP8; from `amax`, a's per-(expert, column) maxima, where the dgrad
-    took them), fp32 along the tokens (emulated), quantized as an unfused FC2 would, or a
-    itself (`fp8_wgrad=False`: the wgrad runs in high precision)."""
+    the wgrad runs in FP8), fp32 along the tokens (emulated), quantized as an unfused FC2
+    would, or a itself (`fp8_wgrad=False`: the wgrad runs in high precision)."""
     if not recipe.fp8_wgrad:
         return a
     if not native:
         return fp8.input_operands(recipe, a, a, bounds)[1]
-    if amax is not None:
-        return fp8.token_major_from_maxima(recipe, "input", a, offs, amax)
     return fp8.input_token_major(recipe, a, a, offs, None, backend_name)
 
 
