@@ -194,6 +194,8 @@ def _configs() -> dict[str, object]:
         "quant_rows_group_amax": QuantConfig("rows_group_amax", bf16),
         "quant_rows_group_amax_v4r2": QuantConfig("rows_group_amax", bf16, lane_vecs=4,
                                                   rows_in_flight=2),
+        "quant_rows_group_amax_v2r4": QuantConfig("rows_group_amax", bf16, lane_vecs=2,
+                                                  rows_in_flight=4),
     }
 
 

@@ -52,10 +52,11 @@ def test_rowwise_step_runs_every_gemm_and_quantization_on_cute_kernels():
     for c, n in launches.items():
         if isinstance(c, QuantConfig):
             quant[c.kind] += n
-    # dy, dh: rows + spans; a: rows (forward) and spans (backward, recomputed); x: rows with
-    # its group maxima (forward), then one span cast from them (backward); one table per step
-    assert quant == {"span_table": 1, "span_amax": 3, "span_cast": 4, "rows": 1,
-                     "rows_group_amax": 1}
+    # x (forward), dy, dh (backward): rows with their group maxima, then one span cast from
+    # them (x's in backward); a: rows (forward) and spans (backward, recomputed: a maxima
+    # pass and a cast); one table per step
+    assert quant == {"span_table": 1, "span_amax": 1, "span_cast": 4, "rows": 1,
+                     "rows_group_amax": 3}
 
 
 @pytest.mark.slow  # a subprocess of a few seconds

@@ -143,11 +143,17 @@ def token_major_blocks(t: Tensor, offs: Tensor, rule: ref.ScaleRule,
 def rows_and_token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backend_name: str
                          ) -> tuple[ref.QuantizedTensor, fp8_wgrad.TokenMajor]:
     """(`rows(t, ROWWISE, ...)`, `token_major(t, offs, ...)`): an operand both GEMMs of a
-    grouped linear read (x, dy). The cute kernels make both in two passes over t; rows past the
-    last group's end then have unspecified row-wise data (the grouped GEMMs write zeros for
-    them whatever they hold)."""
+    grouped linear read (x, dy, dh). The cute kernels make both in two passes over t: the
+    row-wise cast taking each group's column maxima on its way, then the token-major cast
+    from them (`rows_keeping_group_amax`, `token_major_from_amax`; rows wider than their
+    maxima allow: a maxima pass, then one cast writing both forms). Rows past the last
+    group's end have unspecified row-wise data (the grouped GEMMs write zeros for them
+    whatever they hold)."""
     if reason(t, ref.ROWWISE, rule, backend_name):
         return ref.quantize(t, ref.ROWWISE, rule), fp8_wgrad.quantize_token_major(t, offs, rule)
+    if not group_amax_reason(t, rule, backend_name):
+        forward, amax = rows_keeping_group_amax(t, offs, rule, backend_name)
+        return forward, token_major_from_amax(t, offs, amax, rule)
     table, padded_offs = span_table(offs, t.shape[0])
     data, scale_inv, row_data, row_scale_inv = cute.quantize_rows_and_spans(
         t, table, offs.shape[0], rule.power_of_two, rule.dtype)

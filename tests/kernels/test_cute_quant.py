@@ -407,14 +407,44 @@ def test_span_kernels_take_a_strided_input_and_replay_in_a_cuda_graph():
 @needs_cute
 @pytest.mark.parametrize("case", sorted(SPAN_CASES))
 @pytest.mark.parametrize("rule", [E4M3, E4M3_POW2, E5M2], ids=["scale", "pow2", "e5m2"])
-def test_rows_and_spans_in_one_pass_pair_are_bitwise_both_definitions(case, rule):
+@pytest.mark.parametrize("cols", [2064, 16400], ids=["group_maxima", "maxima_pass"])
+def test_rows_and_token_major_are_bitwise_both_definitions(case, rule, cols):
+    """`rows_and_token_major` on the cute kernels: the row cast with group maxima, then the
+    cast from them (C <= 16384), else the maxima pass and one cast writing both forms."""
+    sizes, rows = SPAN_CASES[case]
+    torch.manual_seed(6)
+    t = _rows_input(max(rows, 5), cols, torch.bfloat16)[:rows] if rows else \
+        torch.zeros(0, cols, device="cuda", dtype=torch.bfloat16)
+    offs = offsets(sizes)
+    along_rows, token_major = fp8_quantize.rows_and_token_major(t, offs, rule, "cute")
+    _assert_rows_and_token_major(t, sizes, rule, along_rows, token_major)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("case", sorted(SPAN_CASES))
+def test_rows_and_spans_in_one_pass_pair_are_bitwise_both_definitions(case):
+    """`cute.quantize_rows_and_spans` itself, at a width `rows_and_token_major` gives to the
+    group-maxima pair."""
+    from te_seq.kernels import cute
+
     sizes, rows = SPAN_CASES[case]
     torch.manual_seed(6)
     t = _rows_input(max(rows, 5), 2064, torch.bfloat16)[:rows] if rows else \
         torch.zeros(0, 2064, device="cuda", dtype=torch.bfloat16)
     offs = offsets(sizes)
-    along_rows, token_major = fp8_quantize.rows_and_token_major(t, offs, rule, "cute")
+    table, padded = fp8_quantize.span_table(offs, t.shape[0])
+    data, scale_inv, row_data, row_scale_inv = cute.quantize_rows_and_spans(t, table,
+                                                                            len(sizes))
+    _assert_rows_and_token_major(t, sizes, E4M3, ref.QuantizedTensor(
+        row_data, row_scale_inv, ref.ROWWISE, E4M3), fp8_wgrad.TokenMajor(data, scale_inv,
+                                                                          padded))
+
+
+def _assert_rows_and_token_major(t, sizes, rule, along_rows, token_major) -> None:
+    offs = offsets(sizes)
     want_tm = fp8_wgrad.quantize_token_major(t, offs, rule)
+    assert torch.equal(token_major.offs, want_tm.offs)
     assert same_bits(token_major.data, want_tm.data)
     assert same_bits(token_major.scale_inv, want_tm.scale_inv)
     grouped = sum(sizes)  # rows past the last group's end are unspecified
@@ -440,7 +470,7 @@ def test_span_table_kernel_is_the_torch_table(case):
 @gpu
 @needs_cute
 @pytest.mark.parametrize("cols", [16, 48, 112, 1040])  # 64-column chunks: 16 or 48 left over
-@pytest.mark.parametrize("rows_too", [False, True], ids=["spans", "rows_and_spans"])
+@pytest.mark.parametrize("rows_too", [False, True], ids=["spans", "rows_and_token_major"])
 def test_span_kernels_take_any_column_count(cols, rows_too):
     sizes, rows = SPAN_CASES["groups_of_many_blocks"]
     torch.manual_seed(8)
@@ -461,7 +491,7 @@ def test_span_kernels_take_any_column_count(cols, rows_too):
 
 @gpu
 @needs_cute
-@pytest.mark.parametrize("rows_too", [False, True], ids=["spans", "rows_and_spans"])
+@pytest.mark.parametrize("rows_too", [False, True], ids=["spans", "rows_and_token_major"])
 def test_span_kernels_quantize_one_group_of_many_blocks(rows_too):
     sizes, rows = ONE_BIG_GROUP
     torch.manual_seed(9)

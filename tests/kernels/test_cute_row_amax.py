@@ -115,22 +115,26 @@ def test_group_amax_checks_name_the_problem():
 
 @needs_dsl
 def test_host_width_limit_is_the_kernels():
-    """The host's C limit (no cutlass import) is what the kernel's CTA can hold, and the row
-    slices are those the docs name."""
+    """The host's C limit (no cutlass import) is what the kernel's CTA can hold, and the
+    layouts and row slices are those the docs name."""
     from te_seq.kernels.cute import quant, row_amax_kernels
 
     assert quant.GROUP_AMAX_MAX_COLS == row_amax_kernels.MAX_COLS == 16384
-    # 4 vectors x 2 rows up to 8192 columns, then 8 x 1: a CTA never passes 256 threads
-    for cols in (16, 768, 1024, 2048, 4096, 8192, 8208, 16384):
-        vecs, rows_in_flight = quant._group_amax_registers(cols)
-        vecs = vecs or row_amax_kernels.MAX_VECS
-        assert (vecs, rows_in_flight) == ((4, 2) if cols <= 8192 else (8, 1))
-        assert -(-cols // (256 * vecs)) * 32 <= row_amax_kernels.MAX_THREADS
-    # slices: the fewest that launch 4096 warps, at most 4 / 2 / 1 for CTAs of 1 / 2 / more
-    # warps (the weights' thousands of blocks unsliced, a step's few hundred sliced)
-    cases = {(768, 256): 4, (768, 2048): 2, (1024, 4096): 1, (2048, 256): 2, (2048, 1536): 2,
-             (2048, 4096): 1, (4096, 1): 1, (16, 1): 4, (8208, 1): 1, (16384, 1): 1}
-    assert {key: quant._row_slices(*key) for key in cases} == cases
+    for cols in (16, 768, 1024, 2048, 4096, 4112, 8192, 8208, 16384):
+        for blocks in (1, 264, 640, 2176):
+            vecs, rows_in_flight, slices = quant._group_amax_layout(cols, blocks)
+            vecs = vecs or row_amax_kernels.MAX_VECS
+            assert vecs * rows_in_flight == 8 and slices in (1, 2, 4)  # 8 loads in flight
+            assert -(-cols // (256 * vecs)) * 32 <= row_amax_kernels.MAX_THREADS
+    # 2 x 4 where 4 x 2 would launch < 2048 warps unsliced (C <= 4096), sliced to 2048 warps;
+    # else 4 x 2 (8 x 1 past 8192 columns), the fewest slices launching 4096 warps, at most
+    # 4 / 2 / 1 for CTAs of 1 / 2 / more warps
+    cases = {(2048, 384): (2, 4, 2), (1536, 384): (2, 4, 2), (768, 384): (2, 4, 4),
+             (4096, 264): (2, 4, 1), (2048, 640): (2, 4, 1), (1024, 640): (2, 4, 2),
+             (16, 1): (2, 4, 4), (4096, 640): (4, 2, 1), (768, 2176): (4, 2, 2),
+             (2048, 1664): (4, 2, 2), (4096, 2176): (4, 2, 1), (4112, 1): (4, 2, 1),
+             (14336, 264): (0, 1, 1), (8208, 1): (0, 1, 1)}
+    assert {key: quant._group_amax_layout(*key) for key in cases} == cases
 
 
 @needs_dsl
@@ -142,7 +146,7 @@ def test_row_group_amax_kernel_compiles_for_sm90a():
         "for dtype in (torch.bfloat16, torch.float16):\n"
         "    for pow2 in (False, True):\n"
         "        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
-        "            for vecs, rows in ((0, 1), (4, 2)):\n"
+        "            for vecs, rows in ((0, 1), (4, 2), (2, 4)):\n"
         "                compile_quant(QuantConfig('rows_group_amax', dtype, pow2, False, fp8,\n"
         "                                          vecs, rows))\n"
         "print('ALL COMPILED')\n"
@@ -154,9 +158,10 @@ def test_row_group_amax_kernel_compiles_for_sm90a():
 @needs_dsl
 @needs_ptxas
 def test_row_group_amax_layouts_do_not_spill(tmp_path):
-    """Both layouts the host picks assemble for sm_90a without spills, 4 x 2 in at most 128
-    registers a thread (what lets more CTAs share an SM than 8 x 1's ~182)."""
-    configs = ("quant_rows_group_amax", "quant_rows_group_amax_v4r2")
+    """The layouts the host picks assemble for sm_90a without spills, 4 x 2 and 2 x 4 in at
+    most 128 registers a thread (what lets more CTAs share an SM than 8 x 1's ~182)."""
+    configs = ("quant_rows_group_amax", "quant_rows_group_amax_v4r2",
+               "quant_rows_group_amax_v2r4")
     cmd = [sys.executable, "benchmarks/dump_ptx.py", "--configs", ",".join(configs),
            "--out", str(tmp_path), "--ptxas"]
     env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
@@ -166,7 +171,8 @@ def test_row_group_amax_layouts_do_not_spill(tmp_path):
     assert sorted(lines) == sorted(configs), proc.stdout
     for line in lines.values():
         assert "spill stores     0 B loads     0 B" in line, line
-    assert int(lines["quant_rows_group_amax_v4r2"].split("regs")[1].split()[0]) <= 128
+    for name in configs[1:]:
+        assert int(lines[name].split("regs")[1].split()[0]) <= 128, lines[name]
 
 
 # ---------------------------------------------------------------- GPU: bit for bit

@@ -314,36 +314,51 @@ def quantize_rows_and_group_amax(t: Tensor, table: Tensor, groups: int,
         blocks = table.shape[0]
         signature = ("rows_group_amax", t.dtype, t.shape, t.stride(), t.device, power_of_two,
                      fp8_dtype, blocks)
+        vecs, rows_in_flight, slices = _group_amax_layout(cols, blocks)
         plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
-            (_kernel("rows_group_amax", t, power_of_two, False, fp8_dtype,
-                     *_group_amax_registers(cols)),),
-            _row_major(t) is not t, _row_slices(cols, blocks)))
+            (_kernel("rows_group_amax", t, power_of_two, False, fp8_dtype, vecs,
+                     rows_in_flight),),
+            _row_major(t) is not t, slices))
         plan.kernels[0](aligned_16(t, plan.t_copy), table.contiguous(), row_data, row_scale_inv,
                         group_amax, plan.option)
     return row_data, row_scale_inv[:, None], group_amax
 
 
-def _group_amax_registers(cols: int) -> tuple[int, int]:
+def _group_amax_layout(cols: int, blocks: int) -> tuple[int, int, int]:
     """`RowGroupAmaxKernel`'s (16-byte vectors per thread and row, rows a thread loads before
-    using any) for rows of `cols` 16-bit values: 4 and 2 where 256 threads hold the row that
-    way (C <= 8192), else 8 and 1 (C <= 16384). 4 x 2 holds ~128 registers a thread against
-    8 x 1's ~182, so more CTAs fit an SM and a thread has two rows' loads in flight. Measured
-    on one H200 (2026-11-29, scratch sweep of 6 shapes, each with its best slices): the
+    using any, CTAs per 128-token block) for rows of `cols` 16-bit values over `blocks` blocks
+    of the span table. Each thread has vectors x rows = 8 loads in flight in either form:
+
+    - 2 x 4 where C <= 4096 and 4 x 2 would launch fewer than 2048 warps unsliced (one step's
+      activations): twice the threads per row, so twice the loads in flight where few CTAs
+      run; sliced to the fewest of 1, 2, 4 CTAs per block that launch 2048 warps;
+    - else 4 x 2 up to C = 8192 and 8 x 1 above (the weights' thousands of blocks, or wide
+      rows), sliced by `_row_slices`.
+
+    Measured on one H200 (2026-11-30, run "w": every layout x slicing, interleaved, ms; the
+    previous rule's 4 x 2 -> this one's 2 x 4): x [T, H] Q 0.085 -> 0.072, A 0.156 -> 0.134;
+    dh [T, 2F] Q 0.075 -> 0.062, B 0.127 -> 0.124; a [T, F] B 0.093 -> 0.071 (Q 0.044 ->
+    0.049, a form the step does not use). B x (0.229 against 0.247 in 2 x 4) and the weights
+    keep 4 x 2 and their slicing, best or within 1 % (Q W2 aside: 0.193 sliced in two against
+    0.182 unsliced). Row-wise quantization alone of the same tensors: Q x 0.053, A x 0.102,
+    Q dh 0.041, B dh 0.099, B a 0.053."""
+    if cols <= 4096 and blocks * -(-cols // 1024) < 2048:
+        warps = -(-cols // (256 * 2))
+        return 2, 4, next(s for s in (1, 2, 4) if blocks * warps * s >= 2048 or s == 4)
+    vecs, rows_in_flight = (4, 2) if cols <= 8192 else (0, 1)  # 0: the kernel's most, 8
+    return vecs, rows_in_flight, _row_slices(cols, blocks, vecs or 8)
+
+
+def _row_slices(cols: int, blocks: int, vecs: int) -> int:
+    """CTAs per 128-token block for `RowGroupAmaxKernel` with `vecs` vectors per thread and
+    row (`_group_amax_layout`'s 4 x 2 and 8 x 1): the fewest of 1, 2, 4 that launch at least
+    4096 warps over the `blocks` blocks, and no more than a CTA's width allows (one warp: 4
+    slices of 32 rows, two warps: 2 of 64, wider ones the whole block). More CTAs keep more
+    loads in flight on few or narrow rows, at the cost of one more atomic per column and
+    slice: the weights (thousands of blocks) run best unsliced. Measured on one H200
+    (2026-11-29, scratch sweep of 6 shapes, each with its best slices), 8 x 1 -> 4 x 2: the
     weights' [G N, K] B W1 (K 4096) 1.070 -> 0.861 ms, B W2 (K 1024) 0.790 -> 0.442, Q W1
-    (K 2048) 0.440 -> 0.354, Q W2 (K 768) 0.367 -> 0.184; x [T, H] Q 0.120 -> 0.087,
-    B 0.288 -> 0.230 (rows-only quantization of the same tensors: 0.756, 0.392, 0.299,
-    0.170, 0.079, 0.208)."""
-    return (4, 2) if cols <= 8192 else (0, 1)  # 0: the kernel's most vectors, 8
-
-
-def _row_slices(cols: int, blocks: int) -> int:
-    """CTAs per 128-token block for `RowGroupAmaxKernel` (`_group_amax_registers`' layout):
-    the fewest of 1, 2, 4 that launch at least 4096 warps over the `blocks` blocks, and no
-    more than a CTA's width allows (one warp: 4 slices of 32 rows, two warps: 2 of 64, wider
-    ones the whole block). More CTAs keep more loads in flight on few or narrow rows, at the
-    cost of one more atomic per column and slice: the weights (thousands of blocks) run best
-    unsliced, one step's activations (a few hundred) sliced."""
-    vecs = _group_amax_registers(cols)[0] or 8
+    (K 2048) 0.440 -> 0.354, Q W2 (K 768) 0.367 -> 0.184; x [T, H] B 0.288 -> 0.230."""
     warps = -(-cols // (256 * vecs))
     widest = 4 if warps == 1 else 2 if warps == 2 else 1
     needed = -(-4096 // max(blocks * warps, 1))

@@ -25,12 +25,14 @@ ceil(C / 256 v), up to 256), so
   orders non-negative floats (inf included; nan is turned into inf first) as numbers, so the
   host zero-fills group_amax.
 
-Layouts (compile-time; the host picks, ``quant._group_amax_registers``): v = 4, r = 2 for C up
-to 8192 (ptxas, sm_90a: 128 registers a thread, no spills) and v = 8, r = 1 up to 16384 (182).
-The loaded values are 16-bit and converted where used, so v r bounds the registers: 8 x 2
-takes 254. Fewer registers fit more CTAs on an SM, and two rows in flight per thread halve the
-barriers per row: on one H200 the 4 x 2 layout runs the weights' and x's shapes 1.2-2x faster
-than 8 x 1 (``quant._group_amax_registers`` has the figures).
+Layouts (compile-time; the host picks, ``quant._group_amax_layout``): v = 4, r = 2 for C up
+to 8192 (ptxas, sm_90a: 128 registers a thread, no spills), v = 8, r = 1 up to 16384 (182),
+and v = 2, r = 4 for a step's activations up to 4096 columns (few blocks: twice the threads
+of 4 x 2, so twice the loads in flight). The loaded values are 16-bit and converted where
+used, so v r bounds the registers: 8 x 2 takes 254. Fewer registers fit more CTAs on an SM,
+and more rows in flight per thread mean fewer barriers per row: on one H200 the 4 x 2 layout
+runs the weights' shapes 1.2-2x faster than 8 x 1, and 2 x 4 a step's x, dh and a up to 1.3x
+faster than 4 x 2 (``quant._group_amax_layout`` and ``_row_slices`` have the figures).
 
 Loads are unconditional: a row past the slice's last valid row is clamped to it, a vector past
 the row's end to its last one. Those duplicates leave every maximum as it is; only their stores
