@@ -314,14 +314,20 @@ def quantize_rows_and_group_amax(t: Tensor, table: Tensor, groups: int,
         blocks = table.shape[0]
         signature = ("rows_group_amax", t.dtype, t.shape, t.stride(), t.device, power_of_two,
                      fp8_dtype, blocks)
-        vecs, rows_in_flight, slices = _group_amax_layout(cols, blocks)
-        plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
-            (_kernel("rows_group_amax", t, power_of_two, False, fp8_dtype, vecs,
-                     rows_in_flight),),
-            _row_major(t) is not t, slices))
+        plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(
+            signature, _group_amax_plan(t, blocks, power_of_two, fp8_dtype))
         plan.kernels[0](aligned_16(t, plan.t_copy), table.contiguous(), row_data, row_scale_inv,
                         group_amax, plan.option)
     return row_data, row_scale_inv[:, None], group_amax
+
+
+def _group_amax_plan(t: Tensor, blocks: int, power_of_two: bool, fp8_dtype: torch.dtype
+                     ) -> _QuantPlan:
+    """The `_QuantPlan` of a `quantize_rows_and_group_amax` call (its kernel and row slices
+    from `_group_amax_layout`)."""
+    vecs, rows_in_flight, slices = _group_amax_layout(t.shape[1], blocks)
+    kernel = _kernel("rows_group_amax", t, power_of_two, False, fp8_dtype, vecs, rows_in_flight)
+    return _QuantPlan((kernel,), _row_major(t) is not t, slices)
 
 
 def _group_amax_layout(cols: int, blocks: int) -> tuple[int, int, int]:
