@@ -350,7 +350,7 @@ def _group_amax_layout(cols: int, blocks: int) -> tuple[int, int, int]:
     Q dh 0.041, B dh 0.099, B a 0.053."""
     if cols <= 4096 and blocks * -(-cols // 1024) < 2048:
         warps = -(-cols // (256 * 2))
-        return 2, 4, next(s for s in (1, 2, 4) if blocks * warps * s >= 2048 or s == 4)
+        return 2, 4, next((s for s in (1, 2) if blocks * warps * s >= 2048), 4)
     vecs, rows_in_flight = (4, 2) if cols <= 8192 else (0, 1)  # 0: the kernel's most, 8
     return vecs, rows_in_flight, _row_slices(cols, blocks, vecs or 8)
 
