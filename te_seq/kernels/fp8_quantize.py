@@ -151,15 +151,12 @@ def rows_and_token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backend_n
     whatever they hold)."""
     if reason(t, ref.ROWWISE, rule, backend_name):
         return ref.quantize(t, ref.ROWWISE, rule), fp8_wgrad.quantize_token_major(t, offs, rule)
+    if not group_amax_reason(t, rule, backend_name):
+        forward, amax = rows_keeping_group_amax(t, offs, rule, backend_name)
+        return forward, token_major_from_amax(t, offs, amax, rule)
     table, padded_offs = span_table(offs, t.shape[0])
-    if group_amax_reason(t, rule, backend_name):
-        data, scale_inv, row_data, row_scale_inv = cute.quantize_rows_and_spans(
-            t, table, offs.shape[0], rule.power_of_two, rule.dtype)
-    else:  # the two launches of `rows_keeping_group_amax` and `token_major_from_amax`
-        row_data, row_scale_inv, amax = cute.quantize_rows_and_group_amax(
-            t, table, offs.shape[0], rule.power_of_two, rule.dtype)
-        data, scale_inv = cute.quantize_spans_from_group_amax(t, table, amax,
-                                                              rule.power_of_two, rule.dtype)
+    data, scale_inv, row_data, row_scale_inv = cute.quantize_rows_and_spans(
+        t, table, offs.shape[0], rule.power_of_two, rule.dtype)
     return (ref.QuantizedTensor(row_data, row_scale_inv, ref.ROWWISE, rule),
             fp8_wgrad.TokenMajor(data, scale_inv, padded_offs))
 
