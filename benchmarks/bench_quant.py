@@ -3,10 +3,13 @@ one scale per (group, column)), ``quantize_rows_and_spans`` (both forms in one p
 ``quantize_rows`` (one scale per row), ``quantize_span_blocks`` (kind "blocks": token-major,
 one scale per (128-token block, column), ``Float8BlockScaling``'s wgrad operands),
 ``quantize_rows_and_group_amax`` (kind "rows_group_amax": row-wise plus each group's column
-maxima, one read of t) and ``quantize_spans_from_group_amax`` (kind "spans_from_amax": the
-token-major cast from those maxima, one read of t; the maxima made once, untimed), bf16 in,
-E4M3 out, on the grouped MLP's operands. "rows_group_amax" + "spans_from_amax" is the pair
-that replaces "rows" + "spans" (three reads of t) when x is quantized token-major in backward.
+maxima, one read of t), ``quantize_spans_from_group_amax`` (kind "spans_from_amax": the
+token-major cast from those maxima, one read of t; the maxima made once, untimed) and
+``quantize_spans_in_strips`` (kind "strips": token-major in one read and one launch, a CTA
+holding a group's strip), bf16 in, E4M3 out, on the grouped MLP's operands.
+"rows_group_amax" + "spans_from_amax" is the pair that replaces "rows" + "spans" (three reads
+of t) when x is quantized token-major in backward; "rows" + "strips" replaces that pair where
+the groups hold up to 512 tokens on average.
 
 Per shape (benchmarks/mlp_case.py SHAPES; uniform groups but for Z's) the operands are x and
 dy [M, H], the FC1 output gradient [M, 2F] and the activation [M, F]. Each call is timed with
@@ -44,7 +47,8 @@ from mlp_case import SHAPES, Shape, split_counts  # noqa: E402
 BURST = 10
 FP8 = torch.float8_e4m3fn
 DRY_SHAPE = Shape(E=4, H=64, F=48, M=256)  # every width a multiple of 16, like the kernels ask
-KINDS = ("spans", "rows_and_spans", "rows", "blocks", "rows_group_amax", "spans_from_amax")
+KINDS = ("spans", "rows_and_spans", "rows", "blocks", "rows_group_amax", "spans_from_amax",
+         "strips")
 TORCH_KINDS = KINDS[:4]  # the new kinds have no torch definition of their own
 
 
@@ -63,7 +67,8 @@ def traffic_bytes(kind: str, m: int, c: int, groups: int, width: int) -> int:
     blocks = c * width + 4 * (width // 128) * c
     amax = 4 * groups * c
     out = {"spans": spans, "rows_and_spans": spans + rows, "rows": rows, "blocks": blocks,
-           "rows_group_amax": rows + amax, "spans_from_amax": spans + amax}[kind]
+           "rows_group_amax": rows + amax, "spans_from_amax": spans + amax,
+           "strips": spans}[kind]
     return 2 * m * c + out
 
 
@@ -84,10 +89,11 @@ def calls(t: torch.Tensor, offs: torch.Tensor, use_torch: bool) -> dict[str, Cal
         }
     from te_seq.kernels import cute
 
-    table, _ = fp8_quantize.span_table(offs, t.shape[0])
+    table, padded = fp8_quantize.span_table(offs, t.shape[0])
     groups = offs.shape[0]
     fns = {
         "spans": lambda: cute.quantize_spans(t, table, groups),
+        "strips": lambda: cute.quantize_spans_in_strips(t, offs, padded, table.shape[0]),
         "rows_and_spans": lambda: cute.quantize_rows_and_spans(t, table, groups),
         "rows": lambda: cute.quantize_rows(t),
         "blocks": lambda: cute.quantize_span_blocks(t, table),

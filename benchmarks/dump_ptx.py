@@ -196,6 +196,8 @@ def _configs() -> dict[str, object]:
                                                   rows_in_flight=2),
         "quant_rows_group_amax_v2r4": QuantConfig("rows_group_amax", bf16, lane_vecs=2,
                                                   rows_in_flight=4),
+        # strip_kernels.py: a group's 512 x 64 strip in registers, one read of t
+        "quant_strip_cast": QuantConfig("strip_cast", bf16),
     }
 
 

@@ -6,7 +6,9 @@ main_grad, the cooperative 256-wide tiling against ping-pong ones (the default i
 1x2), each checked against float64 first.
 ``--fp8-speed SHAPES``: the same for the FP8 row-wise wgrad (``cute.scaled_grouped_wgrad``
 on token-major E4M3 operands, static units: the scaled kernel has no dynamic schedule), its
-cooperative default against ping-pong tilings, each checked against the cooperative result.
+cooperative default against ping-pong tilings, each checked against the cooperative result;
+with ``--fresh`` the wgrad written as a new bf16 gradient (the MLP's fresh-grads step), over
+more tilings (cooperative 2x1, 192 wide, 2x2 clusters).
 ``--race``: per variant (ping-pong and cooperative, 128 and 192 wide, clusters 1x2 / 2x1 /
 1x1, static and dynamic units), six calls on the ping-pong tests' cases, the count of values
 off the float64 reference per call and the first one (its value, the expected one, its old C).
@@ -14,7 +16,7 @@ off the float64 reference per call and the first one (its value, the expected on
 the value it added instead of its old C sits (old C, output, reference).
 
   python benchmarks/probe_pingpong_accumulate.py --speed Q,Z,B
-  python benchmarks/probe_pingpong_accumulate.py --fp8-speed Q,Z,B
+  python benchmarks/probe_pingpong_accumulate.py --fp8-speed Q,Z,B [--fresh]
   python benchmarks/probe_pingpong_accumulate.py --race
   python benchmarks/probe_pingpong_accumulate.py --locate long_spans,128,1,2,dyn
   compute-sanitizer --tool racecheck --racecheck-report hazard \
@@ -76,11 +78,23 @@ FP8_TILINGS = {"coop256": Tiling(256, (1, 2)),
                "pp128_1x2": Tiling(128, (1, 2), True),
                "pp192_1x2": Tiling(192, (1, 2), True),
                "default": None}
+# --fresh: the tilings of a wgrad written fresh (bf16 out): wider tiles and the 2x2 cluster too
+FP8_FRESH_TILINGS = {**FP8_TILINGS,
+                     "coop256_2x1": Tiling(256, (2, 1)),
+                     "coop128_1x2": Tiling(128, (1, 2)),
+                     "pp192_1x1": Tiling(192, (1, 1), True),
+                     "pp192_2x1": Tiling(192, (2, 1), True),
+                     "pp128_2x2": Tiling(128, (2, 2), True),
+                     "pp192_2x2": Tiling(192, (2, 2), True)}
 
 
-def fp8_speed(shapes: str) -> None:
+def fp8_speed(shapes: str, fresh: bool = False) -> None:
+    """The FP8 row-wise wgrads of ``shapes`` under each tiling, checked against the cooperative
+    256-wide result: added into a random fp32 main_grad, or (``fresh``) written as a new bf16
+    gradient, as the MLP's fresh-grads step does (ms, TB/s of the compulsory traffic, TFLOP/s)."""
     from bench_fp8_gemm import token_major
 
+    tilings = FP8_FRESH_TILINGS if fresh else FP8_TILINGS
     for name in shapes.split(","):
         e, h, f, m = SHAPES[name]
         sizes = split_sizes(name, e, m, torch.Generator().manual_seed(0))
@@ -88,25 +102,34 @@ def fp8_speed(shapes: str) -> None:
         for label, (dout, x) in {"fc1": (torch.randn(m, 2 * f, **bf), torch.randn(m, h, **bf)),
                                  "fc2": (torch.randn(m, h, **bf), torch.randn(m, f, **bf))}.items():
             (qd, sd, ends), (qx, sx, _) = token_major(dout, sizes), token_major(x, sizes)
-            main_grad = torch.randn(e, dout.shape[1], x.shape[1], device="cuda")
+            out_dtype = torch.bfloat16 if fresh else torch.float32
+            main_grad = torch.randn(e, dout.shape[1], x.shape[1], device="cuda").to(out_dtype)
             start = main_grad.clone()
             ref = start.clone()
-            cute.scaled_grouped_wgrad(qd, qx, sd, sx, ends, out=ref, accumulate=True,
+            cute.scaled_grouped_wgrad(qd, qx, sd, sx, ends, out=ref, accumulate=not fresh,
                                       tiling=FP8_TILINGS["coop256"])
             fns, errs = {}, {}
-            for t, tiling in FP8_TILINGS.items():
+            for t, tiling in tilings.items():
                 main_grad.copy_(start)
-                cute.scaled_grouped_wgrad(qd, qx, sd, sx, ends, out=main_grad, accumulate=True,
-                                          tiling=tiling)
-                errs[t] = rel_err(main_grad - start, ref - start)
+                try:
+                    cute.scaled_grouped_wgrad(qd, qx, sd, sx, ends, out=main_grad,
+                                              accumulate=not fresh, tiling=tiling)
+                except Exception as err:  # a tiling the kernel refuses: say so, time the rest
+                    print(name, label, t, "refused:", str(err).splitlines()[0][:160], flush=True)
+                    continue
+                errs[t] = rel_err(main_grad - start, ref - start) if not fresh else \
+                    rel_err(main_grad, ref)
                 fns[t] = (lambda c, tl: lambda: cute.scaled_grouped_wgrad(
-                    qd, qx, sd, sx, ends, out=c, accumulate=True, tiling=tl))(main_grad, tiling)
+                    qd, qx, sd, sx, ends, out=c, accumulate=not fresh,
+                    tiling=tl))(main_grad, tiling)
             del ref
             ms = time_ms(fns, 10)
-            gb = (2 * main_grad.numel() * 4 + qd.numel() + qx.numel()) / 1e9
-            print(name, "fp8", label, "  ".join(f"{t} {ms[t]:.3f}ms {gb / ms[t]:.2f}TB/s "
-                                                f"err {errs[t]:.1e}" for t in FP8_TILINGS),
-                  flush=True)
+            gb = ((1 if fresh else 2) * main_grad.numel() * main_grad.element_size()
+                  + qd.numel() + qx.numel()) / 1e9
+            tflop = 2 * m * dout.shape[1] * x.shape[1] / 1e12
+            print(name, "fp8", "fresh" if fresh else "accumulate", label,
+                  "  ".join(f"{t} {ms[t]:.3f}ms {gb / ms[t]:.2f}TB/s {tflop / ms[t] * 1e3:.0f}TF "
+                            f"err {errs[t]:.1e}" for t in fns), flush=True)
             del main_grad, start
             torch.cuda.empty_cache()
 
@@ -182,6 +205,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--speed", default="")
     p.add_argument("--fp8-speed", default="")
+    p.add_argument("--fresh", action="store_true",
+                   help="--fp8-speed: the wgrad written as a new bf16 gradient, more tilings")
     p.add_argument("--race", action="store_true")
     p.add_argument("--locate", default="", help="CASE,TILE_N,CLUSTER_M,CLUSTER_N,dyn|static")
     p.add_argument("--calls", type=int, default=20)
@@ -189,7 +214,7 @@ def main() -> None:
     if args.speed:
         speed(args.speed)
     if args.fp8_speed:
-        fp8_speed(args.fp8_speed)
+        fp8_speed(args.fp8_speed, args.fresh)
     if args.race:
         race()
     if args.locate:

@@ -14,7 +14,9 @@
 On the cute backend, row-wise blocks of 16-bit CUDA data (E4M3 or E5M2, margin 0, C a multiple
 of 16)
 run te_seq's CuTe DSL kernels (`te_seq.kernels.cute.quant`: one launch per row-wise operand,
-two per token-major one, one per block-scaled token-major one, which takes fp32 data too);
+two per token-major one, or one where the groups fill a 512-token strip (`strips_reason`: over
+256 and up to 512 tokens a group on average), one per block-scaled token-major one, which takes
+fp32 data too);
 everything else runs the torch definitions (compiled regions on CUDA,
 `compiled_maths`). Both give the same bits (tests/kernels/test_cute_quant.py), so the choice
 never changes a result. `reason` says why the kernels do not apply.
@@ -72,6 +74,16 @@ def group_amax_reason(t: Tensor, rule: ref.ScaleRule, backend_name: str) -> str:
     return found
 
 
+def strips_reason(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backend_name: str) -> str:
+    """Why `token_major` does not take the one-read strip kernel ("" when it does): `reason`'s
+    conditions, and at most `cute.quant.STRIP_TOKENS` tokens per group on average
+    (`cute.strips_fit`; the host knows the rows and the groups, not the split)."""
+    why = reason(t, ref.ROWWISE, rule, backend_name)
+    if why or cute.strips_fit(t.shape[0], offs.shape[0]):
+        return why
+    return f"{t.shape[0]} tokens in {offs.shape[0]} groups: over {cute.STRIP_TOKENS} a group"
+
+
 def blocks_reason(t: Tensor, rule: ref.ScaleRule, backend_name: str) -> str:
     """Why t is not quantized along its tokens in 1x128 blocks by the cute kernel ("" when it
     is): the row-wise kernels' conditions on t and the rule, fp32 data allowed too."""
@@ -123,8 +135,12 @@ def token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule,
     if reason(t, ref.ROWWISE, rule, backend_name):
         return fp8_wgrad.quantize_token_major(t, offs, rule)
     table, padded_offs = span_table(offs, t.shape[0])
-    data, scale_inv = cute.quantize_spans(t, table, offs.shape[0], rule.power_of_two,
-                                          rule.dtype)
+    if not strips_reason(t, offs, rule, backend_name):  # one read of t, one launch
+        data, scale_inv = cute.quantize_spans_in_strips(t, offs, padded_offs, table.shape[0],
+                                                        rule.power_of_two, rule.dtype)
+    else:  # the maxima pass, then the cast
+        data, scale_inv = cute.quantize_spans(t, table, offs.shape[0], rule.power_of_two,
+                                              rule.dtype)
     return fp8_wgrad.TokenMajor(data, scale_inv, padded_offs)
 
 
@@ -143,14 +159,17 @@ def token_major_blocks(t: Tensor, offs: Tensor, rule: ref.ScaleRule,
 def rows_and_token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backend_name: str
                          ) -> tuple[ref.QuantizedTensor, fp8_wgrad.TokenMajor]:
     """(`rows(t, ROWWISE, ...)`, `token_major(t, offs, ...)`): an operand both GEMMs of a
-    grouped linear read (x, dy, dh). The cute kernels make both in two passes over t: the
-    row-wise cast taking each group's column maxima on its way, then the token-major cast
-    from them (`rows_keeping_group_amax`, `token_major_from_amax`; rows wider than their
-    maxima allow: a maxima pass, then one cast writing both forms). Rows past the last
-    group's end have unspecified row-wise data (the grouped GEMMs write zeros for them
-    whatever they hold)."""
+    grouped linear read (x, dy, dh). The cute kernels make both in two passes over t: where
+    the strips fit (`strips_reason`), the plain row cast and the strip cast (which takes its
+    maxima itself); else the row-wise cast taking each group's column maxima on its way, then
+    the token-major cast from them (`rows_keeping_group_amax`, `token_major_from_amax`; rows
+    wider than their maxima allow: a maxima pass, then one cast writing both forms). Rows
+    past the last group's end have unspecified row-wise data (the grouped GEMMs write zeros
+    for them whatever they hold)."""
     if reason(t, ref.ROWWISE, rule, backend_name):
         return ref.quantize(t, ref.ROWWISE, rule), fp8_wgrad.quantize_token_major(t, offs, rule)
+    if not strips_reason(t, offs, rule, backend_name):  # the row cast, then one strip read
+        return rows(t, ref.ROWWISE, rule, backend_name), token_major(t, offs, rule, backend_name)
     if not group_amax_reason(t, rule, backend_name):
         forward, amax = rows_keeping_group_amax(t, offs, rule, backend_name)
         return forward, token_major_from_amax(t, offs, amax, rule)
@@ -166,11 +185,13 @@ def rows_keeping_group_amax(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backen
     """(`rows(t, ROWWISE, ...)`, max |t| per (group, column) fp32 [G, C] with nan as inf, or
     None): where the cute kernels run, one read of t makes both
     (`cute.quantize_rows_and_group_amax`), and `token_major_from_amax` later makes
-    `token_major(t, ...)` from the maxima in one more read; elsewhere the maxima are None (the
-    caller then quantizes along the tokens with `token_major`). Rows past the last group's end
+    `token_major(t, ...)` from the maxima in one more read; elsewhere, and where the strips
+    fit (`strips_reason`: their one read needs no maxima), the maxima are None (the caller
+    then quantizes along the tokens with `token_major`). Rows past the last group's end
     have unspecified row-wise data, as with `rows_and_token_major`."""
-    if group_amax_reason(t, rule, backend_name):
-        return rows(t, ref.ROWWISE, rule, backend_name), None
+    if group_amax_reason(t, rule, backend_name) or not strips_reason(t, offs, rule,
+                                                                     backend_name):
+        return rows(t, ref.ROWWISE, rule, backend_name), None  # strips need no maxima
     table, _ = span_table(offs, t.shape[0])
     data, scale_inv, amax = cute.quantize_rows_and_group_amax(
         t, table, offs.shape[0], rule.power_of_two, rule.dtype)
@@ -243,6 +264,7 @@ def stacked_weight_rows(w: Tensor, rule: ref.ScaleRule, backend_name: str
     two reads of w: `rows_keeping_group_amax` of w as [G·N, K] with each expert a group (the
     forward form and each (expert, column) maximum), then `token_major_from_amax` (the
     experts' columns cast along N, laid out [K, G·N]); the dgrad form is its [G, K, N] view.
+    Experts of up to `cute.STRIP_TOKENS` rows take the row cast and `token_major`'s strips.
     Elsewhere the torch definitions (eager: several fp32 passes over w per form)."""
     g, n, k = w.shape
     flat = w.reshape(g * n, k)
@@ -251,7 +273,8 @@ def stacked_weight_rows(w: Tensor, rule: ref.ScaleRule, backend_name: str
                 ref.quantize_stacked(w.transpose(1, 2), ref.ROWWISE, rule))
     offs = _expert_ends(g, n, w.device)
     along_k, amax = rows_keeping_group_amax(flat, offs, rule, backend_name)
-    along_n = token_major_from_amax(flat, offs, amax, rule)
+    along_n = token_major(flat, offs, rule, backend_name) if amax is None else \
+        token_major_from_amax(flat, offs, amax, rule)  # no maxima: experts of <= 512 rows
     data = along_n.data[:, : g * n].reshape(k, g, n).permute(1, 0, 2)
     return (ref.QuantizedTensor(along_k.data.reshape(g, n, k),
                                 along_k.scale_inv.reshape(g, n, 1), ref.ROWWISE, rule),

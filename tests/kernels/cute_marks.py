@@ -44,6 +44,24 @@ needs_cute = pytest.mark.skipif(not READY, reason=WHY or "cute backend unavailab
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def ptxas_usage(configs: tuple[str, ...], out_dir) -> dict[str, tuple[int, int]]:
+    """{config: (registers a thread, spilled store bytes)} of `benchmarks/dump_ptx.py`'s named
+    configs assembled by ptxas for sm_90a, in a fresh process (CUTE_DSL_ARCH unset: the script
+    picks the architecture itself)."""
+    cmd = [sys.executable, "benchmarks/dump_ptx.py", "--configs", ",".join(configs),
+           "--out", str(out_dir), "--ptxas"]
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    usage = {}
+    for line in proc.stdout.splitlines():
+        if "spill stores" in line:
+            usage[line.split()[0]] = (int(line.split("regs")[1].split()[0]),
+                                      int(line.split("spill stores")[1].split()[0]))
+    assert sorted(usage) == sorted(configs), proc.stdout
+    return usage
+
+
 def compile_for_sm90a(script: str, timeout: int) -> None:
     """Run a compile-only script in a fresh process with CUTE_DSL_ARCH=sm_90a (read once at
     `import cutlass`, so never in this process) and check it compiled every config. Without a
@@ -61,6 +79,23 @@ def compile_for_sm90a(script: str, timeout: int) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ALL COMPILED" in proc.stdout
+
+
+def compile_quant_for_sm90a(kind: str, options: tuple = ((),)) -> None:
+    """`compile_for_sm90a` of the quantization kernel ``kind`` for bf16 and fp16 input, with
+    and without power-of-two scales, into E4M3 and E5M2, each with every entry of ``options``
+    (the `QuantConfig` fields after ``fp8``)."""
+    script = (
+        "import torch\n"
+        "from te_seq.kernels.cute.compile_quant import QuantConfig, compile_quant\n"
+        "for dtype in (torch.bfloat16, torch.float16):\n"
+        "    for pow2 in (False, True):\n"
+        "        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
+        f"            for extra in {options!r}:\n"
+        f"                compile_quant(QuantConfig({kind!r}, dtype, pow2, False, fp8, *extra))\n"
+        "print('ALL COMPILED')\n"
+    )
+    compile_for_sm90a(script, timeout=600)
 
 
 def offsets(sizes: list[int]) -> torch.Tensor:

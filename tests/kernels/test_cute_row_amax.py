@@ -8,13 +8,17 @@ blocks g..g+1 of the block-maxima buffer) is bitwise `fp8_wgrad.quantize_token_m
 checks that refuse inputs; the new kernel compiles for sm_90a. GPU: both functions bit for bit
 against the torch definitions on fresh random data."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from cute_marks import ROOT, compile_for_sm90a, gpu, needs_cute, needs_dsl, needs_ptxas, offsets
+from cute_marks import (
+    compile_quant_for_sm90a,
+    gpu,
+    needs_cute,
+    needs_dsl,
+    needs_ptxas,
+    offsets,
+    ptxas_usage,
+)
 from test_cute_quant import cast_from_block_maxima, eager_quantize, same_bits
 
 from te_seq.kernels import fp8_quantize, fp8_wgrad
@@ -140,18 +144,7 @@ def test_host_width_limit_is_the_kernels():
 @needs_dsl
 @pytest.mark.slow
 def test_row_group_amax_kernel_compiles_for_sm90a():
-    script = (
-        "import torch\n"
-        "from te_seq.kernels.cute.compile_quant import QuantConfig, compile_quant\n"
-        "for dtype in (torch.bfloat16, torch.float16):\n"
-        "    for pow2 in (False, True):\n"
-        "        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
-        "            for vecs, rows in ((0, 1), (4, 2), (2, 4)):\n"
-        "                compile_quant(QuantConfig('rows_group_amax', dtype, pow2, False, fp8,\n"
-        "                                          vecs, rows))\n"
-        "print('ALL COMPILED')\n"
-    )
-    compile_for_sm90a(script, timeout=600)
+    compile_quant_for_sm90a("rows_group_amax", ((0, 1), (4, 2), (2, 4)))  # vecs x rows
 
 
 @pytest.mark.slow  # DSL compiles and ptxas in a subprocess
@@ -162,17 +155,10 @@ def test_row_group_amax_layouts_do_not_spill(tmp_path):
     most 128 registers a thread (what lets more CTAs share an SM than 8 x 1's ~182)."""
     configs = ("quant_rows_group_amax", "quant_rows_group_amax_v4r2",
                "quant_rows_group_amax_v2r4")
-    cmd = [sys.executable, "benchmarks/dump_ptx.py", "--configs", ",".join(configs),
-           "--out", str(tmp_path), "--ptxas"]
-    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if "spill stores" in line}
-    assert sorted(lines) == sorted(configs), proc.stdout
-    for line in lines.values():
-        assert "spill stores     0 B loads     0 B" in line, line
+    usage = ptxas_usage(configs, tmp_path)
+    assert all(spilled == 0 for _, spilled in usage.values()), usage
     for name in configs[1:]:
-        assert int(lines[name].split("regs")[1].split()[0]) <= 128, lines[name]
+        assert usage[name][0] <= 128, usage
 
 
 # ---------------------------------------------------------------- GPU: bit for bit

@@ -26,7 +26,7 @@ FP8 block-scaled grouped GEMM ``block_scaled_grouped_mm``,
 ``quant`` (the FP8 quantization kernels ``quantize_rows`` (``quantize_rows_launch`` prepares a
 call) / ``quantize_spans`` /
 ``quantize_span_blocks``, ``quantize_rows_and_group_amax`` / ``quantize_spans_from_group_amax``,
-``quant_problem``),
+``quantize_spans_in_strips`` with ``strips_fit``, ``quant_problem``),
 ``compile`` and ``disk_cache`` (compiling and caching), and the kernels (``grouped_gemm``,
 ``glu_epilogue``, ``act_epilogue`` and the modules they are built from). This file only
 re-exports.
@@ -67,6 +67,7 @@ from .launch import (
 )
 from .offsets import group_offsets, offsets_problem
 from .quant import (
+    STRIP_TOKENS,
     group_amax_problem,
     quant_problem,
     quantize_row_blocks,
@@ -77,7 +78,9 @@ from .quant import (
     quantize_span_blocks,
     quantize_spans,
     quantize_spans_from_group_amax,
+    quantize_spans_in_strips,
     span_table,
+    strips_fit,
 )
 
 __all__ = [
@@ -119,6 +122,9 @@ __all__ = [
     "quantize_span_blocks",
     "quantize_rows_and_group_amax",
     "quantize_spans_from_group_amax",
+    "quantize_spans_in_strips",
+    "strips_fit",
+    "STRIP_TOKENS",
     "group_amax_problem",
     "block_scaled_grouped_mm",
     "supports_block_scaled",

@@ -23,8 +23,9 @@ class QuantConfig:
     token-major pair, with ``rows``: the row-wise form too), "span_table" (their block table;
     in_dtype unused), "span_block_cast" (``block_span_kernels``: token-major with one scale
     per 128-token block; rows unused), "rows_group_amax" (``row_amax_kernels``: row-wise
-    with each group's column maxima; rows unused); in_dtype the input (16-bit; fp32 too for
-    "span_block_cast"); power_of_two the rule's scale rounding."""
+    with each group's column maxima; rows unused), "strip_cast" (``strip_kernels``:
+    token-major in one read of t, from the group ends; rows unused); in_dtype the input
+    (16-bit; fp32 too for "span_block_cast"); power_of_two the rule's scale rounding."""
 
     kind: str
     in_dtype: torch.dtype
@@ -56,6 +57,12 @@ def _fake_quant_args(cfg: QuantConfig) -> tuple:
         offs = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),), assumed_align=4)
         return offs, table, make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),),
                                                      assumed_align=4), stream
+    if cfg.kind == "strip_cast":  # offs, padded_offs [G] -> data [C, P], scale_inv [G, C]
+        ends = [make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),), assumed_align=4)
+                for _ in range(2)]
+        data = make_fake_compact_tensor(fp8, (cols, cute.sym_int32(divisibility=128)),
+                                        stride_order=(1, 0), assumed_align=16)
+        return t, *ends, data, _fake_scales(2), stream
     row_amax = _fake_scales(1)
     extents = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(), 2),
                                        stride_order=(1, 0), assumed_align=8)
@@ -81,12 +88,15 @@ def compile_quant(cfg: QuantConfig) -> CompiledGemm:
     from . import row_amax_kernels, span_kernels
     from .block_span_kernels import SpanBlockCastKernel
     from .row_amax_kernels import RowGroupAmaxKernel
+    from .strip_kernels import StripCastKernel
 
     kernels = {"span_amax": span_kernels.SpanAmaxKernel, "span_cast": span_kernels.SpanCastKernel,
                "span_block_cast": SpanBlockCastKernel}
     fp8_max, fp8 = float(torch.finfo(cfg.fp8).max), _DTYPES[cfg.fp8]
     if cfg.kind == "rows":
         kernel = qk.RowQuantKernel(fp8_max, cfg.power_of_two, fp8, cfg.lane_vecs)
+    elif cfg.kind == "strip_cast":
+        kernel = StripCastKernel(fp8_max, cfg.power_of_two, fp8)
     elif cfg.kind == "span_table":
         kernel = qk.SpanTableKernel()
     elif cfg.kind == "rows_group_amax":

@@ -58,6 +58,7 @@ SOURCE_FILES = (
     "span_kernels.py",
     "block_span_kernels.py",
     "row_amax_kernels.py",
+    "strip_kernels.py",
     "block_scaled.py",
     "offsets_kernel.py",
     "block_wgrad.py",

@@ -4,8 +4,10 @@
 ``quantize_spans_from_group_amax`` (the same two forms from one read of t each: the row-wise
 pass keeps each group's column maxima, the token-major cast reads them later),
 ``quantize_span_blocks`` (token-major, one scale per (128-token block, column):
-``Float8BlockScaling``'s wgrad operands), with ``quant_problem``. Kernels: ``quant_kernels``,
-``span_kernels``, ``row_amax_kernels`` and ``block_span_kernels``; the numbers are
+``Float8BlockScaling``'s wgrad operands), ``quantize_spans_in_strips`` (``quantize_spans`` in
+one read of t and one launch where the groups fit a 512-token strip, ``strips_fit``), with
+``quant_problem``. Kernels: ``quant_kernels``, ``span_kernels``, ``row_amax_kernels``,
+``strip_kernels`` and ``block_span_kernels``; the numbers are
 ``fp8_reference``'s bit for bit (E4M3 or E5M2, margin 0, with or without power-of-two scales).
 
 Each call is one or two kernel launches (~10 µs of host time) in place of a compiled torch
@@ -414,6 +416,46 @@ def _unit_extents(groups: int, device: torch.device) -> Tensor:
     return found
 
 
+# ---------------------------------------------------------------- token-major in strips
+
+STRIP_TOKENS = 512  # strip_kernels.STRIP_TOKENS: the tokens of a group a CTA holds at once
+
+
+def strips_fit(rows: int, groups: int) -> bool:
+    """Whether `rows` tokens in `groups` groups take `quantize_spans_in_strips` (the host's
+    rule; it knows no split): more than half a strip and at most a strip of tokens per group
+    on average (`STRIP_TOKENS`). On one H200 (2026-11-30) the strips cast B's x in 0.247 ms
+    (512 tokens a group, level with the cast from a row pass's maxima, whose row pass they
+    spare), but Q's in 0.105 against 0.072 (256 a group: half of each CTA's loads are of no
+    token) and skewed Z's in 0.159 against 0.074 (a long group is one CTA's per chunk, read
+    twice)."""
+    return groups > 0 and groups * STRIP_TOKENS < 2 * rows <= 2 * groups * STRIP_TOKENS
+
+
+def quantize_spans_in_strips(t: Tensor, offs: Tensor, padded_offs: Tensor, blocks: int,
+                             power_of_two: bool = False, fp8_dtype: torch.dtype = FP8_DTYPE
+                             ) -> tuple[Tensor, Tensor]:
+    """`quantize_spans` of t (data [C, P], P = 128 `blocks`, scale_inv fp32 [G, C], bit for
+    bit) in one launch and one read of t for groups of up to `STRIP_TOKENS` tokens, from the
+    group ends `offs` int32 [G] and `span_table`'s padded span ends `padded_offs` (`blocks`:
+    its table's rows). Longer groups are exact too, read twice. The kernel and t's copy are
+    decided once per call signature."""
+    groups, cols = offs.shape[0], t.shape[1]
+    device, width = t.device, blocks * SPAN_BLOCK
+    if not (groups and width and cols):  # no kernel: zeros, and every group without tokens
+        return (torch.zeros(cols, width, dtype=fp8_dtype, device=device),
+                torch.ones(groups, cols, dtype=torch.float32, device=device))
+    data = torch.empty(cols, width, dtype=fp8_dtype, device=device)
+    scale_inv = torch.empty(groups, cols, dtype=torch.float32, device=device)
+    signature = ("strips", t.dtype, t.shape, t.stride(), t.device, power_of_two, fp8_dtype)
+    plan = _QUANT_PLANS.get(signature) or _QUANT_PLANS.put(signature, _QuantPlan(
+        (_kernel("strip_cast", t, power_of_two, False, fp8_dtype),), _row_major(t) is not t))
+    plan.kernels[0](aligned_16(t, plan.t_copy), offs.to(torch.int32).contiguous(),
+                    padded_offs.contiguous(), data, scale_inv)
+    return data, scale_inv
+
+
 __all__ = ["group_amax_problem", "quant_problem", "quantize_row_blocks", "quantize_rows",
            "quantize_rows_and_group_amax", "quantize_rows_and_spans", "quantize_span_blocks",
-           "quantize_spans", "quantize_spans_from_group_amax", "span_table"]
+           "quantize_spans", "quantize_spans_from_group_amax", "quantize_spans_in_strips",
+           "span_table", "strips_fit", "STRIP_TOKENS"]

@@ -324,19 +324,9 @@ class SpanCastKernel(_SpanTileKernel):
         """staged byte (c, r) = fp8(tile value at (token r, column c) x scales[c]): the cast,
         then the transpose one byte at a time (``_staged_byte``)."""
         v, row0 = _stage_coords(tidx)
-        column_scales = [scales[v * VEC + k] for k in range(VEC)]
-        scaled = cute.make_rmem_tensor((VEC,), Float32)
-        cast = cute.make_rmem_tensor((VEC,), self.fp8_dtype)
-        cast_bytes = cute.recast_tensor(cast, cutlass.Uint8)
-        staged_bytes = cute.recast_tensor(staged, cutlass.Uint8)
+        stager = _ColumnStager(scales, v, self.fp8_dtype, staged)
         for i in cutlass.range_constexpr(PASSES):
-            values = tile[i]
-            for k in cutlass.range_constexpr(VEC):
-                scaled[k] = values[k] * column_scales[k]
-            cast.store(scaled.load().to(self.fp8_dtype))
-            first = _staged_byte(v * VEC, row0 + i * ROWS_PER_PASS)
-            for k in cutlass.range_constexpr(VEC):  # column v * VEC + k: same chunk swizzle
-                staged_bytes[first + k * SPAN_BLOCK] = cast_bytes[k]
+            stager.put(tile[i], _staged_byte(v * VEC, row0 + i * ROWS_PER_PASS))
 
     @cute.jit
     def _group_amax(self, block_amax: cute.Tensor, group, extent, groups, chunk, tidx):
@@ -413,6 +403,28 @@ class SpanCastKernel(_SpanTileKernel):
                     out[(None, col // VEC)].store((tile[i].load() * scale).to(self.fp8_dtype))
                 if chunk == 0 and col == 0:
                     row_scale_inv[row] = Float32(1.0) / scale
+
+
+class _ColumnStager:
+    """Traced inline: a thread's 8-column fp32 fragments scaled by their columns' ``scales``,
+    cast to FP8 and written transposed into ``staged``, one byte per column 128 bytes apart
+    (the columns of a vector share the chunk swizzle of ``_staged_byte``)."""
+
+    def __init__(self, scales: cute.Tensor, v, fp8_dtype, staged: cute.Tensor):
+        self.column_scales = [scales[v * VEC + k] for k in range(VEC)]
+        self.fp8_dtype = fp8_dtype
+        self.scaled = cute.make_rmem_tensor((VEC,), Float32)
+        self.cast = cute.make_rmem_tensor((VEC,), fp8_dtype)
+        self.cast_bytes = cute.recast_tensor(self.cast, cutlass.Uint8)
+        self.staged_bytes = cute.recast_tensor(staged, cutlass.Uint8)
+
+    def put(self, values, first):
+        """fp8(values[k] x scale of column v 8 + k) into staged byte ``first`` + 128 k."""
+        for k in range(VEC):
+            self.scaled[k] = values[k] * self.column_scales[k]
+        self.cast.store(self.scaled.load().to(self.fp8_dtype))
+        for k in range(VEC):
+            self.staged_bytes[first + k * SPAN_BLOCK] = self.cast_bytes[k]
 
 
 class _RawTile:
