@@ -76,12 +76,14 @@ def group_amax_reason(t: Tensor, rule: ref.ScaleRule, backend_name: str) -> str:
 
 def strips_reason(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backend_name: str) -> str:
     """Why `token_major` does not take the one-read strip kernel ("" when it does): `reason`'s
-    conditions, and at most `cute.quant.STRIP_TOKENS` tokens per group on average
+    conditions, and over half and at most `cute.STRIP_TOKENS` tokens per group on average
     (`cute.strips_fit`; the host knows the rows and the groups, not the split)."""
     why = reason(t, ref.ROWWISE, rule, backend_name)
-    if why or cute.strips_fit(t.shape[0], offs.shape[0]):
+    rows, groups = t.shape[0], offs.shape[0]
+    if why or cute.strips_fit(rows, groups):
         return why
-    return f"{t.shape[0]} tokens in {offs.shape[0]} groups: over {cute.STRIP_TOKENS} a group"
+    return (f"{rows} tokens in {groups} groups: not over {cute.STRIP_TOKENS // 2} and up to "
+            f"{cute.STRIP_TOKENS} a group on average")
 
 
 def blocks_reason(t: Tensor, rule: ref.ScaleRule, backend_name: str) -> str:
