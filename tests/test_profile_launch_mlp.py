@@ -24,10 +24,11 @@ from te_seq.kernels.cute.compile import GemmConfig, GluConfig  # noqa: E402
 from te_seq.kernels.cute.compile_quant import QuantConfig  # noqa: E402
 
 
-def _launches(recipe_name):
-    """{config: launches} of the second step (the first compiles and plans)."""
+def _launches(recipe_name, rows: int = 256):
+    """{config: launches} of the second step (the first compiles and plans), ``rows`` tokens
+    in 8 experts."""
     with stubbed_step(record=True) as stubs:
-        step = mlp_step(256, recipe_name, e=8, h=256, f=128)
+        step = mlp_step(rows, recipe_name, e=8, h=256, f=128)
         step()
         for stub in stubs.values():
             stub.calls.clear()
@@ -48,15 +49,27 @@ def test_rowwise_step_runs_every_gemm_and_quantization_on_cute_kernels():
     launches = _launches("Float8RowwiseScaling")
     gemms = {c: n for c, n in launches.items() if isinstance(c, GemmConfig | GluConfig)}
     assert all(c.scaled for c in gemms) and sum(gemms.values()) == 6  # 2 fwd, 2 dgrad, 2 wgrad
-    quant = {c.kind: 0 for c in launches if isinstance(c, QuantConfig)}
-    for c, n in launches.items():
-        if isinstance(c, QuantConfig):
-            quant[c.kind] += n
+    quant = _quant_launches(launches)
     # x (forward), dy, dh (backward): rows with their group maxima, then one span cast from
     # them (x's in backward); a: rows (forward) and spans (backward, recomputed: a maxima
     # pass and a cast); one table per step
     assert quant == {"span_table": 1, "span_amax": 1, "span_cast": 4, "rows": 1,
                      "rows_group_amax": 3}
+
+
+def _quant_launches(launches) -> dict[str, int]:
+    quant: dict[str, int] = {}
+    for c, n in launches.items():
+        if isinstance(c, QuantConfig):
+            quant[c.kind] = quant.get(c.kind, 0) + n
+    return quant
+
+
+def test_rowwise_step_casts_token_major_in_strips_where_experts_fill_them():
+    """400 tokens an expert on average (over 256, up to 512): x, a, dy and dh each take the
+    plain row cast and one strip cast (which takes its own maxima); one table per step."""
+    quant = _quant_launches(_launches("Float8RowwiseScaling", rows=8 * 400))
+    assert quant == {"span_table": 1, "rows": 4, "strip_cast": 4}
 
 
 @pytest.mark.slow  # a subprocess of a few seconds

@@ -136,13 +136,20 @@ def token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule,
     per (group, column), token-major (`fp8_wgrad.quantize_token_major`)."""
     if reason(t, ref.ROWWISE, rule, backend_name):
         return fp8_wgrad.quantize_token_major(t, offs, rule)
-    table, padded_offs = span_table(offs, t.shape[0])
     if not strips_reason(t, offs, rule, backend_name):  # one read of t, one launch
-        data, scale_inv = cute.quantize_spans_in_strips(t, offs, padded_offs, table.shape[0],
-                                                        rule.power_of_two, rule.dtype)
-    else:  # the maxima pass, then the cast
-        data, scale_inv = cute.quantize_spans(t, table, offs.shape[0], rule.power_of_two,
-                                              rule.dtype)
+        return _token_major_in_strips(t, offs, rule)
+    table, padded_offs = span_table(offs, t.shape[0])  # the maxima pass, then the cast
+    data, scale_inv = cute.quantize_spans(t, table, offs.shape[0], rule.power_of_two,
+                                          rule.dtype)
+    return fp8_wgrad.TokenMajor(data, scale_inv, padded_offs)
+
+
+def _token_major_in_strips(t: Tensor, offs: Tensor, rule: ref.ScaleRule
+                           ) -> fp8_wgrad.TokenMajor:
+    """`token_major` on the strip kernel (`strips_reason` found none against it)."""
+    table, padded_offs = span_table(offs, t.shape[0])
+    data, scale_inv = cute.quantize_spans_in_strips(t, offs, padded_offs, table.shape[0],
+                                                    rule.power_of_two, rule.dtype)
     return fp8_wgrad.TokenMajor(data, scale_inv, padded_offs)
 
 
@@ -171,7 +178,7 @@ def rows_and_token_major(t: Tensor, offs: Tensor, rule: ref.ScaleRule, backend_n
     if reason(t, ref.ROWWISE, rule, backend_name):
         return ref.quantize(t, ref.ROWWISE, rule), fp8_wgrad.quantize_token_major(t, offs, rule)
     if not strips_reason(t, offs, rule, backend_name):  # the row cast, then one strip read
-        return rows(t, ref.ROWWISE, rule, backend_name), token_major(t, offs, rule, backend_name)
+        return rows(t, ref.ROWWISE, rule, backend_name), _token_major_in_strips(t, offs, rule)
     if not group_amax_reason(t, rule, backend_name):
         forward, amax = rows_keeping_group_amax(t, offs, rule, backend_name)
         return forward, token_major_from_amax(t, offs, amax, rule)
