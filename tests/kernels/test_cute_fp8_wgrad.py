@@ -46,6 +46,23 @@ def test_wgrad_new_bf16_output():
     assert _rel_err(got, want) < KERNEL_TOL
 
 
+def test_wgrad_empty_expert_ignores_its_scales():
+    """The epilogue never applies an empty expert's scales (they may hold anything): NaN and
+    inf there still give +0.0 bits (a new output) and leave an accumulated buffer as it was;
+    the other experts are untouched."""
+    a, b, sa, sb, offs = _operands(SIZES, seed=2)
+    want = cute.scaled_grouped_wgrad(a, b, sa, sb, offs)
+    sa[1], sb[1] = float("nan"), float("inf")
+    got = cute.scaled_grouped_wgrad(a, b, sa, sb, offs)
+    assert (got[1].view(torch.int16) == 0).all()
+    assert torch.equal(got[[0, 2, 3, 4]], want[[0, 2, 3, 4]])
+    start = torch.randn(5, 256, 192, device="cuda")
+    out = start.clone()
+    cute.scaled_grouped_wgrad(a, b, sa, sb, offs, out=out, accumulate=True)
+    assert torch.equal(out[1], start[1])
+    assert not out.isnan().any()
+
+
 def test_wgrad_fp32_accumulate_and_bf16_accumulate():
     args = _operands(SIZES, seed=1)
     want = fp8_wgrad.scaled_grouped_wgrad_emulated(*args, out=torch.zeros(
