@@ -116,8 +116,8 @@ class ScaleScratchMixin:
         empty, zero the scratch entries the thread copied (``_before_mainloop``), so that the
         epilogue needs no select per value (``ScaleTile.live`` None). The accumulators of an
         empty span are zero (``_mainloop`` fills them) and 0 · 0 is the select's +0, whatever
-        an empty expert's scales hold. A select per value cost 2-9 % of the FP8 wgrads (one
-        H200, 2026-11-30, kernel README section 28)."""
+        an empty expert's scales hold. A select per value cost the FP8 wgrads 2-4 % on B and
+        Q (one H200, 2026-11-30, kernel README section 28)."""
         if rows == 0:
             tm, tn, _ = self.tile_mnk
             t = ep.mma_tidx

@@ -1,0 +1,225 @@
+"""Probe: what the epilogue costs the wgrads written fresh (bf16 out, the MLP's fresh-grads
+step): the 16-bit ``cute.grouped_wgrad`` and the FP8 row-wise ``cute.scaled_grouped_wgrad``,
+default tilings.
+
+``--epi-batch N``: epilogue subtiles staged per pair of barriers (``GroupedGemmKernel.
+epi_batch``); every value must give the same bits (only the synchronisation changes).
+``--cut PART``: time the kernels with part of the epilogue removed (wrong results, timing
+only): ``scale`` (the FP8 dequantization multiply), ``tma`` (the TMA stores: subtiles
+still staged in smem and fenced), ``fence`` (the proxy fence before each TMA store),
+``stage`` (the conversion and the copies into the store ring: fences, barriers and TMA
+stores of stale smem stay), ``all`` (nothing staged or stored: the main loop's own rate),
+``turn`` (ping-pong's two epilogues no longer wait for each other: they race on the shared
+store ring and its barrier; it hung once on B's FC2). Run "y" (kernel README, section 28)
+also timed the FP8 scales without their per-value select, since the kernel's own form.
+
+``--store-ring N``: slots of the epilogue's smem store ring (``epi_store_stages``; default:
+4, the 16-bit wgrad trading one for a fifth A/B stage). A 128 x 192 tile's A/B stages are
+40 KiB in both precisions: a 2-slot ring leaves room for 5 of them where the FP8 wgrad (its
+scale scratch) fits 4 beside 3 or 4 slots.
+
+All three are read at trace time, so each value runs in its own process with its own compile
+cache directory (``TE_SEQ_CACHE_DIR``); ``--variants`` starts those processes itself, in a
+rotated order each round, and ends with each wgrad's min-max ms per variant. Each result
+line prints ms, TFLOP/s and a checksum of the output's bits.
+
+  python benchmarks/probe_wgrad_epilogue.py --variants none,cut=tma,cut=fence,cut=stage,cut=all \
+      --rounds 2 --shapes B,Q
+  python benchmarks/probe_wgrad_epilogue.py --variants none,ring=2,batch=3 --shapes B
+  TE_SEQ_CACHE_DIR=/tmp/cut_tma python benchmarks/probe_wgrad_epilogue.py --cut tma --shapes B
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import torch
+from bench_fp8_gemm import token_major
+from bench_grouped_gemm import SHAPES, split_sizes, time_ms
+
+from te_seq.kernels import cute as te_cute
+from te_seq.kernels.cute.grouped_gemm import GroupedGemmKernel
+from te_seq.kernels.cute.mainloop import MainloopMixin
+from te_seq.kernels.cute.scale_epilogue import ScaleScratchMixin
+from te_seq.kernels.cute.store_epilogue import StoreEpilogueMixin
+
+
+def _cut(part: str) -> None:
+    """Remove ``part`` of the epilogue from every kernel traced after this (timing only)."""
+    cuts = {
+        "scale": (ScaleScratchMixin, "_scaled_at", lambda self, st, i, value: value),
+        "tma": (StoreEpilogueMixin, "_ring_flush",
+                lambda self, warp, stores: self._sync_for_tma()),
+        "fence": (StoreEpilogueMixin, "_sync_for_tma",
+                  lambda self: self.epi_barrier.arrive_and_wait()),
+        "stage": (StoreEpilogueMixin, "_store_group", _store_group_unstaged),
+        "all": (StoreEpilogueMixin, "_store_group", lambda self, *args, **kwargs: None),
+        "turn": (MainloopMixin, "_turn_barriers", _mma_turns_only(MainloopMixin._turn_barriers)),
+    }
+    if part == "none":
+        return
+    if part not in cuts:
+        raise ValueError(f"--cut: none or one of {', '.join(cuts)}, got {part!r}")
+    cls, name, replacement = cuts[part]
+    setattr(cls, name, replacement)
+
+
+@cute.jit
+def _store_group_unstaged(self, tiled_r2s, tRS_sC, warp, items: list, count, scatter=None):
+    """``StoreEpilogueMixin._store_group`` without copying the subtiles into the ring (so
+    without their conversion, which nothing reads then): the reserves, fences, barriers and
+    TMA stores of whatever the ring holds stay."""
+    batch = self._batch(len(items))
+    for b in cutlass.range_constexpr(len(items) // batch):
+        self._ring_reserve(warp, batch)
+        stores = []
+        for i in cutlass.range_constexpr(batch):
+            _, tma, s_part, g_part, coord = items[b * batch + i]
+            stores.append((tma, s_part, g_part, (count + b * batch + i) % self.epi_stage, coord))
+        self._ring_flush(warp, stores)
+
+
+def _mma_turns_only(turn_barriers):
+    """Ping-pong turn barriers whose epilogue turns (ids 4, 5) wait for the warpgroup's own
+    threads only: the two warpgroups' epilogues overlap each other on the shared store ring
+    (a race: timing only)."""
+    def turns(self, first_id, wg):
+        if first_id == 4:
+            own = pipeline.NamedBarrier(barrier_id=first_id + wg, num_threads=128)
+            return own, own
+        return turn_barriers(self, first_id, wg)
+    return turns
+
+
+def _bits(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:10]
+
+
+def _operands(name: str):
+    e, h, f, m = SHAPES[name]
+    sizes = split_sizes(name, e, m, torch.Generator().manual_seed(0))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    bf = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
+    grads = {"fc1": (torch.randn(m, 2 * f, **bf), torch.randn(m, h, **bf)),
+             "fc2": (torch.randn(m, h, **bf), torch.randn(m, f, **bf))}
+    return e, m, sizes, grads
+
+
+def probe(shapes: str, iters: int, label: str) -> None:
+    for name in shapes.split(","):
+        e, m, sizes, grads = _operands(name)
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32).cuda()
+        for gemm, (dout, x) in grads.items():
+            (qd, sd, ends), (qx, sx, _) = token_major(dout, sizes), token_major(x, sizes)
+            outs = {k: torch.empty(e, dout.shape[1], x.shape[1], device="cuda",
+                                   dtype=torch.bfloat16) for k in ("bf16", "fp8")}
+            fns = {"bf16": lambda: te_cute.grouped_wgrad(dout, x, offs, out=outs["bf16"]),
+                   "fp8": lambda: te_cute.scaled_grouped_wgrad(qd, qx, sd, sx, ends,
+                                                            out=outs["fp8"])}
+            for fn in fns.values():
+                fn()
+            ms = time_ms(fns, iters)
+            tflop = 2 * m * dout.shape[1] * x.shape[1] / 1e12
+            print(label, name, gemm, "  ".join(
+                f"{k} {ms[k]:.4f}ms {tflop / ms[k] * 1e3:.0f}TF bits {_bits(o)}"
+                for k, o in outs.items()), flush=True)
+            outs.clear()
+            torch.cuda.empty_cache()
+
+
+# --variants: each is 'none' or settings joined by '+' ('cut=tma+ring=2'), run in its own process
+VARIANT_FLAGS = {"cut": "--cut", "ring": "--store-ring", "batch": "--epi-batch"}
+
+
+def _child_args(variant: str) -> list[str]:
+    """Command-line flags of one variant: 'cut=tma+ring=2' -> --cut tma --store-ring 2."""
+    args = []
+    for part in variant.split("+"):
+        key, sep, value = part.partition("=")
+        if part == "none":
+            continue
+        if not sep or key not in VARIANT_FLAGS:
+            raise ValueError(f"--variants: 'none' or {'/'.join(VARIANT_FLAGS)}=VALUE joined "
+                             f"by '+', got {part!r} in {variant!r}")
+        args += [VARIANT_FLAGS[key], value]
+    return args
+
+
+def _collect(line: str, times: dict) -> None:
+    """Add the ms of a result line ('LABEL SHAPE GEMM bf16 1.23ms ... fp8 0.98ms ...')."""
+    words = line.split()
+    for i, word in enumerate(words[3:-1], start=3):
+        if word in ("bf16", "fp8") and words[i + 1].endswith("ms"):
+            times[(words[1], words[2], word, words[0])].append(float(words[i + 1][:-2]))
+
+
+def run_variants(variants: list[str], rounds: int, child: list[str], timeout: float) -> None:
+    """Each variant in its own process (and compile cache), in a rotated order each round;
+    then the min-max ms of every wgrad per variant. A variant that hangs is stopped after
+    ``timeout`` seconds and reported."""
+    for v in variants:
+        _child_args(v)  # refuse a bad spec before any GPU time is spent
+    times: dict = defaultdict(list)
+    cache = Path(tempfile.gettempdir()) / "te_seq_probe_epi"
+    for r in range(rounds):
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+            env = dict(os.environ, TE_SEQ_CACHE_DIR=str(cache / v))
+            cmd = [sys.executable, __file__, "--label", v, *child, *_child_args(v)]
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                      timeout=timeout)
+                out = proc.stdout
+                if proc.returncode:
+                    tail = proc.stderr.strip().splitlines()[-3:]
+                    out += f"\n{v}: exit {proc.returncode}: " + " | ".join(tail)
+            except subprocess.TimeoutExpired as err:
+                out = err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout or ""
+                out += f"\n{v}: stopped after {timeout:.0f} s"
+            for line in out.splitlines():
+                print(line, flush=True)
+                _collect(line, times)
+    print("ms, min-max over rounds:")
+    for shape, gemm, precision in sorted({k[:3] for k in times}):
+        cells = [f"{v} {min(ms):.3f}-{max(ms):.3f}" for v in variants
+                 if (ms := times.get((shape, gemm, precision, v)))]
+        print(f"{shape} {gemm} {precision}: " + "  ".join(cells), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epi-batch", default="1", help="an int, or 'none' (the ring less one)")
+    p.add_argument("--cut", default="none",
+                   help="none, scale, tma, fence, stage, all or turn (timing only)")
+    p.add_argument("--store-ring", type=int, default=None, help="store ring slots")
+    p.add_argument("--variants", default="",
+                   help="comma-separated variants, each in its own process: 'none' or "
+                        "cut=PART / ring=N / batch=N joined by '+'")
+    p.add_argument("--rounds", type=int, default=2, help="--variants: rounds")
+    p.add_argument("--timeout", type=float, default=300, help="--variants: s per process")
+    p.add_argument("--label", default=None, help="the first word of each result line")
+    p.add_argument("--shapes", default="B,Q")
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    if args.variants:
+        run_variants(args.variants.split(","), args.rounds,
+                     ["--shapes", args.shapes, "--iters", str(args.iters)], args.timeout)
+        return
+    GroupedGemmKernel.epi_batch = None if args.epi_batch == "none" else int(args.epi_batch)
+    GroupedGemmKernel.epi_store_stages = args.store_ring
+    _cut(args.cut)
+    probe(args.shapes, args.iters, args.label or
+          f"batch={args.epi_batch}+cut={args.cut}+ring={args.store_ring}")
+
+
+if __name__ == "__main__":
+    main()
