@@ -7,11 +7,12 @@ epi_batch``); every value must give the same bits (only the synchronisation chan
 ``--cut PART``: time the kernels with part of the epilogue removed (wrong results, timing
 only): ``scale`` (the FP8 dequantization multiply), ``tma`` (the TMA stores: subtiles
 still staged in smem and fenced), ``fence`` (the proxy fence before each TMA store),
-``stage`` (the conversion and the copies into the store ring: fences, barriers and TMA
-stores of stale smem stay), ``all`` (nothing staged or stored: the main loop's own rate),
-``turn`` (ping-pong's two epilogues no longer wait for each other: they race on the shared
-store ring and its barrier; it hung once on B's FC2). Run "y" (kernel README, section 28)
-also timed the FP8 scales without their per-value select, since the kernel's own form.
+``stage`` (the copies into the store ring, and with them the conversion and the FP8
+scaling that nothing reads then: fences, barriers and TMA stores of stale smem stay),
+``all`` (nothing staged or stored: the main loop's own rate), ``turn`` (ping-pong's two
+epilogues no longer wait for each other: they race on the shared store ring and its
+barrier; it hung once on B's FC2). Run "y" (kernel README, section 28) also timed the FP8
+scales without their per-value select, since the kernel's own form.
 
 ``--store-ring N``: slots of the epilogue's smem store ring (``epi_store_stages``; default:
 4, the 16-bit wgrad trading one for a fifth A/B stage). A 128 x 192 tile's A/B stages are
@@ -27,12 +28,15 @@ line prints ms, TFLOP/s and a checksum of the output's bits.
       --rounds 2 --shapes B,Q
   python benchmarks/probe_wgrad_epilogue.py --variants none,ring=2,batch=3 --shapes B
   TE_SEQ_CACHE_DIR=/tmp/cut_tma python benchmarks/probe_wgrad_epilogue.py --cut tma --shapes B
+  python benchmarks/probe_wgrad_epilogue.py --compile-only \
+      --variants cut=all,cut=stage,cut=tma,cut=fence,cut=scale,ring=2   # no GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -195,6 +199,76 @@ def run_variants(variants: list[str], rounds: int, child: list[str], timeout: fl
         print(f"{shape} {gemm} {precision}: " + "  ".join(cells), flush=True)
 
 
+# --compile-only: PTX counts per variant, and what each cut must change against "none"
+PTX_COUNTS = {"wgmma": "wgmma.mma_async", "stmatrix": "stmatrix", "fence": "fence.proxy.async",
+              "tma_store": ".global.shared::cta", "mbarrier_init": "mbarrier.init",
+              "selp": "selp", "fmul": "mul.f32"}
+COMPILE_CONFIGS = ("fp8_wgrad_pp192_2x1", "wgrad_pp192_dyn")  # dump_ptx.py's names
+# per cut: counts that must drop to zero / fall below / equal "none"'s, FP8 config
+CUT_CHECKS = {"all": {"zero": ("stmatrix", "tma_store")},
+              "stage": {"zero": ("stmatrix",), "same": ("tma_store", "fence")},
+              "tma": {"zero": ("tma_store",), "same": ("stmatrix",)},
+              "fence": {"zero": ("fence",), "same": ("stmatrix", "tma_store")},
+              "scale": {"below": ("fmul",)}}
+
+
+def _ptx_counts(config: str) -> dict[str, int]:
+    """Compile dump_ptx.py's ``config`` for sm_90a (the settings and cuts already applied)
+    and count what ``PTX_COUNTS`` names in its PTX."""
+    from dump_ptx import _compile, _configs, _ptx_of
+
+    ptx = _ptx_of(_compile(_configs()[config]))
+    return {k: ptx.count(pattern) for k, pattern in PTX_COUNTS.items()}
+
+
+def check_variants(counts: dict) -> list[str]:
+    """Problems with ``counts`` ({variant: {config: {name: n}}}): every variant keeps "none"'s
+    WGMMAs (the main loop is still there to time), each cut removes what it says
+    (``CUT_CHECKS``, FP8 config) and ``ring=2`` gives the FP8 wgrad a fifth A/B stage (two
+    more mbarriers)."""
+    base, problems = counts["none"], []
+    fp8 = COMPILE_CONFIGS[0]
+    for v, per_config in counts.items():
+        for config, c in per_config.items():
+            if c["wgmma"] != base[config]["wgmma"] or not c["wgmma"]:
+                problems.append(f"{v} {config}: {c['wgmma']} WGMMAs, none has "
+                                f"{base[config]['wgmma']}")
+        settings = dict(part.partition("=")[::2] for part in v.split("+") if part != "none")
+        c, b = per_config[fp8], base[fp8]
+        rules = CUT_CHECKS.get(settings.get("cut"), {})
+        problems += [f"{v}: {k} {c[k]}, not 0" for k in rules.get("zero", ()) if c[k]]
+        problems += [f"{v}: {k} {c[k]} against none's {b[k]}" for k in rules.get("same", ())
+                     if c[k] != b[k]]
+        problems += [f"{v}: {k} {c[k]}, not below none's {b[k]}"
+                     for k in rules.get("below", ()) if c[k] >= b[k]]
+        if settings.get("ring") == "2" and c["mbarrier_init"] != b["mbarrier_init"] + 2:
+            problems.append(f"{v}: {c['mbarrier_init']} mbarriers, none has "
+                            f"{b['mbarrier_init']} (a fifth A/B stage adds 2)")
+    return problems
+
+
+def compile_variants(variants: list[str], timeout: float) -> None:
+    """Each variant compiled for sm_90a in its own process (no GPU), its PTX counted; raises
+    if ``check_variants`` finds a problem."""
+    if "none" not in variants:
+        variants = ["none", *variants]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", TE_SEQ_DISK_CACHE="0",
+               CUTE_DSL_DUMP_DIR=tempfile.mkdtemp(prefix="te_seq_probe_ptx_"))
+    counts = {}
+    for v in variants:
+        cmd = [sys.executable, __file__, "--compile-only", "--label", v, *_child_args(v)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode:
+            raise RuntimeError(f"{v}: exit {proc.returncode}: {proc.stderr[-2000:]}")
+        counts[v] = json.loads(proc.stdout.strip().splitlines()[-1])
+        for config, c in counts[v].items():
+            print(v, config, " ".join(f"{k} {n}" for k, n in c.items()), flush=True)
+    problems = check_variants(counts)
+    if problems:
+        raise RuntimeError("; ".join(problems))
+    print("every variant keeps the main loop; each cut removes what it says")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epi-batch", default="1", help="an int, or 'none' (the ring less one)")
@@ -207,9 +281,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="--variants: rounds")
     p.add_argument("--timeout", type=float, default=300, help="--variants: s per process")
     p.add_argument("--label", default=None, help="the first word of each result line")
+    p.add_argument("--compile-only", action="store_true",
+                   help="with --variants: compile each for sm_90a (no GPU) and check its PTX")
     p.add_argument("--shapes", default="B,Q")
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
+    if args.compile_only and args.variants:
+        compile_variants(args.variants.split(","), args.timeout)
+        return
     if args.variants:
         run_variants(args.variants.split(","), args.rounds,
                      ["--shapes", args.shapes, "--iters", str(args.iters)], args.timeout)
@@ -217,6 +296,9 @@ def main() -> None:
     GroupedGemmKernel.epi_batch = None if args.epi_batch == "none" else int(args.epi_batch)
     GroupedGemmKernel.epi_store_stages = args.store_ring
     _cut(args.cut)
+    if args.compile_only:  # a child of compile_variants: the settings applied, count the PTX
+        print(json.dumps({c: _ptx_counts(c) for c in COMPILE_CONFIGS}))
+        return
     probe(args.shapes, args.iters, args.label or
           f"batch={args.epi_batch}+cut={args.cut}+ring={args.store_ring}")
 

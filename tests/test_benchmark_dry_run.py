@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import types
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -787,6 +788,55 @@ def test_fc1_probe_kernel_compiles_and_keeps_its_mainloop():
                             cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "WGMMAs in the PTX" in result.stdout and "conversions to bf16" in result.stdout
+
+
+@pytest.mark.slow  # subprocesses that compile two wgrad kernels per variant for sm_90a (~1 min)
+def test_wgrad_epilogue_probe_variants_compile_and_keep_the_mainloop():
+    """benchmarks/probe_wgrad_epilogue.py's timing variants compile for sm_90a, keep the
+    wgrads' WGMMAs (the main loop they time) and remove what each says (the probe's own
+    check, which raises otherwise); a 2-slot store ring gives the FP8 wgrad a fifth stage."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    variants = "cut=all,cut=stage,cut=tma,cut=fence,cut=scale,ring=2"
+    result = subprocess.run([sys.executable, "benchmarks/probe_wgrad_epilogue.py",
+                             "--compile-only", "--variants", variants],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "each cut removes what it says" in result.stdout
+
+
+def test_wgrad_epilogue_probe_check_catches_a_cut_that_misses():
+    """The probe's PTX check fails a variant that lost WGMMAs, a cut that left what it
+    removes, and a store ring that did not add a stage; the variant specs parse into the
+    child's flags and its result lines into ms per (shape, gemm, precision, variant)."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    import probe_wgrad_epilogue as probe
+
+    fp8, bf16 = probe.COMPILE_CONFIGS
+    base = {"wgmma": 24, "stmatrix": 24, "fence": 6, "tma_store": 6, "mbarrier_init": 8,
+            "selp": 37, "fmul": 384}
+
+    def counts(**fp8_changes):
+        return {fp8: {**base, **fp8_changes}, bf16: dict(base)}
+
+    good = {"none": counts(), "cut=all": counts(stmatrix=0, tma_store=0, fence=0, fmul=0),
+            "cut=tma": counts(tma_store=0), "ring=2": counts(mbarrier_init=10)}
+    assert probe.check_variants(good) == []
+    bad = {"none": counts(), "cut=all": counts(stmatrix=3, tma_store=0),
+           "cut=stage": counts(stmatrix=0, wgmma=12), "ring=2": counts(),
+           "cut=scale": counts()}
+    problems = " ".join(probe.check_variants(bad))
+    for needle in ("cut=all: stmatrix 3", "cut=stage fp8_wgrad_pp192_2x1: 12 WGMMAs",
+                   "ring=2: 8 mbarriers", "cut=scale: fmul 384, not below"):
+        assert needle in problems
+    assert probe._child_args("cut=tma+ring=2") == ["--cut", "tma", "--store-ring", "2"]
+    assert probe._child_args("none") == []
+    with pytest.raises(ValueError, match="cutt=x"):
+        probe._child_args("cutt=x")
+    times = defaultdict(list)
+    probe._collect("cut=tma B fc1 bf16 1.6525ms 665TF bits 91d5  fp8 1.2158ms 904TF bits 91d5",
+                   times)
+    assert dict(times) == {("B", "fc1", "bf16", "cut=tma"): [1.6525],
+                           ("B", "fc1", "fp8", "cut=tma"): [1.2158]}
 
 
 def test_ncu_stalls_reads_a_source_page_and_ranks_instructions():
