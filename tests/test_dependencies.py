@@ -53,6 +53,7 @@ _LOCAL = {
     "profile_host",  # its MLP builder (Megatron mode too): tests/test_benchmark_dry_run.py
     "ncu_stalls", "ncu_target",  # the Nsight Compute helpers: tests/test_benchmark_dry_run.py
     "probe_clocks", "probe_autograd_threads",  # sustained-step probes: test_benchmark_dry_run.py
+    "probe_wgrad_epilogue",  # its PTX check of the epilogue cuts: test_benchmark_dry_run.py
     "profile_kernels",  # its burst timing (host_feed): tests/test_benchmark_dry_run.py
 }
 
