@@ -93,8 +93,7 @@ class ScaleScratchMixin:
         g = cutlass.min(group, cute.size(scale_b, mode=[0]) - 1)
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
         dst = cute.zipped_divide(ep.scratch, (1,))
-        for j in cutlass.range_constexpr(-(-tn // self.num_mma_threads)):
-            c = t if j == 0 else t + j * self.num_mma_threads
+        for c in self._scratch_columns(t):
             if c < tn:
                 col = cutlass.min(self._scale_col(n_tile, c, scale_b),
                                   cute.size(scale_b, mode=[1]) - 1)
@@ -121,14 +120,19 @@ class ScaleScratchMixin:
         if rows == 0:
             tm, tn, _ = self.tile_mnk
             t = ep.mma_tidx
-            for j in cutlass.range_constexpr(-(-tn // self.num_mma_threads)):
-                c = t + j * self.num_mma_threads
+            for c in self._scratch_columns(t):
                 if c < tn:
                     ep.scratch[tm + c] = Float32(0.0)
             if t < tm:
                 ep.scratch[t] = Float32(0.0)
 
     # Plain Python (inlined while the kernel is traced): no dynamic control flow below.
+
+    def _scratch_columns(self, t):
+        """The scratch's column entries thread ``t`` copies (and zeroes): t, t + threads, ...,
+        one per tile_n / threads, rounded up; the callers skip those past tile_n."""
+        n = self.num_mma_threads
+        return [t if j == 0 else t + j * n for j in range(-(-self.tile_mnk[1] // n))]
 
     def _wait_scales(self, empty_span=None):
         """Before the epilogue reads the scratch: this thread's and every other thread's scale
