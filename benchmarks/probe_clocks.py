@@ -24,6 +24,7 @@ same kernels, as long as the step is bound by the GPU (not by the host's launche
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -102,7 +103,7 @@ def samples_between(lines: list[str], start: float, end: float) -> list[tuple[fl
     out = []
     for line in lines:
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 4:
+        if len(parts) not in (4, 5):  # the fifth: slowdown reasons (smi_samples(reasons=True))
             continue
         try:
             stamp = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
@@ -113,6 +114,55 @@ def samples_between(lines: list[str], start: float, end: float) -> list[tuple[fl
         if start <= stamp <= end:
             out.append(values)
     return out
+
+
+def window_medians(samples: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """The median (MHz, W, °C) of a window's samples (``samples_between``)."""
+    return tuple(statistics.median(v[i] for v in samples) for i in range(3))
+
+
+# NVML's clock event reasons (the bits of nvidia-smi's clocks_event_reasons.active)
+SLOWDOWN_REASONS = {0x1: "idle", 0x2: "app_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                    0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal",
+                    0x80: "hw_power_brake", 0x100: "display_clocks"}
+
+
+def reasons_between(lines: list[str], start: float, end: float) -> str:
+    """What held the clock down in the samples between `start` and `end` (lines sampled with
+    ``smi_samples(reasons=True)``): each active reason with its share of the samples, e.g.
+    'sw_power_cap:96%'; 'none' where no sample had one, '' where none was sampled."""
+    masks = []
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 5 and samples_between([line], start, end):
+            try:
+                masks.append(int(parts[4], 16))
+            except ValueError:
+                continue
+    named = [f"{name}:{100 * sum(bool(m & bit) for m in masks) / len(masks):.0f}%"
+             for bit, name in SLOWDOWN_REASONS.items() if any(m & bit for m in masks)]
+    return ",".join(named) or ("none" if masks else "")
+
+
+@contextlib.contextmanager
+def smi_samples(sample_ms: int, reasons: bool = False):
+    """``nvidia-smi`` sampling the SM clock, power and temperature (and with ``reasons`` the
+    active clock slowdown reasons) every ``sample_ms`` while the block runs; yields a list that
+    holds the samples' CSV lines once the block ends (for ``samples_between``)."""
+    lines: list[str] = []
+    query = _QUERY + (",clocks_event_reasons.active" if reasons else "")
+    with tempfile.NamedTemporaryFile("w+", suffix=".csv") as log:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={query}",
+                                "--format=csv,noheader,nounits", f"--loop-ms={sample_ms}"],
+                               stdout=log, stderr=subprocess.DEVNULL)
+        try:
+            yield lines
+            time.sleep(0.5)
+        finally:
+            smi.terminate()
+            smi.wait()
+        log.seek(0)
+        lines.extend(log.readlines())
 
 
 def report(windows: list[tuple[str, float, float, float]], lines: list[str],
@@ -126,13 +176,15 @@ def report(windows: list[tuple[str, float, float, float]], lines: list[str],
         if not got:
             print(f"{name:10s} {ms:7.3f} ms/step   (no nvidia-smi samples in its window)")
             continue
-        mhz, watts, temp = (statistics.median(v[i] for v in got) for i in range(3))
+        mhz, watts, temp = window_medians(got)
         work = 2 * DENSE**3 if name == "dense" else mlp_flops
+        why = reasons_between(lines, start, end)
         rows.append({"variant": name, "ms": ms, "tflops": work / ms / 1e9, "mhz": mhz,
                      "watts": watts, "temp_c": temp, "samples": len(got),
-                     "ms_x_ghz": ms * mhz / 1e3})
+                     "ms_x_ghz": ms * mhz / 1e3, "slowdown": why})
         print(f"{name:10s} {ms:7.3f} ms/step  {work / ms / 1e9:5.0f} TFLOP/s  SM {mhz:6.0f} MHz  "
-              f"{watts:5.0f} W  {temp:3.0f} C  {ms * mhz / 1e3:6.3f} ms·GHz  ({len(got)} samples)")
+              f"{watts:5.0f} W  {temp:3.0f} C  {ms * mhz / 1e3:6.3f} ms·GHz  ({len(got)} samples)"
+              + (f"  slowdown {why}" if why else ""))
     return rows
 
 
@@ -145,6 +197,8 @@ def main() -> None:
     p.add_argument("--idle", type=float, default=2.0)
     p.add_argument("--burst", type=int, default=10)
     p.add_argument("--sample-ms", type=int, default=20)
+    p.add_argument("--reasons", action="store_true",
+                   help="also sample what holds the clock down (clocks_event_reasons)")
     p.add_argument("--rounds", type=int, default=2, help="each variant this many times, in turn")
     p.add_argument("--env-variant", action="append", default=[],
                    help="NAME:VAR=VALUE[,VAR=VALUE...]: adds cute:NAME (bench_grouped_mlp.py's)")
@@ -159,24 +213,16 @@ def main() -> None:
     for step in steps.values():  # compile and warm up outside the sampled windows
         for _ in range(5):
             step()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_QUERY}", "--format=csv,noheader,nounits",
-                            f"--loop-ms={args.sample_ms}"], stdout=log, stderr=subprocess.DEVNULL)
     windows = []
-    try:
+    with smi_samples(args.sample_ms, args.reasons) as lines:
         for _ in range(args.rounds):
             for name, step in steps.items():
                 time.sleep(args.idle)
                 start, end, ms = run_for(step, args.seconds, args.burst)
                 windows.append((name, start + 0.3, end, ms))
-        time.sleep(0.5)
-    finally:
-        smi.terminate()
-        smi.wait()
-    log.seek(0)
     print(f"shape {args.shape} {args.act} grads {args.grad_mode}, bursts of {args.burst}, "
           f"{args.seconds} s each after {args.idle} s idle; nvidia-smi every {args.sample_ms} ms")
-    rows = report(windows, log.readlines(), flops(case.shape, "fwd+bwd"))
+    rows = report(windows, lines, flops(case.shape, "fwd+bwd"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, "act": args.act, "grad_mode": args.grad_mode,

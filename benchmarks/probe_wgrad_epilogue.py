@@ -24,23 +24,34 @@ cache directory (``TE_SEQ_CACHE_DIR``); ``--variants`` starts those processes it
 rotated order each round, and ends with each wgrad's min-max ms per variant. Each result
 line prints ms, TFLOP/s and a checksum of the output's bits.
 
+``--seconds S``: each kernel instead runs back to back for S seconds while ``nvidia-smi``
+samples the SM clock and what holds it down; the result lines add the median MHz, the
+cycles (ms x GHz), the (lagging, averaged) board power and the slowdown reasons, and the
+variants' table the cycles' min-max. At the 700 W cap a variant that draws less power runs
+at a higher clock: ms alone then mix the kernel's cycles with its clock (kernel README,
+section 29: B's 16-bit wgrads take the same cycles with and without their epilogue).
+
   python benchmarks/probe_wgrad_epilogue.py --variants none,cut=tma,cut=fence,cut=stage,cut=all \
       --rounds 2 --shapes B,Q
   python benchmarks/probe_wgrad_epilogue.py --variants none,ring=2,batch=3 --shapes B
   TE_SEQ_CACHE_DIR=/tmp/cut_tma python benchmarks/probe_wgrad_epilogue.py --cut tma --shapes B
   python benchmarks/probe_wgrad_epilogue.py --compile-only \
       --variants cut=all,cut=stage,cut=tma,cut=fence,cut=scale,ring=2   # no GPU
+  python benchmarks/probe_wgrad_epilogue.py --variants none,cut=stage,cut=all --rounds 1 \
+      --shapes B --seconds 1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -50,6 +61,7 @@ import cutlass.pipeline as pipeline
 import torch
 from bench_fp8_gemm import token_major
 from bench_grouped_gemm import SHAPES, split_sizes, time_ms
+from probe_clocks import reasons_between, run_for, samples_between, smi_samples, window_medians
 
 from te_seq.kernels import cute as te_cute
 from te_seq.kernels.cute.grouped_gemm import GroupedGemmKernel
@@ -119,26 +131,69 @@ def _operands(name: str):
     return e, m, sizes, grads
 
 
-def probe(shapes: str, iters: int, label: str) -> None:
-    for name in shapes.split(","):
-        e, m, sizes, grads = _operands(name)
-        offs = torch.tensor(sizes).cumsum(0).to(torch.int32).cuda()
-        for gemm, (dout, x) in grads.items():
-            (qd, sd, ends), (qx, sx, _) = token_major(dout, sizes), token_major(x, sizes)
-            outs = {k: torch.empty(e, dout.shape[1], x.shape[1], device="cuda",
-                                   dtype=torch.bfloat16) for k in ("bf16", "fp8")}
-            fns = {"bf16": lambda: te_cute.grouped_wgrad(dout, x, offs, out=outs["bf16"]),
-                   "fp8": lambda: te_cute.scaled_grouped_wgrad(qd, qx, sd, sx, ends,
-                                                            out=outs["fp8"])}
-            for fn in fns.values():
-                fn()
+def probe(shapes: str, iters: int, label: str, seconds: float = 0.0) -> None:
+    """One result line per wgrad of each shape: ms (``time_ms``'s median over ``iters``), and
+    with ``seconds`` > 0 instead each kernel run back to back for that long while
+    ``nvidia-smi`` samples the clock: ms, median MHz, cycles (ms x GHz, comparable across
+    variants that draw different power) and W."""
+    rows = []
+    with contextlib.ExitStack() as stack:
+        lines = stack.enter_context(smi_samples(20, reasons=True)) if seconds else []
+        for name in shapes.split(","):
+            for gemm, cells in _probe_shape(name, iters, seconds):
+                rows.append((name, gemm, cells))
+                if not seconds:
+                    print(_result_line(label, name, gemm, cells, lines), flush=True)
+    if seconds:
+        for name, gemm, cells in rows:
+            print(_result_line(label, name, gemm, cells, lines), flush=True)
+
+
+def _probe_shape(name: str, iters: int, seconds: float):
+    """Per wgrad of ``name`` (gemm, {precision: (ms, TFLOP/s, bits, window)}): the window is
+    the (start, end) of its back-to-back run when ``seconds`` > 0."""
+    e, m, sizes, grads = _operands(name)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32).cuda()
+    for gemm, (dout, x) in grads.items():
+        (qd, sd, ends), (qx, sx, _) = token_major(dout, sizes), token_major(x, sizes)
+        outs = {k: torch.empty(e, dout.shape[1], x.shape[1], device="cuda",
+                               dtype=torch.bfloat16) for k in ("bf16", "fp8")}
+        fns = {"bf16": lambda: te_cute.grouped_wgrad(dout, x, offs, out=outs["bf16"]),
+               "fp8": lambda: te_cute.scaled_grouped_wgrad(qd, qx, sd, sx, ends,
+                                                        out=outs["fp8"])}
+        for fn in fns.values():
+            fn()
+        windows = {}
+        if seconds:
+            for k, fn in fns.items():
+                time.sleep(0.3)  # each run starts from an idle GPU's clock
+                start, end, ms = run_for(fn, seconds, 10)
+                windows[k] = (start + 0.2, end, ms)
+            ms = {k: w[2] for k, w in windows.items()}
+        else:
             ms = time_ms(fns, iters)
-            tflop = 2 * m * dout.shape[1] * x.shape[1] / 1e12
-            print(label, name, gemm, "  ".join(
-                f"{k} {ms[k]:.4f}ms {tflop / ms[k] * 1e3:.0f}TF bits {_bits(o)}"
-                for k, o in outs.items()), flush=True)
-            outs.clear()
-            torch.cuda.empty_cache()
+        tflop = 2 * m * dout.shape[1] * x.shape[1] / 1e12
+        yield gemm, {k: (ms[k], tflop / ms[k] * 1e3, _bits(o), windows.get(k))
+                     for k, o in outs.items()}
+        outs.clear()
+        torch.cuda.empty_cache()
+
+
+def _result_line(label: str, shape: str, gemm: str, cells: dict, lines: list[str]) -> str:
+    """'LABEL SHAPE GEMM bf16 1.23ms 600TF [1490MHz 1.833Mcyc 690W slowdown=...] bits ...
+    fp8 ...': the clock, cycles, power and what held the clock down (``reasons_between``)
+    where the cell has a sampled window."""
+    words = [label, shape, gemm]
+    for k, (ms, tflops, bits, window) in cells.items():
+        words += [k, f"{ms:.4f}ms", f"{tflops:.0f}TF"]
+        got = samples_between(lines, window[0], window[1]) if window else []
+        if got:
+            mhz, watts, _ = window_medians(got)
+            words += [f"{mhz:.0f}MHz", f"{ms * mhz / 1e3:.4f}Mcyc", f"{watts:.0f}W"]
+            why = reasons_between(lines, window[0], window[1])
+            words += [f"slowdown={why}"] if why else []
+        words += ["bits", bits + " "]
+    return " ".join(words).rstrip()
 
 
 # --variants: each is 'none' or settings joined by '+' ('cut=tma+ring=2'), run in its own process
@@ -160,11 +215,18 @@ def _child_args(variant: str) -> list[str]:
 
 
 def _collect(line: str, times: dict) -> None:
-    """Add the ms of a result line ('LABEL SHAPE GEMM bf16 1.23ms ... fp8 0.98ms ...')."""
+    """Add the ms, and the cycles where sampled, of a result line ('LABEL SHAPE GEMM bf16
+    1.23ms 600TF [1490MHz 1.833Mcyc 690W] bits ... fp8 ...') to ``times[(shape, gemm,
+    precision, label, unit)]``, unit 'ms' or 'Mcyc'."""
     words = line.split()
-    for i, word in enumerate(words[3:-1], start=3):
-        if word in ("bf16", "fp8") and words[i + 1].endswith("ms"):
-            times[(words[1], words[2], word, words[0])].append(float(words[i + 1][:-2]))
+    precision = None
+    for i, word in enumerate(words[3:], start=3):
+        if word in ("bf16", "fp8") and i + 1 < len(words) and words[i + 1].endswith("ms"):
+            precision = word
+        for unit in ("ms", "Mcyc"):
+            if precision and word.endswith(unit) and word[: -len(unit)].replace(".", "").isdigit():
+                times[(words[1], words[2], precision, words[0], unit)].append(
+                    float(word[: -len(unit)]))
 
 
 def run_variants(variants: list[str], rounds: int, child: list[str], timeout: float) -> None:
@@ -192,11 +254,14 @@ def run_variants(variants: list[str], rounds: int, child: list[str], timeout: fl
             for line in out.splitlines():
                 print(line, flush=True)
                 _collect(line, times)
-    print("ms, min-max over rounds:")
-    for shape, gemm, precision in sorted({k[:3] for k in times}):
-        cells = [f"{v} {min(ms):.3f}-{max(ms):.3f}" for v in variants
-                 if (ms := times.get((shape, gemm, precision, v)))]
-        print(f"{shape} {gemm} {precision}: " + "  ".join(cells), flush=True)
+    for unit in ("ms", "Mcyc"):
+        keys = sorted({k[:3] for k in times if k[4] == unit})
+        if keys:
+            print(f"{unit}, min-max over rounds:")
+        for shape, gemm, precision in keys:
+            cells = [f"{v} {min(got):.3f}-{max(got):.3f}" for v in variants
+                     if (got := times.get((shape, gemm, precision, v, unit)))]
+            print(f"{shape} {gemm} {precision}: " + "  ".join(cells), flush=True)
 
 
 # --compile-only: PTX counts per variant, and what each cut must change against "none"
@@ -285,13 +350,17 @@ def main() -> None:
                    help="with --variants: compile each for sm_90a (no GPU) and check its PTX")
     p.add_argument("--shapes", default="B,Q")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="run each kernel back to back this long while nvidia-smi samples the "
+                        "clock: adds MHz, cycles (ms x GHz) and W to each result")
     args = p.parse_args()
     if args.compile_only and args.variants:
         compile_variants(args.variants.split(","), args.timeout)
         return
     if args.variants:
         run_variants(args.variants.split(","), args.rounds,
-                     ["--shapes", args.shapes, "--iters", str(args.iters)], args.timeout)
+                     ["--shapes", args.shapes, "--iters", str(args.iters), "--seconds",
+                      str(args.seconds)], args.timeout)
         return
     GroupedGemmKernel.epi_batch = None if args.epi_batch == "none" else int(args.epi_batch)
     GroupedGemmKernel.epi_store_stages = args.store_ring
@@ -300,7 +369,7 @@ def main() -> None:
         print(json.dumps({c: _ptx_counts(c) for c in COMPILE_CONFIGS}))
         return
     probe(args.shapes, args.iters, args.label or
-          f"batch={args.epi_batch}+cut={args.cut}+ring={args.store_ring}")
+          f"batch={args.epi_batch}+cut={args.cut}+ring={args.store_ring}", args.seconds)
 
 
 if __name__ == "__main__":

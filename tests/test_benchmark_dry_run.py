@@ -835,8 +835,57 @@ def test_wgrad_epilogue_probe_check_catches_a_cut_that_misses():
     times = defaultdict(list)
     probe._collect("cut=tma B fc1 bf16 1.6525ms 665TF bits 91d5  fp8 1.2158ms 904TF bits 91d5",
                    times)
-    assert dict(times) == {("B", "fc1", "bf16", "cut=tma"): [1.6525],
-                           ("B", "fc1", "fp8", "cut=tma"): [1.2158]}
+    assert dict(times) == {("B", "fc1", "bf16", "cut=tma", "ms"): [1.6525],
+                           ("B", "fc1", "fp8", "cut=tma", "ms"): [1.2158]}
+
+
+def test_wgrad_epilogue_probe_reports_cycles_from_the_sampled_clock():
+    """With sampled windows the probe's result line adds each kernel's median clock, its
+    cycles (ms x GHz) and power, only from the samples inside that kernel's window, and the
+    variants' table collects the cycles beside the ms."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    import time
+
+    import probe_wgrad_epilogue as probe
+
+    base = float(int(time.time()))
+    stamp = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(base))
+    lines = [f"{stamp}.100, 1500, 690, 48", f"{stamp}.200, 1490, 700, 49",
+             f"{stamp}.600, 1800, 600, 47", f"{stamp}.700, 1780, 610, 47"]
+    cells = {"bf16": (2.0, 500.0, "aa11", (base + 0.05, base + 0.3)),
+             "fp8": (1.0, 1000.0, "bb22", (base + 0.55, base + 0.75))}
+    line = probe._result_line("none", "B", "fc1", cells, lines)
+    assert line == ("none B fc1 bf16 2.0000ms 500TF 1495MHz 2.9900Mcyc 695W bits aa11  "
+                    "fp8 1.0000ms 1000TF 1790MHz 1.7900Mcyc 605W bits bb22")
+    times = defaultdict(list)
+    probe._collect(line, times)
+    assert times[("B", "fc1", "bf16", "none", "Mcyc")] == [2.99]
+    assert times[("B", "fc1", "fp8", "none", "ms")] == [1.0]
+    assert times[("B", "fc1", "fp8", "none", "Mcyc")] == [1.79]
+    unsampled = probe._result_line("none", "B", "fc1", {"bf16": (2.0, 500.0, "aa11", None)},
+                                   lines)
+    assert unsampled == "none B fc1 bf16 2.0000ms 500TF bits aa11"
+    with_reasons = [f"{stamp}.100, 1500, 690, 48, 0x0000000000000004",
+                    f"{stamp}.200, 1490, 700, 49, 0x000000000000000C", "0x4 garbage"]
+    line = probe._result_line("none", "B", "fc1", {"bf16": cells["bf16"]}, with_reasons)
+    assert line.endswith("695W slowdown=sw_power_cap:100%,hw_slowdown:50% bits aa11")
+
+
+def test_probe_clocks_names_the_slowdown_reasons_of_a_window():
+    import time
+
+    import probe_clocks
+
+    base = float(int(time.time()))
+    stamp = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(base))
+    lines = [f"{stamp}.100, 1400, 690, 48, 0x0000000000000000",
+             f"{stamp}.200, 1500, 692, 49, 0x0000000000000080",
+             f"{stamp}.800, 1600, 694, 50, 0x0000000000000004"]
+    assert probe_clocks.reasons_between(lines, base, base + 0.5) == "hw_power_brake:50%"
+    assert probe_clocks.reasons_between(lines, base + 0.1, base + 0.15) == "none"
+    assert probe_clocks.reasons_between([ln.rsplit(",", 1)[0] for ln in lines], base,
+                                        base + 1) == ""
+    assert probe_clocks.samples_between(lines, base + 0.7, base + 1) == [(1600.0, 694.0, 50.0)]
 
 
 def test_ncu_stalls_reads_a_source_page_and_ranks_instructions():
