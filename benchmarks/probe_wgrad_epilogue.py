@@ -9,6 +9,8 @@ only): ``scale`` (the FP8 dequantization multiply), ``tma`` (the TMA stores: sub
 still staged in smem and fenced), ``fence`` (the proxy fence before each TMA store),
 ``stage`` (the copies into the store ring, and with them the conversion and the FP8
 scaling that nothing reads then: fences, barriers and TMA stores of stale smem stay),
+``const`` (a constant staged and stored in place of the values: the copies, fences,
+barriers and TMA stores stay, the conversion and the FP8 scaling go),
 ``all`` (nothing staged or stored: the main loop's own rate), ``turn`` (ping-pong's two
 epilogues no longer wait for each other: they race on the shared store ring and its
 barrier; it hung once on B's FC2). Run "y" (kernel README, section 28) also timed the FP8
@@ -79,6 +81,7 @@ def _cut(part: str) -> None:
         "fence": (StoreEpilogueMixin, "_sync_for_tma",
                   lambda self: self.epi_barrier.arrive_and_wait()),
         "stage": (StoreEpilogueMixin, "_store_group", _store_group_unstaged),
+        "const": (StoreEpilogueMixin, "_store_group", _store_group_constant),
         "all": (StoreEpilogueMixin, "_store_group", lambda self, *args, **kwargs: None),
         "turn": (MainloopMixin, "_turn_barriers", _mma_turns_only(MainloopMixin._turn_barriers)),
     }
@@ -103,6 +106,19 @@ def _store_group_unstaged(self, tiled_r2s, tRS_sC, warp, items: list, count, sca
             _, tma, s_part, g_part, coord = items[b * batch + i]
             stores.append((tma, s_part, g_part, (count + b * batch + i) % self.epi_stage, coord))
         self._ring_flush(warp, stores)
+
+
+_STORE_GROUP = StoreEpilogueMixin._store_group  # the kernels' own, before any cut
+
+
+@cute.jit
+def _store_group_constant(self, tiled_r2s, tRS_sC, warp, items: list, count, scatter=None):
+    """``StoreEpilogueMixin._store_group`` staging a constant in place of each subtile's
+    values (so without their conversion, which nothing reads then): the copies into the ring,
+    the fences, barriers and TMA stores stay, of data that never changes."""
+    for item in items:
+        item[0].fill(1.0)
+    _STORE_GROUP(self, tiled_r2s, tRS_sC, warp, items, count, scatter)
 
 
 def _mma_turns_only(turn_barriers):
@@ -267,13 +283,14 @@ def run_variants(variants: list[str], rounds: int, child: list[str], timeout: fl
 # --compile-only: PTX counts per variant, and what each cut must change against "none"
 PTX_COUNTS = {"wgmma": "wgmma.mma_async", "stmatrix": "stmatrix", "fence": "fence.proxy.async",
               "tma_store": ".global.shared::cta", "mbarrier_init": "mbarrier.init",
-              "selp": "selp", "fmul": "mul.f32"}
+              "selp": "selp", "fmul": "mul.f32", "cvt": "cvt.rn.bf16x2.f32"}
 COMPILE_CONFIGS = ("fp8_wgrad_pp192_2x1", "wgrad_pp192_dyn")  # dump_ptx.py's names
 # per cut: counts that must drop to zero / fall below / equal "none"'s, FP8 config
 CUT_CHECKS = {"all": {"zero": ("stmatrix", "tma_store")},
               "stage": {"zero": ("stmatrix",), "same": ("tma_store", "fence")},
               "tma": {"zero": ("tma_store",), "same": ("stmatrix",)},
               "fence": {"zero": ("fence",), "same": ("stmatrix", "tma_store")},
+              "const": {"same": ("stmatrix", "tma_store", "fence"), "below": ("cvt",)},
               "scale": {"below": ("fmul",)}}
 
 
@@ -338,7 +355,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epi-batch", default="1", help="an int, or 'none' (the ring less one)")
     p.add_argument("--cut", default="none",
-                   help="none, scale, tma, fence, stage, all or turn (timing only)")
+                   help="none, scale, tma, fence, stage, const, all or turn (timing only)")
     p.add_argument("--store-ring", type=int, default=None, help="store ring slots")
     p.add_argument("--variants", default="",
                    help="comma-separated variants, each in its own process: 'none' or "
