@@ -21,7 +21,12 @@ scales without their per-value select, since the kernel's own form.
 40 KiB in both precisions: a 2-slot ring leaves room for 5 of them where the FP8 wgrad (its
 scale scratch) fits 4 beside 3 or 4 slots.
 
-All three are read at trace time, so each value runs in its own process with its own compile
+``--epi-cols N``: columns of an epilogue subtile (``GroupedGemmKernel.epi_cols``, default 32):
+64 halves the TMA stores, proxy fences and barrier pairs per tile (a 128 x 192 tile: 3
+instead of 6) with the same smem per slot pair; with ``--store-ring 2`` the ring takes the
+bytes of the default 4 x 32 (the FP8 wgrad keeps its 4 A/B stages). Same bits expected.
+
+All four are read at trace time, so each value runs in its own process with its own compile
 cache directory (``TE_SEQ_CACHE_DIR``); ``--variants`` starts those processes itself, in a
 rotated order each round, and ends with each wgrad's min-max ms per variant. Each result
 line prints ms, TFLOP/s and a checksum of the output's bits.
@@ -41,6 +46,8 @@ section 29: B's 16-bit wgrads take the same cycles with and without their epilog
       --variants cut=all,cut=stage,cut=tma,cut=fence,cut=scale,ring=2   # no GPU
   python benchmarks/probe_wgrad_epilogue.py --variants none,cut=stage,cut=all --rounds 1 \
       --shapes B --seconds 1
+  python benchmarks/probe_wgrad_epilogue.py --variants none,cols=64+ring=2 --rounds 2 \
+      --shapes B,Q --seconds 1
 """
 
 from __future__ import annotations
@@ -213,7 +220,8 @@ def _result_line(label: str, shape: str, gemm: str, cells: dict, lines: list[str
 
 
 # --variants: each is 'none' or settings joined by '+' ('cut=tma+ring=2'), run in its own process
-VARIANT_FLAGS = {"cut": "--cut", "ring": "--store-ring", "batch": "--epi-batch"}
+VARIANT_FLAGS = {"cut": "--cut", "ring": "--store-ring", "batch": "--epi-batch",
+                 "cols": "--epi-cols"}
 
 
 def _child_args(variant: str) -> list[str]:
@@ -323,7 +331,12 @@ def check_variants(counts: dict) -> list[str]:
                      if c[k] != b[k]]
         problems += [f"{v}: {k} {c[k]}, not below none's {b[k]}"
                      for k in rules.get("below", ()) if c[k] >= b[k]]
-        if settings.get("ring") == "2" and c["mbarrier_init"] != b["mbarrier_init"] + 2:
+        cols = int(settings.get("cols", 32))
+        if cols != 32 and c["tma_store"] * cols != b["tma_store"] * 32:
+            problems.append(f"{v}: {c['tma_store']} TMA stores, none has {b['tma_store']} "
+                            f"of 32 columns")
+        if (settings.get("ring") == "2" and cols == 32
+                and c["mbarrier_init"] != b["mbarrier_init"] + 2):
             problems.append(f"{v}: {c['mbarrier_init']} mbarriers, none has "
                             f"{b['mbarrier_init']} (a fifth A/B stage adds 2)")
     return problems
@@ -357,9 +370,11 @@ def main() -> None:
     p.add_argument("--cut", default="none",
                    help="none, scale, tma, fence, stage, const, all or turn (timing only)")
     p.add_argument("--store-ring", type=int, default=None, help="store ring slots")
+    p.add_argument("--epi-cols", type=int, default=32,
+                   help="columns of an epilogue subtile (one ring slot, one TMA store)")
     p.add_argument("--variants", default="",
                    help="comma-separated variants, each in its own process: 'none' or "
-                        "cut=PART / ring=N / batch=N joined by '+'")
+                        "cut=PART / ring=N / batch=N / cols=N joined by '+'")
     p.add_argument("--rounds", type=int, default=2, help="--variants: rounds")
     p.add_argument("--timeout", type=float, default=300, help="--variants: s per process")
     p.add_argument("--label", default=None, help="the first word of each result line")
@@ -381,6 +396,7 @@ def main() -> None:
         return
     GroupedGemmKernel.epi_batch = None if args.epi_batch == "none" else int(args.epi_batch)
     GroupedGemmKernel.epi_store_stages = args.store_ring
+    GroupedGemmKernel.epi_cols = args.epi_cols
     _cut(args.cut)
     if args.compile_only:  # a child of compile_variants: the settings applied, count the PTX
         print(json.dumps({c: _ptx_counts(c) for c in COMPILE_CONFIGS}))

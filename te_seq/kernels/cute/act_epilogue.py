@@ -56,6 +56,7 @@ class ActGemmKernel(GluGemmKernel):
             raise ValueError(f"ActGemmKernel: act must be one of {ACTS}, got {act!r}")
         if tile_n not in (128, 192, 256):
             raise ValueError(f"ActGemmKernel: tile_n must be 128, 192 or 256, got {tile_n}")
+        self._require_32_column_subtiles("ActGemmKernel")
         # GluGemmKernel's own checks are about gate/up pairing: set its attributes directly
         GroupedGemmKernel.__init__(self, "m", (128, tile_n), cluster_mn, route=route)
         self.mode, self.act, self.interleave, self.has_probs = mode, act, None, has_probs

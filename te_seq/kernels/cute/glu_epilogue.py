@@ -81,6 +81,13 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
     act_from_rounded_h = False
     cooperative_fc1_widths = (256,)  # 128 gate + 128 up columns (FP8 block scales: 128)
 
+    def _require_32_column_subtiles(self, op: str) -> None:
+        """The GLU and activation epilogues index their subtiles by 32 columns: refuse a
+        class-level ``epi_cols`` (a plain-kernel timing variant) of anything else."""
+        if self.epi_cols != 32:
+            raise ValueError(f"{op}: the GLU and activation epilogues stage 32-column "
+                             f"subtiles, got epi_cols={self.epi_cols}")
+
     def __init__(
         self,
         mode: str,
@@ -130,6 +137,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
             )
         if not store_h and mode != "fc1":
             raise ValueError("GluGemmKernel: store_h=False is an fc1 option (dgrad writes dh)")
+        self._require_32_column_subtiles("GluGemmKernel")
         self.h_prefetch, self.epi_rows, self.store_h = h_prefetch, epi_rows, store_h
         super().__init__(
             "m", (128, tile_n), cluster_mn, route=route, pingpong=pingpong, half_tiles=half_tiles

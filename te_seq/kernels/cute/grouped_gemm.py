@@ -87,6 +87,10 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     trade_store_slot = False
     # rows of an epilogue subtile (None: the tile's 128); the GLU kernel's ping-pong option 64
     epi_rows: int | None = None
+    # columns of an epilogue subtile (a store-ring slot, one TMA store). 32 everywhere; 64 is
+    # a timing variant of benchmarks/probe_wgrad_epilogue.py (the wgrads compile with it, no
+    # spill, not yet run on a GPU); the GLU and activation kernels refuse anything but 32
+    epi_cols = 32
     # Varlen K: clip each group's loads by ragged TMA views (True), or take every group's span as
     # whole k-tiles of zero-padded operands (False: the FP8 wgrad, whose operands are K-major,
     # and ragged views need a 16-byte stride along the ragged mode).
@@ -204,7 +208,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             (1 if self.pingpong else self.num_mma_warpgroups, 1, 1),
             tiler_mn=(64, tn),
         )
-        self.epi_tile = (self.epi_rows or tm, 32)
+        self.epi_tile = (self.epi_rows or tm, self.epi_cols)
         if self.accumulate:
             self.old_c_blocks = self._old_c_blocks()
             self.epi_extra_buffers = self.extra_barriers = self._old_c_smem_blocks()
@@ -253,14 +257,14 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         return 3 if keeps_stages else 2
 
     def _ab_stages(self, store_ring: int, extra_buffers: int | None = None) -> int:
-        """A/B pipeline stages that fit in smem beside a store ring of ``store_ring`` (tm x 32)
-        subtiles and the class's extra epilogue buffers (or ``extra_buffers``) and scratch. A
-        128 x 192 bf16 tile fits 4 beside a 4-slot ring and 5 beside a 3-slot one
-        (``trade_store_slot``)."""
+        """A/B pipeline stages that fit in smem beside a store ring of ``store_ring`` (tm x
+        ``epi_cols``) subtiles and the class's extra epilogue buffers (or ``extra_buffers``)
+        and scratch. A 128 x 192 bf16 tile fits 4 beside a 4-slot ring and 5 beside a 3-slot
+        one (``trade_store_slot``)."""
         tm, tn, tk = self.tile_mnk
         ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8
         extra = self.epi_extra_buffers if extra_buffers is None else extra_buffers
-        epi_bytes = tm * 32 * self.c_dtype.width // 8 * (store_ring + extra)
+        epi_bytes = tm * self.epi_cols * self.c_dtype.width // 8 * (store_ring + extra)
         smem = memory.get_smem_capacity_in_bytes("sm_90")
         # barriers and the padding to sA's 1024-byte alignment take < 1 KB; the scratch after
         reserve = max(2048, 1024 + 4 * self._scratch_words())

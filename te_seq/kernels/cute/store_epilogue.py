@@ -90,7 +90,8 @@ class StoreEpilogueMixin:
         is done)."""
         if const_expr(self.accumulate):
             loads = self._old_c_loads(ep, self._old_tile(ep, group, m_tile, n_tile))
-            for e in cutlass.range_constexpr(min(self.old_c_blocks, self.tile_mnk[1] // 32)):
+            for e in cutlass.range_constexpr(
+                    min(self.old_c_blocks, self.tile_mnk[1] // self.epi_cols)):
                 self._load_old_c(ep, loads, e, epi_count)
 
     @cute.jit
@@ -181,7 +182,8 @@ class StoreEpilogueMixin:
         cute.arch.mbarrier_wait(ep.extra_bar + buf, (g // self.old_c_blocks) % 2)
         for v in cutlass.range_constexpr(size_rD):
             r, cc = coords[self._acc_index(ep, e, v)]
-            ep.rD[v] = ep.rD[v] + ep.sC[r, cc - 32 * e, self.epi_stage + buf].to(Float32)
+            ep.rD[v] = ep.rD[v] + ep.sC[r, cc - self.epi_cols * e, self.epi_stage + buf].to(
+                Float32)
         self._sync_for_tma()  # the block is free for its next load
         if const_expr(e + self.old_c_blocks < num_epi):
             self._load_old_c(ep, loads, e + self.old_c_blocks, epi_count)
