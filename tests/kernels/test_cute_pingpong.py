@@ -138,9 +138,10 @@ def test_glu_kernel_pingpong_tiles():
 
 
 @needs_dsl
-def test_glu_and_act_kernels_refuse_wide_epilogue_subtiles(monkeypatch):
-    """The GLU and activation epilogues index their subtiles by 32 columns: a class-level
-    ``epi_cols`` of 64 (a timing variant of the plain wgrads) is refused, not mis-stored."""
+def test_glu_act_and_accumulating_kernels_refuse_wide_epilogue_subtiles(monkeypatch):
+    """The GLU and activation epilogues and the accumulating wgrads index their subtiles by
+    32 columns: a class-level ``epi_cols`` of 64 (a timing variant of the fresh wgrads) is
+    refused there, not mis-stored."""
     from te_seq.kernels.cute.act_epilogue import ActGemmKernel
     from te_seq.kernels.cute.glu_epilogue import GluGemmKernel
     from te_seq.kernels.cute.grouped_gemm import GroupedGemmKernel
@@ -151,6 +152,8 @@ def test_glu_and_act_kernels_refuse_wide_epilogue_subtiles(monkeypatch):
     with pytest.raises(ValueError, match="32-column subtiles, got epi_cols=64"):
         ActGemmKernel("fc1", "relu", False)
     assert GroupedGemmKernel(varlen="k", tile_mn=(128, 192), pingpong=True).epi_cols == 64
+    with pytest.raises(ValueError, match="accumulating into C stages 32-column"):
+        GroupedGemmKernel(varlen="k", tile_mn=(128, 192), accumulate=True, pingpong=True)
 
 
 @needs_dsl

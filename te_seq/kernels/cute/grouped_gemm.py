@@ -88,8 +88,9 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     # rows of an epilogue subtile (None: the tile's 128); the GLU kernel's ping-pong option 64
     epi_rows: int | None = None
     # columns of an epilogue subtile (a store-ring slot, one TMA store). 32 everywhere; 64 is
-    # a timing variant of benchmarks/probe_wgrad_epilogue.py (the wgrads compile with it, no
-    # spill, not yet run on a GPU); the GLU and activation kernels refuse anything but 32
+    # a timing variant of benchmarks/probe_wgrad_epilogue.py (the fresh wgrads and the plain
+    # and FP8 row-wise forward GEMMs compile with it, no spill; not yet run on a GPU); the
+    # accumulating wgrads and the GLU and activation kernels refuse anything but 32
     epi_cols = 32
     # Varlen K: clip each group's loads by ragged TMA views (True), or take every group's span as
     # whole k-tiles of zero-padded operands (False: the FP8 wgrad, whose operands are K-major,
@@ -141,6 +142,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             )
         self.varlen = varlen
         self.accumulate = accumulate and varlen == "k"
+        self._check_epi_cols()
         self.pingpong = pingpong
         if pingpong:
             self._check_pingpong(tile_mn)
@@ -223,6 +225,13 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         self.c_smem = sm90_utils.make_smem_layout_epi(
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage + self.epi_extra_buffers
         )
+
+    def _check_epi_cols(self) -> None:
+        """Accumulating into C loads old C in 32-column blocks: refuse a class-level
+        ``epi_cols`` (a timing variant of the fresh kernels) of anything else."""
+        if self.accumulate and self.epi_cols != 32:
+            raise ValueError(f"GroupedGemmKernel: accumulating into C stages 32-column "
+                             f"subtiles, got epi_cols={self.epi_cols}")
 
     def _store_ring(self) -> int:
         """Slots of the epilogue's smem store ring: ``epi_store_stages``, else 4 for 16-bit
