@@ -69,6 +69,9 @@ def _configs() -> dict[str, object]:
         # dynamic work units (tile_scheduler.py): every cluster shape, both consumer modes
         "wgrad_pp192_dyn": GemmConfig("k", bf16, bf16, "n", 192, (2, 1), pingpong=True,
                                       dynamic=True),
+        # Q's default: 64-column epilogue subtiles over short groups (launch.wgrad_epi_cols)
+        "wgrad_pp192_dyn_c64": GemmConfig("k", bf16, bf16, "n", 192, (2, 1), pingpong=True,
+                                          dynamic=True, epi_cols=64),
         "wgrad_pp128_1x1_dyn": GemmConfig("k", bf16, bf16, "n", 128, (1, 1), pingpong=True,
                                           dynamic=True),
         "wgrad_fp32_acc_dyn": GemmConfig("k", bf16, fp32, "n", 256, (1, 2), accumulate=True,
@@ -157,6 +160,8 @@ def _configs() -> dict[str, object]:
                                                fp32, tile_n=128, scaled=True, pingpong=True),
         "fp8_wgrad_pp192_2x1": GemmConfig("k", torch.float8_e4m3fn, bf16, "k", 192, (2, 1),
                                           scaled=True, pingpong=True),
+        "fp8_wgrad_pp192_2x1_c64": GemmConfig("k", torch.float8_e4m3fn, bf16, "k", 192, (2, 1),
+                                              scaled=True, pingpong=True, epi_cols=64),
         "fp8_glu_dgrad_silu_probs_pp": GluConfig("dgrad", torch.float8_e4m3fn, "k", "silu",
                                                  None, fp32, tile_n=128, scaled=True,
                                                  pingpong=True),

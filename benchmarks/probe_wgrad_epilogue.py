@@ -21,10 +21,12 @@ scales without their per-value select, since the kernel's own form.
 40 KiB in both precisions: a 2-slot ring leaves room for 5 of them where the FP8 wgrad (its
 scale scratch) fits 4 beside 3 or 4 slots.
 
-``--epi-cols N``: columns of an epilogue subtile (``GroupedGemmKernel.epi_cols``, default 32):
-64 halves the TMA stores, proxy fences and barrier pairs per tile (a 128 x 192 tile: 3
-instead of 6) with the same smem per slot pair; with ``--store-ring 2`` the ring takes the
-bytes of the default 4 x 32 (the FP8 wgrad keeps its 4 A/B stages). Same bits expected.
+``--epi-cols N``: columns of an epilogue subtile (``Tiling.epi_cols``, set through
+``TE_SEQ_WGRAD_EPI_COLS``; unset: the default rule, ``launch.wgrad_epi_cols``, 64 on Q and
+32 on B since run "za"): 64 halves the TMA stores, proxy fences and barrier pairs per tile
+(a 128 x 192 tile: 3 instead of 6), in a 2-slot ring of the bytes of the 4 x 32 one (the FP8
+wgrad keeps its 4 A/B stages). Same bits expected. Compare ``cols=32`` with ``cols=64``:
+``none`` is the default rule (its PTX check: the 32-column configs).
 
 All four are read at trace time, so each value runs in its own process with its own compile
 cache directory (``TE_SEQ_CACHE_DIR``); ``--variants`` starts those processes itself, in a
@@ -46,7 +48,7 @@ section 29: B's 16-bit wgrads take the same cycles with and without their epilog
       --variants cut=all,cut=stage,cut=tma,cut=fence,cut=scale,ring=2   # no GPU
   python benchmarks/probe_wgrad_epilogue.py --variants none,cut=stage,cut=all --rounds 1 \
       --shapes B --seconds 1
-  python benchmarks/probe_wgrad_epilogue.py --variants none,cols=64+ring=2 --rounds 2 \
+  python benchmarks/probe_wgrad_epilogue.py --variants cols=32,cols=64 --rounds 2 \
       --shapes B,Q --seconds 1
 """
 
@@ -302,12 +304,16 @@ CUT_CHECKS = {"all": {"zero": ("stmatrix", "tma_store")},
               "scale": {"below": ("fmul",)}}
 
 
-def _ptx_counts(config: str) -> dict[str, int]:
-    """Compile dump_ptx.py's ``config`` for sm_90a (the settings and cuts already applied)
-    and count what ``PTX_COUNTS`` names in its PTX."""
+def _ptx_counts(config: str, epi_cols: int | None = None) -> dict[str, int]:
+    """Compile dump_ptx.py's ``config`` (``epi_cols`` columns per epilogue subtile where
+    given) for sm_90a (the settings and cuts already applied) and count what ``PTX_COUNTS``
+    names in its PTX."""
+    from dataclasses import replace
+
     from dump_ptx import _compile, _configs, _ptx_of
 
-    ptx = _ptx_of(_compile(_configs()[config]))
+    cfg = _configs()[config]
+    ptx = _ptx_of(_compile(replace(cfg, epi_cols=epi_cols) if epi_cols else cfg))
     return {k: ptx.count(pattern) for k, pattern in PTX_COUNTS.items()}
 
 
@@ -370,8 +376,9 @@ def main() -> None:
     p.add_argument("--cut", default="none",
                    help="none, scale, tma, fence, stage, const, all or turn (timing only)")
     p.add_argument("--store-ring", type=int, default=None, help="store ring slots")
-    p.add_argument("--epi-cols", type=int, default=32,
-                   help="columns of an epilogue subtile (one ring slot, one TMA store)")
+    p.add_argument("--epi-cols", type=int, default=None,
+                   help="columns of an epilogue subtile (one ring slot, one TMA store) of the "
+                        "fresh wgrads: 32 or 64 (default: the default tilings' rule)")
     p.add_argument("--variants", default="",
                    help="comma-separated variants, each in its own process: 'none' or "
                         "cut=PART / ring=N / batch=N / cols=N joined by '+'")
@@ -396,10 +403,12 @@ def main() -> None:
         return
     GroupedGemmKernel.epi_batch = None if args.epi_batch == "none" else int(args.epi_batch)
     GroupedGemmKernel.epi_store_stages = args.store_ring
-    GroupedGemmKernel.epi_cols = args.epi_cols
+    if args.epi_cols:
+        os.environ["TE_SEQ_WGRAD_EPI_COLS"] = str(args.epi_cols)
+        te_cute.refresh_tiling_settings()
     _cut(args.cut)
     if args.compile_only:  # a child of compile_variants: the settings applied, count the PTX
-        print(json.dumps({c: _ptx_counts(c) for c in COMPILE_CONFIGS}))
+        print(json.dumps({c: _ptx_counts(c, args.epi_cols) for c in COMPILE_CONFIGS}))
         return
     probe(args.shapes, args.iters, args.label or
           f"batch={args.epi_batch}+cut={args.cut}+ring={args.store_ring}", args.seconds)

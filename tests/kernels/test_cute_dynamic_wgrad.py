@@ -70,7 +70,7 @@ def test_dynamic_units_are_refused_outside_grouped_wgrad():
     from te_seq.kernels import cute
     from te_seq.kernels.cute.compile import GemmConfig, compile_gemm
     from te_seq.kernels.cute.glu import _glu_tiling
-    from te_seq.kernels.cute.launch import static_only
+    from te_seq.kernels.cute.launch import check_tiling
 
     dynamic = Tiling(192, (2, 1), True, dynamic=True)
     with pytest.raises(ValueError, match="cute grouped_mm: dynamic work units run in "
@@ -81,8 +81,9 @@ def test_dynamic_units_are_refused_outside_grouped_wgrad():
     with pytest.raises(ValueError, match="cute GLU fc1: dynamic"):
         _glu_tiling("fc1", 256, False, dynamic)
     with pytest.raises(ValueError, match="scaled_grouped_wgrad: dynamic"):
-        static_only(dynamic, "cute scaled_grouped_wgrad")
-    assert static_only(None, "x") is None
+        check_tiling(dynamic, "cute scaled_grouped_wgrad", wide_ok=True)
+    assert check_tiling(None, "x") is None
+    assert check_tiling(dynamic, "cute grouped_wgrad", dynamic_ok=True) is dynamic
     with pytest.raises(ValueError, match="plain 16-bit varlen-K"):
         compile_gemm(GemmConfig("m", torch.bfloat16, torch.bfloat16, dynamic=True))
 
@@ -91,11 +92,11 @@ def test_wgrad_default_tiling_takes_dynamic_units_unless_set_static(tiling_env):
     from te_seq.kernels.cute import launch, wgrad_tiling
 
     assert launch.WGRAD_SCHEDULE == "dynamic"
-    assert wgrad_tiling(2048, False, 256) == Tiling(192, (2, 1), True, dynamic=True)
+    assert wgrad_tiling(2048, False, 256) == Tiling(192, (2, 1), True, dynamic=True, epi_cols=64)
     assert wgrad_tiling(2048, True) == Tiling(128, (1, 1), True, dynamic=True)  # accumulate too
     assert wgrad_tiling(2048, True, 4096) == Tiling(256, (1, 2), dynamic=True)
     tiling_env("TE_SEQ_WGRAD_SCHEDULE", "static")
-    assert wgrad_tiling(2048, False, 256) == Tiling(192, (2, 1), True)
+    assert wgrad_tiling(2048, False, 256) == Tiling(192, (2, 1), True, epi_cols=64)
     tiling_env("TE_SEQ_WGRAD_SCHEDULE", "longest")
     with pytest.raises(ValueError, match="TE_SEQ_WGRAD_SCHEDULE must be one of"):
         wgrad_tiling(2048, False, 256)

@@ -167,7 +167,8 @@ def test_default_tiling_is_the_16_bit_wgrads_with_static_units(tiling_env):
     ones; TE_SEQ_PINGPONG=0 keeps every default cooperative."""
     from te_seq.kernels.cute.fp8 import SCALED_ACCUMULATE_TILING, _wgrad_tiling
 
-    assert _wgrad_tiling(768, False, 256.0) == cute.Tiling(192, (2, 1), True)
+    assert _wgrad_tiling(768, False, 256.0) == cute.Tiling(192, (2, 1), True, epi_cols=64)
+    assert _wgrad_tiling(768, False, 256.0, torch.float32) == cute.Tiling(192, (2, 1), True)
     assert _wgrad_tiling(2048, False, 4096.0) == cute.Tiling(128, (1, 2), True)
     assert SCALED_ACCUMULATE_TILING == cute.Tiling(128, (2, 1), True)
     assert _wgrad_tiling(768, True, 256.0) == SCALED_ACCUMULATE_TILING

@@ -157,6 +157,37 @@ def test_glu_act_and_accumulating_kernels_refuse_wide_epilogue_subtiles(monkeypa
 
 
 @needs_dsl
+def test_fresh_wgrads_take_64_column_subtiles_in_a_ring_of_the_same_bytes():
+    """The ``epi_cols`` argument: 64 for the fresh kernels (a 2-slot ring: the bytes of the
+    default 4 x 32 one), refused when accumulating and for widths other than 32 and 64, and
+    by compile_gemm outside the fresh varlen-K configs."""
+    import cutlass
+
+    from te_seq.kernels.cute.compile import GemmConfig, compile_gemm
+    from te_seq.kernels.cute.grouped_gemm import GroupedGemmKernel
+    from te_seq.kernels.cute.scale_epilogue import ScaledGemmKernel
+
+    wide = GroupedGemmKernel("k", (128, 192), (2, 1), pingpong=True, epi_cols=64)
+    narrow = GroupedGemmKernel("k", (128, 192), (2, 1), pingpong=True)
+    scaled = ScaledGemmKernel("k", (128, 192), (2, 1), pingpong=True, epi_cols=64)
+    for kernel in (wide, narrow, scaled):
+        kernel.c_dtype = cutlass.BFloat16
+    assert (wide.epi_cols, wide._default_ring()) == (64, 2)
+    assert (narrow.epi_cols, narrow._default_ring()) == (32, 4)
+    assert (scaled.epi_cols, scaled._default_ring()) == (64, 2)
+    with pytest.raises(ValueError, match="32 or 64 columns.*epi_cols=48"):
+        GroupedGemmKernel("k", (128, 192), pingpong=True, epi_cols=48)
+    with pytest.raises(ValueError, match="epi_cols=64, accumulate=True"):
+        ScaledGemmKernel("k", (128, 128), (2, 1), True, pingpong=True, epi_cols=64)
+    bf16 = torch.bfloat16
+    for cfg in (GemmConfig("m", bf16, bf16, epi_cols=64),
+                GemmConfig("k", bf16, torch.float32, "n", accumulate=True, epi_cols=64),
+                GemmConfig("k", bf16, bf16, "n", epi_cols=48)):
+        with pytest.raises(ValueError, match="fresh varlen-K GEMMs"):
+            compile_gemm(cfg)
+
+
+@needs_dsl
 def test_epilogue_subclasses_reject_pingpong():
     from te_seq.kernels.cute.bias_epilogue import BiasGemmKernel
     from te_seq.kernels.cute.grouped_gemm import GroupedGemmKernel
@@ -496,6 +527,8 @@ def test_glu_default_tilings_stay_cooperative(tiling_env):
 _NO_SPILL_CONFIGS = ("glu_dgrad_silu128_pp64", "glu_fc1_silu_probs_pp64", "glu_fc1_relu_il32_pp64",
                      # FP8 row-wise in ping-pong (each warpgroup its scale scratch)
                      "fp8_rowwise_pp192", "fp8_glu_fc1_silu_probs_pp", "fp8_wgrad_pp192_2x1",
+                     # the fresh wgrads' 64-column subtiles (short groups' default)
+                     "fp8_wgrad_pp192_2x1_c64", "wgrad_pp192_dyn_c64",
                      # the default varlen-M clusters: 2x1 with split tails (two B atoms)
                      # (the default 16-bit GLU dgrad, glu_dgrad_silu_probs_pp_2x1, spills 36 / 64 B
                      # at 128-row subtiles and still ran faster than 64-row ones: section 25)

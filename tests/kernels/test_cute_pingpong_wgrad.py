@@ -36,6 +36,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     bf16, fp32 = torch.bfloat16, torch.float32
     for cfg in [
         GemmConfig("k", bf16, bf16, "n", 128, (1, 2), pingpong=True),
+        GemmConfig("k", bf16, bf16, "n", 192, (2, 1), pingpong=True, epi_cols=64),
         GemmConfig("k", bf16, fp32, "n", 192, (2, 1), pingpong=True),
         GemmConfig("k", bf16, fp32, "n", 128, (1, 2), accumulate=True, pingpong=True),
     ]:
@@ -49,6 +50,51 @@ _COMPILE_SCRIPT = textwrap.dedent(
 @needs_dsl
 def test_compile_pingpong_wgrad_configs_for_sm90a():
     compile_for_sm90a(_COMPILE_SCRIPT, timeout=900)
+
+
+def test_wgrad_epilogue_columns_follow_the_groups_rows_unless_set(tiling_env):
+    """64-column epilogue subtiles for fresh 16-bit outputs over groups of up to 384 rows on
+    average; ``TE_SEQ_WGRAD_EPI_COLS`` sets them either way; never for wider outputs or when
+    accumulating."""
+    from te_seq.kernels.cute import wgrad_tiling
+
+    tiling_env("TE_SEQ_WGRAD_SCHEDULE", "static")
+    assert wgrad_tiling(2048, False, 256, out_bits=32).epi_cols == 32
+    assert wgrad_tiling(2048, True, 256).epi_cols == 32
+    tiling_env("TE_SEQ_WGRAD_EPI_COLS", "32")
+    assert wgrad_tiling(2048, False, 256).epi_cols == 32
+    tiling_env("TE_SEQ_WGRAD_EPI_COLS", "64")
+    assert wgrad_tiling(4096, False, 512).epi_cols == 64
+    assert wgrad_tiling(2048, True, 256).epi_cols == 32
+    tiling_env("TE_SEQ_WGRAD_EPI_COLS", "128")
+    with pytest.raises(ValueError, match="TE_SEQ_WGRAD_EPI_COLS must be one of"):
+        wgrad_tiling(2048, False, 256)
+
+
+def test_wide_epilogue_tilings_are_refused_where_the_kernel_has_none():
+    """A ``Tiling(epi_cols=64)`` runs the fresh 16-bit wgrads only: grouped_mm, the GLU
+    steps, an accumulating or float32-writing wgrad refuse it by name, as any width but 32
+    and 64."""
+    from te_seq.kernels import cute
+    from te_seq.kernels.cute.glu import _glu_tiling
+    from te_seq.kernels.cute.launch import check_tiling
+
+    wide = Tiling(192, (2, 1), True, epi_cols=64)
+    bf16 = torch.bfloat16
+    with pytest.raises(ValueError, match="cute grouped_mm: epilogue subtiles are 32 columns"):
+        cute.grouped_mm(torch.zeros(4, 16, dtype=bf16), torch.zeros(1, 16, 16, dtype=bf16),
+                        torch.tensor([4], dtype=torch.int32), tiling=wide)
+    with pytest.raises(ValueError, match="cute GLU dgrad: epilogue subtiles are 32"):
+        _glu_tiling("dgrad", 256, False, wide)
+    grad_out, x = torch.randn(8, 16, dtype=bf16), torch.randn(8, 16, dtype=bf16)
+    offs = torch.tensor([8], dtype=torch.int32)
+    for out, accumulate in ((torch.zeros(1, 16, 16), False), (torch.zeros(1, 16, 16), True),
+                            (torch.zeros(1, 16, 16, dtype=bf16), True)):
+        with pytest.raises(ValueError, match=r"cute grouped_wgrad: .*got Tiling\(.*epi_cols=64"):
+            cute.grouped_wgrad(grad_out, x, offs, out, accumulate, tiling=wide)
+    with pytest.raises(ValueError, match="epilogue subtiles are 32 columns"):
+        check_tiling(Tiling(192, (2, 1), True, epi_cols=16), "cute grouped_wgrad", wide_ok=True)
+    assert check_tiling(wide, "cute scaled_grouped_wgrad", wide_ok=True) is wide
 
 
 def test_grouped_wgrad_takes_pingpong_accumulate_and_gives_each_warpgroup_its_blocks():
@@ -73,13 +119,16 @@ def test_wgrad_default_tiling_is_pingpong_unless_turned_off(tiling_env):
     tiling_env("TE_SEQ_PINGPONG", "0")
     assert wgrad_tiling(2048, False) == Tiling(256, (1, 2))  # turned off: cooperative
     tiling_env("TE_SEQ_PINGPONG", None)  # the default
-    # Q's 256 rows per expert: 2x1, 192 wide (2112 columns, < 5 % more); A's 4096: 1x2
-    assert wgrad_tiling(2048, False, 256) == Tiling(192, (2, 1), True)
+    # Q's 256 rows per expert: 2x1, 192 wide (2112 columns, < 5 % more), 64-column epilogue
+    # subtiles; B's 512: 32-column ones; A's 4096: 1x2
+    assert wgrad_tiling(2048, False, 256) == Tiling(192, (2, 1), True, epi_cols=64)
+    assert wgrad_tiling(2048, False, 384) == Tiling(192, (2, 1), True, epi_cols=64)
+    assert wgrad_tiling(2048, False, 385) == Tiling(192, (2, 1), True)
     assert wgrad_tiling(4096, False, 512) == Tiling(192, (2, 1), True)
     assert wgrad_tiling(4096, False, 4096) == Tiling(192, (1, 2), True)
     assert wgrad_tiling(2048, False, 513) == Tiling(128, (1, 2), True)  # 192 would pad to 2304
     tiling_env("TE_SEQ_WGRAD_CLUSTER", "1x2")
-    assert wgrad_tiling(2048, False, 256) == Tiling(128, (1, 2), True)
+    assert wgrad_tiling(2048, False, 256) == Tiling(128, (1, 2), True, epi_cols=64)
     tiling_env("TE_SEQ_WGRAD_CLUSTER", None)
     # accumulate: ping-pong 128 wide, no cluster, over groups of <= 512 rows on average (the
     # accumulate is memory-bound there); cooperative over longer ones (compute-bound: A)

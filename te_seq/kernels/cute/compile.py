@@ -15,6 +15,7 @@ warning per process).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import warnings
@@ -68,6 +69,8 @@ class GemmConfig:
     dynamic: bool = False  # units handed out longest group first (the plain varlen-K kernel)
     # varlen M in ping-pong: a tile with <= 64 rows of its group runs one 64-row WGMMA atom
     half_tiles: bool = False
+    # columns of an epilogue subtile: 32, or 64 in the fresh varlen-K kernels (plain, scaled)
+    epi_cols: int = 32
     # the FP8 block-scaled kernel (``block_scaled``); out of the repr, so the other configs'
     # disk-cache keys stay as they were (its own kernels are cached under another name)
     block_scaled: bool = field(default=False, repr=False)
@@ -170,6 +173,16 @@ def _warn_uncached() -> None:
         )
 
 
+@contextlib.contextmanager
+def _unrolled_on_purpose():
+    """Silence the DSL's warning on 64-iteration static loops: a 64-column epilogue
+    subtile's per-value loops (``store_epilogue``) index the accumulators by compile-time
+    values, so they unroll by design."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"This static loop has 64 iterations")
+        yield
+
+
 def _compile(name: str, cfg: object, kernel: object, fake_args: tuple) -> CompiledGemm:
     """Compile ``kernel`` for ``cfg`` through the disk cache (with TVM-FFI only: the path whose
     exported files were verified to load and run). Without apache-tvm-ffi it compiles uncached
@@ -178,11 +191,13 @@ def _compile(name: str, cfg: object, kernel: object, fake_args: tuple) -> Compil
     if not tvm_ffi_available():
         _warn_uncached()
         start = time.perf_counter()
-        fn = cute.compile(kernel, *fake_args)
+        with _unrolled_on_purpose():
+            fn = cute.compile(kernel, *fake_args)
         return CompiledGemm(fn, time.perf_counter() - start)
 
     def build():
-        return cute.compile(kernel, *fake_args, options="--enable-tvm-ffi")
+        with _unrolled_on_purpose():
+            return cute.compile(kernel, *fake_args, options="--enable-tvm-ffi")
 
     return CompiledGemm(*disk_cache.load_or_compile(name, (cfg,), build))
 
@@ -192,6 +207,10 @@ def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     """The grouped GEMM for ``cfg``: compiled once per config, cached in memory and on disk."""
     if cfg.dynamic and (cfg.varlen != "k" or cfg.scaled or cfg.block_wgrad):
         raise ValueError(f"dynamic units are for the plain 16-bit varlen-K GEMM, got {cfg}")
+    wide_ok = cfg.varlen == "k" and not (cfg.accumulate or cfg.block_wgrad or cfg.block_scaled)
+    if cfg.epi_cols != 32 and not (cfg.epi_cols == 64 and wide_ok):
+        raise ValueError(f"64-column epilogue subtiles are for the fresh varlen-K GEMMs (plain "
+                         f"or scaled), other widths for none: {cfg}")
     if cfg.block_wgrad:  # first: it refuses block_scaled as well
         return _compile_block_wgrad(cfg)
     if cfg.block_scaled:
@@ -208,7 +227,7 @@ def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     kernel = GroupedGemmKernel(
         cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, accumulate=cfg.accumulate, route=cfg.route,
         pingpong=cfg.pingpong, trade_store_slot=True, dynamic_units=cfg.dynamic,
-        half_tiles=cfg.half_tiles,
+        half_tiles=cfg.half_tiles, epi_cols=cfg.epi_cols,
     )
     return _compile("gemm", cfg, kernel, _fake_args(cfg))
 
@@ -221,7 +240,8 @@ def _compile_scaled(cfg: GemmConfig) -> CompiledGemm:
         raise ValueError(f"scaled GEMMs take K-major B, no bias or route (varlen 'm': no "
                          f"accumulate): {cfg}")
     kernel = ScaledGemmKernel(cfg.varlen, (128, cfg.tile_n), cfg.cluster_mn, cfg.accumulate,
-                              pingpong=cfg.pingpong, half_tiles=cfg.half_tiles)
+                              pingpong=cfg.pingpong, half_tiles=cfg.half_tiles,
+                              epi_cols=cfg.epi_cols)
     return _compile("gemm", cfg, kernel, _fake_args(cfg))
 
 

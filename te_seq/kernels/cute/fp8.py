@@ -29,12 +29,12 @@ from .launch import (
     _num_sms,
     _row_major,
     aligned_16,
+    check_tiling,
     default_tiling,
     half_tiles,
     no_route,
     pingpong_by_default,
     plain_mm_tiling,
-    static_only,
     tiling_settings,
     varlen_k_clusters,
     varlen_m_clusters,
@@ -153,7 +153,7 @@ def _scaled_mm_rules(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
     def config(n: int):
         from .compile import GemmConfig
 
-        t = static_only(tiling, _OP) or plain_mm_tiling(n, a.shape[1])
+        t = check_tiling(tiling, _OP) or plain_mm_tiling(n, a.shape[1])
         return GemmConfig("m", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, scaled=True,
                           a_dtype=_a_dtype(a), pingpong=t.pingpong, half_tiles=half_tiles(t))
 
@@ -375,15 +375,17 @@ def scaled_grouped_wgrad(
 SCALED_ACCUMULATE_TILING = Tiling(128, (2, 1), True)
 
 
-def _wgrad_tiling(k: int, accumulate: bool, span_tokens: float) -> Tiling:
-    """The 16-bit wgrad's default tiling (``wgrad_tiling``: ping-pong, its cluster from the
-    groups' average padded span ``span_tokens``) with static units (the scaled kernel has no
-    dynamic schedule). Accumulating: ``SCALED_ACCUMULATE_TILING`` where the groups hold up to
-    ``ACCUMULATE_PINGPONG_MAX_ROWS`` tokens on average (their spans up to one ``WGRAD_SPAN``
-    more), as the 16-bit accumulate chooses; cooperative over longer groups or with
-    ``TE_SEQ_PINGPONG=0``."""
+def _wgrad_tiling(k: int, accumulate: bool, span_tokens: float,
+                  out_dtype: torch.dtype = torch.bfloat16) -> Tiling:
+    """The 16-bit wgrad's default tiling (``wgrad_tiling``: ping-pong, its cluster and a
+    bf16 output's epilogue columns from the groups' average padded span ``span_tokens``) with
+    static units (the scaled kernel has no dynamic schedule). Accumulating:
+    ``SCALED_ACCUMULATE_TILING`` where the groups hold up to ``ACCUMULATE_PINGPONG_MAX_ROWS``
+    tokens on average (their spans up to one ``WGRAD_SPAN`` more), as the 16-bit accumulate
+    chooses; cooperative over longer groups or with ``TE_SEQ_PINGPONG=0``."""
     if not accumulate:
-        return replace(wgrad_tiling(k, False, span_tokens), dynamic=False)
+        out_bits = out_dtype.itemsize * 8
+        return replace(wgrad_tiling(k, False, span_tokens, out_bits), dynamic=False)
     if pingpong_by_default() and span_tokens <= ACCUMULATE_PINGPONG_MAX_ROWS + WGRAD_SPAN:
         return SCALED_ACCUMULATE_TILING
     return default_tiling(k, WGRAD_TILING)
@@ -408,9 +410,11 @@ def _plan_wgrad(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Te
                          f"bfloat16 tensor, got {tuple(out.shape)} {out.dtype}")
     checked = _check_offs(offs, groups, a.device)
     accumulate = accumulate and out is not None
-    t = static_only(tiling, _WGRAD_OP) or _wgrad_tiling(k, accumulate, a.shape[1] / groups)
+    wide_ok = not accumulate and out_dtype == torch.bfloat16
+    t = (check_tiling(tiling, _WGRAD_OP, wide_ok=wide_ok)
+         or _wgrad_tiling(k, accumulate, a.shape[1] / groups, out_dtype))
     cfg = GemmConfig("k", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, accumulate,
-                     scaled=True, a_dtype=_a_dtype(a), pingpong=t.pingpong)
+                     scaled=True, a_dtype=_a_dtype(a), pingpong=t.pingpong, epi_cols=t.epi_cols)
     sms = _num_sms(a.device.index or 0)
     clusters = varlen_k_clusters(groups, n, k, t.tile_n, t.cluster_mn, sms)
     return MmPlan(compile_gemm(cfg).fn, clusters,

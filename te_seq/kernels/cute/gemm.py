@@ -23,13 +23,13 @@ from .launch import (
     b_layout,
     b_view,
     bias_problem,
+    check_tiling,
     coop_tiling,
     half_tiles,
     no_route,
     plain_mm_tiling,
     route_rows,
     row_scales,
-    static_only,
     tile_n_for,
     tiling_settings,
     varlen_k_clusters,
@@ -125,7 +125,7 @@ def grouped_mm(
     ``scatter_rows`` (a permutation of the M rows) writes GEMM row r to
     ``out[scatter_rows[r]]``.
     """
-    static_only(tiling, "cute grouped_mm")
+    check_tiling(tiling, "cute grouped_mm")
     ok, why = supports(a, b, bias)
     if bias_scales is not None and bias is None:
         ok, why = False, "bias_scales given without a bias"
@@ -216,6 +216,8 @@ def grouped_wgrad(
     A new tensor in ``x.dtype``, or written into (``accumulate=True``: added to) ``out``, a
     contiguous [E, N, K] buffer in float32 (``main_grad``) or the operands' dtype.
     """
+    check_tiling(tiling, "cute grouped_wgrad", dynamic_ok=True,
+                 wide_ok=out is None or (not accumulate and out.dtype.itemsize == 2))
     ok, why = supports_wgrad(grad_out, x)
     if not ok:
         raise ValueError(
@@ -255,10 +257,11 @@ def _wgrad_plan(x: Tensor, n: int, k: int, groups: int, out_dtype: torch.dtype,
     """The `LaunchPlan` of a ``grouped_wgrad`` launch: its config compiled, the grid."""
     from .compile import GemmConfig, compile_gemm
 
-    t = tiling or wgrad_tiling(k, accumulate, x.shape[0] / max(groups, 1))
+    t = tiling or wgrad_tiling(k, accumulate, x.shape[0] / max(groups, 1),
+                               out_dtype.itemsize * 8)
     _check_pingpong(t, None, "accumulate" if accumulate else None)
     cfg = GemmConfig("k", x.dtype, out_dtype, "n", t.tile_n, t.cluster_mn, accumulate,
-                     pingpong=t.pingpong, dynamic=t.dynamic)
+                     pingpong=t.pingpong, dynamic=t.dynamic, epi_cols=t.epi_cols)
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_k_clusters(groups, n, k, t.tile_n, t.cluster_mn, sms)
     return LaunchPlan(compile_gemm(cfg).fn, clusters, dynamic=t.dynamic)

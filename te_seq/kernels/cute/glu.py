@@ -28,6 +28,7 @@ from .launch import (
     b_layout,
     b_view,
     bias_problem,
+    check_tiling,
     coop_cluster,
     epilogue_subtiles,
     fc1_writes_h,
@@ -41,7 +42,6 @@ from .launch import (
     no_route,
     pingpong_by_default,
     pingpong_max_k,
-    static_only,
     tile_n_for,
     tiling_settings,
     varlen_m_clusters,
@@ -173,7 +173,7 @@ def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int =
     the 2x1 split tails: kernel README, section 25), as the row-wise FP8 one (``fp8_dgrad``)
     does (``PINGPONG_DGRAD_TILE_N``); the rest is cooperative."""
     if tiling is not None:
-        return static_only(tiling, f"cute GLU {mode}")
+        return check_tiling(tiling, f"cute GLU {mode}")
     short = k <= pingpong_max_k() and pingpong_by_default()
     plain_pingpong = plain_dgrad and not gather and glu_dgrad_pingpong()
     if mode == "dgrad" and short and (fp8_dgrad or plain_pingpong):

@@ -83,7 +83,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
 
     def _require_32_column_subtiles(self, op: str) -> None:
         """The GLU and activation epilogues index their subtiles by 32 columns: refuse a
-        class-level ``epi_cols`` (a plain-kernel timing variant) of anything else."""
+        class-level ``epi_cols`` (the fresh wgrads take 64) of anything else."""
         if self.epi_cols != 32:
             raise ValueError(f"{op}: the GLU and activation epilogues stage 32-column "
                              f"subtiles, got epi_cols={self.epi_cols}")

@@ -87,10 +87,11 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     trade_store_slot = False
     # rows of an epilogue subtile (None: the tile's 128); the GLU kernel's ping-pong option 64
     epi_rows: int | None = None
-    # columns of an epilogue subtile (a store-ring slot, one TMA store). 32 everywhere; 64 is
-    # a timing variant of benchmarks/probe_wgrad_epilogue.py (the fresh wgrads and the plain
-    # and FP8 row-wise forward GEMMs compile with it, no spill; not yet run on a GPU); the
-    # accumulating wgrads and the GLU and activation kernels refuse anything but 32
+    # columns of an epilogue subtile (a store-ring slot, one TMA store): 32, or (the
+    # ``epi_cols`` argument) 64, which the fresh wgrads take over short groups
+    # (``launch.wgrad_epi_cols``; the plain and FP8 row-wise forward GEMMs compile with it
+    # too, no spill, untimed); the accumulating wgrads and the GLU and activation kernels
+    # refuse anything but 32
     epi_cols = 32
     # Varlen K: clip each group's loads by ragged TMA views (True), or take every group's span as
     # whole k-tiles of zero-padded operands (False: the FP8 wgrad, whose operands are K-major,
@@ -115,6 +116,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
         trade_store_slot: bool = False,
         dynamic_units: bool = False,
         half_tiles: bool = False,
+        epi_cols: int | None = None,
     ):
         if varlen not in ("m", "k"):
             raise ValueError(f"GroupedGemmKernel: varlen must be 'm' or 'k', got {varlen!r}")
@@ -142,7 +144,7 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             )
         self.varlen = varlen
         self.accumulate = accumulate and varlen == "k"
-        self._check_epi_cols()
+        self._set_epi_cols(epi_cols)
         self.pingpong = pingpong
         if pingpong:
             self._check_pingpong(tile_mn)
@@ -226,25 +228,30 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage + self.epi_extra_buffers
         )
 
-    def _check_epi_cols(self) -> None:
-        """Accumulating into C loads old C in 32-column blocks: refuse a class-level
-        ``epi_cols`` (a timing variant of the fresh kernels) of anything else."""
-        if self.accumulate and self.epi_cols != 32:
-            raise ValueError(f"GroupedGemmKernel: accumulating into C stages 32-column "
-                             f"subtiles, got epi_cols={self.epi_cols}")
+    def _set_epi_cols(self, epi_cols: int | None) -> None:
+        """Take ``epi_cols`` (None: the class's): subtiles are 32 or 64 columns; accumulating
+        into C loads old C in 32-column blocks, so it refuses anything but 32."""
+        if epi_cols is not None:
+            self.epi_cols = epi_cols
+        if self.epi_cols not in (32, 64) or (self.accumulate and self.epi_cols != 32):
+            raise ValueError(f"GroupedGemmKernel: epilogue subtiles are 32 or 64 columns, "
+                             f"accumulating into C stages 32-column subtiles, got "
+                             f"epi_cols={self.epi_cols}, accumulate={self.accumulate}")
 
     def _store_ring(self) -> int:
-        """Slots of the epilogue's smem store ring: ``epi_store_stages``, else 4 for 16-bit
-        outputs and 2 for wider ones; one fewer where that fits one more A/B stage and the
-        kernel trades (``trade_store_slot``)."""
+        """Slots of the epilogue's smem store ring: ``epi_store_stages``, else
+        ``_default_ring``; one fewer where that fits one more A/B stage and the kernel trades
+        (``trade_store_slot``)."""
         ring = self._default_ring()
         gains = self._ab_stages(ring - 1) > self._ab_stages(ring)
         return ring - 1 if self.trade_store_slot and ring >= 4 and gains else ring
 
     def _default_ring(self) -> int:
-        """The store ring's slots before any trade: ``epi_store_stages``, else 4 for 16-bit
-        outputs and 2 for wider ones."""
-        return self.epi_store_stages or (4 if self.c_dtype.width == 16 else 2)
+        """The store ring's slots before any trade: ``epi_store_stages``, else the bytes of 4
+        32-column subtiles for 16-bit outputs and 2 for wider ones, at least 2 slots (64
+        columns: 2 slots, 16-bit or wider)."""
+        slots32 = 4 if self.c_dtype.width == 16 else 2
+        return self.epi_store_stages or max(2, slots32 * 32 // self.epi_cols)
 
     def _old_c_smem_blocks(self) -> int:
         """Smem blocks (and mbarriers) of the old C: ``old_c_blocks`` per epilogue, one set

@@ -33,6 +33,9 @@ class Tiling:
     dynamic: the work units are handed out as clusters free up, the longest groups' first
     (``grouped_wgrad`` only: even under skewed split sizes every cluster stays busy to the
     end); otherwise each cluster takes a fixed stride of them.
+    epi_cols: columns of an epilogue subtile (one smem store-ring slot, one TMA store), 32 or
+    (the wgrads writing a fresh 16-bit output only) 64: half the TMA stores, proxy fences and
+    barrier pairs per tile, in a 2-slot ring of the same bytes as the 4 x 32 one.
     """
 
     tile_n: int = 256
@@ -40,14 +43,25 @@ class Tiling:
     pingpong: bool = False
     epi_rows: int = 128
     dynamic: bool = False
+    epi_cols: int = 32
 
 
-def static_only(tiling: Tiling | None, op: str) -> Tiling | None:
-    """``tiling``, refused with a ValueError naming ``op`` where it asks for dynamic units,
-    which only the plain varlen-K GEMM (``grouped_wgrad``) has so far."""
-    if tiling is not None and tiling.dynamic:
+def check_tiling(tiling: Tiling | None, op: str, *, dynamic_ok: bool = False,
+                 wide_ok: bool = False) -> Tiling | None:
+    """``tiling``, refused with a ValueError naming ``op`` where it asks for what ``op`` lacks:
+    dynamic units (``dynamic_ok``: only the plain varlen-K GEMM, ``grouped_wgrad``, has them)
+    or 64-column epilogue subtiles (``wide_ok``: only the wgrads writing a fresh 16-bit output
+    have them)."""
+    if tiling is None:
+        return None
+    if tiling.dynamic and not dynamic_ok:
         raise ValueError(
             f"{op}: dynamic work units run in grouped_wgrad only so far, got {tiling}"
+        )
+    if tiling.epi_cols not in (32, 64) or (tiling.epi_cols == 64 and not wide_ok):
+        raise ValueError(
+            f"{op}: epilogue subtiles are 32 columns here (64 only in a wgrad writing a fresh "
+            f"16-bit output), got {tiling}"
         )
     return tiling
 
@@ -109,6 +123,8 @@ PINGPONG_MAX_K = 4096
 #                              `pingpong_tile_n`'s rule)
 #   TE_SEQ_GLU_FC1_TILE_N=W    the width of the GLU FC1's ping-pong tiles, 128 or 192 (W / 2
 #                              gate and W / 2 up columns; default 128: glu.py)
+#   TE_SEQ_WGRAD_EPI_COLS=C    the epilogue subtiles' columns of the ping-pong wgrads writing
+#                              a fresh 16-bit output, 32 or 64 (default: `wgrad_epi_cols`'s rule)
 #   TE_SEQ_WGRAD_SCHEDULE=S    how the 16-bit wgrads hand out their work units: "dynamic"
 #                              (longest group first, as clusters free up) or "static" (a
 #                              fixed stride); default WGRAD_SCHEDULE
@@ -132,7 +148,7 @@ TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER"
               "TE_SEQ_PINGPONG_TILE_N", "TE_SEQ_GLU_FC1_TILE_N", "TE_SEQ_WGRAD_SCHEDULE",
               "TE_SEQ_MM_CLUSTER", "TE_SEQ_HALF_TILES", "TE_SEQ_FC1_KEEP_H",
               "TE_SEQ_COOP_CLUSTER", "TE_SEQ_GLU_DGRAD_PINGPONG", "TE_SEQ_GLU_DGRAD_EPI_ROWS",
-              "TE_SEQ_GLU_DGRAD_H_PREFETCH")
+              "TE_SEQ_GLU_DGRAD_H_PREFETCH", "TE_SEQ_WGRAD_EPI_COLS")
 _SETTINGS: list = [(), {}]  # [the values in TILING_ENV order, {name: value}]
 
 
@@ -355,10 +371,12 @@ def plain_mm_tiling(n: int, k: int) -> Tiling:
 # ping-pong against cooperative 256 wide, TFLOP/s: Q 457 vs 415 (128 wide), B 553 vs 532 (192),
 # but Zipf-skewed Z 338 vs 373 alone; the whole MLP gained on all three (above), so it follows
 # the same default.
-def wgrad_tiling(n: int, accumulate: bool, rows_per_group: float = 0) -> Tiling:
-    """The default tiling of the varlen-K grouped GEMM writing ``n`` output columns, its groups
-    ``rows_per_group`` long on average: with ``pingpong_by_default()``, ping-pong in
-    ``wgrad_pingpong_cluster`` when writing fresh, ``ACCUMULATE_TILING`` when adding into
+def wgrad_tiling(n: int, accumulate: bool, rows_per_group: float = 0,
+                 out_bits: int = 16) -> Tiling:
+    """The default tiling of the varlen-K grouped GEMM writing ``n`` output columns of
+    ``out_bits``, its groups ``rows_per_group`` long on average: with
+    ``pingpong_by_default()``, ping-pong in ``wgrad_pingpong_cluster`` when writing fresh
+    (``wgrad_epi_cols``' subtiles for a 16-bit output), ``ACCUMULATE_TILING`` when adding into
     the output over groups of up to ``ACCUMULATE_PINGPONG_MAX_ROWS`` rows; else cooperative
     ``WGRAD_TILING`` fitted to ``n``. Its units are dynamic where ``wgrad_dynamic()``."""
     dynamic = wgrad_dynamic()
@@ -367,7 +385,31 @@ def wgrad_tiling(n: int, accumulate: bool, rows_per_group: float = 0) -> Tiling:
     if accumulate:
         return replace(ACCUMULATE_TILING, dynamic=dynamic)
     cluster = wgrad_pingpong_cluster(rows_per_group)
-    return Tiling(pingpong_tile_n(n, cluster[1]), cluster, True, dynamic=dynamic)
+    cols = wgrad_epi_cols(rows_per_group) if out_bits == 16 else 32
+    return Tiling(pingpong_tile_n(n, cluster[1]), cluster, True, dynamic=dynamic, epi_cols=cols)
+
+
+# The fresh ping-pong wgrads' epilogue subtiles: 64 columns for groups of up to
+# WGRAD_EPI64_MAX_ROWS rows on average (or padded FP8 spans), else 32. Short groups leave the
+# other warpgroup's main loop too short to hide a tile's epilogue, and 64 halves its TMA
+# stores, fences and barrier pairs. Measured on one H200 (2026-11-30, run "za",
+# probe_wgrad_epilogue.py --variants none,cols=64+ring=2 --seconds 1, two rounds, ms / M
+# cycles, both at the 700 W cap; measured/h200_2026-11-30za_wgrad_epi_cols.txt): Q (256 rows
+# per group) FC1 bf16 0.439 vs 0.453-0.455 / 0.665 vs 0.673-0.683, FP8 0.344 vs 0.363-0.365 /
+# 0.568 vs 0.610-0.618; FC2 bf16 0.225 vs 0.230, FP8 0.176 vs 0.184; B (512 rows) FC1 bf16
+# 1.889-1.892 vs 1.863-1.870 / 2.75 vs 2.66 (lost), FP8 1.293-1.296 vs 1.315-1.316, FC2 bf16
+# 0.998-1.000 vs 0.982-0.983, FP8 0.709-0.710 vs 0.699-0.702. Same bits either way.
+WGRAD_EPI64_MAX_ROWS = 384
+_EPI_COLS = {"32": 32, "64": 64}
+
+
+def wgrad_epi_cols(rows_per_group: float) -> int:
+    """The fresh 16-bit ping-pong wgrads' epilogue columns: ``TE_SEQ_WGRAD_EPI_COLS``, else 64
+    for groups of up to ``WGRAD_EPI64_MAX_ROWS`` rows on average, 32 for longer ones."""
+    chosen = _chosen("TE_SEQ_WGRAD_EPI_COLS", _EPI_COLS)
+    if chosen is not None:
+        return chosen
+    return 64 if rows_per_group <= WGRAD_EPI64_MAX_ROWS else 32
 
 
 # The varlen-K accumulate (fp32 main_grad += wgrad) over short groups, memory-bound: ping-pong,

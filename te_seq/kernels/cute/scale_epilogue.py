@@ -170,9 +170,10 @@ class ScaledGemmKernel(ScaleScratchMixin, GroupedGemmKernel):
         accumulate: bool = False,
         pingpong: bool = False,
         half_tiles: bool = False,
+        epi_cols: int | None = None,
     ):
         super().__init__(varlen, tile_mn, cluster_mn, accumulate, pingpong=pingpong,
-                         half_tiles=half_tiles)
+                         half_tiles=half_tiles, epi_cols=epi_cols)
 
     @cute.jit
     def __call__(
