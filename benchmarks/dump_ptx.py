@@ -55,6 +55,8 @@ def _configs() -> dict[str, object]:
         "mm192_pingpong": GemmConfig("m", bf16, bf16, "k", 192, (1, 2), pingpong=True),
         # the default ping-pong varlen-M GEMM: 2x1 with split tails (two B atoms)
         "mm192_pp_2x1": GemmConfig("m", bf16, bf16, "k", 192, (2, 1), pingpong=True),
+        "mm192_pp_2x1_c64": GemmConfig("m", bf16, bf16, "k", 192, (2, 1), pingpong=True,
+                                       epi_cols=64),
         # an expert's last tile with <= 64 rows runs one 64-row atom (mainloop.py)
         "mm128_pp_half": GemmConfig("m", bf16, bf16, "k", 128, (1, 2), pingpong=True,
                                     half_tiles=True),
@@ -156,6 +158,8 @@ def _configs() -> dict[str, object]:
                                         scaled=True, pingpong=True),
         "fp8_rowwise_pp192": GemmConfig("m", torch.float8_e4m3fn, bf16, "k", 192, (1, 2),
                                         scaled=True, pingpong=True),
+        "fp8_rowwise_pp192_2x1_c64": GemmConfig("m", torch.float8_e4m3fn, bf16, "k", 192,
+                                                (2, 1), scaled=True, pingpong=True, epi_cols=64),
         "fp8_glu_fc1_silu_probs_pp": GluConfig("fc1", torch.float8_e4m3fn, "k", "silu", None,
                                                fp32, tile_n=128, scaled=True, pingpong=True),
         "fp8_wgrad_pp192_2x1": GemmConfig("k", torch.float8_e4m3fn, bf16, "k", 192, (2, 1),

@@ -269,7 +269,7 @@ def test_default_tiling_runs_pingpong_for_short_k_unless_turned_off(tiling_env):
 
 
 _PINGPONG_TILINGS = [cute.Tiling(128, (1, 2), True), cute.Tiling(192, (1, 2), True),
-                     cute.Tiling(128, (2, 1), True)]
+                     cute.Tiling(128, (2, 1), True), cute.Tiling(192, (2, 1), True, epi_cols=64)]
 
 
 @gpu

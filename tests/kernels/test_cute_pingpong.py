@@ -180,7 +180,8 @@ def test_fresh_wgrads_take_64_column_subtiles_in_a_ring_of_the_same_bytes():
     with pytest.raises(ValueError, match="epi_cols=64, accumulate=True"):
         ScaledGemmKernel("k", (128, 128), (2, 1), True, pingpong=True, epi_cols=64)
     bf16 = torch.bfloat16
-    for cfg in (GemmConfig("m", bf16, bf16, epi_cols=64),
+    for cfg in (GemmConfig("m", bf16, bf16, epi_cols=64),  # cooperative
+                GemmConfig("m", bf16, bf16, pingpong=True, route="scatter", epi_cols=64),
                 GemmConfig("k", bf16, torch.float32, "n", accumulate=True, epi_cols=64),
                 GemmConfig("k", bf16, bf16, "n", epi_cols=48)):
         with pytest.raises(ValueError, match="fresh varlen-K GEMMs"):
@@ -233,11 +234,12 @@ _CASES = [
 ]
 
 
-def _run(a, b, offs, tiling, pingpong):
+def _run(a, b, offs, tiling, pingpong, epi_cols=32):
     from te_seq.kernels import cute
 
     out = torch.full((a.shape[0], b.shape[2]), float("nan"), device="cuda", dtype=a.dtype)
-    cute.grouped_mm(a, b, offs, out=out, tiling=Tiling(tiling[0], tiling[1], pingpong))
+    t = Tiling(tiling[0], tiling[1], pingpong, epi_cols=epi_cols)
+    cute.grouped_mm(a, b, offs, out=out, tiling=t)
     return out
 
 
@@ -249,16 +251,19 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @gpu
 @needs_cute
+@pytest.mark.parametrize("epi_cols", [32, 64])
 @pytest.mark.parametrize("tiling", _TILINGS, ids=str)
 @pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
-def test_pingpong_equals_cooperative_and_reference(case, tiling):
+def test_pingpong_equals_cooperative_and_reference(case, tiling, epi_cols):
+    """Ping-pong tiles (32- or 64-column epilogue subtiles) equal the cooperative ones of the
+    same width bit for bit, and the float64 reference within bf16 rounding."""
     _, sizes, k, n = case
     m, e = sum(sizes), len(sizes)
     torch.manual_seed(len(sizes) + k)
     a = torch.randn(m + 37, k, device="cuda", dtype=torch.bfloat16)  # 37 rows past offs[-1]
     w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
     offs = _offs(sizes)
-    out = _run(a, w.transpose(1, 2), offs, tiling, pingpong=True)
+    out = _run(a, w.transpose(1, 2), offs, tiling, pingpong=True, epi_cols=epi_cols)
     same_tile = _run(a, w.transpose(1, 2), offs, tiling, pingpong=False)
     torch.testing.assert_close(out, same_tile, rtol=0, atol=0)
     ref = reference.grouped_mm(a.double(), w.transpose(1, 2).double(), offs)
@@ -529,6 +534,7 @@ _NO_SPILL_CONFIGS = ("glu_dgrad_silu128_pp64", "glu_fc1_silu_probs_pp64", "glu_f
                      "fp8_rowwise_pp192", "fp8_glu_fc1_silu_probs_pp", "fp8_wgrad_pp192_2x1",
                      # the fresh wgrads' 64-column subtiles (short groups' default)
                      "fp8_wgrad_pp192_2x1_c64", "wgrad_pp192_dyn_c64",
+                     "mm192_pp_2x1_c64", "fp8_rowwise_pp192_2x1_c64",
                      # the default varlen-M clusters: 2x1 with split tails (two B atoms)
                      # (the default 16-bit GLU dgrad, glu_dgrad_silu_probs_pp_2x1, spills 36 / 64 B
                      # at 128-row subtiles and still ran faster than 64-row ones: section 25)

@@ -72,18 +72,21 @@ def test_wgrad_epilogue_columns_follow_the_groups_rows_unless_set(tiling_env):
 
 
 def test_wide_epilogue_tilings_are_refused_where_the_kernel_has_none():
-    """A ``Tiling(epi_cols=64)`` runs the fresh 16-bit wgrads only: grouped_mm, the GLU
-    steps, an accumulating or float32-writing wgrad refuse it by name, as any width but 32
-    and 64."""
+    """A ``Tiling(epi_cols=64)`` runs the fresh 16-bit wgrads and the plain ping-pong
+    varlen-M GEMMs only: grouped_mm cooperative or with a bias, the GLU steps, an
+    accumulating or float32-writing wgrad refuse it by name, as any width but 32 and 64."""
     from te_seq.kernels import cute
     from te_seq.kernels.cute.glu import _glu_tiling
     from te_seq.kernels.cute.launch import check_tiling
 
     wide = Tiling(192, (2, 1), True, epi_cols=64)
     bf16 = torch.bfloat16
-    with pytest.raises(ValueError, match="cute grouped_mm: epilogue subtiles are 32 columns"):
-        cute.grouped_mm(torch.zeros(4, 16, dtype=bf16), torch.zeros(1, 16, 16, dtype=bf16),
-                        torch.tensor([4], dtype=torch.int32), tiling=wide)
+    a, b = torch.zeros(4, 16, dtype=bf16), torch.zeros(1, 16, 16, dtype=bf16)
+    for tiling, bias in ((Tiling(256, (1, 2), epi_cols=64), None),
+                         (wide, torch.zeros(1, 16, dtype=bf16))):
+        with pytest.raises(ValueError, match="cute grouped_mm: epilogue subtiles are 32 col"):
+            cute.grouped_mm(a, b, torch.tensor([4], dtype=torch.int32), tiling=tiling,
+                            bias=bias)
     with pytest.raises(ValueError, match="cute GLU dgrad: epilogue subtiles are 32"):
         _glu_tiling("dgrad", 256, False, wide)
     grad_out, x = torch.randn(8, 16, dtype=bf16), torch.randn(8, 16, dtype=bf16)
@@ -95,6 +98,19 @@ def test_wide_epilogue_tilings_are_refused_where_the_kernel_has_none():
     with pytest.raises(ValueError, match="epilogue subtiles are 32 columns"):
         check_tiling(Tiling(192, (2, 1), True, epi_cols=16), "cute grouped_wgrad", wide_ok=True)
     assert check_tiling(wide, "cute scaled_grouped_wgrad", wide_ok=True) is wide
+
+
+def test_plain_mm_epilogue_columns_are_32_unless_set(tiling_env):
+    """The ping-pong varlen-M GEMMs keep 32-column subtiles by default; ``TE_SEQ_MM_EPI_COLS``
+    sets 64 for 16-bit outputs (never for wider ones or cooperative tilings)."""
+    from te_seq.kernels.cute.launch import MM_EPI_COLS, plain_mm_tiling
+
+    assert MM_EPI_COLS == 32
+    assert plain_mm_tiling(2048, 768) == Tiling(192, (2, 1), True)
+    tiling_env("TE_SEQ_MM_EPI_COLS", "64")
+    assert plain_mm_tiling(2048, 768) == Tiling(192, (2, 1), True, epi_cols=64)
+    assert plain_mm_tiling(2048, 768, out_bits=32).epi_cols == 32
+    assert plain_mm_tiling(2048, 8192).epi_cols == 32  # cooperative (K > the ping-pong bound)
 
 
 def test_grouped_wgrad_takes_pingpong_accumulate_and_gives_each_warpgroup_its_blocks():

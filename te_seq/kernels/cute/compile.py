@@ -207,10 +207,10 @@ def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
     """The grouped GEMM for ``cfg``: compiled once per config, cached in memory and on disk."""
     if cfg.dynamic and (cfg.varlen != "k" or cfg.scaled or cfg.block_wgrad):
         raise ValueError(f"dynamic units are for the plain 16-bit varlen-K GEMM, got {cfg}")
-    wide_ok = cfg.varlen == "k" and not (cfg.accumulate or cfg.block_wgrad or cfg.block_scaled)
-    if cfg.epi_cols != 32 and not (cfg.epi_cols == 64 and wide_ok):
-        raise ValueError(f"64-column epilogue subtiles are for the fresh varlen-K GEMMs (plain "
-                         f"or scaled), other widths for none: {cfg}")
+    if cfg.epi_cols != 32 and not (cfg.epi_cols == 64 and _wide_ok(cfg)):
+        raise ValueError(f"64-column epilogue subtiles are for the fresh varlen-K GEMMs and the "
+                         f"ping-pong varlen-M ones (plain or scaled), other widths for none: "
+                         f"{cfg}")
     if cfg.block_wgrad:  # first: it refuses block_scaled as well
         return _compile_block_wgrad(cfg)
     if cfg.block_scaled:
@@ -230,6 +230,14 @@ def compile_gemm(cfg: GemmConfig) -> CompiledGemm:
         half_tiles=cfg.half_tiles, epi_cols=cfg.epi_cols,
     )
     return _compile("gemm", cfg, kernel, _fake_args(cfg))
+
+
+def _wide_ok(cfg: GemmConfig) -> bool:
+    """Whether ``cfg``'s kernel takes 64-column epilogue subtiles: the plain and row-wise
+    scaled kernels, fresh (varlen K) or in ping-pong without bias or routed rows (varlen M)."""
+    if cfg.block_wgrad or cfg.block_scaled or cfg.accumulate:
+        return False
+    return cfg.varlen == "k" or (cfg.pingpong and cfg.route is None and cfg.bias_dtype is None)
 
 
 def _compile_scaled(cfg: GemmConfig) -> CompiledGemm:

@@ -153,9 +153,12 @@ def _scaled_mm_rules(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
     def config(n: int):
         from .compile import GemmConfig
 
-        t = check_tiling(tiling, _OP) or plain_mm_tiling(n, a.shape[1])
+        wide_ok = out_dtype == torch.bfloat16 and (tiling is None or tiling.pingpong)
+        t = (check_tiling(tiling, _OP, wide_ok=wide_ok)
+             or plain_mm_tiling(n, a.shape[1], out_dtype.itemsize * 8))
         return GemmConfig("m", FP8_DTYPE, out_dtype, "k", t.tile_n, t.cluster_mn, scaled=True,
-                          a_dtype=_a_dtype(a), pingpong=t.pingpong, half_tiles=half_tiles(t))
+                          a_dtype=_a_dtype(a), pingpong=t.pingpong, half_tiles=half_tiles(t),
+                          epi_cols=t.epi_cols)
 
     return lambda: supports_scaled(a, b, a_scale, b_scale, out_dtype), config
 

@@ -125,7 +125,8 @@ def grouped_mm(
     ``scatter_rows`` (a permutation of the M rows) writes GEMM row r to
     ``out[scatter_rows[r]]``.
     """
-    check_tiling(tiling, "cute grouped_mm")
+    plain = bias is None and gather_rows is None and scatter_rows is None
+    check_tiling(tiling, "cute grouped_mm", wide_ok=plain and (tiling is None or tiling.pingpong))
     ok, why = supports(a, b, bias)
     if bias_scales is not None and bias is None:
         ok, why = False, "bias_scales given without a bias"
@@ -186,7 +187,7 @@ def _mm_plan(a: Tensor, b: Tensor, rows: int, tiling: Tiling | None, bias: Tenso
     cfg = GemmConfig(
         "m", a.dtype, a.dtype, b_major, t.tile_n, t.cluster_mn,
         bias_dtype=None if bias is None else bias.dtype, bias_scales=bias_scales,
-        route=what, pingpong=t.pingpong, half_tiles=half_tiles(t),
+        route=what, pingpong=t.pingpong, half_tiles=half_tiles(t), epi_cols=t.epi_cols,
     )
     sms = _num_sms(a.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)

@@ -34,8 +34,9 @@ class Tiling:
     (``grouped_wgrad`` only: even under skewed split sizes every cluster stays busy to the
     end); otherwise each cluster takes a fixed stride of them.
     epi_cols: columns of an epilogue subtile (one smem store-ring slot, one TMA store), 32 or
-    (the wgrads writing a fresh 16-bit output only) 64: half the TMA stores, proxy fences and
-    barrier pairs per tile, in a 2-slot ring of the same bytes as the 4 x 32 one.
+    64 (the plain and FP8 row-wise kernels writing a fresh 16-bit output only: the wgrads,
+    and the varlen-M GEMMs in ping-pong): half the TMA stores, proxy fences and barrier pairs
+    per tile, in a 2-slot ring of the same bytes as the 4 x 32 one.
     """
 
     tile_n: int = 256
@@ -50,8 +51,8 @@ def check_tiling(tiling: Tiling | None, op: str, *, dynamic_ok: bool = False,
                  wide_ok: bool = False) -> Tiling | None:
     """``tiling``, refused with a ValueError naming ``op`` where it asks for what ``op`` lacks:
     dynamic units (``dynamic_ok``: only the plain varlen-K GEMM, ``grouped_wgrad``, has them)
-    or 64-column epilogue subtiles (``wide_ok``: only the wgrads writing a fresh 16-bit output
-    have them)."""
+    or 64-column epilogue subtiles (``wide_ok``: only the plain and FP8 row-wise kernels
+    writing a fresh 16-bit output have them, the varlen-M ones in ping-pong)."""
     if tiling is None:
         return None
     if tiling.dynamic and not dynamic_ok:
@@ -60,8 +61,9 @@ def check_tiling(tiling: Tiling | None, op: str, *, dynamic_ok: bool = False,
         )
     if tiling.epi_cols not in (32, 64) or (tiling.epi_cols == 64 and not wide_ok):
         raise ValueError(
-            f"{op}: epilogue subtiles are 32 columns here (64 only in a wgrad writing a fresh "
-            f"16-bit output), got {tiling}"
+            f"{op}: epilogue subtiles are 32 columns here (64 only in the plain and FP8 "
+            f"row-wise kernels writing a fresh 16-bit output, varlen M in ping-pong), got "
+            f"{tiling}"
         )
     return tiling
 
@@ -125,6 +127,9 @@ PINGPONG_MAX_K = 4096
 #                              gate and W / 2 up columns; default 128: glu.py)
 #   TE_SEQ_WGRAD_EPI_COLS=C    the epilogue subtiles' columns of the ping-pong wgrads writing
 #                              a fresh 16-bit output, 32 or 64 (default: `wgrad_epi_cols`'s rule)
+#   TE_SEQ_MM_EPI_COLS=C       the epilogue subtiles' columns of the plain ping-pong varlen-M
+#                              GEMMs (16-bit and FP8 row-wise) writing 16-bit outputs, 32 or 64
+#                              (default MM_EPI_COLS)
 #   TE_SEQ_WGRAD_SCHEDULE=S    how the 16-bit wgrads hand out their work units: "dynamic"
 #                              (longest group first, as clusters free up) or "static" (a
 #                              fixed stride); default WGRAD_SCHEDULE
@@ -148,7 +153,8 @@ TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER"
               "TE_SEQ_PINGPONG_TILE_N", "TE_SEQ_GLU_FC1_TILE_N", "TE_SEQ_WGRAD_SCHEDULE",
               "TE_SEQ_MM_CLUSTER", "TE_SEQ_HALF_TILES", "TE_SEQ_FC1_KEEP_H",
               "TE_SEQ_COOP_CLUSTER", "TE_SEQ_GLU_DGRAD_PINGPONG", "TE_SEQ_GLU_DGRAD_EPI_ROWS",
-              "TE_SEQ_GLU_DGRAD_H_PREFETCH", "TE_SEQ_WGRAD_EPI_COLS")
+              "TE_SEQ_GLU_DGRAD_H_PREFETCH", "TE_SEQ_WGRAD_EPI_COLS",
+              "TE_SEQ_MM_EPI_COLS")
 _SETTINGS: list = [(), {}]  # [the values in TILING_ENV order, {name: value}]
 
 
@@ -355,15 +361,25 @@ def fc1_writes_h(wanted: bool) -> bool:
     return wanted or bool(_chosen("TE_SEQ_FC1_KEEP_H", _SWITCH))
 
 
-def plain_mm_tiling(n: int, k: int) -> Tiling:
+def plain_mm_tiling(n: int, k: int, out_bits: int = 16) -> Tiling:
     """The default tiling of the plain varlen-M grouped GEMM (no bias, no routed rows) of N =
-    ``n`` columns and K = ``k``: with ``pingpong_by_default()``, ping-pong for short mainloops
-    (K <= ``pingpong_max_k()``) in ``mm_pingpong_cluster()``; else cooperative
-    (``coop_tiling``)."""
+    ``n`` columns and K = ``k`` writing ``out_bits``: with ``pingpong_by_default()``,
+    ping-pong for short mainloops (K <= ``pingpong_max_k()``) in ``mm_pingpong_cluster()``
+    (``mm_epi_cols()``' subtiles for a 16-bit output); else cooperative (``coop_tiling``)."""
     if not pingpong_by_default() or k > pingpong_max_k():
         return coop_tiling(n)
     cluster = mm_pingpong_cluster()
-    return Tiling(pingpong_tile_n(n, cluster[1]), cluster, True)
+    cols = mm_epi_cols() if out_bits == 16 else 32
+    return Tiling(pingpong_tile_n(n, cluster[1]), cluster, True, epi_cols=cols)
+
+
+# The plain ping-pong varlen-M GEMMs' epilogue subtile columns (Tiling.epi_cols).
+MM_EPI_COLS = 32
+
+
+def mm_epi_cols() -> int:
+    """``TE_SEQ_MM_EPI_COLS``, else ``MM_EPI_COLS``."""
+    return _chosen("TE_SEQ_MM_EPI_COLS", _EPI_COLS) or MM_EPI_COLS
 
 
 # Measured on one H100 (2026-11-25, bench_grouped_gemm.py, bursts of 10 calls,

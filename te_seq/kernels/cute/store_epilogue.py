@@ -1,12 +1,13 @@
 """The store epilogue of the grouped GEMM: accumulators -> smem ring -> TMA store.
 
-Per (tm x 32) subtile the consumer warpgroups convert the fp32 accumulators to the output type,
-stage them in a ring of smem buffers and one warp TMA-stores them; with ``accumulate`` (varlen K
-into an existing C) the old C subtiles are TMA-loaded into ``old_c_blocks`` (2 or 3) extra smem
-blocks (subtile g of the CTA's running count in block g % blocks, one mbarrier each; in
-ping-pong each warpgroup has its own blocks and count) and added first: a tile's first loads
-(one per block) are issued before its mainloop, each later one as soon as its block is free,
-so the epilogue waits for none it could have had earlier.
+Per (tm x epi_cols) subtile (32 columns, or 64: ``GroupedGemmKernel.epi_cols``) the consumer
+warpgroups convert the fp32 accumulators to the output type, stage them in a ring of smem
+buffers and one warp TMA-stores them; with ``accumulate`` (varlen K into an existing C) the old
+C subtiles are TMA-loaded into ``old_c_blocks`` (2 or 3) extra smem blocks (subtile g of the
+CTA's running count in block g % blocks, one mbarrier each; in ping-pong each warpgroup has its
+own blocks and count) and added first: a tile's first loads (one per block) are issued before
+its mainloop, each later one as soon as its block is free, so the epilogue waits for none it
+could have had earlier.
 The ring helpers (``_store_group``, ``_ring_reserve``, ``_ring_flush``) are shared with the GLU
 epilogues (``glu_epilogue``), which override the hooks ``_make_epi`` and ``_store_tile``.
 """
@@ -96,8 +97,8 @@ class StoreEpilogueMixin:
 
     @cute.jit
     def _epilogue(self, ep, gC, epi_count, old, bias_tile=None, scatter=None, scale_tile=None):
-        """Store the accumulators of one tile: per (tm x 32) subtile, (add the old C subtile,
-        which TMA loads into the extra smem block,) (add the bias: ``bias_epilogue``,
+        """Store the accumulators of one tile: per (tm x epi_cols) subtile, (add the old C
+        subtile, which TMA loads into the extra smem block,) (add the bias: ``bias_epilogue``,
         ``bias_tile`` its context,) (multiply by the row and column scales: ``scale_epilogue``,
         ``scale_tile`` its context,) convert to the output type, copy to a ring of smem buffers
         and TMA-store (``scatter``: the threads store the rows, ``routed``), ``epi_batch``
