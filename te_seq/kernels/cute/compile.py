@@ -69,7 +69,8 @@ class GemmConfig:
     dynamic: bool = False  # units handed out longest group first (the plain varlen-K kernel)
     # varlen M in ping-pong: a tile with <= 64 rows of its group runs one 64-row WGMMA atom
     half_tiles: bool = False
-    # columns of an epilogue subtile: 32, or 64 in the fresh varlen-K kernels (plain, scaled)
+    # columns of an epilogue subtile: 32, or 64 in the plain and scaled kernels, fresh varlen
+    # K or varlen M in ping-pong (``_wide_ok``)
     epi_cols: int = 32
     # the FP8 block-scaled kernel (``block_scaled``); out of the repr, so the other configs'
     # disk-cache keys stay as they were (its own kernels are cached under another name)

@@ -89,9 +89,9 @@ class GroupedGemmKernel(TileSchedulerMixin, MainloopMixin, StoreEpilogueMixin, R
     epi_rows: int | None = None
     # columns of an epilogue subtile (a store-ring slot, one TMA store): 32, or (the
     # ``epi_cols`` argument) 64, which the fresh wgrads take over short groups
-    # (``launch.wgrad_epi_cols``; the plain and FP8 row-wise forward GEMMs compile with it
-    # too, no spill, untimed); the accumulating wgrads and the GLU and activation kernels
-    # refuse anything but 32
+    # (``launch.wgrad_epi_cols``; the plain and FP8 row-wise ping-pong varlen-M GEMMs take it
+    # with ``TE_SEQ_MM_EPI_COLS=64``, measured no faster); the accumulating wgrads and the
+    # GLU and activation kernels refuse anything but 32
     epi_cols = 32
     # Varlen K: clip each group's loads by ragged TMA views (True), or take every group's span as
     # whole k-tiles of zero-padded operands (False: the FP8 wgrad, whose operands are K-major,
