@@ -11,10 +11,13 @@ still staged in smem and fenced), ``fence`` (the proxy fence before each TMA sto
 scaling that nothing reads then: fences, barriers and TMA stores of stale smem stay),
 ``const`` (a constant staged and stored in place of the values: the copies, fences,
 barriers and TMA stores stay, the conversion and the FP8 scaling go),
-``all`` (nothing staged or stored: the main loop's own rate), ``turn`` (ping-pong's two
-epilogues no longer wait for each other: they race on the shared store ring and its
-barrier; it hung once on B's FC2). Run "y" (kernel README, section 28) also timed the FP8
-scales without their per-value select, since the kernel's own form.
+``all`` (nothing staged or stored: the main loop's own rate), ``direct`` (not a cut: each
+thread writes its converted values straight from the registers, 32-bit global stores of
+adjacent column pairs within C's bounds; no smem ring, proxy fence, barrier per subtile or
+TMA store; the same bits; run "12-01a": 1.7-2.6x the cycles, section 31), ``turn``
+(ping-pong's two epilogues no longer wait for each other: they race on the shared store
+ring and its barrier; it hung once on B's FC2). Run "y" (kernel README, section 28) also
+timed the FP8 scales without their per-value select, since the kernel's own form.
 
 ``--store-ring N``: slots of the epilogue's smem store ring (``epi_store_stages``; default:
 4, the 16-bit wgrad trading one for a fifth A/B stage). A 128 x 192 tile's A/B stages are
@@ -72,12 +75,13 @@ import cutlass.pipeline as pipeline
 import torch
 from bench_fp8_gemm import token_major
 from bench_grouped_gemm import SHAPES, split_sizes, time_ms
+from cutlass import const_expr
 from probe_clocks import reasons_between, run_for, samples_between, smi_samples, window_medians
 
 from te_seq.kernels import cute as te_cute
 from te_seq.kernels.cute.grouped_gemm import GroupedGemmKernel
 from te_seq.kernels.cute.mainloop import MainloopMixin
-from te_seq.kernels.cute.scale_epilogue import ScaleScratchMixin
+from te_seq.kernels.cute.scale_epilogue import ScaledGemmKernel, ScaleScratchMixin
 from te_seq.kernels.cute.store_epilogue import StoreEpilogueMixin
 
 
@@ -93,9 +97,14 @@ def _cut(part: str) -> None:
         "const": (StoreEpilogueMixin, "_store_group", _store_group_constant),
         "all": (StoreEpilogueMixin, "_store_group", lambda self, *args, **kwargs: None),
         "turn": (MainloopMixin, "_turn_barriers", _mma_turns_only(MainloopMixin._turn_barriers)),
+        "direct": (StoreEpilogueMixin, "_epilogue", _epilogue_direct),
     }
     if part == "none":
         return
+    if part == "direct":  # the epilogue needs C itself and the tile's coordinates
+        StoreEpilogueMixin._before_mainloop = _before_mainloop_noting_tile
+        for cls in (GroupedGemmKernel, ScaledGemmKernel):
+            cls._make_epi = _epi_with_c(cls._make_epi)
     if part not in cuts:
         raise ValueError(f"--cut: none or one of {', '.join(cuts)}, got {part!r}")
     cls, name, replacement = cuts[part]
@@ -128,6 +137,60 @@ def _store_group_constant(self, tiled_r2s, tRS_sC, warp, items: list, count, sca
     for item in items:
         item[0].fill(1.0)
     _STORE_GROUP(self, tiled_r2s, tRS_sC, warp, items, count, scatter)
+
+
+_BEFORE_MAINLOOP = StoreEpilogueMixin._before_mainloop
+
+
+def _epi_with_c(make_epi):
+    """A ``_make_epi`` that appends C (the gmem tensor, not its TMA view) to the epilogue
+    state, for ``_epilogue_direct``."""
+    def make(self, c, epi_inputs):
+        return (*make_epi(self, c, epi_inputs), c)
+    return make
+
+
+@cute.jit
+def _before_mainloop_noting_tile(self, ep, group, m_tile, n_tile, row0, epi_count):
+    """``StoreEpilogueMixin._before_mainloop`` noting the tile's coordinates (trace time, read
+    by ``_epilogue_direct`` in the same loop iteration)."""
+    self._direct_tile = (group, m_tile, n_tile)
+    _BEFORE_MAINLOOP(self, ep, group, m_tile, n_tile, row0, epi_count)
+
+
+@cute.jit
+def _epilogue_direct(self, ep, gC, epi_count, old, bias_tile=None, scatter=None,
+                     scale_tile=None):
+    """A fresh varlen-K tile stored from the registers: per (tm x epi_cols) subtile the
+    values (times the FP8 scales) are converted and each thread writes its pairs of adjacent
+    columns with 32-bit global stores, within C's bounds; no smem ring, proxy fence, barrier
+    per subtile or TMA store. One barrier at the end: the next tile's scale copies must not
+    overwrite the scratch before every thread has read it. Same bits as the ring."""
+    tm, tn, _ = self.tile_mnk
+    group, m_tile, n_tile = self._direct_tile
+    c = ep.epi[-1]  # (M, N, E): varlen K
+    rows_left = cute.size(c, mode=[0]) - m_tile * tm
+    cols_left = cute.size(c, mode=[1]) - n_tile * tn
+    gC = cute.local_tile(c[None, None, group], (tm, tn), (m_tile, n_tile))
+    c_tile = cute.make_identity_tensor((tm, tn))
+    coords = ep.tiled_r2s.retile(ep.tiled_mma.get_slice(ep.mma_tidx).partition_C(c_tile))
+    g32 = cute.recast_tensor(gC, cutlass.Int32)
+    out32 = cute.recast_tensor(ep.rD_out, cutlass.Int32)
+    size_rD = cute.size(ep.rD)
+    num_epi = tn // self.epi_cols
+    for e in cutlass.range_constexpr(num_epi):
+        for v in cutlass.range_constexpr(size_rD):
+            ep.rD[v] = ep.tRS_acc[self._acc_index(ep, e, v)]
+        if const_expr(scale_tile is not None):
+            for v in cutlass.range_constexpr(size_rD):
+                ep.rD[v] = self._scaled_at(scale_tile, self._acc_index(ep, e, v), ep.rD[v])
+        ep.rD_out.store(ep.rD.load().to(self.c_dtype))
+        for p in cutlass.range_constexpr(size_rD // 2):
+            r, c = coords[self._acc_index(ep, e, 2 * p)]
+            if r < rows_left and c < cols_left:
+                g32[r, c // 2] = out32[p]
+    self.epi_barrier.arrive_and_wait()
+    return num_epi
 
 
 def _mma_turns_only(turn_barriers):
@@ -293,7 +356,8 @@ def run_variants(variants: list[str], rounds: int, child: list[str], timeout: fl
 # --compile-only: PTX counts per variant, and what each cut must change against "none"
 PTX_COUNTS = {"wgmma": "wgmma.mma_async", "stmatrix": "stmatrix", "fence": "fence.proxy.async",
               "tma_store": ".global.shared::cta", "mbarrier_init": "mbarrier.init",
-              "selp": "selp", "fmul": "mul.f32", "cvt": "cvt.rn.bf16x2.f32"}
+              "selp": "selp", "fmul": "mul.f32", "cvt": "cvt.rn.bf16x2.f32",
+              "st_global": "st.global"}
 COMPILE_CONFIGS = ("fp8_wgrad_pp192_2x1", "wgrad_pp192_dyn")  # dump_ptx.py's names
 # per cut: counts that must drop to zero / fall below / equal "none"'s, FP8 config
 CUT_CHECKS = {"all": {"zero": ("stmatrix", "tma_store")},
@@ -301,7 +365,8 @@ CUT_CHECKS = {"all": {"zero": ("stmatrix", "tma_store")},
               "tma": {"zero": ("tma_store",), "same": ("stmatrix",)},
               "fence": {"zero": ("fence",), "same": ("stmatrix", "tma_store")},
               "const": {"same": ("stmatrix", "tma_store", "fence"), "below": ("cvt",)},
-              "scale": {"below": ("fmul",)}}
+              "scale": {"below": ("fmul",)},
+              "direct": {"zero": ("stmatrix", "tma_store", "fence"), "above": ("st_global",)}}
 
 
 def _ptx_counts(config: str, epi_cols: int | None = None) -> dict[str, int]:
@@ -337,6 +402,8 @@ def check_variants(counts: dict) -> list[str]:
                      if c[k] != b[k]]
         problems += [f"{v}: {k} {c[k]}, not below none's {b[k]}"
                      for k in rules.get("below", ()) if c[k] >= b[k]]
+        problems += [f"{v}: {k} {c[k]}, not above none's {b[k]}"
+                     for k in rules.get("above", ()) if c[k] <= b[k]]
         cols = int(settings.get("cols", 32))
         if cols != 32 and c["tma_store"] * cols != b["tma_store"] * 32:
             problems.append(f"{v}: {c['tma_store']} TMA stores, none has {b['tma_store']} "
@@ -374,7 +441,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epi-batch", default="1", help="an int, or 'none' (the ring less one)")
     p.add_argument("--cut", default="none",
-                   help="none, scale, tma, fence, stage, const, all or turn (timing only)")
+                   help="none, scale, tma, fence, stage, const, all, direct or turn")
     p.add_argument("--store-ring", type=int, default=None, help="store ring slots")
     p.add_argument("--epi-cols", type=int, default=None,
                    help="columns of an epilogue subtile (one ring slot, one TMA store) of the "

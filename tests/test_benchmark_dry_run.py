@@ -795,9 +795,10 @@ def test_wgrad_epilogue_probe_variants_compile_and_keep_the_mainloop():
     """benchmarks/probe_wgrad_epilogue.py's timing variants compile for sm_90a, keep the
     wgrads' WGMMAs (the main loop they time) and remove what each says (the probe's own
     check, which raises otherwise); a 2-slot store ring gives the FP8 wgrad a fifth stage,
-    64-column subtiles halve its TMA stores."""
+    64-column subtiles halve its TMA stores, the direct stores replace the ring's."""
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
-    variants = "cut=all,cut=stage,cut=const,cut=tma,cut=fence,cut=scale,ring=2,cols=64+ring=2"
+    variants = ("cut=all,cut=stage,cut=const,cut=tma,cut=fence,cut=scale,ring=2,cols=64+ring=2,"
+                "cut=direct")
     result = subprocess.run([sys.executable, "benchmarks/probe_wgrad_epilogue.py",
                              "--compile-only", "--variants", variants],
                             cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -814,23 +815,26 @@ def test_wgrad_epilogue_probe_check_catches_a_cut_that_misses():
 
     fp8, bf16 = probe.COMPILE_CONFIGS
     base = {"wgmma": 24, "stmatrix": 24, "fence": 6, "tma_store": 6, "mbarrier_init": 8,
-            "selp": 37, "fmul": 384, "cvt": 96}
+            "selp": 37, "fmul": 384, "cvt": 96, "st_global": 0}
 
     def counts(**fp8_changes):
         return {fp8: {**base, **fp8_changes}, bf16: dict(base)}
 
     good = {"none": counts(), "cut=all": counts(stmatrix=0, tma_store=0, fence=0, fmul=0),
             "cut=tma": counts(tma_store=0), "ring=2": counts(mbarrier_init=10),
-            "cut=const": counts(cvt=0, fmul=0), "cols=64+ring=2": counts(tma_store=3)}
+            "cut=const": counts(cvt=0, fmul=0), "cols=64+ring=2": counts(tma_store=3),
+            "cut=direct": counts(stmatrix=0, tma_store=0, fence=0, st_global=96)}
     assert probe.check_variants(good) == []
     bad = {"none": counts(), "cut=all": counts(stmatrix=3, tma_store=0),
            "cut=stage": counts(stmatrix=0, wgmma=12), "ring=2": counts(),
-           "cut=scale": counts(), "cut=const": counts(stmatrix=0), "cols=64": counts()}
+           "cut=scale": counts(), "cut=const": counts(stmatrix=0), "cols=64": counts(),
+           "cut=direct": counts(stmatrix=0, tma_store=0, fence=0)}
     problems = " ".join(probe.check_variants(bad))
     for needle in ("cut=all: stmatrix 3", "cut=stage fp8_wgrad_pp192_2x1: 12 WGMMAs",
                    "ring=2: 8 mbarriers", "cut=scale: fmul 384, not below",
                    "cut=const: stmatrix 0 against none's 24", "cut=const: cvt 96, not below",
-                   "cols=64: 6 TMA stores, none has 6 of 32 columns"):
+                   "cols=64: 6 TMA stores, none has 6 of 32 columns",
+                   "cut=direct: st_global 0, not above none's 0"):
         assert needle in problems
     assert probe._child_args("cut=tma+ring=2") == ["--cut", "tma", "--store-ring", "2"]
     assert probe._child_args("none") == []
