@@ -331,7 +331,8 @@ def fc1_layout_variants(qk, x: Tensor, w1t: Tensor, offs: Tensor, probs: Tensor)
     weights in each kernel's layout: ours with W1 interleaved in 64-row blocks (a plain TMA
     box, against the default [gate | up] halves: ``fused_no_h``), QuACK's gated FC1 (W1 rows
     interleaved one by one, its default sm90 config, no pre-activation stored; probs applied
-    after it, as its MLP does: peer_quack.py) and QuACK's plain GEMM of the same N = 2F."""
+    after it, as its MLP does: peer_quack.py), the same storing its pre-activation (as its
+    MLP's training forward does) and QuACK's plain GEMM of the same N = 2F."""
     from peer_quack import interleave_gate_up
 
     from te_seq.kernels import cute
@@ -347,10 +348,16 @@ def fc1_layout_variants(qk, x: Tensor, w1t: Tensor, offs: Tensor, probs: Tensor)
                              store_preact=False)
         return None, (a if probs is None else a.mul_(probs[:, None]))
 
+    def quack_gated_h():  # the pre-activation stored too, as its MLP's training forward does
+        pre, a = qk.gemm_gated(x, w1_quack, activation="swiglu", cu_seqlens_m=cu,
+                               store_preact=True)
+        return pre, (a if probs is None else a.mul_(probs[:, None]))
+
     return {
         "fused_no_h_il64": lambda: cute.glu_fc1_forward(
             x, w1_il64.transpose(1, 2), offs, "silu", 64, probs, store_h=False),
         "quack_gated_no_h": quack_gated,
+        "quack_gated_h": quack_gated_h,
         "quack_mm": lambda: (qk.gemm(x, w1t, cu_seqlens_m=cu), None),  # h only
     }
 
@@ -503,7 +510,7 @@ def main_glu(args) -> None:
         "cew = reference maths compiled by torch.compile; h2: dgrad with two h subtiles loaded "
         "ahead)"
     )
-    layout = ("fused_no_h", "fused_no_h_il64", "quack_gated_no_h", "quack_mm")
+    layout = ("fused_no_h", "fused_no_h_il64", "quack_gated_no_h", "quack_gated_h", "quack_mm")
     for r in rows if args.glu_pp or args.glu_tilings or qk else []:  # the extra variants
         more = {k: v for k, v in r["tflops"].items()
                 if k.endswith("_e64") or k.removeprefix("fused_") in (args.glu_tilings or "")

@@ -18,8 +18,9 @@ difference places the time without hardware counters:
   Its output is garbage by design; only its time means something (it varied by 15 % between
   runs, more than the other variants: read it with care);
 - ``plain_mm``: our plain grouped GEMM of N = 2F (writes h whole, no GLU epilogue);
-- ``quack_gated``, ``quack_mm``: QuACK's gated FC1 and plain GEMM, where quack-kernels is
-  installed (benchmarks/README.md, "Running it").
+- ``quack_gated``, ``quack_gated_h``, ``quack_mm``: QuACK's gated FC1 (without and with its
+  pre-activation stored: the latter is its MLP's training forward, to compare with ``fc1_h``)
+  and plain GEMM, where quack-kernels is installed (benchmarks/README.md, "Running it").
 
 Each variant is timed as bench_grouped_mlp.py times (`_common.time_interleaved`: shuffled
 rounds of bursts). The variants that compute a are checked against ``fc1`` first.
@@ -150,6 +151,7 @@ def variants(x, w1t, offs, probs, qk=None) -> dict:
 
         theirs = fc1_layout_variants(qk, x, w1t, offs, probs)
         fns["quack_gated"], fns["quack_mm"] = theirs["quack_gated_no_h"], theirs["quack_mm"]
+        fns["quack_gated_h"] = theirs["quack_gated_h"]
     return fns
 
 
@@ -184,7 +186,8 @@ def run_shape(name: str, iters: int, with_probs: bool, qk) -> None:
     probs = case.probs
     fns = variants(x, w1t, offs, probs, qk)
     want = fns["fc1"]()[1]
-    for key in ("fc1_h", "fc1_w192", "fc1_rounded", "fc1_h_rounded", "quack_gated"):
+    for key in ("fc1_h", "fc1_w192", "fc1_rounded", "fc1_h_rounded", "quack_gated",
+                "quack_gated_h"):
         if key in fns:
             got = fns[key]()[1].float()
             err = ((got - want.float()).norm() / want.float().norm()).item()

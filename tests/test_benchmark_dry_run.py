@@ -744,7 +744,8 @@ def _grouped(x, b, sizes):
 def test_fc1_layout_variants_give_fc1s_a_from_each_kernels_w1_layout(monkeypatch):
     """`bench_grouped_gemm.fc1_layout_variants` hands each kernel the same W1 in its layout:
     ours interleaved in 64-row blocks (the kernel's interleave=64), QuACK's gate/up row by row;
-    with CPU stand-ins of the three kernels every variant reproduces SwiGLU(x W1ᵀ)·probs."""
+    with CPU stand-ins of the three kernels every variant reproduces SwiGLU(x W1ᵀ)·probs, and
+    QuACK's stored pre-activation is x W1ᵀ with gate and up interleaved."""
     import bench_grouped_gemm
 
     from te_seq.kernels import GluSpec, cute, reference
@@ -763,7 +764,7 @@ def test_fc1_layout_variants_give_fc1s_a_from_each_kernels_w1_layout(monkeypatch
 
     def gated(x_, w, activation, cu_seqlens_m, store_preact):
         hh = _grouped(x_, w, sizes)
-        return None, F.silu(hh[:, 0::2]) * hh[:, 1::2]
+        return (hh if store_preact else None), F.silu(hh[:, 0::2]) * hh[:, 1::2]
 
     monkeypatch.setattr(cute, "glu_fc1_forward", ours)
     qk = types.SimpleNamespace(gemm_gated=gated,
@@ -774,6 +775,10 @@ def test_fc1_layout_variants_give_fc1s_a_from_each_kernels_w1_layout(monkeypatch
         qk, x, w1t, offs, probs).items()}
     torch.testing.assert_close(got["fused_no_h_il64"][1], a_ref)
     torch.testing.assert_close(got["quack_gated_no_h"][1], a_ref)
+    pre, a_h = got["quack_gated_h"]
+    torch.testing.assert_close(a_h, a_ref)
+    torch.testing.assert_close(pre[:, 0::2], h_ref[:, :f])  # gate, up interleaved row by row
+    torch.testing.assert_close(pre[:, 1::2], h_ref[:, f:])
     torch.testing.assert_close(got["quack_mm"][0], h_ref)
 
 
