@@ -103,6 +103,12 @@ def _configs() -> dict[str, object]:
         # a forward without backward: a only, h not stored
         "glu_fc1_silu_probs_pp_noh": GluConfig("fc1", bf16, "k", "silu", None, fp32, tile_n=128,
                                                pingpong=True, store_h=False),
+        # 64-column epilogue subtiles (TE_SEQ_GLU_FC1_EPI_COLS=64), with and without h
+        "glu_fc1_silu_probs_pp_2x1_c64": GluConfig("fc1", bf16, "k", "silu", None, fp32, (2, 1),
+                                                   tile_n=128, pingpong=True, epi_cols=64),
+        "glu_fc1_silu_pp_2x1_noh_c64": GluConfig("fc1", bf16, "k", "silu", None, None, (2, 1),
+                                                 tile_n=128, pingpong=True, store_h=False,
+                                                 epi_cols=64),
         "glu_dgrad_silu128_pp": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=128,
                                           pingpong=True),
         "glu_dgrad_silu192_pp": GluConfig("dgrad", bf16, "n", "silu", None, fp32, tile_n=192,

@@ -12,6 +12,8 @@ difference places the time without hardware counters:
   (``act_from_rounded_h``, the default until 2026-11-29: a conversion to bf16 and back per
   gate and up value), without and with h;
 - ``fc1_w192``: 192-wide tiles (96 gate + 96 up columns, where F is a multiple of 96);
+- ``fc1_c64``, ``fc1_h_c64``: 64-column epilogue subtiles (``Tiling(epi_cols=64)``, one
+  64-column gate, up and a subtile a tile), without and with h;
 - ``no_epilogue``: the same kernel with an empty epilogue (a subclass whose ``_store_tile``
   stores nothing; one accumulator value is written under a condition that never holds at
   run time, so the compiler keeps the WGMMAs): the mainloop and the ping-pong hand-offs alone.
@@ -118,6 +120,7 @@ def variants(x, w1t, offs, probs, qk=None) -> dict:
                      None, False, False)
     cfg = _config_of(x, w1t, probs)
     w192 = cute.Tiling(192, (1, 2), pingpong=True)
+    c64 = cute.Tiling(128, cfg.cluster_mn, pingpong=True, epi_cols=64)
     a_out = torch.empty(rows, f, dtype=x.dtype, device=x.device)
     h_out = torch.empty(rows, 2 * f, dtype=x.dtype, device=x.device)
 
@@ -142,6 +145,10 @@ def variants(x, w1t, offs, probs, qk=None) -> dict:
         "fc1_rounded": launcher(rounded_act=True),
         "fc1_h_rounded": launcher(rounded_act=True, store_h=True),
         "plain_mm": lambda: (cute.grouped_mm(x, w1t, offs), None),
+        "fc1_c64": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs, tiling=c64,
+                                                store_h=False),
+        "fc1_h_c64": lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs,
+                                                  tiling=c64),
     }
     if f % 96 == 0:  # whole 192-wide tiles of 96 gate + 96 up columns (not B: F = 1024)
         fns["fc1_w192"] = lambda: cute.glu_fc1_forward(x, w1t, offs, "silu", None, probs,
@@ -187,7 +194,7 @@ def run_shape(name: str, iters: int, with_probs: bool, qk) -> None:
     fns = variants(x, w1t, offs, probs, qk)
     want = fns["fc1"]()[1]
     for key in ("fc1_h", "fc1_w192", "fc1_rounded", "fc1_h_rounded", "quack_gated",
-                "quack_gated_h"):
+                "quack_gated_h", "fc1_c64", "fc1_h_c64"):
         if key in fns:
             got = fns[key]()[1].float()
             err = ((got - want.float()).norm() / want.float().norm()).item()

@@ -64,6 +64,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
                   epi_rows=64),
         GluConfig("fc1", bf16, "k", "silu", None, fp32, (1, 2), tile_n=128, pingpong=True,
                   half_tiles=True),
+        # 64-column epilogue subtiles (TE_SEQ_GLU_FC1_EPI_COLS=64), 64-column gate/up blocks
+        GluConfig("fc1", bf16, "k", "relu", 64, None, (2, 1), tile_n=128, pingpong=True,
+                  epi_cols=64),
     ]
     for cfg in glu:
         print(cfg, f"{compile_glu(cfg).compile_s:.1f}s", flush=True)
@@ -154,6 +157,38 @@ def test_glu_act_and_accumulating_kernels_refuse_wide_epilogue_subtiles(monkeypa
     assert GroupedGemmKernel(varlen="k", tile_mn=(128, 192), pingpong=True).epi_cols == 64
     with pytest.raises(ValueError, match="accumulating into C stages 32-column"):
         GroupedGemmKernel(varlen="k", tile_mn=(128, 192), accumulate=True, pingpong=True)
+
+
+@needs_dsl
+def test_glu_fc1_takes_64_column_subtiles_only_where_it_pairs_whole_blocks():
+    """``GluGemmKernel(epi_cols=64)``: the 16-bit FC1 in ping-pong, 128 wide, with [gate | up]
+    halves or 64-column blocks, 128-row subtiles, no bias, rows not gathered (a 2-slot ring of
+    64 columns); anything else, and the FP8 GLU kernels, refuse it by name."""
+    import cutlass
+
+    from te_seq.kernels.cute.block_glu import BlockScaledGluGemmKernel
+    from te_seq.kernels.cute.compile import GluConfig, compile_glu
+    from te_seq.kernels.cute.glu_epilogue import GluGemmKernel
+    from te_seq.kernels.cute.scaled_glu import ScaledGluGemmKernel
+
+    for il in (None, 64):
+        wide = GluGemmKernel("fc1", "silu", il, True, (2, 1), tile_n=128, pingpong=True,
+                             epi_cols=64)
+        wide.c_dtype = cutlass.BFloat16
+        assert (wide.epi_cols, wide._default_ring()) == (64, 2)
+    refused = (dict(mode="dgrad"), dict(tile_n=192), dict(pingpong=False, tile_n=256),
+               dict(interleave=32), dict(has_bias=True, pingpong=False, tile_n=256),
+               dict(epi_rows=64), dict(route="gather", pingpong=False, tile_n=256))
+    for change in refused:
+        args = dict(mode="fc1", interleave=None, tile_n=128, pingpong=True)
+        args.update(change)
+        mode, il = args.pop("mode"), args.pop("interleave")
+        with pytest.raises(ValueError, match="GluGemmKernel: epi_cols 64 unsupported"):
+            GluGemmKernel(mode, "silu", il, True, epi_cols=64, **args)
+    assert not ScaledGluGemmKernel.wide_fc1_ok and not BlockScaledGluGemmKernel.wide_fc1_ok
+    with pytest.raises(ValueError, match="epi_cols 64 unsupported"):
+        compile_glu(GluConfig("fc1", torch.bfloat16, "k", "silu", None, None, (2, 1),
+                              tile_n=192, pingpong=True, epi_cols=64))
 
 
 @needs_dsl
@@ -421,6 +456,40 @@ def test_glu_fc1_pingpong_equals_cooperative(case, config, width, epi_rows):
                                                   epi_rows=epi_rows))
 
 
+# (case, config, store_h) of the FC1's 64-column subtiles ([gate | up] halves or 64-column
+# blocks): h written, and a only (a forward without backward) in the default 2x1 cluster
+_FC1_WIDE = [(c, k, True) for c in _GLU_CASES for k in _GLU_CONFIGS if k[1] in (None, 64)] + [
+    (c, _GLU_CONFIGS[1], False) for c in _GLU_CASES]
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize(("case", "config", "store_h"), _FC1_WIDE,
+                         ids=[f"{c[0]}-{k[0]}-{k[1]}-{k[3]}-{'h' if s else 'noh'}"
+                              for c, k, s in _FC1_WIDE])
+def test_glu_fc1_64_column_subtiles_equal_32(case, config, store_h):
+    """``Tiling(epi_cols=64)``: the 16-bit ping-pong FC1 stages a tile's 64 gate, 64 up and 64
+    a columns in one ring slot each (3 TMA stores a tile instead of 6); h and a bit for bit the
+    32-column kernel's (empty experts, rows past the end, unaligned sizes, probs fp32 / bf16 /
+    none), zeros past offs[-1]."""
+    from te_seq.kernels import cute
+
+    act, il, p_dtype, cluster, _ = config
+    x, w1, _, probs, offs = _glu_data(case, p_dtype)
+    w1t = w1.transpose(1, 2)
+    runs = {cols: cute.glu_fc1_forward(x, w1t, offs, act, il, probs, store_h=store_h,
+                                       tiling=Tiling(128, cluster, True, epi_cols=cols))
+            for cols in (32, 64)}
+    (h32, a32), (h64, a64) = runs[32], runs[64]
+    torch.testing.assert_close(a64, a32, rtol=0, atol=0)
+    end = int(offs[-1])
+    assert (a64[end:] == 0).all()
+    if store_h:
+        torch.testing.assert_close(h64, h32, rtol=0, atol=0)
+    else:
+        assert h64 is None and h32 is None
+
+
 @gpu
 @needs_cute
 @pytest.mark.parametrize("config", _GLU_CONFIGS[:2], ids=str)
@@ -535,6 +604,7 @@ _NO_SPILL_CONFIGS = ("glu_dgrad_silu128_pp64", "glu_fc1_silu_probs_pp64", "glu_f
                      # the fresh wgrads' 64-column subtiles (short groups' default)
                      "fp8_wgrad_pp192_2x1_c64", "wgrad_pp192_dyn_c64",
                      "mm192_pp_2x1_c64", "fp8_rowwise_pp192_2x1_c64",
+                     "glu_fc1_silu_probs_pp_2x1_c64", "glu_fc1_silu_pp_2x1_noh_c64",
                      # the default varlen-M clusters: 2x1 with split tails (two B atoms)
                      # (the default 16-bit GLU dgrad, glu_dgrad_silu_probs_pp_2x1, spills 36 / 64 B
                      # at 128-row subtiles and still ran faster than 64-row ones: section 25)

@@ -72,9 +72,11 @@ def test_wgrad_epilogue_columns_follow_the_groups_rows_unless_set(tiling_env):
 
 
 def test_wide_epilogue_tilings_are_refused_where_the_kernel_has_none():
-    """A ``Tiling(epi_cols=64)`` runs the fresh 16-bit wgrads and the plain ping-pong
-    varlen-M GEMMs only: grouped_mm cooperative or with a bias, the GLU steps, an
-    accumulating or float32-writing wgrad refuse it by name, as any width but 32 and 64."""
+    """A ``Tiling(epi_cols=64)`` runs the fresh 16-bit wgrads, the plain ping-pong varlen-M
+    GEMMs and the 16-bit GLU FC1 in 128-wide ping-pong only: grouped_mm cooperative or with a
+    bias, the GLU dgrad, an FC1 that cannot take it (FP8, a bias, gathered rows: not
+    ``wide_fc1``) or 192 wide, an accumulating or float32-writing wgrad refuse it by name, as
+    any width but 32 and 64."""
     from te_seq.kernels import cute
     from te_seq.kernels.cute.glu import _glu_tiling
     from te_seq.kernels.cute.launch import check_tiling
@@ -89,6 +91,12 @@ def test_wide_epilogue_tilings_are_refused_where_the_kernel_has_none():
                             bias=bias)
     with pytest.raises(ValueError, match="cute GLU dgrad: epilogue subtiles are 32"):
         _glu_tiling("dgrad", 256, False, wide)
+    fc1_wide = Tiling(128, (2, 1), True, epi_cols=64)
+    assert _glu_tiling("fc1", 256, False, fc1_wide, wide_fc1=True) is fc1_wide
+    for tiling, wide_fc1 in ((fc1_wide, False), (wide, True),
+                             (Tiling(128, (2, 1), True, 64, epi_cols=64), True)):
+        with pytest.raises(ValueError, match="cute GLU fc1: epilogue subtiles are 32"):
+            _glu_tiling("fc1", 256, False, tiling, wide_fc1=wide_fc1)
     grad_out, x = torch.randn(8, 16, dtype=bf16), torch.randn(8, 16, dtype=bf16)
     offs = torch.tensor([8], dtype=torch.int32)
     for out, accumulate in ((torch.zeros(1, 16, 16), False), (torch.zeros(1, 16, 16), True),
@@ -98,6 +106,30 @@ def test_wide_epilogue_tilings_are_refused_where_the_kernel_has_none():
     with pytest.raises(ValueError, match="epilogue subtiles are 32 columns"):
         check_tiling(Tiling(192, (2, 1), True, epi_cols=16), "cute grouped_wgrad", wide_ok=True)
     assert check_tiling(wide, "cute scaled_grouped_wgrad", wide_ok=True) is wide
+
+
+def test_glu_fc1_epilogue_columns_are_32_unless_set(tiling_env):
+    """The 16-bit ping-pong FC1 keeps 32-column subtiles by default;
+    ``TE_SEQ_GLU_FC1_EPI_COLS=64`` sets 64 where the FC1 can take it (``wide_fc1``: not FP8,
+    no bias, rows not gathered) at 128 wide, never at 192 or for a cooperative FC1."""
+    from te_seq.kernels.cute.glu import _glu_tiling
+    from te_seq.kernels.cute.launch import GLU_FC1_EPI_COLS
+
+    def fc1(k=2048, wide_fc1=True):
+        return _glu_tiling("fc1", 1536, False, None, k, plain_fc1=True, wide_fc1=wide_fc1)
+
+    assert GLU_FC1_EPI_COLS == 32
+    assert fc1() == Tiling(128, (2, 1), True)
+    tiling_env("TE_SEQ_GLU_FC1_EPI_COLS", "64")
+    assert fc1() == Tiling(128, (2, 1), True, epi_cols=64)
+    assert fc1(wide_fc1=False).epi_cols == 32
+    assert fc1(k=8192).epi_cols == 32  # cooperative (K past the ping-pong bound)
+    tiling_env("TE_SEQ_GLU_FC1_TILE_N", "192")
+    assert fc1() == Tiling(192, (2, 1), True)
+    tiling_env("TE_SEQ_GLU_FC1_TILE_N", "128")
+    tiling_env("TE_SEQ_GLU_FC1_EPI_COLS", "48")
+    with pytest.raises(ValueError, match="TE_SEQ_GLU_FC1_EPI_COLS must be one of"):
+        fc1()
 
 
 def test_plain_mm_epilogue_columns_are_32_unless_set(tiling_env):

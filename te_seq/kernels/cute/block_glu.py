@@ -45,6 +45,7 @@ class BlockScaledGluGemmKernel(BlockScalesMixin, GluGemmKernel):
     pingpong_ready = False  # the promoted main loop does not hand the tensor cores over
     cooperative_fc1_widths = (TILE_N,)
     block_scale_index = 7  # ep.epi: the GLU kernel's seven entries (no bias), then the scales
+    wide_fc1_ok = False  # 32-column subtiles (cooperative tiles)
 
     def __init__(
         self,

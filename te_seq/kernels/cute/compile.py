@@ -318,6 +318,7 @@ class GluConfig:
     # [E, NB, HB] promoted in the main loop; out of the repr (cached as "block_glu")
     block_scaled: bool = field(default=False, repr=False)
     store_h: bool = True  # fc1: False writes a only (no backward reads h)
+    epi_cols: int = 32  # epilogue subtile columns: 64 for the 16-bit ping-pong FC1 only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", param_values(self.act, self.params))
@@ -380,6 +381,7 @@ def compile_glu(cfg: GluConfig) -> CompiledGemm:
         cfg.epi_rows,
         cfg.half_tiles,
         cfg.store_h,
+        epi_cols=cfg.epi_cols,
     )
     return _compile("glu", cfg, kernel, _fake_glu_args(cfg))
 

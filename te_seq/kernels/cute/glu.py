@@ -36,6 +36,7 @@ from .launch import (
     glu_dgrad_epi_rows,
     glu_dgrad_h_prefetch_setting,
     glu_dgrad_pingpong,
+    glu_fc1_epi_cols,
     glu_fc1_pingpong_tile_n,
     half_tiles,
     mm_pingpong_cluster,
@@ -158,7 +159,7 @@ def _check_probs(probs: Tensor | None, rows: int, op: str) -> Tensor | None:
 
 def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int = 0,
                 plain_fc1: bool = False, fp8_dgrad: bool = False,
-                plain_dgrad: bool = False) -> Tiling:
+                plain_dgrad: bool = False, wide_fc1: bool = False) -> Tiling:
     """The tiling of a GLU launch of N = ``n`` columns and K = ``k``: ``tiling`` if given;
     else an FC1 with a short mainloop (K <= ``pingpong_max_k()``) that is ``plain_fc1``
     (16-bit or row-wise FP8, no bias, interleave None, 32 or 64) on rows not gathered runs in
@@ -171,9 +172,15 @@ def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int =
     The 16-bit GLU dgrad (``plain_dgrad``: not block-scaled) with a short mainloop on rows
     not gathered runs ping-pong 128 wide where ``glu_dgrad_pingpong()`` (the default since
     the 2x1 split tails: kernel README, section 25), as the row-wise FP8 one (``fp8_dgrad``)
-    does (``PINGPONG_DGRAD_TILE_N``); the rest is cooperative."""
+    does (``PINGPONG_DGRAD_TILE_N``); the rest is cooperative.
+
+    ``wide_fc1``: a 16-bit FC1 without bias on rows not gathered, [gate | up] halves or
+    64-column blocks, whose 128-wide ping-pong tiles can stage 64-column epilogue subtiles
+    (``glu_fc1_epi_cols()`` by default; a given ``tiling`` may ask for them)."""
     if tiling is not None:
-        return check_tiling(tiling, f"cute GLU {mode}")
+        wide_ok = wide_fc1 and tiling.pingpong and tiling.tile_n == 128 \
+            and tiling.epi_rows == 128
+        return check_tiling(tiling, f"cute GLU {mode}", wide_ok=wide_ok)
     short = k <= pingpong_max_k() and pingpong_by_default()
     plain_pingpong = plain_dgrad and not gather and glu_dgrad_pingpong()
     if mode == "dgrad" and short and (fp8_dgrad or plain_pingpong):
@@ -183,7 +190,8 @@ def _glu_tiling(mode: str, n: int, gather: bool, tiling: Tiling | None, k: int =
         width = glu_fc1_pingpong_tile_n(PINGPONG_FC1_TILE_N)
         if (n // 2) % (width // 2):  # F not whole tiles of width / 2 gate columns
             width = PINGPONG_FC1_TILE_N
-        return Tiling(width, mm_pingpong_cluster(), pingpong=True)
+        cols = glu_fc1_epi_cols() if wide_fc1 and width == 128 else 32
+        return Tiling(width, mm_pingpong_cluster(), pingpong=True, epi_cols=cols)
     cluster = GATHER_CLUSTER if gather else coop_cluster()
     return Tiling(_FC1_TILE_N if mode == "fc1" else tile_n_for(n, cluster[1]), cluster)
 
@@ -277,8 +285,10 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
     fp8_dgrad = mode == "dgrad" and scaled and not block_scaled
     # two h buffer pairs (an explicit h_prefetch=2) run in the cooperative dgrad only
     plain_dgrad = mode == "dgrad" and not scaled and not block_scaled and h_prefetch != 2
+    wide_fc1 = mode == "fc1" and plain_fc1 and not scaled and gather is None \
+        and interleave in (None, 64)
     t = _glu_tiling(mode, n, gather is not None, tiling, x.shape[1], plain_fc1, fp8_dgrad,
-                    plain_dgrad)
+                    plain_dgrad, wide_fc1)
     _check_fc1_halves(mode, interleave, n, t)
     store_h = fc1_writes_h(store_h)
     if h_prefetch is None:  # the block-scaled kernel takes one pair
@@ -291,6 +301,7 @@ def _plan(mode, x, b, rows, probs, act, interleave, params, bias, gather, scaled
         route=None if gather is None else "gather", scaled=scaled and not block_scaled,
         pingpong=t.pingpong, h_prefetch=h_prefetch, epi_rows=t.epi_rows,
         half_tiles=half_tiles(t), block_scaled=block_scaled, store_h=store_h,
+        epi_cols=t.epi_cols,
     )
     sms = _num_sms(x.device.index or 0)
     clusters = varlen_m_clusters(rows, groups, n, t.tile_n, t.cluster_mn, sms)

@@ -80,6 +80,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
     # value, 6-9 % of the kernel's time (kernel README, "a from the fp32 accumulators")
     act_from_rounded_h = False
     cooperative_fc1_widths = (256,)  # 128 gate + 128 up columns (FP8 block scales: 128)
+    wide_fc1_ok = True  # the FC1 takes 64-column subtiles (``_check_wide_fc1``); FP8: not yet
 
     def _require_32_column_subtiles(self, op: str) -> None:
         """The GLU and activation epilogues index their subtiles by 32 columns: refuse a
@@ -87,6 +88,24 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
         if self.epi_cols != 32:
             raise ValueError(f"{op}: the GLU and activation epilogues stage 32-column "
                              f"subtiles, got epi_cols={self.epi_cols}")
+
+    def _check_wide_fc1(self, epi_cols, mode, tile_n, pingpong, has_bias, interleave,
+                        epi_rows, route) -> None:
+        """64-column subtiles (``epi_cols``) only where the FC1 epilogue pairs whole 64-column
+        gate and up blocks: the 16-bit FC1 (``wide_fc1_ok``) in ping-pong, 128 wide ([gate |
+        up] halves of 64, or 64-column blocks), 128-row subtiles, no bias, rows not gathered."""
+        if epi_cols == 32:
+            return
+        if not (epi_cols == 64 and self.wide_fc1_ok and mode == "fc1" and pingpong
+                and tile_n == 128 and not has_bias and interleave in (None, 64)
+                and epi_rows == 128 and route is None):
+            raise ValueError(
+                f"{type(self).__name__}: epi_cols {epi_cols} unsupported (32; 64 for the 16-bit "
+                f"fc1 in ping-pong, 128 wide, halves or 64-column blocks, 128-row subtiles, no "
+                f"bias, rows not gathered), got mode {mode!r}, tile_n {tile_n}, pingpong "
+                f"{pingpong}, bias {has_bias}, interleave {interleave}, epi_rows {epi_rows}, "
+                f"route {route}"
+            )
 
     def __init__(
         self,
@@ -105,6 +124,7 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
         epi_rows: int = 128,
         half_tiles: bool = False,
         store_h: bool = True,
+        epi_cols: int = 32,
     ):
         if mode not in ("fc1", "dgrad"):
             raise ValueError(f"GluGemmKernel: mode must be 'fc1' or 'dgrad', got {mode!r}")
@@ -138,9 +158,12 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
         if not store_h and mode != "fc1":
             raise ValueError("GluGemmKernel: store_h=False is an fc1 option (dgrad writes dh)")
         self._require_32_column_subtiles("GluGemmKernel")
+        self._check_wide_fc1(epi_cols, mode, tile_n, pingpong, has_bias, interleave, epi_rows,
+                             route)
         self.h_prefetch, self.epi_rows, self.store_h = h_prefetch, epi_rows, store_h
         super().__init__(
-            "m", (128, tile_n), cluster_mn, route=route, pingpong=pingpong, half_tiles=half_tiles
+            "m", (128, tile_n), cluster_mn, route=route, pingpong=pingpong,
+            half_tiles=half_tiles, epi_cols=epi_cols,
         )
         self.mode, self.act, self.interleave, self.has_probs = mode, act, interleave, has_probs
         self.params = param_values(act, params)  # compile-time constants of the maths
@@ -293,15 +316,15 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
         activation subtile; returns #stores."""
         n_tile, f_dim = t.n_tile, t.f_dim
         size_rD = cute.size(ep.rD)
-        tn = self.tile_mnk[1]
+        tn, cols = self.tile_mnk[1], self.epi_cols
         ts = tn // 2 if const_expr(self.interleave is None) else self.interleave
-        q = ts // 32  # subtiles per gate (or up) block of the tile
+        q = ts // cols  # subtiles per gate (or up) block of the tile
         r_up = cute.make_rmem_tensor(ep.rD.shape, Float32)
         r_up_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         r_a_out = cute.make_rmem_tensor(ep.rD.shape, self.c_dtype)
         halves = self._halves()
         count = count0
-        for i in cutlass.range_constexpr(tn // 32 * halves):
+        for i in cutlass.range_constexpr(tn // cols * halves):
             e, half = divmod(i, halves)  # column block, row half
             if const_expr((e // q) % 2 == 0):
                 sg, su = i, (e + q) * halves + half  # the gate and up subtiles
@@ -314,17 +337,17 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
                 if const_expr(self.store_h or self.act_from_rounded_h):
                     ep.rD_out.store(ep.rD.load().to(self.c_dtype))
                     r_up_out.store(r_up.load().to(self.c_dtype))
-                # activation column block (of 32) and h column blocks of gate and up
-                j_blk = n_tile * (tn // 64) + ((32 * e) // (2 * ts)) * q + e % q
+                # activation column block (of ``cols``) and h column blocks of gate and up
+                j_blk = n_tile * (tn // 2 // cols) + ((cols * e) // (2 * ts)) * q + e % q
                 if const_expr(self.interleave is None):
                     g_blk = j_blk
-                    u_blk = f_dim // 32 + j_blk
+                    u_blk = f_dim // cols + j_blk
                 else:
-                    g_blk = n_tile * (tn // 32) + e
+                    g_blk = n_tile * (tn // cols) + e
                     u_blk = g_blk + q
                 # the tile past F (zero-filled) stores nothing: point its stores past the end
                 g_blk, u_blk, j_blk = self._drop_unless(
-                    j_blk * 32 < f_dim, f_dim, g_blk, u_blk, j_blk
+                    j_blk * cols < f_dim, f_dim, g_blk, u_blk, j_blk, cols
                 )
                 gate, up = ep.rD.load(), r_up.load()
                 if const_expr(self.act_from_rounded_h):
@@ -416,10 +439,10 @@ class GluGemmKernel(HLoadMixin, RowValuesMixin, BiasEpilogueMixin, GroupedGemmKe
         r_a_out.store(fgu.to(self.c_dtype))
 
     @cute.jit
-    def _drop_unless(self, ok, f_dim, g_blk, u_blk, j_blk):
-        """Column blocks of h (2F wide) and a (F wide), or blocks just past their ends (TMA drops
-        those stores) where ``ok`` is False."""
-        g, u, j = f_dim // 16, f_dim // 16, f_dim // 32
+    def _drop_unless(self, ok, f_dim, g_blk, u_blk, j_blk, cols: int = 32):
+        """Column blocks (of ``cols``) of h (2F wide) and a (F wide), or blocks just past their
+        ends (TMA drops those stores) where ``ok`` is False."""
+        g, u, j = f_dim // (cols // 2), f_dim // (cols // 2), f_dim // cols
         if ok:
             g, u, j = g_blk, u_blk, j_blk
         return g, u, j

@@ -35,8 +35,9 @@ class Tiling:
     end); otherwise each cluster takes a fixed stride of them.
     epi_cols: columns of an epilogue subtile (one smem store-ring slot, one TMA store), 32 or
     64 (the plain and FP8 row-wise kernels writing a fresh 16-bit output only: the wgrads,
-    and the varlen-M GEMMs in ping-pong): half the TMA stores, proxy fences and barrier pairs
-    per tile, in a 2-slot ring of the same bytes as the 4 x 32 one.
+    and the varlen-M GEMMs in ping-pong; and the 16-bit GLU FC1 in ping-pong): half the TMA
+    stores, proxy fences and barrier pairs per tile, in a 2-slot ring of the same bytes as
+    the 4 x 32 one.
     """
 
     tile_n: int = 256
@@ -52,7 +53,8 @@ def check_tiling(tiling: Tiling | None, op: str, *, dynamic_ok: bool = False,
     """``tiling``, refused with a ValueError naming ``op`` where it asks for what ``op`` lacks:
     dynamic units (``dynamic_ok``: only the plain varlen-K GEMM, ``grouped_wgrad``, has them)
     or 64-column epilogue subtiles (``wide_ok``: only the plain and FP8 row-wise kernels
-    writing a fresh 16-bit output have them, the varlen-M ones in ping-pong)."""
+    writing a fresh 16-bit output have them, the varlen-M ones in ping-pong, and the 16-bit
+    GLU FC1 in ping-pong)."""
     if tiling is None:
         return None
     if tiling.dynamic and not dynamic_ok:
@@ -62,8 +64,8 @@ def check_tiling(tiling: Tiling | None, op: str, *, dynamic_ok: bool = False,
     if tiling.epi_cols not in (32, 64) or (tiling.epi_cols == 64 and not wide_ok):
         raise ValueError(
             f"{op}: epilogue subtiles are 32 columns here (64 only in the plain and FP8 "
-            f"row-wise kernels writing a fresh 16-bit output, varlen M in ping-pong), got "
-            f"{tiling}"
+            f"row-wise kernels writing a fresh 16-bit output, varlen M in ping-pong, and the "
+            f"16-bit GLU FC1 in ping-pong without bias or gathered rows), got {tiling}"
         )
     return tiling
 
@@ -127,6 +129,8 @@ PINGPONG_MAX_K = 4096
 #                              gate and W / 2 up columns; default 128: glu.py)
 #   TE_SEQ_WGRAD_EPI_COLS=C    the epilogue subtiles' columns of the ping-pong wgrads writing
 #                              a fresh 16-bit output, 32 or 64 (default: `wgrad_epi_cols`'s rule)
+#   TE_SEQ_GLU_FC1_EPI_COLS=C  the epilogue subtiles' columns of the 16-bit GLU FC1 in
+#                              ping-pong, 32 or 64 (default GLU_FC1_EPI_COLS)
 #   TE_SEQ_MM_EPI_COLS=C       the epilogue subtiles' columns of the plain ping-pong varlen-M
 #                              GEMMs (16-bit and FP8 row-wise) writing 16-bit outputs, 32 or 64
 #                              (default MM_EPI_COLS)
@@ -154,7 +158,7 @@ TILING_ENV = ("TE_SEQ_PINGPONG", "TE_SEQ_PINGPONG_MAX_K", "TE_SEQ_WGRAD_CLUSTER"
               "TE_SEQ_MM_CLUSTER", "TE_SEQ_HALF_TILES", "TE_SEQ_FC1_KEEP_H",
               "TE_SEQ_COOP_CLUSTER", "TE_SEQ_GLU_DGRAD_PINGPONG", "TE_SEQ_GLU_DGRAD_EPI_ROWS",
               "TE_SEQ_GLU_DGRAD_H_PREFETCH", "TE_SEQ_WGRAD_EPI_COLS",
-              "TE_SEQ_MM_EPI_COLS")
+              "TE_SEQ_MM_EPI_COLS", "TE_SEQ_GLU_FC1_EPI_COLS")
 _SETTINGS: list = [(), {}]  # [the values in TILING_ENV order, {name: value}]
 
 
@@ -380,6 +384,19 @@ MM_EPI_COLS = 32
 def mm_epi_cols() -> int:
     """``TE_SEQ_MM_EPI_COLS``, else ``MM_EPI_COLS``."""
     return _chosen("TE_SEQ_MM_EPI_COLS", _EPI_COLS) or MM_EPI_COLS
+
+
+# The 16-bit GLU FC1's epilogue subtile columns in ping-pong (Tiling.epi_cols): 64 stages a
+# tile's gate and up halves of h and its a in 3 TMA stores per 128-wide tile instead of 6.
+# Measured on one H200 (2026-12-01, run "12-01a", the FC1 alone, same bits): level with 32 on
+# Q, J, B and A with h (+0.2 / -0.4 / +0.2 / 0.0 %), without h +0.5 / -0.4 / +3.9 / -1.0 %
+# (kernel README, section 32), so 32 stays the default.
+GLU_FC1_EPI_COLS = 32
+
+
+def glu_fc1_epi_cols() -> int:
+    """``TE_SEQ_GLU_FC1_EPI_COLS``, else ``GLU_FC1_EPI_COLS``."""
+    return _chosen("TE_SEQ_GLU_FC1_EPI_COLS", _EPI_COLS) or GLU_FC1_EPI_COLS
 
 
 # Measured on one H100 (2026-11-25, bench_grouped_gemm.py, bursts of 10 calls,

@@ -37,6 +37,7 @@ class ScaledGluGemmKernel(ScaleScratchMixin, GluGemmKernel):
     accumulators are dequantized by row and column scales first; see the module."""
 
     scale_epi_index = 7  # ep.epi: the GLU kernel's seven entries (no bias), then the scales
+    wide_fc1_ok = False  # its FC1 stages 32-column subtiles (64: not run on a GPU yet)
 
     def __init__(
         self,
